@@ -26,7 +26,7 @@ pub enum GgufError {
     UnsupportedVersion(u32),
     #[error("file truncated at byte {offset}: {what} needs {needed} bytes, {left} left")]
     Truncated { offset: u64, what: String, needed: u64, left: u64 },
-    #[error("bad length at byte {offset}: {what} is {len}, but only {left} bytes remain")]
+    #[error("bad length at byte {offset}: {what} is {len}, but only {left} bytes remain (file truncated or corrupt)")]
     BadLength { offset: u64, what: String, len: u64, left: u64 },
     #[error("{what} at byte {offset} is not valid UTF-8")]
     BadUtf8 { offset: u64, what: String },

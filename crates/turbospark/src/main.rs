@@ -1,1 +1,116 @@
-fn main() {}
+//! `turbospark`: the command-line program.
+
+mod inspect;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "turbospark", version, about = "Mixture-of-Experts LLM inference from GGUF files")]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalOptions,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options every command shares.
+#[derive(clap::Args)]
+struct GlobalOptions {
+    /// Path to a GGUF model file.
+    #[arg(short = 'm', long = "model", global = true, env = "TURBOSPARK_MODEL")]
+    model: Option<PathBuf>,
+    /// Worker threads (default: all available cores).
+    #[arg(short = 't', long = "threads", global = true, env = "TURBOSPARK_THREADS")]
+    threads: Option<usize>,
+    /// Compute device: `cpu` or `cuda[:N]`.
+    #[arg(long = "device", global = true, default_value = "cpu", env = "TURBOSPARK_DEVICE")]
+    device: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Describe a GGUF file: architecture, hyperparameters, tokenizer, tensors.
+    Inspect {
+        /// The GGUF file (or give it with -m).
+        file: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Print every metadata key, including long arrays in summary.
+        #[arg(long)]
+        all_metadata: bool,
+    },
+}
+
+/// Where computation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl GlobalOptions {
+    fn model(&self, positional: Option<PathBuf>) -> Result<PathBuf> {
+        positional.or_else(|| self.model.clone()).context("no model given: pass a GGUF path (or -m MODEL)")
+    }
+
+    /// The device asked for, refused by name while this build has no such backend.
+    fn device(&self) -> Result<Device> {
+        let d = self.device.trim();
+        let device = match d {
+            "cpu" => Device::Cpu,
+            "cuda" => Device::Cuda(0),
+            _ => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Device::Cuda(n),
+                _ => bail!("--device {d}: expected `cpu`, `cuda` or `cuda:N`"),
+            },
+        };
+        if let Device::Cuda(_) = device {
+            bail!("--device {d}: this build has no CUDA backend yet");
+        }
+        Ok(device)
+    }
+
+    fn threads(&self) -> Result<usize> {
+        match self.threads {
+            Some(0) => bail!("--threads must be at least 1"),
+            Some(n) => Ok(n),
+            None => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let global = &cli.global;
+    global.device()?;
+    global.threads()?;
+    match cli.command {
+        Command::Inspect { file, json, all_metadata } => inspect::run(&global.model(file)?, json, all_metadata),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes, outermost first.
+            let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+            eprintln!("error: {}", chain.join(": "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.
+fn write_stdout(bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
