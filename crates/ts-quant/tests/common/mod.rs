@@ -135,6 +135,20 @@ pub fn dequantized(ty: GgmlType, bytes: &[u8], elements: usize) -> Vec<f32> {
     out
 }
 
+/// `sum_i max|w in block(i)| * |a_i|` over dequantized rows: the scale of the rounding errors
+/// a blocked dot product can make (see [`dot_tolerance`]).
+pub fn dot_magnitude(ty: GgmlType, weights: &[f32], activations: &[f32]) -> f64 {
+    let block = ty.block_size() as usize;
+    weights
+        .chunks(block)
+        .zip(activations.chunks(block))
+        .map(|(w, a)| {
+            let w_max = w.iter().fold(0.0f64, |m, &v| m.max((v as f64).abs()));
+            w_max * a.iter().map(|&v| (v as f64).abs()).sum::<f64>()
+        })
+        .sum()
+}
+
 /// Error allowed between two ways of computing the dot product of `weights` and `activations`
 /// (dequantized values), when they differ only in float summation order and in rounding the
 /// per-block scale products.
@@ -147,17 +161,8 @@ pub fn dequantized(ty: GgmlType, bytes: &[u8], elements: usize) -> Vec<f32> {
 ///
 /// `tolerance = 4 * (n_terms + 8) * eps_f32 * sum_i max|w in block(i)| * |a_i|`
 pub fn dot_tolerance(ty: GgmlType, weights: &[f32], activations: &[f32]) -> f64 {
-    let block = ty.block_size() as usize;
-    let n_terms = weights.len() / block;
-    let magnitude: f64 = weights
-        .chunks(block)
-        .zip(activations.chunks(block))
-        .map(|(w, a)| {
-            let w_max = w.iter().fold(0.0f64, |m, &v| m.max((v as f64).abs()));
-            w_max * a.iter().map(|&v| (v as f64).abs()).sum::<f64>()
-        })
-        .sum();
-    4.0 * (n_terms as f64 + 8.0) * f32::EPSILON as f64 * magnitude
+    let n_terms = weights.len() / ty.block_size() as usize;
+    4.0 * (n_terms as f64 + 8.0) * f32::EPSILON as f64 * dot_magnitude(ty, weights, activations)
 }
 
 /// Exact (f64) dot product of dequantized rows.
