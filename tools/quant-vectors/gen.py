@@ -7,7 +7,9 @@ For every tensor type ts-quant handles this writes one `<TYPE>.tsqv` file holdin
   - the expected dequantized f32 output of those blocks, from the PyPI `gguf` package
     where it dequantizes the type, otherwise from llama.cpp's `dequantize_row_*`;
   - llama.cpp's reference quantizer input and output, for bit-exact quantize tests;
-  - a few weight/activation row pairs with llama.cpp's CPU `vec_dot` result.
+  - a few weight/activation row pairs with llama.cpp's CPU `vec_dot` result;
+  - hashes of llama.cpp's quantizer output and of the reference dequantization over bulk data
+    that the Rust tests rebuild bit for bit from a seed.
 
 llama.cpp is reached through ctypes on a built libggml-base.so / libggml-cpu.so.
 See README.md for the exact commands and the file format.
@@ -243,8 +245,7 @@ def random_blocks(rng: np.random.Generator, qtype: T, count: int, type_size: int
         raw[:, 0:4] = d.view(np.uint8).reshape(count, 4)
         # bsums are whatever the bytes say: dequantization ignores them
     for off in F16_SCALE_OFFSETS.get(qtype, []):
-        h = rng.integers(0, 2**16, count, dtype=np.uint32).astype(np.uint16)
-        h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h).astype(np.uint16)  # finite
+        h = finite_f16(rng.integers(0, 2**16, count, dtype=np.uint32).astype(np.uint16))
         raw[:, off:off + 2] = h.view(np.uint8).reshape(count, 2)
     return raw.reshape(-1)
 
@@ -357,10 +358,6 @@ def fnv1a64(data: bytes) -> int:
 def chunk_hashes(data: np.ndarray, chunk_bytes: int) -> bytes:
     raw = data.tobytes()
     return b"".join(struct.pack("<Q", fnv1a64(raw[i:i + chunk_bytes])) for i in range(0, len(raw), chunk_bytes))
-
-
-def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def reference_dequantize(qtype: T, blocks: np.ndarray, ggml: Ggml) -> np.ndarray:

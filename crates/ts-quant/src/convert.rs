@@ -25,6 +25,20 @@ pub fn bf16_bits_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
+/// The element of largest magnitude (the first on ties) and that magnitude, as the ggml
+/// quantizers find it.
+pub fn signed_absmax(x: &[f32]) -> (f32, f32) {
+    let mut max = 0.0f32;
+    let mut amax = 0.0f32;
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    (max, amax)
+}
+
 /// Round to nearest, ties to even, by adding 1.5 * 2^23 (ggml-quants.c `nearest_int`).
 /// Meant for |x| < 2^22, like the original; larger inputs give the same garbage as ggml's.
 pub fn nearest_int(x: f32) -> i32 {

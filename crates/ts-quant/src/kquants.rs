@@ -13,7 +13,7 @@ use bytemuck::Zeroable;
 use half::f16;
 
 use crate::blocks::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, QK_K};
-use crate::convert::{f32_to_f16, nearest_int};
+use crate::convert::{f32_to_f16, nearest_int, signed_absmax};
 use crate::{Codec, Dot};
 
 /// Groups whose largest magnitude is below this are quantized as all zero (ggml-quants.c).
@@ -256,19 +256,6 @@ fn make_qx_quants(nmax: i32, x: &[f32], levels: &mut [i8]) -> f32 {
         }
     }
     scale
-}
-
-/// The element of largest magnitude (the first on ties) and that magnitude.
-fn signed_absmax(x: &[f32]) -> (f32, f32) {
-    let mut max = 0.0f32;
-    let mut amax = 0.0f32;
-    for &v in x {
-        if v.abs() > amax {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    (max, amax)
 }
 
 impl BlockQ2K {

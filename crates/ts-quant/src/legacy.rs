@@ -6,21 +6,8 @@
 //! sum per block, then one float expression per block.
 
 use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1};
-use crate::convert::f32_to_f16;
+use crate::convert::{f32_to_f16, signed_absmax};
 use crate::{Codec, Dot};
-
-/// The element of largest magnitude, the first one on ties.
-fn signed_absmax(x: &[f32]) -> f32 {
-    let mut amax = 0.0f32;
-    let mut max = 0.0f32;
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    max
-}
 
 /// Smallest and largest element, starting from the extreme floats as ggml does.
 fn min_max(x: &[f32]) -> (f32, f32) {
@@ -66,7 +53,7 @@ impl Codec for BlockQ4_0 {
     }
 
     fn quantize(x: &[f32]) -> Self {
-        let d = signed_absmax(x) / -8.0;
+        let d = signed_absmax(x).0 / -8.0;
         let id = inverse_or_zero(d);
         let mut qs = [0u8; 16];
         for (j, q) in qs.iter_mut().enumerate() {
@@ -114,7 +101,7 @@ impl Codec for BlockQ5_0 {
     }
 
     fn quantize(x: &[f32]) -> Self {
-        let d = signed_absmax(x) / -16.0;
+        let d = signed_absmax(x).0 / -16.0;
         let id = inverse_or_zero(d);
         let mut qs = [0u8; 16];
         let mut qh = 0u32;

@@ -256,6 +256,7 @@ fn quantize_blocks<B: Codec>(src: &[f32], dst: &mut [u8]) -> Result<(), QuantErr
 fn dot_blocks<W: Dot<A>, A: Block>(weights: &[u8], activations: &[u8]) -> Result<f32, QuantError> {
     let weights = view_blocks::<W>(weights)?;
     let activations = view_blocks::<A>(activations)?;
+    // A plain running sum from +0.0, like ggml's `float sumf = 0`.
     Ok(weights.iter().zip(activations).map(|(w, a)| w.dot(a)).fold(0.0f32, |sum, x| sum + x))
 }
 
