@@ -80,7 +80,7 @@ fn is_supported(ty: GgmlType) -> bool {
 /// Bytes taken by `elements` elements of `ty`, or why that is not a whole number of blocks.
 fn row_bytes(ty: GgmlType, elements: usize) -> Result<usize, QuantError> {
     let block_size = ty.block_size() as usize;
-    if elements % block_size != 0 {
+    if !elements.is_multiple_of(block_size) {
         return Err(QuantError::PartialBlock { ty, len: elements, block_size });
     }
     Ok(elements / block_size * ty.type_size() as usize)
@@ -213,7 +213,7 @@ pub fn vec_dot(ty: GgmlType, weights_row: &[u8], activations_row: &[u8]) -> Resu
         return Err(QuantError::Unsupported(ty));
     }
     let block_bytes = ty.type_size() as usize;
-    if weights_row.len() % block_bytes != 0 {
+    if !weights_row.len().is_multiple_of(block_bytes) {
         return Err(QuantError::PartialBlockBytes { ty, bytes: weights_row.len(), block_bytes });
     }
     let elements = weights_row.len() / block_bytes * ty.block_size() as usize;

@@ -11,8 +11,10 @@ fn models_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
 }
 
-/// (file, architecture, tensor count, [(type, count)], tokenizer model)
-const EXPECTED: &[(&str, &str, u64, &[(&str, u64)], &str)] = &[
+/// A model's file, architecture, tensor count, [(type, count)] and tokenizer model.
+type Expected = (&'static str, &'static str, u64, &'static [(&'static str, u64)], &'static str);
+
+const EXPECTED: &[Expected] = &[
     ("smollm2-135m-instruct-q4_1.gguf", "llama", 272, &[("F32", 61), ("Q4_1", 210), ("Q8_0", 1)], "\"gpt2\""),
     (
         "gemma-3-270m-q4_k_m.gguf",
