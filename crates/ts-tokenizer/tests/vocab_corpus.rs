@@ -1,0 +1,132 @@
+//! llama.cpp's tokenizer test vectors: every `.inp`/`.out` pair shipped with
+//! its `models/ggml-vocab-*.gguf` files (fetched by tools/fetch-vocab-corpus.sh).
+//! The vectors were made with `add_special = false, parse_special = false`
+//! (llama.cpp's tests/test-tokenizer-0.cpp).
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use ts_tokenizer::Tokenizer;
+
+/// Vocabularies that must load and pass; a regression here is a failure, not a skip.
+const MUST_PASS: &[&str] = &[
+    "gpt-2",
+    "llama-bpe",
+    "llama-spm",
+    "qwen2",
+    "qwen35",
+    "phi-3",
+    "starcoder",
+    "refact",
+    "command-r",
+    "mpt",
+    "falcon",
+    "deepseek-llm",
+    "deepseek-coder",
+    "gemma-4",
+];
+
+/// Test cases of one vocabulary: input text and expected ids. Inputs are
+/// separated by "\n__ggml_vocab_test__\n"; each output line holds the ids of
+/// one input, separated by spaces.
+fn read_cases(inp: &Path, out: &Path) -> Vec<(String, Vec<u32>)> {
+    const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
+    let raw = fs::read_to_string(inp).unwrap();
+    // A separator at the very end closes the last input; it does not open an empty one.
+    let mut inputs = Vec::new();
+    let mut rest = raw.as_str();
+    while !rest.is_empty() {
+        let (input, after) = rest.split_once(SEPARATOR).unwrap_or((rest, ""));
+        inputs.push(input);
+        rest = after;
+    }
+    let outputs = fs::read_to_string(out).unwrap();
+    let outputs: Vec<Vec<u32>> =
+        outputs.lines().map(|line| line.split_whitespace().map(|id| id.parse().unwrap()).collect()).collect();
+    assert_eq!(inputs.len(), outputs.len(), "{}: inputs and outputs differ in number", inp.display());
+    inputs.into_iter().map(String::from).zip(outputs).collect()
+}
+
+enum Outcome {
+    Passed(usize),
+    Skipped(String),
+    Failed(Vec<String>),
+}
+
+fn check_vocab(gguf: &Path) -> Outcome {
+    let file = match ts_gguf::GgufFile::open(gguf) {
+        Ok(f) => f,
+        Err(e) => return Outcome::Failed(vec![format!("cannot open: {e}")]),
+    };
+    let tok = match Tokenizer::from_metadata(file.metadata()) {
+        Ok(t) => t,
+        Err(e) => return Outcome::Skipped(e.to_string()),
+    };
+    let inp = PathBuf::from(format!("{}.inp", gguf.display()));
+    let out = PathBuf::from(format!("{}.out", gguf.display()));
+    if !inp.exists() || !out.exists() {
+        return Outcome::Skipped("loads, but llama.cpp ships no .inp/.out test vectors for it".into());
+    }
+    let cases = read_cases(&inp, &out);
+    let mut failures = Vec::new();
+    for (text, expected) in &cases {
+        match tok.encode(text, false, false) {
+            Ok(ids) if &ids == expected => {}
+            Ok(ids) => failures.push(format!("{text:?}\n    expected {expected:?}\n    got      {ids:?}")),
+            Err(e) => failures.push(format!("{text:?}: {e}")),
+        }
+    }
+    if failures.is_empty() { Outcome::Passed(cases.len()) } else { Outcome::Failed(failures) }
+}
+
+#[test]
+fn llama_cpp_vocab_test_vectors() {
+    let dir = common::models_dir().join("vocab");
+    let Ok(entries) = fs::read_dir(&dir) else {
+        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
+        return;
+    };
+    let mut vocabs: Vec<PathBuf> = entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("ggml-vocab-"))
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    vocabs.sort();
+    let outcomes: Vec<(String, Outcome)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = vocabs
+            .iter()
+            .map(|path| {
+                let name = path.file_stem().unwrap().to_str().unwrap().trim_start_matches("ggml-vocab-").to_string();
+                (name, scope.spawn(move || check_vocab(path)))
+            })
+            .collect();
+        handles.into_iter().map(|(name, h)| (name, h.join().unwrap())).collect()
+    });
+
+    let mut problems = Vec::new();
+    for (name, outcome) in &outcomes {
+        match outcome {
+            Outcome::Passed(n) => println!("pass  {name:<16} {n} cases identical to llama.cpp"),
+            Outcome::Skipped(why) => {
+                println!("skip  {name:<16} {why}");
+                if MUST_PASS.contains(&name.as_str()) {
+                    problems.push(format!("{name} was skipped: {why}"));
+                }
+            }
+            Outcome::Failed(failures) => {
+                println!("FAIL  {name:<16} {} cases differ", failures.len());
+                for f in failures {
+                    println!("    {f}");
+                }
+                problems.push(format!("{name}: {} cases differ", failures.len()));
+            }
+        }
+    }
+    for name in MUST_PASS {
+        if !outcomes.iter().any(|(n, _)| n == name) {
+            problems.push(format!("{name} is missing from {}", dir.display()));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
