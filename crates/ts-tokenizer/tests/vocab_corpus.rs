@@ -130,3 +130,37 @@ fn llama_cpp_vocab_test_vectors() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Special ids and end-of-generation sets as llama.cpp reports them when
+/// loading these vocabularies (`print_info` in its load log).
+#[test]
+fn special_ids_match_llama_cpp() {
+    let dir = common::models_dir().join("vocab");
+    if !dir.exists() {
+        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
+        return;
+    }
+    struct Expected {
+        name: &'static str,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        eot: Option<u32>,
+        newline: Option<u32>,
+        eog: &'static [u32],
+    }
+    let e = |name, bos, eos, eot, newline, eog| Expected { name, bos, eos, eot, newline, eog };
+    let cases = [
+        e("llama-bpe", Some(128000), Some(128001), Some(128009), Some(198), &[128001, 128009]),
+        e("gemma-4", Some(2), Some(1), None, Some(107), &[1, 50, 106]),
+        e("phi-3", Some(1), Some(32000), Some(32007), Some(13), &[2, 32000, 32007]),
+        e("command-r", Some(5), Some(255001), None, Some(206), &[0, 255001]),
+        e("deepseek-coder", Some(32013), Some(32014), Some(32014), Some(185), &[32014]),
+        e("llama-spm", Some(1), Some(2), None, Some(13), &[2]),
+    ];
+    for case in cases {
+        let tok = Tokenizer::from_gguf(dir.join(format!("ggml-vocab-{}.gguf", case.name))).unwrap();
+        let s = tok.special_tokens();
+        assert_eq!((s.bos, s.eos, s.eot, s.newline), (case.bos, case.eos, case.eot, case.newline), "{}", case.name);
+        assert_eq!(tok.eog_tokens(), case.eog, "{}", case.name);
+    }
+}
