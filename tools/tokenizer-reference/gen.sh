@@ -29,3 +29,28 @@ for model in smollm2-135m-instruct-q4_1 gemma-3-270m-q4_k_m qwen2.5-coder-0.5b-i
   done
   echo "ok      $model"
 done
+
+# Pre-tokenizers no shipped vocabulary uses: the qwen2 test vocabulary
+# (tools/fetch-vocab-corpus.sh) relabelled with each, on the multilingual text.
+vocab="$models/vocab/ggml-vocab-qwen2.gguf"
+if [ ! -f "$vocab" ]; then
+  echo "skip    pre-tokenizer variants: $vocab is absent (run tools/fetch-vocab-corpus.sh)"
+  exit 0
+fi
+pres=(
+  default gpt-2 llama-bpe qwen2 qwen35 smollm starcoder refact command-r falcon mpt deepseek-llm deepseek-coder
+  deepseek-v3 spark2_5 youtu jais-2 gemma4 sarvam-moe stablelm2 dbrx poro-chat bloom viking chatglm-bpe glm4
+  tekken chameleon gpt-4o minimax-m2 granite-embed-multi-97m bailingmoe seed-coder ufakzeka laguna exaone-moe
+  minicpm5 trillion grok-2 hunyuan
+)
+mkdir -p "$out/pre"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+(cd "$root" && cargo build -q --release -p ts-tokenizer --example with_pre)
+with_pre="${CARGO_TARGET_DIR:-$root/target}/release/examples/with_pre"
+for pre in "${pres[@]}"; do
+  "$with_pre" "$vocab" "$pre" "$tmp/vocab.gguf"
+  "$tokenize" -m "$tmp/vocab.gguf" -f "$data/multilingual.txt" --ids --no-escape --log-disable --no-bos --no-parse-special \
+    >"$out/pre/$pre.ids"
+done
+echo "ok      ${#pres[@]} pre-tokenizer variants"

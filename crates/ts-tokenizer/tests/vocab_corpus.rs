@@ -164,3 +164,60 @@ fn special_ids_match_llama_cpp() {
         assert_eq!(tok.eog_tokens(), case.eog, "{}", case.name);
     }
 }
+
+/// Every pre-tokenizer in tests/data/expected/pre: the qwen2 test vocabulary
+/// relabelled with it, on the multilingual text, against llama-tokenize's ids
+/// for the same relabelled file (tools/tokenizer-reference/gen.sh).
+#[test]
+fn pre_tokenizer_variants_match_llama_cpp() {
+    let vocab = common::models_dir().join("vocab/ggml-vocab-qwen2.gguf");
+    if !vocab.exists() {
+        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", vocab.display());
+        return;
+    }
+    let file = ts_gguf::GgufFile::open(&vocab).unwrap();
+    let text = fs::read_to_string(common::data_dir().join("multilingual.txt")).unwrap();
+    let mut expected: Vec<PathBuf> =
+        fs::read_dir(common::data_dir().join("expected/pre")).unwrap().map(|e| e.unwrap().path()).collect();
+    expected.sort();
+    assert!(expected.len() >= 40);
+    let check = |path: &PathBuf| -> Result<String, String> {
+        let pre = path.file_stem().unwrap().to_str().unwrap();
+        let raw = fs::read_to_string(path).unwrap();
+        let want: Vec<u32> = raw
+            .trim()
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| s.trim().parse().unwrap())
+            .collect();
+        let mut md = file.metadata().clone();
+        md.insert("tokenizer.ggml.pre".into(), ts_gguf::Value::String(pre.into()));
+        let tok = Tokenizer::from_metadata(&md).map_err(|e| format!("{pre}: {e}"))?;
+        let got = tok.encode(&text, false, false).unwrap();
+        if got == want {
+            return Ok(format!("pass  pre {pre:<24} {} ids", got.len()));
+        }
+        let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+        let show = |ids: &[u32]| ids[at..(at + 6).min(ids.len())].to_vec();
+        Err(format!("{pre}: first difference at {at}: got {:?}, want {:?}", show(&got), show(&want)))
+    };
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let results: Vec<Result<String, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                let (expected, check) = (&expected, &check);
+                scope.spawn(move || expected.iter().skip(w).step_by(workers).map(check).collect::<Vec<_>>())
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let mut mismatches = Vec::new();
+    for result in results {
+        match result {
+            Ok(line) => println!("{line}"),
+            Err(problem) => mismatches.push(problem),
+        }
+    }
+    assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
+}
