@@ -43,6 +43,19 @@ pres=(
   tekken chameleon gpt-4o minimax-m2 granite-embed-multi-97m bailingmoe seed-coder ufakzeka laguna exaone-moe
   minicpm5 trillion grok-2 hunyuan
 )
+# Every test vocabulary on the committed texts, including those llama.cpp
+# ships without .inp/.out vectors.
+mkdir -p "$out/vocab"
+for gguf in "$models"/vocab/ggml-vocab-*.gguf; do
+  name=$(basename "$gguf" .gguf)
+  name=${name#ggml-vocab-}
+  "$tokenize" -m "$gguf" -f "$data/multilingual.txt" --ids --no-escape --log-disable --no-bos --no-parse-special \
+    >"$out/vocab/$name.multilingual.plain.ids"
+  "$tokenize" -m "$gguf" -f "$data/specials.txt" --ids --no-escape --log-disable --no-bos \
+    >"$out/vocab/$name.specials.parse-special.ids"
+done
+echo "ok      vocabularies on the committed texts"
+
 mkdir -p "$out/pre"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

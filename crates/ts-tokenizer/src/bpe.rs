@@ -8,7 +8,6 @@ use std::collections::{BinaryHeap, HashMap};
 /// Marks a symbol whose text is neither a token nor a merge piece.
 const NO_ID: u32 = u32::MAX;
 
-#[derive(Debug)]
 pub(crate) struct Bpe {
     pub pre: PreTokenizer,
     pub flavor: BpeFlavor,

@@ -114,7 +114,6 @@ pub struct SpecialTokens {
 }
 
 /// A tokenizer: encodes text to token ids and decodes them back.
-#[derive(Debug)]
 pub struct Tokenizer {
     model: String,
     pre: String,
@@ -140,6 +139,17 @@ pub struct Tokenizer {
     add_eos: bool,
     add_space_prefix: bool,
     clean_spaces: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("model", &self.model)
+            .field("pre", &self.pre)
+            .field("vocab_size", &self.texts.len())
+            .field("specials", &self.specials)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Tokenizer {

@@ -27,6 +27,7 @@ pub(crate) fn partition(tok: &Tokenizer, text: &str, parse_special: bool) -> Vec
     }
     fragments.push(Fragment::Text(0..text.len()));
     let bytes = text.as_bytes();
+    let pairs = BytePairs::of(bytes);
     let mut next = Vec::new();
     for &id in &tok.special_order {
         let attr = tok.attrs[id as usize];
@@ -34,6 +35,9 @@ pub(crate) fn partition(tok: &Tokenizer, text: &str, parse_special: bool) -> Vec
             continue;
         }
         let needle: &str = &tok.texts[id as usize];
+        if !pairs.may_contain(needle.as_bytes()) {
+            continue;
+        }
         let found = fragments.iter().any(|f| matches!(f, Fragment::Text(r) if text[r.clone()].contains(needle)));
         if !found {
             continue;
@@ -72,4 +76,36 @@ pub(crate) fn partition(tok: &Tokenizer, text: &str, parse_special: bool) -> Vec
         std::mem::swap(&mut fragments, &mut next);
     }
     fragments
+}
+
+/// Which pairs of adjacent bytes occur in a text: a quick way to rule out
+/// most special tokens (a vocabulary can have thousands) before searching.
+struct BytePairs {
+    bits: Vec<u64>,
+    first: [bool; 256],
+}
+
+impl BytePairs {
+    fn of(bytes: &[u8]) -> BytePairs {
+        let mut pairs = BytePairs { bits: vec![0; 65536 / 64], first: [false; 256] };
+        for &b in bytes {
+            pairs.first[b as usize] = true;
+        }
+        for w in bytes.windows(2) {
+            let i = (w[0] as usize) << 8 | w[1] as usize;
+            pairs.bits[i / 64] |= 1 << (i % 64);
+        }
+        pairs
+    }
+
+    fn may_contain(&self, needle: &[u8]) -> bool {
+        match needle {
+            [] => true,
+            [b] => self.first[*b as usize],
+            _ => needle.windows(2).all(|w| {
+                let i = (w[0] as usize) << 8 | w[1] as usize;
+                self.bits[i / 64] & (1 << (i % 64)) != 0
+            }),
+        }
+    }
 }

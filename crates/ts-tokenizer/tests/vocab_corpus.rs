@@ -66,7 +66,9 @@ fn check_vocab(gguf: &Path) -> Outcome {
     let inp = PathBuf::from(format!("{}.inp", gguf.display()));
     let out = PathBuf::from(format!("{}.out", gguf.display()));
     if !inp.exists() || !out.exists() {
-        return Outcome::Skipped("loads, but llama.cpp ships no .inp/.out test vectors for it".into());
+        return Outcome::Skipped(
+            "loads; llama.cpp ships no .inp/.out vectors for it (see vocabularies_on_committed_texts)".into(),
+        );
     }
     let cases = read_cases(&inp, &out);
     let mut failures = Vec::new();
@@ -212,12 +214,74 @@ fn pre_tokenizer_variants_match_llama_cpp() {
             .collect();
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
-    let mut mismatches = Vec::new();
-    for result in results {
-        match result {
-            Ok(line) => println!("{line}"),
-            Err(problem) => mismatches.push(problem),
-        }
+    report(results);
+}
+
+/// Prints the passes and skips in name order and fails on any mismatch.
+fn report(results: Vec<Result<String, String>>) {
+    let (mut lines, mismatches): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    lines.sort_by_key(|line| line.as_ref().map(|l| l.get(6..).unwrap_or(l).to_string()).unwrap_or_default());
+    for line in lines.into_iter().flatten() {
+        println!("{line}");
     }
+    let mismatches: Vec<String> = mismatches.into_iter().filter_map(Result::err).collect();
     assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
+}
+
+/// Every test vocabulary on the committed multilingual and special-token
+/// texts, against llama-tokenize (tools/tokenizer-reference/gen.sh); this
+/// covers the vocabularies llama.cpp ships without .inp/.out vectors.
+#[test]
+fn vocabularies_on_committed_texts() {
+    let dir = common::models_dir().join("vocab");
+    if !dir.exists() {
+        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
+        return;
+    }
+    let expected_dir = common::data_dir().join("expected/vocab");
+    let mut names: Vec<String> = fs::read_dir(&expected_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_str().unwrap().split('.').next().unwrap().to_string())
+        .collect();
+    names.sort();
+    names.dedup();
+    let check = |name: &String| -> Result<String, String> {
+        let tok = match Tokenizer::from_gguf(dir.join(format!("ggml-vocab-{name}.gguf"))) {
+            Ok(tok) => tok,
+            Err(e) => return Ok(format!("skip  {name:<16} {e}")),
+        };
+        for (text, variant, parse_special) in [("multilingual", "plain", false), ("specials", "parse-special", true)] {
+            let input = fs::read_to_string(common::data_dir().join(format!("{text}.txt"))).unwrap();
+            let raw = fs::read_to_string(expected_dir.join(format!("{name}.{text}.{variant}.ids"))).unwrap();
+            let want: Vec<u32> = raw
+                .trim()
+                .trim_matches(|c| c == '[' || c == ']')
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| s.trim().parse().unwrap())
+                .collect();
+            let got = tok.encode(&input, false, parse_special).unwrap();
+            if got != want {
+                let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+                let show = |ids: &[u32]| ids[at..(at + 6).min(ids.len())].to_vec();
+                return Err(format!(
+                    "{name} {text}: first difference at {at}: got {:?}, want {:?}",
+                    show(&got),
+                    show(&want)
+                ));
+            }
+        }
+        Ok(format!("pass  {name:<16} multilingual and special-token texts"))
+    };
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let results: Vec<Result<String, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                let (names, check) = (&names, &check);
+                scope.spawn(move || names.iter().skip(w).step_by(workers).map(check).collect::<Vec<_>>())
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    report(results);
 }
