@@ -5,8 +5,11 @@ use crate::{Tokenizer, TokenizerError};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-/// Marks a symbol whose text is neither a token nor a merge piece.
+/// The id of a symbol whose text is neither a token nor a merge piece.
 const NO_ID: u32 = u32::MAX;
+
+/// No neighbouring symbol.
+const NONE: u32 = u32::MAX;
 
 pub(crate) struct Bpe {
     pub pre: PreTokenizer,
@@ -15,6 +18,7 @@ pub(crate) struct Bpe {
     pub ranks: HashMap<(u32, u32), u32>,
 }
 
+/// A run of the word's bytes; merged-away symbols have `start == end`.
 #[derive(Clone, Copy)]
 struct Symbol {
     start: u32,
@@ -23,8 +27,6 @@ struct Symbol {
     next: u32,
     id: u32,
 }
-
-const NONE: u32 = u32::MAX;
 
 impl Bpe {
     /// Tokenizes one text fragment (no special tokens in it) onto `out`.

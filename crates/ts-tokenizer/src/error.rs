@@ -19,8 +19,6 @@ pub enum TokenizerError {
     WrongElementType { key: &'static str, found: &'static str, expected: &'static str },
     #[error("metadata '{key}' = {id} is not a token id (the vocabulary has {n_tokens} tokens)")]
     BadTokenId { key: &'static str, id: u64, n_tokens: usize },
-    #[error("metadata 'tokenizer.ggml.merges' is missing; BPE tokenizers need it")]
-    MissingMerges,
     #[error("metadata 'tokenizer.ggml.merges' entry {index} ({entry:?}) is not two pieces separated by a space")]
     BadMerge { index: usize, entry: String },
     #[error("pre-tokenizer '{pre}': {problem}")]

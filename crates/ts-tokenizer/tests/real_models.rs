@@ -119,6 +119,10 @@ fn special_tokens_of_the_real_models() {
         assert_eq!(tok.bos(), Some(1));
         assert_eq!(tok.eos(), Some(2));
         assert_eq!(tok.eog_tokens(), &[0, 2, 4]);
+        // The file names no EOT. llama.cpp takes the first end-like token its
+        // hash map yields (here `<|endoftext|>` with libstdc++); the fixed
+        // preference order used instead picks `<|im_end|>`. Both end generation.
+        assert_eq!(tok.eot(), tok.token_id("<|im_end|>"));
         assert!(tok.is_eog(2) && !tok.is_eog(1));
     }
 }
