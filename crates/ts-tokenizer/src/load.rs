@@ -181,6 +181,7 @@ pub(crate) fn from_metadata(md: &Metadata) -> Result<Tokenizer, TokenizerError> 
         bpe,
         texts,
         scores,
+        // Set at the end; nothing below reads them through `tok` before then.
         attrs: Vec::new(),
         ids,
         hex_byte_tokens: [None; 256],
