@@ -12,7 +12,8 @@ targets=("$@")
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
 tools/fetch-models.sh
-(cd fuzz && cargo run --release --bin make_seeds -- corpus ../models/*.gguf)
+tools/fetch-vocab-corpus.sh
+(cd fuzz && cargo run --release --bin make_seeds -- corpus ../models/*.gguf ../models/vocab/*.gguf)
 mkdir -p fuzz/logs
 for t in "${targets[@]}"; do
   echo "fuzzing $t for ${secs}s"

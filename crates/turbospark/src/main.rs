@@ -1,6 +1,7 @@
 //! `turbospark`: the command-line program.
 
 mod inspect;
+mod tokenize;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -43,6 +44,8 @@ enum Command {
         #[arg(long)]
         all_metadata: bool,
     },
+    /// Tokenize text with the model's tokenizer; prints the ids as a JSON array.
+    Tokenize(tokenize::Args),
 }
 
 /// Where computation runs.
@@ -89,6 +92,7 @@ fn run(cli: Cli) -> Result<()> {
     global.threads()?;
     match cli.command {
         Command::Inspect { file, json, all_metadata } => inspect::run(&global.model(file)?, json, all_metadata),
+        Command::Tokenize(args) => tokenize::run(&global.model(None)?, &args),
     }
 }
 
