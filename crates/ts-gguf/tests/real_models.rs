@@ -1,12 +1,10 @@
 //! Positioned reads and the mmap agree on real files; bad ranges are errors.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use ts_gguf::{GgufError, GgufFile};
 
 fn models() -> Vec<PathBuf> {
-    let dir = std::env::var_os("TURBOSPARK_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"));
+    let dir = ts_testkit::models_dir();
     let found: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "gguf")).collect()

@@ -4,14 +4,7 @@
 //! Field positions are found by a small header walker written here, separate
 //! from the reader under test.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn models_dir() -> PathBuf {
-    std::env::var_os("TURBOSPARK_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
-}
 
 /// Byte positions of the fields the corruptions patch.
 struct Layout {
@@ -223,7 +216,7 @@ fn overlap(b: &mut [u8], l: &Layout) {
 
 #[test]
 fn every_corruption_gets_a_one_line_error() {
-    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    let path = ts_testkit::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
     if !path.exists() {
         eprintln!("skipped: {} is absent (run tools/fetch-models.sh)", path.display());
         return;
@@ -263,7 +256,7 @@ fn every_corruption_gets_a_one_line_error() {
 
 #[test]
 fn the_uncorrupted_file_inspects_cleanly() {
-    let path = models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    let path = ts_testkit::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
     if !path.exists() {
         eprintln!("skipped: {} is absent (run tools/fetch-models.sh)", path.display());
         return;

@@ -2,14 +2,7 @@
 //! count and tensor types as llama.cpp's gguf-py reports them for these files.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn models_dir() -> PathBuf {
-    std::env::var_os("TURBOSPARK_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
-}
 
 /// A model's file, architecture, tensor count, [(type, count)] and tokenizer model.
 type Expected = (&'static str, &'static str, u64, &'static [(&'static str, u64)], &'static str);
@@ -35,7 +28,7 @@ const EXPECTED: &[Expected] = &[
 #[test]
 fn inspect_reports_the_real_models() {
     for &(file, arch, count, types, tokenizer) in EXPECTED {
-        let path = models_dir().join(file);
+        let path = ts_testkit::models_dir().join(file);
         if !path.exists() {
             eprintln!("skipped {file}: absent (run tools/fetch-models.sh)");
             continue;

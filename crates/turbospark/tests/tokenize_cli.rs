@@ -5,12 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn models_dir() -> PathBuf {
-    std::env::var_os("TURBOSPARK_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models"))
-}
-
 fn tokenizer_data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ts-tokenizer/tests/data")
 }
@@ -30,7 +24,7 @@ fn ids_match_llama_tokenize() {
     ];
     let mut checked = 0;
     for model in models {
-        let path = models_dir().join(format!("{model}.gguf"));
+        let path = ts_testkit::models_dir().join(format!("{model}.gguf"));
         if !path.exists() {
             eprintln!("skipped {model}: absent (run tools/fetch-models.sh)");
             continue;

@@ -3,13 +3,8 @@
 
 use std::path::PathBuf;
 
-/// Where the models live: `$TURBOSPARK_MODELS`, else `models/` at the repository root.
-pub fn models_dir() -> PathBuf {
-    match std::env::var_os("TURBOSPARK_MODELS") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models"),
-    }
-}
+#[allow(unused_imports)]
+pub use ts_testkit::models_dir;
 
 /// Committed test data.
 pub fn data_dir() -> PathBuf {
