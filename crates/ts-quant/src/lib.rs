@@ -55,7 +55,8 @@ trait Dot<A: Block>: Block {
     fn dot(&self, activations: &A) -> f32;
 }
 
-fn is_supported(ty: GgmlType) -> bool {
+/// Whether `dequantize` and `quantize` handle `ty`.
+pub fn is_supported(ty: GgmlType) -> bool {
     matches!(
         ty,
         T::F32
