@@ -16,7 +16,12 @@ fn main() {
     let t1 = std::time::Instant::now();
     let mut out = Vec::new();
     for i in 0..n {
-        let next = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        if std::env::var_os("TOP2").is_some() {
+            eprintln!("step {i}: {} {:.4} | {} {:.4}", idx[0], logits[idx[0]], idx[1], logits[idx[1]]);
+        }
+        let next = idx[0] as u32;
         out.push(next);
         if tok.is_eog(next) {
             break;

@@ -250,7 +250,7 @@ impl ArchConfig {
             layout: if arch == Arch::Llama { RopeLayout::Interleaved } else { RopeLayout::Halves },
             n_rot,
             freq_base: k.f32("rope.freq_base")?.unwrap_or(10_000.0),
-            scaling: rope_scaling(&k)?,
+            scaling: rope_scaling(&k, arch)?,
             attn_factor: k.f32("rope.scaling.attn_factor")?.unwrap_or(1.0),
         };
 
@@ -335,7 +335,7 @@ impl ArchConfig {
     }
 }
 
-fn rope_scaling(k: &Keys) -> Result<RopeScaling, ModelError> {
+fn rope_scaling(k: &Keys, arch: Arch) -> Result<RopeScaling, ModelError> {
     let factor = match k.f32("rope.scaling.factor")? {
         Some(f) => Some(f),
         None => k.f32("rope.scale_linear")?,
@@ -351,10 +351,12 @@ fn rope_scaling(k: &Keys) -> Result<RopeScaling, ModelError> {
                 .usize("rope.scaling.original_context_length")?
                 .or(k.usize("context_length")?)
                 .unwrap_or(0),
-            // llama.cpp uses fixed betas for these families and always truncates the ramp bounds.
+            // Fixed betas, as llama.cpp uses for these families. The ramp bounds are rounded to
+            // whole dimensions except for gpt-oss, whose reference config sets `truncate: false`
+            // (llama.cpp always rounds; docs/FAMILIES.md §5.1).
             beta_fast: 32.0,
             beta_slow: 1.0,
-            truncate: true,
+            truncate: arch != Arch::GptOss,
         },
         (other, _) => {
             return Err(ModelError::BadKey {

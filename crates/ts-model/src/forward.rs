@@ -25,15 +25,26 @@ pub struct Row {
     pub logits: bool,
 }
 
-/// Scratch buffers reused across steps.
+/// Buffers reused across steps, and how matmuls treat activations.
 #[derive(Default)]
 pub struct Scratch {
     xq: QuantizedRows,
+    dequantized: Vec<f32>,
+    /// Keep activations in f32 for every weight type (weights dequantized on
+    /// the fly) instead of quantizing them to 8 bits as llama.cpp does: slower,
+    /// and equal to a float32 reference run on the dequantized weights.
+    pub exact_activations: bool,
+}
+
+impl Scratch {
+    pub fn exact() -> Scratch {
+        Scratch { exact_activations: true, ..Scratch::default() }
+    }
 }
 
 /// `out[m][n_out] = x[m][k] · Wᵀ`, with `W` of shape `[k, n_out]` in ggml order.
-pub fn linear(w: &Weight, x: &[f32], m: usize, xq: &mut QuantizedRows, out: &mut Vec<f32>) -> Result<(), ModelError> {
-    linear_bytes(w, w.bytes(), w.n_rows(), x, m, xq, out)
+pub fn linear(w: &Weight, x: &[f32], m: usize, scratch: &mut Scratch, out: &mut Vec<f32>) -> Result<(), ModelError> {
+    linear_bytes(w, w.bytes(), w.n_rows(), x, m, scratch, out)
 }
 
 /// [`linear`] over explicit bytes of `n_out` rows of `w`'s type (one expert of a stacked tensor).
@@ -43,21 +54,30 @@ pub fn linear_bytes(
     n_out: usize,
     x: &[f32],
     m: usize,
-    xq: &mut QuantizedRows,
+    scratch: &mut Scratch,
     out: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     let k = w.row_len();
     out.resize(m * n_out, 0.0);
-    let err = |e: crate::kernels::CpuError| ModelError::Compute(format!("{}: {e}", w.name));
-    xq.quantize(w.ty, &x[..m * k], k).map_err(err)?;
-    crate::kernels::matmul(w.ty, bytes, n_out, k, xq, out).map_err(err)
+    let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
+    let (ty, bytes) = if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
+        scratch.dequantized.resize(n_out * k, 0.0);
+        ts_quant::dequantize(w.ty, bytes, &mut scratch.dequantized).map_err(|e| err(e.to_string()))?;
+        (ts_gguf::GgmlType::F32, bytemuck::cast_slice::<f32, u8>(&scratch.dequantized))
+    } else {
+        (w.ty, bytes)
+    };
+    scratch.xq.quantize(ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
+    crate::kernels::matmul(ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
 }
 
-/// Rotary tables for one layer's settings (frequencies with scaling folded in).
-pub fn build_rope(cfg: &crate::config::RopeConfig) -> Rope {
+/// Rotary tables for one layer's settings (frequencies with scaling folded
+/// in); `freq_factors` divide the frequencies (Llama 3's `rope_freqs`).
+pub fn build_rope(cfg: &crate::config::RopeConfig, freq_factors: Option<&[f32]>) -> Rope {
     let n = cfg.n_rot;
     let base = cfg.freq_base as f64;
-    let extrapolated: Vec<f64> = (0..n / 2).map(|i| base.powf(-2.0 * i as f64 / n as f64)).collect();
+    let extrapolated: Vec<f64> =
+        (0..n / 2).map(|i| base.powf(-2.0 * i as f64 / n as f64) / freq_factors.map_or(1.0, |f| f[i] as f64)).collect();
     let (inv_freq, mscale): (Vec<f64>, f64) = match cfg.scaling {
         RopeScaling::None => (extrapolated, 1.0),
         RopeScaling::Linear { factor } => (extrapolated.iter().map(|f| f / factor as f64).collect(), 1.0),
@@ -104,7 +124,7 @@ pub struct Model {
 
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
-        let ropes = cfg.layers.iter().map(|l| build_rope(&l.rope)).collect();
+        let ropes = cfg.layers.iter().map(|l| build_rope(&l.rope, weights.rope_freqs.as_deref())).collect();
         Model { cfg, weights, experts, ropes }
     }
 
@@ -137,7 +157,7 @@ impl Model {
         for (il, layer) in self.weights.layers.iter().enumerate() {
             rms_norm_rows(&x, &layer.attn_norm, cfg.rms_eps, &mut normed);
             let mut attn = self.attention(il, layer, rows, seqs, &normed, scratch)?;
-            linear(&layer.wo, &attn, m, &mut scratch.xq, &mut tmp)?;
+            linear(&layer.wo, &attn, m, scratch, &mut tmp)?;
             std::mem::swap(&mut attn, &mut tmp);
             if let Some(b) = &layer.bo {
                 ops::add_bias_rows(&mut attn, b);
@@ -149,8 +169,8 @@ impl Model {
 
             rms_norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, &mut normed);
             let mut ffn = match &layer.ffn {
-                Ffn::Dense { gate, up, down } => dense_ffn(cfg, gate, up, down, &normed, m, &mut scratch.xq)?,
-                Ffn::Moe(w) => moe::moe_ffn(cfg, il, w, self.experts.as_ref(), &normed, m, &mut scratch.xq)?,
+                Ffn::Dense { gate, up, down } => dense_ffn(cfg, gate, up, down, &normed, m, scratch)?,
+                Ffn::Moe(w) => moe::moe_ffn(cfg, il, w, self.experts.as_ref(), &normed, m, scratch)?,
             };
             if let Some(w) = &layer.ffn_post_norm {
                 rms_norm_rows_inplace(&mut ffn, w, cfg.rms_eps);
@@ -195,9 +215,9 @@ impl Model {
         let m = rows.len();
         let (hd, hdv) = (cfg.head_dim, cfg.head_dim_v);
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        linear(&layer.wq, normed, m, &mut scratch.xq, &mut q)?;
-        linear(&layer.wk, normed, m, &mut scratch.xq, &mut k)?;
-        linear(&layer.wv, normed, m, &mut scratch.xq, &mut v)?;
+        linear(&layer.wq, normed, m, scratch, &mut q)?;
+        linear(&layer.wk, normed, m, scratch, &mut k)?;
+        linear(&layer.wv, normed, m, scratch, &mut v)?;
         for (t, b) in [(&mut q, &layer.bq), (&mut k, &layer.bk), (&mut v, &layer.bv)] {
             if let Some(b) = b {
                 ops::add_bias_rows(t, b);
@@ -263,7 +283,7 @@ impl Model {
             );
         }
         let mut logits = Vec::new();
-        linear(&self.weights.output, &normed, wanted.len(), &mut scratch.xq, &mut logits)?;
+        linear(&self.weights.output, &normed, wanted.len(), scratch, &mut logits)?;
         if let Some(b) = &self.weights.output_bias {
             ops::add_bias_rows(&mut logits, b);
         }
@@ -291,12 +311,12 @@ pub fn dense_ffn(
     down: &Weight,
     x: &[f32],
     m: usize,
-    xq: &mut QuantizedRows,
+    scratch: &mut Scratch,
 ) -> Result<Vec<f32>, ModelError> {
     let (mut g, mut u, mut out) = (Vec::new(), Vec::new(), Vec::new());
-    linear(gate, x, m, xq, &mut g)?;
-    linear(up, x, m, xq, &mut u)?;
+    linear(gate, x, m, scratch, &mut g)?;
+    linear(up, x, m, scratch, &mut u)?;
     ops::gated_activation(cfg.ffn_act, &mut g, &u);
-    linear(down, &g, m, xq, &mut out)?;
+    linear(down, &g, m, scratch, &mut out)?;
     Ok(out)
 }

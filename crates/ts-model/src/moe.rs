@@ -5,8 +5,7 @@
 use crate::ModelError;
 use crate::config::{ArchConfig, Gating, MoeConfig};
 use crate::experts::ExpertStore;
-use crate::forward::{dense_ffn, linear, linear_bytes};
-use crate::kernels::QuantizedRows;
+use crate::forward::{Scratch, dense_ffn, linear, linear_bytes};
 use crate::ops;
 use crate::tensors::MoeWeights;
 
@@ -59,14 +58,14 @@ pub fn moe_ffn(
     store: &dyn ExpertStore,
     x: &[f32],
     m: usize,
-    xq: &mut QuantizedRows,
+    scratch: &mut Scratch,
 ) -> Result<Vec<f32>, ModelError> {
     let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
     let e = cfg.n_embd;
     let f = moe.n_ff_exp;
 
     let mut logits = Vec::new();
-    linear(&w.router, x, m, xq, &mut logits)?;
+    linear(&w.router, x, m, scratch, &mut logits)?;
     if let Some(b) = &w.router_bias {
         ops::add_bias_rows(&mut logits, b);
     }
@@ -91,8 +90,8 @@ pub fn moe_ffn(
         for &(row, _) in rows {
             xs.extend_from_slice(&x[row * e..(row + 1) * e]);
         }
-        linear_bytes(&w.gate_exps, bytes.gate, f, &xs, me, xq, &mut g)?;
-        linear_bytes(&w.up_exps, bytes.up, f, &xs, me, xq, &mut u)?;
+        linear_bytes(&w.gate_exps, bytes.gate, f, &xs, me, scratch, &mut g)?;
+        linear_bytes(&w.up_exps, bytes.up, f, &xs, me, scratch, &mut u)?;
         if let Some(b) = &w.gate_bias {
             ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
         }
@@ -100,7 +99,7 @@ pub fn moe_ffn(
             ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
         }
         ops::gated_activation(cfg.ffn_act, &mut g, &u);
-        linear_bytes(&w.down_exps, bytes.down, e, &g, me, xq, &mut d)?;
+        linear_bytes(&w.down_exps, bytes.down, e, &g, me, scratch, &mut d)?;
         if let Some(b) = &w.down_bias {
             ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
         }
@@ -111,7 +110,7 @@ pub fn moe_ffn(
     }
 
     if let Some(sh) = &w.shared {
-        let mut s = dense_ffn(cfg, &sh.gate, &sh.up, &sh.down, x, m, xq)?;
+        let mut s = dense_ffn(cfg, &sh.gate, &sh.up, &sh.down, x, m, scratch)?;
         if let Some(gate_inp) = &sh.gate_inp {
             for (row, srow) in s.chunks_exact_mut(e).enumerate() {
                 let dot: f32 = gate_inp.iter().zip(&x[row * e..(row + 1) * e]).map(|(a, b)| a * b).sum();

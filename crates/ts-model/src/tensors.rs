@@ -28,6 +28,8 @@ pub enum Role {
     FfnNorm,
     /// gemma3: norm of the FFN output.
     PostFfwNorm,
+    /// Llama 3 rope frequency divisors, `[n_rot / 2]`.
+    RopeFreqs,
     FfnGate,
     FfnUp,
     FfnDown,
@@ -60,6 +62,7 @@ impl Role {
             Role::AttnSinks => "attn_sinks",
             Role::FfnNorm => "ffn_norm",
             Role::PostFfwNorm => "post_ffw_norm",
+            Role::RopeFreqs => "rope_freqs",
             Role::FfnGate => "ffn_gate",
             Role::FfnUp => "ffn_up",
             Role::FfnDown => "ffn_down",
@@ -156,6 +159,8 @@ pub struct ModelWeights {
     /// `[n_embd, n_vocab]`: `output.weight`, or the embedding table when tied.
     pub output: Weight,
     pub output_bias: Option<Vec<f32>>,
+    /// `[n_rot / 2]`: each rotary frequency is divided by its factor (Llama 3 scaling).
+    pub rope_freqs: Option<Vec<f32>>,
     pub layers: Vec<LayerWeights>,
 }
 
@@ -260,6 +265,7 @@ impl ModelWeights {
         Ok(ModelWeights {
             output_norm: ld.vector(Role::OutputNorm, None, "weight", &[e])?,
             output_bias: ld.opt_vector(Role::Output, None, "bias", &[v])?,
+            rope_freqs: ld.opt_vector(Role::RopeFreqs, None, "weight", &[cfg.layers[0].rope.n_rot / 2])?,
             token_embd,
             output,
             layers,

@@ -23,6 +23,8 @@ pub struct Golden {
 pub struct Comparison {
     /// Per row: max |computed - ref| / max |ref|.
     pub row_rel_err: Vec<f32>,
+    /// Per row: whether its argmax equals the golden's.
+    pub row_argmax_agrees: Vec<bool>,
     /// Rows whose argmax equals the golden's.
     pub argmax_agree: usize,
     pub rows: usize,
@@ -35,6 +37,13 @@ impl Comparison {
 
     pub fn argmax_agreement(&self) -> f64 {
         self.argmax_agree as f64 / self.rows.max(1) as f64
+    }
+
+    /// The median over rows of max |Δ| / max |ref|.
+    pub fn median_rel_err(&self) -> f32 {
+        let mut v = self.row_rel_err.clone();
+        v.sort_by(f32::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
     }
 }
 
@@ -98,7 +107,7 @@ impl Golden {
     pub fn compare(&self, rows: &[Vec<f32>]) -> Comparison {
         assert!(rows.len() <= self.tokens.len(), "more rows than golden positions");
         let mut row_rel_err = Vec::with_capacity(rows.len());
-        let mut argmax_agree = 0;
+        let mut row_argmax_agrees = Vec::with_capacity(rows.len());
         for (p, row) in rows.iter().enumerate() {
             let reference = self.row(p);
             assert_eq!(row.len(), reference.len(), "row {p}: vocab size differs");
@@ -109,9 +118,37 @@ impl Golden {
             } else {
                 diff / scale
             });
-            argmax_agree += usize::from(argmax(row) == self.argmax[p]);
+            row_argmax_agrees.push(argmax(row) == self.argmax[p]);
         }
-        Comparison { row_rel_err, argmax_agree, rows: rows.len() }
+        let argmax_agree = row_argmax_agrees.iter().filter(|&&a| a).count();
+        Comparison { row_rel_err, row_argmax_agrees, argmax_agree, rows: rows.len() }
+    }
+
+    /// Gap between the largest and second-largest logit of a row, relative to its max |logit|.
+    pub fn top2_rel_gap(&self, position: usize) -> f32 {
+        let row = self.row(position);
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for &v in row {
+            if v > a {
+                b = a;
+                a = v;
+            } else if v > b {
+                b = v;
+            }
+        }
+        let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        (a - b) / scale
+    }
+
+    /// Argmax agreement of `c` over the rows whose relative top-2 gap exceeds
+    /// `min_gap` (closer rows are ties within the arithmetic's error).
+    pub fn argmax_agreement_where_gap_exceeds(&self, c: &Comparison, min_gap: f32) -> f64 {
+        let decisive: Vec<bool> =
+            (0..c.rows).filter(|&p| self.top2_rel_gap(p) > min_gap).map(|p| c.row_argmax_agrees[p]).collect();
+        if decisive.is_empty() {
+            return 1.0;
+        }
+        decisive.iter().filter(|&&a| a).count() as f64 / decisive.len() as f64
     }
 }
 
