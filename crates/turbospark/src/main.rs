@@ -1,5 +1,6 @@
 //! `turbospark`: the command-line program.
 
+mod generate;
 mod inspect;
 mod tokenize;
 
@@ -46,6 +47,14 @@ enum Command {
     },
     /// Tokenize text with the model's tokenizer; prints the ids as a JSON array.
     Tokenize(tokenize::Args),
+    /// Continue a prompt: text streams to stdout, speed and memory to stderr.
+    Run(generate::RunArgs),
+    /// Talk with the model, turn by turn, through its chat template.
+    Chat(generate::ChatArgs),
+    /// Logits of a token sequence as JSON: the last position's, or every position's with --all.
+    Logits(generate::LogitsArgs),
+    /// Perplexity of a text file, as llama-perplexity computes it.
+    Perplexity(generate::PerplexityArgs),
 }
 
 /// Where computation runs.
@@ -93,6 +102,10 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Inspect { file, json, all_metadata } => inspect::run(&global.model(file)?, json, all_metadata),
         Command::Tokenize(args) => tokenize::run(&global.model(None)?, &args),
+        Command::Run(args) => generate::run(global, &args),
+        Command::Chat(args) => generate::chat(global, &args),
+        Command::Logits(args) => generate::logits(global, &args),
+        Command::Perplexity(args) => generate::perplexity(global, &args),
     }
 }
 

@@ -1,0 +1,274 @@
+//! An engine: a model with its tokenizer and chat template, a thread pool,
+//! and the loops built on the forward pass: chunked prefill, generation,
+//! logits and perplexity.
+
+use crate::chat::ChatTemplate;
+use crate::sampler::{Sampler, SamplerConfig};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use ts_model::{ExpertPlacement, Model, ModelError, Row, Scratch, SeqState};
+use ts_tokenizer::Tokenizer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Tokenizer(#[from] ts_tokenizer::TokenizerError),
+    #[error("{0}")]
+    Gguf(#[from] ts_gguf::GgufError),
+    #[error("{0}")]
+    Sampler(#[from] crate::sampler::SamplerError),
+    #[error("the prompt has {tokens} tokens, more than the context of {n_ctx} (raise -c)")]
+    PromptTooLong { tokens: usize, n_ctx: usize },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    pub threads: usize,
+    pub experts: ExpertPlacement,
+}
+
+pub struct Engine {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    /// The file's chat template, if it has one.
+    pub template: Option<ChatTemplate>,
+    pool: rayon::ThreadPool,
+    /// Rows per forward step during prefill.
+    pub n_batch: usize,
+}
+
+/// Timings of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prompt_time: Duration,
+    pub generated_tokens: usize,
+    pub generation_time: Duration,
+    /// Why generation stopped.
+    pub stop: StopReason,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StopReason {
+    /// An end-of-generation token.
+    #[default]
+    EndOfGeneration,
+    /// The token limit.
+    Length,
+    /// The context is full.
+    ContextFull,
+    /// The caller asked to stop.
+    Caller,
+}
+
+impl GenerationStats {
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+
+    pub fn generation_tps(&self) -> f64 {
+        self.generated_tokens as f64 / self.generation_time.as_secs_f64().max(1e-9)
+    }
+}
+
+impl Engine {
+    pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Engine, EngineError> {
+        let path = path.as_ref();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.threads)
+            .build()
+            .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
+        let model = Model::open(path, opts.experts)?;
+        let file = ts_gguf::GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_metadata(file.metadata())?;
+        if tokenizer.vocab_size() != model.cfg.n_vocab {
+            return Err(EngineError::Invalid(format!(
+                "the tokenizer has {} tokens but the embedding table {} rows",
+                tokenizer.vocab_size(),
+                model.cfg.n_vocab
+            )));
+        }
+        let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer)
+            .map_err(|e| EngineError::Invalid(format!("chat template: {e}")))?;
+        Ok(Engine { model, tokenizer, template, pool, n_batch: 512 })
+    }
+
+    /// The context size to use when the user gives none: the training context, capped at 4096.
+    pub fn default_context(&self) -> usize {
+        match self.model.cfg.n_ctx_train {
+            0 => 4096,
+            n => n.min(4096),
+        }
+    }
+
+    pub fn new_sequence(&self, n_ctx: usize) -> SeqState {
+        SeqState::new(&self.model.cfg, n_ctx, self.n_batch)
+    }
+
+    /// Runs `tokens` after what `seq` holds, `n_batch` at a time. Returns the
+    /// logits of every position when `all`, else of the last one only.
+    pub fn prefill(&self, seq: &mut SeqState, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        if seq.n_past + tokens.len() > seq.n_ctx {
+            return Err(EngineError::PromptTooLong { tokens: seq.n_past + tokens.len(), n_ctx: seq.n_ctx });
+        }
+        let mut scratch = Scratch::default();
+        let mut out = Vec::new();
+        self.pool.install(|| -> Result<(), EngineError> {
+            for (c, chunk) in tokens.chunks(self.n_batch.max(1)).enumerate() {
+                let start = seq.n_past;
+                let last_chunk = (c + 1) * self.n_batch >= tokens.len();
+                let rows: Vec<Row> = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &token)| Row {
+                        token,
+                        pos: start + i,
+                        seq: 0,
+                        logits: all || (last_chunk && i + 1 == chunk.len()),
+                    })
+                    .collect();
+                out.extend(self.model.forward(&rows, &mut [&mut *seq], &mut scratch)?);
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Generates up to `max_tokens` after `prompt`, calling `on_text` with each
+    /// piece of text as soon as it is whole UTF-8; `on_text` returns false to
+    /// stop. With `special`, control tokens appear as their text (harmony's
+    /// markers, for one).
+    pub fn generate(
+        &self,
+        seq: &mut SeqState,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampler: &SamplerConfig,
+        special: bool,
+        mut on_text: impl FnMut(&str) -> bool,
+    ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
+        let mut sampler = Sampler::new(sampler.clone())?;
+        for &t in prompt {
+            sampler.accept(t);
+        }
+        let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+        let t0 = Instant::now();
+        let mut logits =
+            self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
+        stats.prompt_time = t0.elapsed();
+
+        let t1 = Instant::now();
+        let mut decoder = self.tokenizer.stream_decoder(special);
+        let mut scratch = Scratch::default();
+        let mut generated = Vec::new();
+        stats.stop = StopReason::Length;
+        while generated.len() < max_tokens {
+            let token = sampler.try_sample(&logits)?;
+            sampler.accept(token);
+            if self.tokenizer.is_eog(token) {
+                stats.stop = StopReason::EndOfGeneration;
+                break;
+            }
+            generated.push(token);
+            let text = decoder.push(token)?;
+            if !text.is_empty() && !on_text(&text) {
+                stats.stop = StopReason::Caller;
+                break;
+            }
+            if generated.len() == max_tokens {
+                break;
+            }
+            if seq.n_past >= seq.n_ctx {
+                stats.stop = StopReason::ContextFull;
+                break;
+            }
+            let row = Row { token, pos: seq.n_past, seq: 0, logits: true };
+            logits = self
+                .pool
+                .install(|| self.model.forward(&[row], &mut [&mut *seq], &mut scratch))?
+                .pop()
+                .expect("one row asked for logits");
+        }
+        let rest = decoder.finish();
+        if !rest.is_empty() {
+            on_text(&rest);
+        }
+        stats.generated_tokens = generated.len();
+        stats.generation_time = t1.elapsed();
+        Ok((generated, stats))
+    }
+
+    /// llama.cpp's perplexity: the text split into chunks of `n_ctx` tokens (BOS
+    /// replacing each chunk's first token when the model adds one), each run
+    /// from an empty cache, scoring the second half of every chunk.
+    pub fn perplexity(
+        &self,
+        text: &str,
+        n_ctx: usize,
+        mut on_chunk: impl FnMut(usize, f64),
+    ) -> Result<Perplexity, EngineError> {
+        let tokens = self.tokenizer.encode(text, true, false)?;
+        if n_ctx < 4 || tokens.len() < 2 * n_ctx {
+            return Err(EngineError::Invalid(format!(
+                "perplexity needs at least 2 x n_ctx = {} tokens, the text has {}",
+                2 * n_ctx,
+                tokens.len()
+            )));
+        }
+        let n_chunk = tokens.len() / n_ctx;
+        let first = n_ctx / 2;
+        let mut seq = self.new_sequence(n_ctx);
+        let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
+        for c in 0..n_chunk {
+            let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+            if self.tokenizer.add_bos() {
+                if let Some(bos) = self.tokenizer.bos() {
+                    chunk[0] = bos;
+                }
+            }
+            seq.clear();
+            let logits = self.prefill(&mut seq, &chunk, true)?;
+            for i in first..n_ctx - 1 {
+                let v = -log_softmax_at(&logits[i], chunk[i + 1] as usize);
+                nll += v;
+                nll2 += v * v;
+                count += 1;
+            }
+            on_chunk(c + 1, (nll / count as f64).exp());
+        }
+        let mean = nll / count as f64;
+        let var = (nll2 / count as f64 - mean * mean).max(0.0);
+        let ppl = mean.exp();
+        Ok(Perplexity { ppl, ppl_error: (var / (count as f64 - 1.0)).sqrt() * ppl, chunks: n_chunk, scored: count })
+    }
+}
+
+/// Result of [`Engine::perplexity`].
+#[derive(Clone, Debug)]
+pub struct Perplexity {
+    pub ppl: f64,
+    /// Standard error of the estimate, as llama.cpp reports it.
+    pub ppl_error: f64,
+    pub chunks: usize,
+    pub scored: usize,
+}
+
+/// `log softmax(logits)[target]`, in f64.
+pub fn log_softmax_at(logits: &[f32], target: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    logits[target] as f64 - max - sum.ln()
+}
+
+/// Peak resident memory of this process so far (VmHWM), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
