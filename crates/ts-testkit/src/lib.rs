@@ -32,3 +32,33 @@ pub fn real_model(file: &str) -> Option<PathBuf> {
 pub fn fixtures_dir() -> PathBuf {
     repo_root().join("tests/fixtures")
 }
+
+/// A tensor to write with [`rewrite_gguf`]: name, type, ggml-order dims, bytes.
+pub type TensorEntry = (String, ts_gguf::GgmlType, Vec<u64>, Vec<u8>);
+
+/// Copies the GGUF at `src` to `dst`, letting `edit` change the metadata and
+/// the tensor list first (for tests that need a subtly wrong model).
+pub fn rewrite_gguf(
+    src: &Path,
+    dst: &Path,
+    edit: impl FnOnce(&mut Vec<(String, ts_gguf::Value)>, &mut Vec<TensorEntry>),
+) -> std::io::Result<()> {
+    let file = ts_gguf::GgufFile::open(src).map_err(std::io::Error::other)?;
+    let mut metadata: Vec<(String, ts_gguf::Value)> =
+        file.metadata().iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+    let mut tensors: Vec<TensorEntry> = file
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.ggml_type, t.dims.clone(), file.tensor_data(t).to_vec()))
+        .collect();
+    edit(&mut metadata, &mut tensors);
+    let mut w = ts_gguf::GgufWriter::new();
+    for (k, v) in metadata {
+        w.set(&k, v)?;
+    }
+    for (name, ty, dims, _) in &tensors {
+        w.add_tensor(name, *ty, dims)?;
+    }
+    let data: Vec<&[u8]> = tensors.iter().map(|t| t.3.as_slice()).collect();
+    std::fs::write(dst, w.to_bytes(&data)?)
+}

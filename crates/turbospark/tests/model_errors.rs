@@ -1,0 +1,98 @@
+//! Bad models and bad requests get one-line errors that name the problem.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use ts_gguf::{GgmlType, Value};
+
+fn turbospark(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn fixture() -> PathBuf {
+    ts_testkit::fixtures_dir().join("qwen2/model-f32.gguf")
+}
+
+fn expect_error(args: &[&str], expected: &str) {
+    let (ok, stderr) = turbospark(args);
+    assert!(!ok, "{args:?} succeeded");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.starts_with("seed ")).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
+    assert!(lines[0].starts_with("error: ") && lines[0].contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+fn variant(name: &str, edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<ts_testkit::TensorEntry>)) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ts-model-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.gguf"));
+    ts_testkit::rewrite_gguf(&fixture(), &path, edit).unwrap();
+    path
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn unknown_architecture() {
+    let p = variant("arch", |md, _| {
+        let arch = md.iter_mut().find(|(k, _)| k == "general.architecture").unwrap();
+        arch.1 = Value::String("mamba9".into());
+    });
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "unknown architecture 'mamba9'");
+}
+
+#[test]
+fn missing_tensor() {
+    let p = variant("missing", |_, t| t.retain(|t| t.0 != "blk.1.ffn_up.weight"));
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "tensor 'blk.1.ffn_up.weight' is missing");
+}
+
+#[test]
+fn unsupported_tensor_type_for_a_role() {
+    // I32 has F32's size, so the file stays well formed; a matrix cannot be I32.
+    let p = variant("type", |_, t| t.iter_mut().find(|t| t.0 == "blk.0.attn_q.weight").unwrap().1 = GgmlType::I32);
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "tensor 'blk.0.attn_q.weight': type I32 is not supported");
+}
+
+#[test]
+fn wrong_shape() {
+    let p = variant("shape", |_, t| {
+        let w = t.iter_mut().find(|t| t.0 == "blk.0.ffn_down.weight").unwrap();
+        w.2.swap(0, 1);
+    });
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "tensor 'blk.0.ffn_down.weight': shape");
+}
+
+#[test]
+fn token_id_out_of_range() {
+    expect_error(&["logits", "-m", s(&fixture()), "--tokens", "1,512"], "token id 512 is out of range (vocabulary size 512)");
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let prompt = "one two three four five six seven eight nine ten eleven twelve";
+    expect_error(&["run", "-m", s(&fixture()), "-c", "4", "-p", prompt, "-n", "2"], "more than the context of 4");
+}
+
+#[test]
+fn logits_of_the_fixture_match_the_golden() {
+    let golden = ts_testkit::Golden::read(&ts_testkit::fixtures_dir().join("qwen2/golden-f32.bin")).unwrap();
+    let tokens: Vec<String> = golden.tokens[..8].iter().map(u32::to_string).collect();
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args(["logits", "-m", s(&fixture()), "--all", "--tokens", &tokens.join(",")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<Vec<f32>> = j["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect())
+        .collect();
+    assert_eq!(rows.len(), 8);
+    let c = golden.compare(&rows);
+    assert!(c.max_rel_err() < 1e-4, "{c}");
+}
