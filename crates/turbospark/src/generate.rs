@@ -160,7 +160,6 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     };
     let (engine, n_ctx) = load(global, &args.model)?;
     let sampler = args.sampling.config();
-    eprintln!("seed {}", sampler.seed);
     let tokens = engine.tokenizer.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx);
     let mut out = std::io::stdout().lock();
@@ -171,6 +170,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     })?;
     drop(out);
     report(&stats);
+    eprintln!("seed {}", sampler.seed);
     Ok(())
 }
 

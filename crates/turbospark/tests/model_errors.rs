@@ -16,7 +16,7 @@ fn fixture() -> PathBuf {
 fn expect_error(args: &[&str], expected: &str) {
     let (ok, stderr) = turbospark(args);
     assert!(!ok, "{args:?} succeeded");
-    let lines: Vec<&str> = stderr.lines().filter(|l| !l.starts_with("seed ")).collect();
+    let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
     assert!(lines[0].starts_with("error: ") && lines[0].contains(expected), "{args:?}: expected {expected:?} in {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
