@@ -1,1 +1,110 @@
+//! CPU matrix multiplication of GGUF weights by batches of activations.
+//!
+//! Weights stay in their GGUF layout: `n_out` rows of `k` elements each, one after another.
+//! Activations are f32 rows, quantized once per batch into [`QuantizedRows`] of the type the
+//! weights pair with ([`ts_quant::vec_dot_type`]: Q8_0, Q8_1 or Q8_K), so each dot product is
+//! an integer sum per block scaled once per block, as in llama.cpp. F32, F16 and BF16 weights
+//! are multiplied by the f32 activations themselves; llama.cpp rounds those activations to the
+//! weight type first, so results here are slightly more accurate than its.
+//!
+//! Kernels are picked at run time ([`Isa`]): AVX-512 VNNI, AVX2 with FMA and F16C, or a
+//! portable fallback built on ts-quant's scalar reference. Results agree with
+//! [`ts_quant::vec_dot`] up to float summation order. Work is spread over the current rayon
+//! pool by runs of weight rows; for batches, each run of weight rows is multiplied by every
+//! activation row while it is in cache.
 
+mod activations;
+mod dispatch;
+mod floats;
+mod kquants;
+mod legacy;
+mod mxfp4;
+#[cfg(target_arch = "x86_64")]
+mod panel;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+
+pub use activations::QuantizedRows;
+pub use dispatch::Isa;
+pub use ts_gguf::GgmlType;
+
+/// Why a quantization or multiplication was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CpuError {
+    #[error("tensor type {0} has no CPU matmul")]
+    Unsupported(GgmlType),
+    #[error("k = {k} is not a whole, non-zero number of {ty} blocks of {block_size}")]
+    PartialBlock { ty: GgmlType, k: usize, block_size: usize },
+    #[error("{what} holds {actual}, but {expected} are needed")]
+    WrongLength { what: &'static str, expected: usize, actual: usize },
+    #[error(
+        "activations were quantized as {actual} rows of {actual_k}, but {weight_ty} weights with k = {k} need {expected}"
+    )]
+    Activations { weight_ty: GgmlType, k: usize, expected: GgmlType, actual: GgmlType, actual_k: usize },
+    #[error("output stride {stride} is smaller than n_out = {n_out}")]
+    Stride { stride: usize, n_out: usize },
+    #[error("instruction set {0} is not available on this CPU")]
+    IsaUnavailable(Isa),
+    #[error("{0}")]
+    Quant(#[from] ts_quant::QuantError),
+}
+
+/// `out[i * n_out + j] = dot(weight row j, activation row i)` for every activation row `i` of
+/// `x` and weight row `j < n_out`. `w` holds exactly `n_out` rows of `k` elements of
+/// `weight_ty`; `x` must have been quantized for a weight type that pairs with the same
+/// activation format (see [`QuantizedRows::quantize`]). Runs on the current rayon pool.
+pub fn matmul(
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+) -> Result<(), CpuError> {
+    matmul_strided(weight_ty, w, n_out, k, x, out, n_out)
+}
+
+/// [`matmul`] writing activation row `i`'s results to `out[i * out_stride..][..n_out]`, so that
+/// several weight matrices (or a range of one matrix's rows, or one expert of a stacked MoE
+/// tensor) can fill columns of one output. Elements of `out` between those runs are left as
+/// they are; `out` may end right after the last run.
+pub fn matmul_strided(
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), CpuError> {
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride)
+}
+
+/// [`matmul_strided`] with kernels for a given instruction set, for tests and benchmarks.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with_isa(
+    isa: Isa,
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), CpuError> {
+    if !isa.is_available() {
+        return Err(CpuError::IsaUnavailable(isa));
+    }
+    dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride)
+}
+
+/// The activation format weights of `weight_ty` are multiplied with, or `Unsupported`.
+pub fn activation_type(weight_ty: GgmlType) -> Result<GgmlType, CpuError> {
+    use GgmlType as T;
+    match weight_ty {
+        T::F32 | T::F16 | T::BF16 => Ok(T::F32),
+        T::Q4_0 | T::Q4_1 | T::Q5_0 | T::Q5_1 | T::Q8_0 | T::MXFP4 => Ok(ts_quant::vec_dot_type(weight_ty)),
+        T::Q2_K | T::Q3_K | T::Q4_K | T::Q5_K | T::Q6_K => Ok(T::Q8_K),
+        other => Err(CpuError::Unsupported(other)),
+    }
+}

@@ -1,0 +1,420 @@
+//! Activation rows quantized for the dot products, with per-block side data the kernels use.
+
+use bytemuck::{Pod, Zeroable};
+use rayon::prelude::*;
+use ts_gguf::GgmlType;
+
+use crate::dispatch::Isa;
+use crate::{CpuError, activation_type};
+
+/// 64 bytes, so that the quantized rows start on a cache line.
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Activation rows quantized to what a weight type pairs with ([`ts_quant::vec_dot_type`]):
+/// Q8_0, Q8_1 or Q8_K blocks, bit-identical to [`ts_quant::quantize`], or plain f32 for float
+/// weights. A reusable buffer: it grows on demand and never shrinks.
+#[derive(Clone)]
+pub struct QuantizedRows {
+    ty: GgmlType,
+    k: usize,
+    m: usize,
+    row_bytes: usize,
+    data: Vec<Line>,
+    /// Per 32-element block of Q8_0 and Q8_1 rows: `d` as f32.
+    d: Vec<f32>,
+    /// Per Q8_1 block: `s` as f32.
+    s: Vec<f32>,
+    /// Per Q8_0 block: minus the sum of its quants, for weights stored with an offset.
+    neg_sums: Vec<i32>,
+}
+
+impl Default for QuantizedRows {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl QuantizedRows {
+    pub fn new() -> Self {
+        QuantizedRows {
+            ty: GgmlType::F32,
+            k: 0,
+            m: 0,
+            row_bytes: 0,
+            data: Vec::new(),
+            d: Vec::new(),
+            s: Vec::new(),
+            neg_sums: Vec::new(),
+        }
+    }
+
+    /// Quantizes the rows of `x` (`m = x.len() / k` rows of `k`) for weights of `weight_ty`,
+    /// in parallel over rows on the current rayon pool.
+    pub fn quantize(&mut self, weight_ty: GgmlType, x: &[f32], k: usize) -> Result<(), CpuError> {
+        self.quantize_with_isa(Isa::detect(), weight_ty, x, k)
+    }
+
+    pub(crate) fn quantize_with_isa(
+        &mut self,
+        isa: Isa,
+        weight_ty: GgmlType,
+        x: &[f32],
+        k: usize,
+    ) -> Result<(), CpuError> {
+        let ty = activation_type(weight_ty)?;
+        let block = ty.block_size() as usize;
+        if k == 0 || !k.is_multiple_of(block) || !k.is_multiple_of(weight_ty.block_size() as usize) {
+            let block_size = block.max(weight_ty.block_size() as usize);
+            return Err(CpuError::PartialBlock { ty: weight_ty, k, block_size });
+        }
+        if !x.len().is_multiple_of(k) {
+            return Err(CpuError::WrongLength {
+                what: "activations (elements)",
+                expected: x.len().div_ceil(k) * k,
+                actual: x.len(),
+            });
+        }
+        let m = x.len() / k;
+        let nb = k / block;
+        let row_bytes = nb * ty.type_size() as usize;
+        self.ty = ty;
+        self.k = k;
+        self.m = m;
+        self.row_bytes = row_bytes;
+        let lines = (m * row_bytes).div_ceil(64);
+        if self.data.len() < lines {
+            self.data.resize(lines, Line([0; 64]));
+        }
+        let side = if ty == GgmlType::F32 { 0 } else { m * nb };
+        for v in [&mut self.d, &mut self.s] {
+            if v.len() < side {
+                v.resize(side, 0.0);
+            }
+        }
+        if self.neg_sums.len() < side {
+            self.neg_sums.resize(side, 0);
+        }
+        if m == 0 {
+            return Ok(());
+        }
+        let bytes = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.data)[..m * row_bytes];
+        if ty == GgmlType::F32 {
+            for (out, v) in bytes.chunks_exact_mut(4).zip(x) {
+                out.copy_from_slice(&v.to_le_bytes());
+            }
+            return Ok(());
+        }
+        let rows = bytes
+            .par_chunks_mut(row_bytes)
+            .zip(x.par_chunks(k))
+            .zip(self.d[..side].par_chunks_mut(nb))
+            .zip(self.s[..side].par_chunks_mut(nb))
+            .zip(self.neg_sums[..side].par_chunks_mut(nb));
+        let work_per_row = k;
+        rows.with_min_len((16384 / work_per_row).max(1))
+            .try_for_each(|((((out, x), d), s), neg_sums)| quantize_row(isa, ty, x, Side { out, d, s, neg_sums }))
+    }
+
+    /// The activation format: Q8_0, Q8_1, Q8_K or F32.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Elements per row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Number of rows.
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    /// The bytes of row `i` in ggml's layout for [`QuantizedRows::ty`] (f32 little-endian for F32).
+    pub fn row(&self, i: usize) -> &[u8] {
+        &self.bytes()[i * self.row_bytes..(i + 1) * self.row_bytes]
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<Line, u8>(&self.data)[..self.m * self.row_bytes]
+    }
+
+    pub(crate) fn view(&self) -> ActView<'_> {
+        let side = if self.ty == GgmlType::F32 { 0 } else { self.m * (self.k / self.ty.block_size() as usize) };
+        ActView {
+            ty: self.ty,
+            nb: self.k / self.ty.block_size() as usize,
+            row_bytes: self.row_bytes,
+            bytes: self.bytes(),
+            d: &self.d[..side],
+            s: &self.s[..side],
+            neg_sums: &self.neg_sums[..side],
+        }
+    }
+}
+
+/// Borrowed activations as the kernels see them.
+#[derive(Clone, Copy)]
+pub(crate) struct ActView<'a> {
+    pub ty: GgmlType,
+    /// Blocks per row (elements per row for F32).
+    pub nb: usize,
+    pub row_bytes: usize,
+    pub bytes: &'a [u8],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+    pub neg_sums: &'a [i32],
+}
+
+/// Pointers to one activation row and its side data, for the SIMD kernels.
+#[derive(Clone, Copy)]
+pub(crate) struct ARow {
+    pub q: *const u8,
+    pub d: *const f32,
+    pub s: *const f32,
+    pub neg_sums: *const i32,
+}
+
+impl ActView<'_> {
+    pub fn arow(&self, i: usize) -> ARow {
+        let side = if self.ty == GgmlType::F32 { 0 } else { i * self.nb };
+        ARow {
+            q: self.bytes[i * self.row_bytes..].as_ptr(),
+            d: self.d[side..].as_ptr(),
+            s: self.s[side..].as_ptr(),
+            neg_sums: self.neg_sums[side..].as_ptr(),
+        }
+    }
+}
+
+/// One row's outputs.
+struct Side<'a> {
+    out: &'a mut [u8],
+    d: &'a mut [f32],
+    s: &'a mut [f32],
+    neg_sums: &'a mut [i32],
+}
+
+fn quantize_row(isa: Isa, ty: GgmlType, x: &[f32], side: Side) -> Result<(), CpuError> {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Scalar {
+        // SAFETY: `isa` is available (Isa values other than Scalar are only used after detection),
+        // and the slices have the lengths of one row.
+        match ty {
+            GgmlType::Q8_K => unsafe { simd_q8::q8k_row(x, side.out)? },
+            _ => unsafe { simd_q8::q8_row(ty == GgmlType::Q8_1, x, side)? },
+        }
+        return Ok(());
+    }
+    let _ = isa;
+    ts_quant::quantize(ty, x, side.out)?;
+    if ty != GgmlType::Q8_K {
+        fill_side(ty, side);
+    }
+    Ok(())
+}
+
+/// Side data of Q8_0 / Q8_1 blocks from their bytes.
+fn fill_side(ty: GgmlType, side: Side) {
+    let block_bytes = ty.type_size() as usize;
+    let qs_at = block_bytes - 32;
+    let f16_at = |b: &[u8], at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    for (i, block) in side.out.chunks_exact(block_bytes).enumerate() {
+        side.d[i] = f16_at(block, 0);
+        if ty == GgmlType::Q8_1 {
+            side.s[i] = f16_at(block, 2);
+        }
+        side.neg_sums[i] = -block[qs_at..].iter().map(|&q| q as i8 as i32).sum::<i32>();
+    }
+}
+
+/// AVX2 quantizers reproducing ts-quant's reference quantizers bit for bit. Blocks holding
+/// non-finite values, or whose scale has no finite inverse, go through the reference code.
+#[cfg(target_arch = "x86_64")]
+mod simd_q8 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+    use ts_gguf::GgmlType;
+    use ts_quant::QuantError;
+
+    use super::{Side, fill_side};
+    use crate::simd::{hmax_ps, hsum_epi32};
+
+    /// Loads 8 floats, returning them and their absolute values.
+    #[inline(always)]
+    unsafe fn load_abs(p: *const f32) -> (__m256, __m256) {
+        unsafe {
+            let v = _mm256_loadu_ps(p);
+            (v, _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff))))
+        }
+    }
+
+    /// Whether any lane of `abs` is infinite or NaN.
+    #[inline(always)]
+    unsafe fn any_nonfinite(abs: __m256) -> bool {
+        unsafe {
+            let big = _mm256_cmpgt_epi32(_mm256_castps_si256(abs), _mm256_set1_epi32(0x7f7f_ffff));
+            _mm256_movemask_epi8(big) != 0
+        }
+    }
+
+    /// Rounds half away from zero, like `f32::round`, exactly for any finite input.
+    #[inline(always)]
+    unsafe fn round_away(y: __m256) -> __m256i {
+        unsafe {
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_sub_ps(y, t);
+            let sign = _mm256_and_ps(y, _mm256_set1_ps(-0.0));
+            let abs_frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0), frac);
+            let half = _mm256_cmp_ps::<_CMP_GE_OQ>(abs_frac, _mm256_set1_ps(0.5));
+            let step = _mm256_and_ps(half, _mm256_or_ps(sign, _mm256_set1_ps(1.0)));
+            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+        }
+    }
+
+    /// Packs 32 i32 in -128..=127 into 32 bytes in order.
+    #[inline(always)]
+    unsafe fn pack_i8(q: [__m256i; 4]) -> __m256i {
+        unsafe {
+            let a = _mm256_packs_epi32(q[0], q[1]);
+            let b = _mm256_packs_epi32(q[2], q[3]);
+            let bytes = _mm256_packs_epi16(a, b);
+            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+        }
+    }
+
+    /// One row of Q8_0 (or Q8_1 with `with_s`) blocks and their side data.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `side` holds one row for `x`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q8_row(with_s: bool, x: &[f32], side: Side) -> Result<(), QuantError> {
+        let (ty, block_bytes) = if with_s { (GgmlType::Q8_1, 36) } else { (GgmlType::Q8_0, 34) };
+        let qs_at = block_bytes - 32;
+        let blocks = x.chunks_exact(32).zip(side.out.chunks_exact_mut(block_bytes));
+        for (b, (xb, out)) in blocks.enumerate() {
+            let p = xb.as_ptr();
+            // SAFETY: `xb` holds 32 floats, `out` one block.
+            let done = unsafe {
+                let v = [load_abs(p), load_abs(p.add(8)), load_abs(p.add(16)), load_abs(p.add(24))];
+                let max = _mm256_max_ps(_mm256_max_ps(v[0].1, v[1].1), _mm256_max_ps(v[2].1, v[3].1));
+                let nonfinite =
+                    any_nonfinite(v[0].1) | any_nonfinite(v[1].1) | any_nonfinite(v[2].1) | any_nonfinite(v[3].1);
+                let amax = hmax_ps(max);
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                if nonfinite || !id.is_finite() {
+                    false
+                } else {
+                    let idv = _mm256_set1_ps(id);
+                    let mut q = [_mm256_setzero_si256(); 4];
+                    for (q, (v, _)) in q.iter_mut().zip(v) {
+                        *q = round_away(_mm256_mul_ps(v, idv));
+                    }
+                    _mm256_storeu_si256(out[qs_at..].as_mut_ptr().cast(), pack_i8(q));
+                    let sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+                    let d16 = f16::from_f32(d);
+                    out[..2].copy_from_slice(&d16.to_le_bytes());
+                    side.d[b] = d16.to_f32();
+                    side.neg_sums[b] = -sum;
+                    if with_s {
+                        let s16 = f16::from_f32(sum as f32 * d);
+                        out[2..4].copy_from_slice(&s16.to_le_bytes());
+                        side.s[b] = s16.to_f32();
+                    }
+                    true
+                }
+            };
+            if !done {
+                ts_quant::quantize(ty, xb, out)?;
+                let (d, s, neg_sums) = (&mut side.d[b..b + 1], &mut side.s[b..b + 1], &mut side.neg_sums[b..b + 1]);
+                fill_side(ty, Side { out, d, s, neg_sums });
+            }
+        }
+        Ok(())
+    }
+
+    /// One row of Q8_K blocks.
+    ///
+    /// # Safety
+    /// Needs AVX2 and FMA; `out` holds one row for `x`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8k_row(x: &[f32], out: &mut [u8]) -> Result<(), QuantError> {
+        for (xb, out) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
+            let p = xb.as_ptr();
+            // SAFETY: `xb` holds 256 floats, `out` one block.
+            let done = unsafe {
+                let mut max = _mm256_setzero_ps();
+                let mut nonfinite = false;
+                for i in 0..32 {
+                    let (_, a) = load_abs(p.add(8 * i));
+                    max = _mm256_max_ps(max, a);
+                    nonfinite |= any_nonfinite(a);
+                }
+                let amax = hmax_ps(max);
+                if nonfinite {
+                    false
+                } else if amax == 0.0 {
+                    out.fill(0);
+                    true
+                } else {
+                    // The first element of largest magnitude sets the sign, as in the reference.
+                    let target = _mm256_set1_ps(amax);
+                    let mut first = 0;
+                    for i in 0..32 {
+                        let (_, a) = load_abs(p.add(8 * i));
+                        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(a, target));
+                        if hit != 0 {
+                            first = 8 * i + hit.trailing_zeros() as usize;
+                            break;
+                        }
+                    }
+                    let iscale = -127.0 / xb[first];
+                    if !iscale.is_finite() {
+                        false
+                    } else {
+                        quantize_q8k_block(xb, iscale, out);
+                        true
+                    }
+                }
+            };
+            if !done {
+                ts_quant::quantize(GgmlType::Q8_K, xb, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Quants `nearest_int(iscale * x).min(127)` (ggml's magic-number rounding), group sums and `d`.
+    #[inline(always)]
+    unsafe fn quantize_q8k_block(x: &[f32], iscale: f32, out: &mut [u8]) {
+        unsafe {
+            let scale = _mm256_set1_ps(iscale);
+            let magic = _mm256_set1_ps(12_582_912.0);
+            let p = x.as_ptr();
+            let mut bsums = [0i16; 16];
+            for chunk in 0..8 {
+                let mut q = [_mm256_setzero_si256(); 4];
+                for (j, q) in q.iter_mut().enumerate() {
+                    let y = _mm256_mul_ps(scale, _mm256_loadu_ps(p.add(32 * chunk + 8 * j)));
+                    let bits =
+                        _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(y, magic)), _mm256_set1_epi32(0x007f_ffff));
+                    *q = _mm256_min_epi32(
+                        _mm256_sub_epi32(bits, _mm256_set1_epi32(0x0040_0000)),
+                        _mm256_set1_epi32(127),
+                    );
+                }
+                _mm256_storeu_si256(out[4 + 32 * chunk..].as_mut_ptr().cast(), pack_i8(q));
+                bsums[2 * chunk] = hsum_epi32(_mm256_add_epi32(q[0], q[1])) as i16;
+                bsums[2 * chunk + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3])) as i16;
+            }
+            out[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+            for (o, s) in out[260..].chunks_exact_mut(2).zip(bsums) {
+                o.copy_from_slice(&s.to_le_bytes());
+            }
+        }
+    }
+}

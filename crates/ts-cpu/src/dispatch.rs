@@ -1,0 +1,378 @@
+//! Instruction set detection, kernel choice per weight type, and the split of a matmul into
+//! rayon tasks over runs of weight rows.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+use ts_gguf::GgmlType;
+
+use crate::CpuError;
+use crate::activations::{ActView, QuantizedRows};
+
+/// The kernels' instruction set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// ts-quant's scalar reference code; works everywhere.
+    Scalar,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// AVX2 kernels plus AVX-512 (F, BW, VL) with VNNI: `vpdpbusd` dot products and
+    /// interleaved weight panels for batches.
+    Avx512,
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "AVX2",
+            Isa::Avx512 => "AVX-512 VNNI",
+        })
+    }
+}
+
+impl Isa {
+    /// The best instruction set this CPU has (detected once).
+    pub fn detect() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| [Isa::Avx512, Isa::Avx2].into_iter().find(|isa| isa.is_available()).unwrap_or(Isa::Scalar))
+    }
+
+    /// Whether this CPU can run the kernels of `self`.
+    pub fn is_available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::Avx512 => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+}
+
+/// A kernel: dot products of the weight rows in `w` (`row_bytes` each) with every activation
+/// row, `out[c][r]` for activation row `c` and weight row `r`. The caller guarantees
+/// `out.len() == x.m`, equal lengths `rows` of the `out` slices, `w.len() >= rows * row_bytes`,
+/// and that the CPU has the kernel's instruction set.
+pub(crate) type TileFn = unsafe fn(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]);
+
+/// SIMD kernels for one weight type.
+#[derive(Clone, Copy)]
+struct Kernels {
+    /// Weight rows straight from their blocks; for decoding and small batches.
+    direct: TileFn,
+    /// Weight rows unpacked into interleaved panels first; for larger batches.
+    panel: Option<TileFn>,
+}
+
+/// Batches with at least this many rows use the panel kernels where there are some.
+const PANEL_MIN_M: usize = 4;
+
+/// Rows per panel-kernel tile; tiles hold whole panels.
+#[cfg(target_arch = "x86_64")]
+const PANEL_ROWS: usize = crate::panel::ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+const PANEL_ROWS: usize = 8;
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    isa: Isa,
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), CpuError> {
+    let act_ty = crate::activation_type(weight_ty)?;
+    let block = weight_ty.block_size() as usize;
+    if k == 0 || !k.is_multiple_of(block) {
+        return Err(CpuError::PartialBlock { ty: weight_ty, k, block_size: block });
+    }
+    if x.ty() != act_ty || x.k() != k {
+        return Err(CpuError::Activations { weight_ty, k, expected: act_ty, actual: x.ty(), actual_k: x.k() });
+    }
+    let row_bytes = k / block * weight_ty.type_size() as usize;
+    let w_bytes = n_out.saturating_mul(row_bytes);
+    if w.len() != w_bytes {
+        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: w_bytes, actual: w.len() });
+    }
+    if out_stride < n_out {
+        return Err(CpuError::Stride { stride: out_stride, n_out });
+    }
+    let m = x.m();
+    let needed = if m == 0 { Some(0) } else { (m - 1).checked_mul(out_stride).and_then(|v| v.checked_add(n_out)) };
+    let needed = needed.unwrap_or(usize::MAX);
+    if out.len() < needed {
+        return Err(CpuError::WrongLength { what: "output (floats)", expected: needed, actual: out.len() });
+    }
+    if m == 0 || n_out == 0 {
+        return Ok(());
+    }
+
+    let (tile, rows_per_task) = match kernels(isa, weight_ty) {
+        Some(Kernels { panel: Some(panel), .. }) if m >= PANEL_MIN_M => (Some(panel), panel_rows_per_task(n_out, m, k)),
+        Some(kernels) => (Some(kernels.direct), direct_rows_per_task(n_out, row_bytes, m)),
+        None => (None, direct_rows_per_task(n_out, row_bytes, m)),
+    };
+    let view = x.view();
+    let run = |task: usize, outs: &mut [&mut [f32]]| {
+        let w = &w[task * rows_per_task * row_bytes..];
+        match tile {
+            // SAFETY: `kernels` only hands out kernels of instruction set `isa`, which the
+            // callers of this function checked is available, and the tile satisfies
+            // `TileFn`'s contract: one output slice per activation row, all of the same length
+            // `rows`, and at least `rows` weight rows left in `w`.
+            Some(tile) => unsafe { tile(w, row_bytes, &view, outs) },
+            None => scalar_tile(weight_ty, w, row_bytes, &view, outs),
+        }
+    };
+    if m == 1 {
+        out[..n_out].par_chunks_mut(rows_per_task).enumerate().for_each(|(task, out)| run(task, &mut [out]));
+    } else {
+        // Each task's piece of every output row, split up front so tasks own them.
+        let n_tasks = n_out.div_ceil(rows_per_task);
+        let mut pieces: Vec<Vec<&mut [f32]>> = (0..n_tasks).map(|_| Vec::with_capacity(m)).collect();
+        for row in out.chunks_mut(out_stride).take(m) {
+            for (task, piece) in row[..n_out].chunks_mut(rows_per_task).enumerate() {
+                pieces[task].push(piece);
+            }
+        }
+        pieces.into_par_iter().enumerate().for_each(|(task, mut outs)| run(task, &mut outs));
+    }
+    Ok(())
+}
+
+/// Rows per task for the direct kernels: about 32 KiB of weights (a multiple of 4 rows), but
+/// at least 4 tasks per thread, and a little less for batches (each row is reused `m` times).
+fn direct_rows_per_task(n_out: usize, row_bytes: usize, m: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    let by_bytes = (32 * 1024 / (row_bytes * m.min(4))).max(4);
+    let by_balance = n_out.div_ceil(4 * threads);
+    by_bytes.min(by_balance).max(4).next_multiple_of(4)
+}
+
+/// Rows per task for the panel kernels: whole panels, enough work per task to hide rayon's
+/// overhead, and at least 4 tasks per thread where the matrix allows it.
+fn panel_rows_per_task(n_out: usize, m: usize, k: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    let by_work = (4 * 1024 * 1024 / (m * k).max(1)).max(PANEL_ROWS);
+    let by_balance = n_out.div_ceil(4 * threads);
+    by_work.min(by_balance).max(PANEL_ROWS).next_multiple_of(PANEL_ROWS)
+}
+
+fn kernels(isa: Isa, ty: GgmlType) -> Option<Kernels> {
+    #[cfg(target_arch = "x86_64")]
+    return x86::kernels(isa, ty);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, ty);
+        None
+    }
+}
+
+/// The portable kernel: ts-quant's reference dot product per pair of rows (float weights
+/// against f32 activations in f64).
+fn scalar_tile(ty: GgmlType, w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let float = matches!(ty, GgmlType::F16 | GgmlType::BF16);
+    let mut aligned: Vec<u64> = Vec::new();
+    let mut dequantized = Vec::new();
+    for r in 0..rows {
+        let mut row = &w[r * row_bytes..(r + 1) * row_bytes];
+        // ts-quant views blocks in place and needs their alignment (2 bytes at most here).
+        if !(row.as_ptr() as usize).is_multiple_of(2) {
+            aligned.resize(row_bytes.div_ceil(8), 0);
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut aligned);
+            bytes[..row_bytes].copy_from_slice(row);
+            row = &bytemuck::cast_slice::<u64, u8>(&aligned)[..row_bytes];
+        }
+        if !float {
+            for (c, out) in out.iter_mut().enumerate() {
+                let a = &x.bytes[c * x.row_bytes..(c + 1) * x.row_bytes];
+                out[r] = ts_quant::vec_dot(ty, row, a).unwrap_or(f32::NAN);
+            }
+        } else {
+            dequantized.resize(x.nb, 0.0);
+            if ts_quant::dequantize(ty, row, &mut dequantized).is_err() {
+                dequantized.fill(f32::NAN);
+            }
+            for (c, out) in out.iter_mut().enumerate() {
+                let a = &x.bytes[c * x.row_bytes..(c + 1) * x.row_bytes];
+                let a = a.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+                out[r] = dequantized.iter().zip(a).map(|(&w, a)| w as f64 * a as f64).sum::<f64>() as f32;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Isa, Kernels, TileFn};
+    use crate::activations::{ARow, ActView};
+    use crate::floats::{Bf16, F16, F32, Floats};
+    use crate::kquants::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
+    use crate::legacy::{Legacy, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+    use crate::mxfp4::Mxfp4;
+    use crate::panel;
+    use crate::simd::{Avx2, Vnni};
+    use ts_gguf::GgmlType as T;
+
+    /// Dot products of `R` weight rows with `C` activation rows, for one format and
+    /// instruction set.
+    pub(crate) trait RowsDot {
+        /// # Safety
+        /// The kernel's instruction set is available; `w` holds `R` rows `row_bytes` apart and
+        /// each `a` row holds a row of activations with its side data; `n` is the number of
+        /// blocks per row (elements for float weights).
+        unsafe fn dot<const R: usize, const C: usize>(
+            w: *const u8,
+            row_bytes: usize,
+            a: &[ARow; C],
+            n: usize,
+        ) -> [[f32; C]; R];
+    }
+
+    /// Runs `K` over a tile. Small batches take one weight row at a time, so that weights are
+    /// read in one sequential stream (hardware prefetchers lose track of several interleaved
+    /// short rows, which halves DRAM bandwidth); larger ones two rows by up to 4 activation rows.
+    ///
+    /// # Safety
+    /// As [`TileFn`].
+    #[inline(always)]
+    unsafe fn direct_tile<K: RowsDot>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+        let rows = out.first().map_or(0, |o| o.len());
+        let wp = w.as_ptr();
+        unsafe {
+            if let [out] = out {
+                let a = [x.arow(0)];
+                for (r, out) in out.iter_mut().enumerate() {
+                    *out = K::dot::<1, 1>(wp.add(r * row_bytes), row_bytes, &a, x.nb)[0][0];
+                }
+                return;
+            }
+            let a: Vec<ARow> = (0..out.len()).map(|c| x.arow(c)).collect();
+            let mut r = 0;
+            if out.len() >= 4 {
+                while r + 2 <= rows {
+                    cols::<K, 2>(wp.add(r * row_bytes), row_bytes, &a, x.nb, out, r);
+                    r += 2;
+                }
+            }
+            while r < rows {
+                cols::<K, 1>(wp.add(r * row_bytes), row_bytes, &a, x.nb, out, r);
+                r += 1;
+            }
+        }
+    }
+
+    /// `R` weight rows at `w` against every activation row in `a`, 4 at a time.
+    #[inline(always)]
+    unsafe fn cols<K: RowsDot, const R: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        a: &[ARow],
+        n: usize,
+        out: &mut [&mut [f32]],
+        r0: usize,
+    ) {
+        let mut c = 0;
+        unsafe {
+            while c + 4 <= a.len() {
+                store(K::dot::<R, 4>(w, row_bytes, &[a[c], a[c + 1], a[c + 2], a[c + 3]], n), out, r0, c);
+                c += 4;
+            }
+            match a.len() - c {
+                3 => store(K::dot::<R, 3>(w, row_bytes, &[a[c], a[c + 1], a[c + 2]], n), out, r0, c),
+                2 => store(K::dot::<R, 2>(w, row_bytes, &[a[c], a[c + 1]], n), out, r0, c),
+                1 => store(K::dot::<R, 1>(w, row_bytes, &[a[c]], n), out, r0, c),
+                _ => {}
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn store<const R: usize, const C: usize>(v: [[f32; C]; R], out: &mut [&mut [f32]], r0: usize, c0: usize) {
+        for (r, v) in v.iter().enumerate() {
+            for (c, &v) in v.iter().enumerate() {
+                out[c0 + c][r0 + r] = v;
+            }
+        }
+    }
+
+    /// Entry points compiled with each instruction set's target features.
+    macro_rules! entries {
+        ($($avx2:ident, $avx512:ident => $kernel:ty, $kernel512:ty;)*) => {$(
+            /// # Safety
+            /// As [`TileFn`]; needs AVX2, FMA and F16C.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn $avx2(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+                unsafe { direct_tile::<$kernel>(w, row_bytes, x, out) }
+            }
+            /// # Safety
+            /// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+            unsafe fn $avx512(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+                unsafe { direct_tile::<$kernel512>(w, row_bytes, x, out) }
+            }
+        )*};
+    }
+
+    entries! {
+        f32_avx2, f32_avx512 => Floats<F32>, Floats<F32>;
+        f16_avx2, f16_avx512 => Floats<F16>, Floats<F16>;
+        bf16_avx2, bf16_avx512 => Floats<Bf16>, Floats<Bf16>;
+        q4_0_avx2, q4_0_avx512 => Legacy<Q4_0, Avx2>, Legacy<Q4_0, Vnni>;
+        q4_1_avx2, q4_1_avx512 => Legacy<Q4_1, Avx2>, Legacy<Q4_1, Vnni>;
+        q5_0_avx2, q5_0_avx512 => Legacy<Q5_0, Avx2>, Legacy<Q5_0, Vnni>;
+        q5_1_avx2, q5_1_avx512 => Legacy<Q5_1, Avx2>, Legacy<Q5_1, Vnni>;
+        q8_0_avx2, q8_0_avx512 => Legacy<Q8_0, Avx2>, Legacy<Q8_0, Vnni>;
+        mxfp4_avx2, mxfp4_avx512 => Legacy<Mxfp4, Avx2>, Legacy<Mxfp4, Vnni>;
+        q2_k_avx2, q2_k_avx512 => KQuant<Q2K, Avx2>, KQuant<Q2K, Vnni>;
+        q3_k_avx2, q3_k_avx512 => KQuant<Q3K, Avx2>, KQuant<Q3K, Vnni>;
+        q4_k_avx2, q4_k_avx512 => KQuant<Q4K, Avx2>, KQuant<Q4K, Vnni>;
+        q5_k_avx2, q5_k_avx512 => KQuant<Q5K, Avx2>, KQuant<Q5K, Vnni>;
+        q6_k_avx2, q6_k_avx512 => KQuant<Q6K, Avx2>, KQuant<Q6K, Vnni>;
+    }
+
+    pub(super) fn kernels(isa: Isa, ty: T) -> Option<Kernels> {
+        let (avx2, avx512): (TileFn, TileFn) = match ty {
+            T::F32 => (f32_avx2, f32_avx512),
+            T::F16 => (f16_avx2, f16_avx512),
+            T::BF16 => (bf16_avx2, bf16_avx512),
+            T::Q4_0 => (q4_0_avx2, q4_0_avx512),
+            T::Q4_1 => (q4_1_avx2, q4_1_avx512),
+            T::Q5_0 => (q5_0_avx2, q5_0_avx512),
+            T::Q5_1 => (q5_1_avx2, q5_1_avx512),
+            T::Q8_0 => (q8_0_avx2, q8_0_avx512),
+            T::MXFP4 => (mxfp4_avx2, mxfp4_avx512),
+            T::Q2_K => (q2_k_avx2, q2_k_avx512),
+            T::Q3_K => (q3_k_avx2, q3_k_avx512),
+            T::Q4_K => (q4_k_avx2, q4_k_avx512),
+            T::Q5_K => (q5_k_avx2, q5_k_avx512),
+            T::Q6_K => (q6_k_avx2, q6_k_avx512),
+            _ => return None,
+        };
+        match isa {
+            Isa::Scalar => None,
+            Isa::Avx2 => Some(Kernels { direct: avx2, panel: None }),
+            Isa::Avx512 => Some(Kernels { direct: avx512, panel: panel::kernel(ty) }),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::RowsDot;

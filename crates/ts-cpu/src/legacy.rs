@@ -1,0 +1,245 @@
+//! Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: 32-element blocks with an f16 scale, against Q8_0 or
+//! Q8_1 activations. One generic kernel multiplies `R` weight rows by `C` activation rows,
+//! unpacking each weight block once for all `C` rows.
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::*;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::marker::PhantomData;
+
+    use crate::activations::ARow;
+    use crate::dispatch::RowsDot;
+    use crate::simd::{Dot, gather_f16, hsum_ps, load_ps_n, loadu, nibbles, read_u32};
+
+    /// A 32-element block format.
+    pub(crate) trait Format {
+        const BYTES: usize;
+        /// log2 of the offset [`Format::unsigned_values`] adds to the signed quants, or `None`
+        /// for formats with a min (unsigned quants, `x = d q + m`, against Q8_1 activations).
+        const OFFSET_LOG2: Option<i32>;
+        /// The largest value [`Format::unsigned_values`] returns.
+        const MAX_UNSIGNED: u8;
+        /// Scales of the `n <= 8` blocks from `p` on, in lanes `0..n`.
+        unsafe fn scales(p: *const u8, n: usize) -> __m256 {
+            unsafe { gather_f16(p, Self::BYTES, n) }
+        }
+        /// Mins of the `n <= 8` blocks from `p` on, for formats with a min.
+        unsafe fn mins(p: *const u8, n: usize) -> __m256 {
+            unsafe { gather_f16(p.add(2), Self::BYTES, n) }
+        }
+        /// The 32 quants in element order as unsigned bytes (offset by `1 << OFFSET_LOG2`).
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i;
+        /// The 32 quants as signed bytes, where `unsigned_values` exceed what `I` multiplies.
+        unsafe fn signed_values(p: *const u8) -> __m256i {
+            let _ = p;
+            unreachable!("only formats with large unsigned values have signed values")
+        }
+    }
+
+    /// Whether `I` multiplies `F`'s unsigned quants exactly; if not, the signed quants are used.
+    const fn unsigned_fits<F: Format, I: Dot>() -> bool {
+        F::MAX_UNSIGNED <= I::MAX_UNSIGNED
+    }
+
+    pub(crate) struct Q4_0;
+    pub(crate) struct Q4_1;
+    pub(crate) struct Q5_0;
+    pub(crate) struct Q5_1;
+    pub(crate) struct Q8_0;
+
+    impl Format for Q4_0 {
+        const BYTES: usize = 18;
+        const OFFSET_LOG2: Option<i32> = Some(3);
+        const MAX_UNSIGNED: u8 = 15;
+        #[inline(always)]
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
+            unsafe { nibbles(p.add(2)) }
+        }
+    }
+
+    impl Format for Q4_1 {
+        const BYTES: usize = 20;
+        const OFFSET_LOG2: Option<i32> = None;
+        const MAX_UNSIGNED: u8 = 15;
+        #[inline(always)]
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
+            unsafe { nibbles(p.add(4)) }
+        }
+    }
+
+    impl Format for Q5_0 {
+        const BYTES: usize = 22;
+        const OFFSET_LOG2: Option<i32> = Some(4);
+        const MAX_UNSIGNED: u8 = 31;
+        #[inline(always)]
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
+            unsafe { I::add_where(nibbles(p.add(6)), read_u32(p.add(2)), 0x10) }
+        }
+    }
+
+    impl Format for Q5_1 {
+        const BYTES: usize = 24;
+        const OFFSET_LOG2: Option<i32> = None;
+        const MAX_UNSIGNED: u8 = 31;
+        #[inline(always)]
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
+            unsafe { I::add_where(nibbles(p.add(8)), read_u32(p.add(4)), 0x10) }
+        }
+    }
+
+    impl Format for Q8_0 {
+        const BYTES: usize = 34;
+        const OFFSET_LOG2: Option<i32> = Some(7);
+        const MAX_UNSIGNED: u8 = 255;
+        #[inline(always)]
+        unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
+            unsafe { _mm256_xor_si256(Self::signed_values(p), _mm256_set1_epi8(-128)) }
+        }
+        #[inline(always)]
+        unsafe fn signed_values(p: *const u8) -> __m256i {
+            unsafe { loadu(p.add(2)) }
+        }
+    }
+
+    /// The direct kernel for format `F` on instruction set `I`.
+    pub(crate) struct Legacy<F, I>(PhantomData<(F, I)>);
+
+    impl<F: Format, I: Dot> RowsDot for Legacy<F, I> {
+        #[inline(always)]
+        unsafe fn dot<const R: usize, const C: usize>(
+            w: *const u8,
+            row_bytes: usize,
+            a: &[ARow; C],
+            nb: usize,
+        ) -> [[f32; C]; R] {
+            unsafe { dot::<F, I, R, C>(w, row_bytes, a, nb) }
+        }
+    }
+
+    /// `R` weight rows (`row_bytes` apart, `nb` blocks each) times `C` activation rows.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C (and AVX-512 VNNI for `I = Vnni`); the rows must hold `nb` blocks.
+    #[inline(always)]
+    unsafe fn dot<F: Format, I: Dot, const R: usize, const C: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        a: &[ARow; C],
+        nb: usize,
+    ) -> [[f32; C]; R] {
+        unsafe {
+            // Even and odd blocks go to separate accumulators, so that a single pair of rows is
+            // not held up by the latency of one chain of FMAs.
+            let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
+            // Per block lane: min times the activations' s, for formats with a min.
+            let mut mins = [[_mm256_setzero_ps(); C]; R];
+            let mut b0 = 0;
+            while b0 + 8 <= nb {
+                group::<F, I, R, C>(w, row_bytes, a, b0, 8, &mut acc, &mut mins);
+                b0 += 8;
+            }
+            // Fixed-size groups unroll fully; widths like 896 leave a group of 4.
+            if b0 + 4 <= nb {
+                group::<F, I, R, C>(w, row_bytes, a, b0, 4, &mut acc, &mut mins);
+                b0 += 4;
+            }
+            if b0 < nb {
+                group::<F, I, R, C>(w, row_bytes, a, b0, nb - b0, &mut acc, &mut mins);
+            }
+            let mut out = [[0.0f32; C]; R];
+            for r in 0..R {
+                for c in 0..C {
+                    let sum = _mm256_add_ps(acc[0][r][c], acc[1][r][c]);
+                    out[r][c] = hsum_ps(_mm256_add_ps(sum, mins[r][c]));
+                }
+            }
+            out
+        }
+    }
+
+    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` and `mins`. The group's weight scales are
+    /// converted together and multiplied by the activations' scales in one vector; each block
+    /// takes its lane from there (cheaper than converting one f16 per block).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn group<F: Format, I: Dot, const R: usize, const C: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        a: &[ARow; C],
+        b0: usize,
+        n: usize,
+        acc: &mut [[[__m256; C]; R]; 2],
+        mins: &mut [[__m256; C]; R],
+    ) {
+        unsafe {
+            let mut scales = [[_mm256_setzero_ps(); C]; R];
+            for r in 0..R {
+                let p = w.add(r * row_bytes + b0 * F::BYTES);
+                let dw = F::scales(p, n);
+                let has_min = F::OFFSET_LOG2.is_none();
+                let mw = if has_min { F::mins(p, n) } else { _mm256_setzero_ps() };
+                for c in 0..C {
+                    scales[r][c] = _mm256_mul_ps(dw, load_ps_n(a[c].d.add(b0), n));
+                    if has_min {
+                        mins[r][c] = _mm256_fmadd_ps(mw, load_ps_n(a[c].s.add(b0), n), mins[r][c]);
+                    }
+                }
+            }
+            for i in 0..n {
+                block::<F, I, R, C>(w, row_bytes, a, b0 + i, i, &scales, &mut acc[i % 2]);
+            }
+        }
+    }
+
+    /// Adds block `b` of `R` weight rows times `C` activation rows to `acc`, with lane `lane`
+    /// of `scales` as each pair's scale.
+    #[inline(always)]
+    unsafe fn block<F: Format, I: Dot, const R: usize, const C: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        a: &[ARow; C],
+        b: usize,
+        lane: usize,
+        scales: &[[__m256; C]; R],
+        acc: &mut [[__m256; C]; R],
+    ) {
+        // Q8_1 blocks (for formats with a min) are d, s, qs; Q8_0 blocks d, qs.
+        let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+        let signed = !unsigned_fits::<F, I>();
+        unsafe {
+            let zero = _mm256_setzero_si256();
+            let mut q = [zero; R];
+            let mut abs_q = [zero; R];
+            for r in 0..R {
+                let p = w.add(r * row_bytes + b * F::BYTES);
+                if signed {
+                    q[r] = F::signed_values(p);
+                    abs_q[r] = _mm256_abs_epi8(q[r]);
+                } else {
+                    q[r] = F::unsigned_values::<I>(p);
+                }
+            }
+            let lane = _mm256_set1_epi32(lane as i32);
+            for c in 0..C {
+                let av = loadu(a[c].q.add(b * a_bytes + a_qs));
+                // Eight lanes of -sum << (log2 - 3) take back the offset times the sum.
+                let init = match F::OFFSET_LOG2 {
+                    Some(log2) if !signed => _mm256_set1_epi32(*a[c].neg_sums.add(b) << (log2 - 3)),
+                    _ => zero,
+                };
+                for r in 0..R {
+                    let sums = if signed {
+                        I::dpbusd(zero, abs_q[r], _mm256_sign_epi8(av, q[r]))
+                    } else {
+                        I::dpbusd(init, q[r], av)
+                    };
+                    let scale = _mm256_permutevar8x32_ps(scales[r][c], lane);
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
+                }
+            }
+        }
+    }
+}

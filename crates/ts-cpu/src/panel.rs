@@ -1,0 +1,340 @@
+//! Interleaved weight panels for batches, on AVX-512 VNNI.
+//!
+//! A panel holds `ROWS` weight rows unpacked to unsigned bytes and interleaved four elements
+//! at a time, `[step][row][4 bytes]`, so that one `vpdpbusd` of a panel vector with four
+//! activation bytes broadcast to every lane adds a step of each row's dot product to that
+//! row's lane. Each lane then sums one (weight row, activation row) pair block by block, and
+//! scales are applied to whole vectors of rows. Unpacking a panel (with the transposition it
+//! needs) is done once and repaid over every activation row of the batch.
+//!
+//! The offset that makes signed quants unsigned is taken back through the activations' block
+//! sums; k-quant group scales are applied to each group's integer sum with `vpmulld`, and mins
+//! or offsets through `vpdpwssd` with the activations' `bsums`.
+
+use std::arch::x86_64::*;
+
+use ts_gguf::GgmlType;
+
+use crate::activations::{ARow, ActView};
+use crate::dispatch::TileFn;
+use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
+use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+use crate::mxfp4::Mxfp4;
+use crate::simd::{Vnni, read_u32};
+
+/// Weight rows per panel: one 32-bit lane each.
+pub(crate) const ROWS: usize = 8;
+
+/// Activation rows per pass over a panel.
+const COLS: usize = 4;
+
+pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
+    use GgmlType as T;
+    let tile: TileFn = match ty {
+        T::Q4_0 => legacy_tile::<Q4_0>,
+        T::Q4_1 => legacy_tile::<Q4_1>,
+        T::Q5_0 => legacy_tile::<Q5_0>,
+        T::Q5_1 => legacy_tile::<Q5_1>,
+        T::Q8_0 => legacy_tile::<Q8_0>,
+        T::MXFP4 => legacy_tile::<Mxfp4>,
+        T::Q2_K => kquant_tile::<Q2K>,
+        T::Q3_K => kquant_tile::<Q3K>,
+        T::Q4_K => kquant_tile::<Q4K>,
+        T::Q5_K => kquant_tile::<Q5K>,
+        T::Q6_K => kquant_tile::<Q6K>,
+        _ => return None,
+    };
+    Some(tile)
+}
+
+/// Transposes 8 vectors of 8 dwords: `v[i]` lane `j` becomes `v[j]` lane `i`.
+#[inline(always)]
+unsafe fn transpose8(v: &mut [__m256i; 8]) {
+    unsafe {
+        let t: [__m256i; 8] = [
+            _mm256_unpacklo_epi32(v[0], v[1]),
+            _mm256_unpackhi_epi32(v[0], v[1]),
+            _mm256_unpacklo_epi32(v[2], v[3]),
+            _mm256_unpackhi_epi32(v[2], v[3]),
+            _mm256_unpacklo_epi32(v[4], v[5]),
+            _mm256_unpackhi_epi32(v[4], v[5]),
+            _mm256_unpacklo_epi32(v[6], v[7]),
+            _mm256_unpackhi_epi32(v[6], v[7]),
+        ];
+        // u[k] holds dword k (low half) and k + 4 (high half) of rows 0-3 (u[k]) or 4-7 (u[k + 4]).
+        let u: [__m256i; 8] = [
+            _mm256_unpacklo_epi64(t[0], t[2]),
+            _mm256_unpackhi_epi64(t[0], t[2]),
+            _mm256_unpacklo_epi64(t[1], t[3]),
+            _mm256_unpackhi_epi64(t[1], t[3]),
+            _mm256_unpacklo_epi64(t[4], t[6]),
+            _mm256_unpackhi_epi64(t[4], t[6]),
+            _mm256_unpacklo_epi64(t[5], t[7]),
+            _mm256_unpackhi_epi64(t[5], t[7]),
+        ];
+        for k in 0..4 {
+            v[k] = _mm256_permute2x128_si256::<0x20>(u[k], u[k + 4]);
+            v[k + 4] = _mm256_permute2x128_si256::<0x31>(u[k], u[k + 4]);
+        }
+    }
+}
+
+/// Scratch for one panel, 32-byte aligned.
+struct Panel(Vec<__m256i>);
+
+impl Panel {
+    fn new(bytes: usize) -> Self {
+        // SAFETY: all-zero bytes are a valid __m256i.
+        Panel(vec![unsafe { _mm256_setzero_si256() }; bytes.div_ceil(32)])
+    }
+
+    fn ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr().cast()
+    }
+}
+
+/// Stores the first `n` lanes of `v` to `out[c][r0..]` for each column.
+#[inline(always)]
+unsafe fn store_rows<const C: usize>(acc: &[__m256; C], out: &mut [&mut [f32]], c0: usize, r0: usize, n: usize) {
+    let mut lanes = [0.0f32; ROWS];
+    for (c, acc) in acc.iter().enumerate() {
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc) };
+        out[c0 + c][r0..r0 + n].copy_from_slice(&lanes[..n]);
+    }
+}
+
+/// Runs `pass::<COLS>` over the activation rows, then `pass::<1>` for the rest.
+macro_rules! each_cols {
+    ($m:expr, |$c:ident, $cols:ident| $body:expr) => {{
+        let mut $c = 0;
+        while $c + COLS <= $m {
+            {
+                const $cols: usize = COLS;
+                $body;
+            }
+            $c += COLS;
+        }
+        while $c < $m {
+            {
+                const $cols: usize = 1;
+                $body;
+            }
+            $c += 1;
+        }
+    }};
+}
+
+/// Bytes per 32-element block in a legacy panel: quants, then f32 scales and mins per row.
+const LEGACY_BLOCK: usize = 32 * ROWS + 2 * 4 * ROWS;
+
+/// # Safety
+/// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    let nb = x.nb;
+    let mut panel = Panel::new(nb * LEGACY_BLOCK);
+    let p = panel.ptr();
+    for r0 in (0..rows).step_by(ROWS) {
+        let n = ROWS.min(rows - r0);
+        unsafe {
+            build_legacy::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
+            each_cols!(m, |c, C| {
+                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                let acc = legacy_pass::<F, C>(p, nb, &a);
+                store_rows(&acc, out, c, r0, n);
+            });
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+    unsafe {
+        for b in 0..nb {
+            let mut v = [_mm256_setzero_si256(); ROWS];
+            let mut scales = [0.0f32; ROWS];
+            let mut mins = [0.0f32; ROWS];
+            for r in 0..n {
+                let p = w.add(r * row_bytes + b * F::BYTES);
+                v[r] = F::unsigned_values::<Vnni>(p);
+                scales[r] = _mm256_cvtss_f32(F::scales(p, 1));
+                if F::OFFSET_LOG2.is_none() {
+                    mins[r] = _mm256_cvtss_f32(F::mins(p, 1));
+                }
+            }
+            transpose8(&mut v);
+            let out = panel.add(b * LEGACY_BLOCK);
+            for (s, v) in v.iter().enumerate() {
+                _mm256_store_si256(out.add(32 * s).cast(), *v);
+            }
+            _mm256_store_ps(out.add(32 * ROWS).cast(), _mm256_loadu_ps(scales.as_ptr()));
+            _mm256_store_ps(out.add(36 * ROWS).cast(), _mm256_loadu_ps(mins.as_ptr()));
+        }
+    }
+}
+
+/// One pass of `C` activation rows over a legacy panel: per lane (weight row), the dot product.
+#[inline(always)]
+unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+    // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
+    let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * LEGACY_BLOCK);
+            let mut sums = [_mm256_setzero_si256(); C];
+            if let Some(shift) = F::OFFSET_LOG2 {
+                for c in 0..C {
+                    sums[c] = _mm256_set1_epi32(*a[c].neg_sums.add(b) << shift);
+                }
+            }
+            for s in 0..8 {
+                let wv = _mm256_load_si256(block.add(32 * s).cast());
+                for c in 0..C {
+                    let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
+                    sums[c] = _mm256_dpbusd_epi32(sums[c], wv, av);
+                }
+            }
+            let scales = _mm256_load_ps(block.add(32 * ROWS).cast());
+            for c in 0..C {
+                let d = _mm256_mul_ps(scales, _mm256_broadcast_ss(&*a[c].d.add(b)));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+            if F::OFFSET_LOG2.is_none() {
+                let mins = _mm256_load_ps(block.add(36 * ROWS).cast());
+                for c in 0..C {
+                    acc[c] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(&*a[c].s.add(b)), acc[c]);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Layout of one super-block in a k-quant panel: quants `[32 steps][ROWS][4]`, then i32 group
+/// scales `[16][ROWS]`, i16 correction pairs `[8][ROWS][2]`, and f32 `d` and `dmin` per row.
+const K_SCALES: usize = 256 * ROWS;
+const K_CORR: usize = K_SCALES + 16 * 4 * ROWS;
+const K_D: usize = K_CORR + 8 * 4 * ROWS;
+const K_DMIN: usize = K_D + 4 * ROWS;
+const K_BLOCK: usize = K_DMIN + 4 * ROWS;
+
+/// Bytes of a Q8_K block; quants at 4, `bsums` at 260.
+const Q8K_BYTES: usize = 292;
+
+/// # Safety
+/// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    let nb = x.nb;
+    let mut panel = Panel::new(nb * K_BLOCK);
+    let p = panel.ptr();
+    for r0 in (0..rows).step_by(ROWS) {
+        let n = ROWS.min(rows - r0);
+        unsafe {
+            build_kquant::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
+            each_cols!(m, |c, C| {
+                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                let acc = kquant_pass::<F, C>(p, nb, &a);
+                store_rows(&acc, out, c, r0, n);
+            });
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        for b in 0..nb {
+            let out = panel.add(b * K_BLOCK);
+            let mut prep = [Prep::zeroed(); ROWS];
+            for (r, prep) in prep.iter_mut().enumerate().take(n) {
+                *prep = F::prepare(w.add(r * row_bytes + b * F::BYTES));
+            }
+            for j in 0..8 {
+                let mut v = [zero; ROWS];
+                for r in 0..n {
+                    v[r] = F::chunk::<Vnni>(w.add(r * row_bytes + b * F::BYTES), &prep[r], j).0;
+                }
+                transpose8(&mut v);
+                for (s, v) in v.iter().enumerate() {
+                    _mm256_store_si256(out.add(32 * (8 * j + s)).cast(), *v);
+                }
+            }
+            let scales = out.add(K_SCALES).cast::<i32>();
+            let mut corr = [zero; ROWS];
+            let mut d = [0.0f32; ROWS];
+            let mut dmin = [0.0f32; ROWS];
+            for r in 0..ROWS {
+                let group_scales = F::group_scales(&prep[r]);
+                for (g, &s) in group_scales.iter().enumerate().take(256 / F::GROUP) {
+                    *scales.add(g * ROWS + r) = s;
+                }
+                corr[r] = prep[r].corr;
+                d[r] = _mm256_cvtss_f32(prep[r].d);
+                dmin[r] = _mm256_cvtss_f32(prep[r].dmin);
+            }
+            transpose8(&mut corr);
+            for (p, v) in corr.iter().enumerate() {
+                _mm256_store_si256(out.add(K_CORR + 32 * p).cast(), *v);
+            }
+            _mm256_store_ps(out.add(K_D).cast(), _mm256_loadu_ps(d.as_ptr()));
+            _mm256_store_ps(out.add(K_DMIN).cast(), _mm256_loadu_ps(dmin.as_ptr()));
+        }
+    }
+}
+
+/// One pass of `C` activation rows over a k-quant panel.
+#[inline(always)]
+unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let mut acc = [_mm256_setzero_ps(); C];
+        let steps = F::GROUP / 4;
+        for b in 0..nb {
+            let block = panel.add(b * K_BLOCK);
+            let mut sums = [zero; C];
+            for g in 0..256 / F::GROUP {
+                let mut group = [zero; C];
+                for s in 0..steps {
+                    let step = g * steps + s;
+                    let wv = _mm256_load_si256(block.add(32 * step).cast());
+                    for c in 0..C {
+                        let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 4 + 4 * step)) as i32);
+                        group[c] = _mm256_dpbusd_epi32(group[c], wv, av);
+                    }
+                }
+                let scale = _mm256_load_si256(block.add(K_SCALES + 32 * g).cast());
+                for c in 0..C {
+                    sums[c] = _mm256_add_epi32(sums[c], _mm256_mullo_epi32(group[c], scale));
+                }
+            }
+            let mut corr = [zero; C];
+            for p in 0..8 {
+                let cv = _mm256_load_si256(block.add(K_CORR + 32 * p).cast());
+                for c in 0..C {
+                    let bsums = _mm256_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 260 + 4 * p)) as i32);
+                    corr[c] = _mm256_dpwssd_epi32(corr[c], cv, bsums);
+                }
+            }
+            let d = _mm256_load_ps(block.add(K_D).cast());
+            let dmin = _mm256_load_ps(block.add(K_DMIN).cast());
+            for c in 0..C {
+                let da = _mm256_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                if F::OFFSET {
+                    let total = _mm256_sub_epi32(sums[c], corr[c]);
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, da), acc[c]);
+                } else {
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), _mm256_mul_ps(d, da), acc[c]);
+                    acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[c]), _mm256_mul_ps(dmin, da), acc[c]);
+                }
+            }
+        }
+        acc
+    }
+}

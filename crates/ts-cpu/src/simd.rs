@@ -1,0 +1,177 @@
+//! x86 building blocks shared by the kernels. Every function here is `#[inline(always)]` so
+//! that it is compiled into, and with the target features of, the kernel that calls it.
+
+use std::arch::x86_64::*;
+
+/// The integer dot product step, per instruction set.
+pub(crate) trait Dot {
+    /// The largest unsigned byte [`Dot::dpbusd`] multiplies exactly by any quantized activation.
+    const MAX_UNSIGNED: u8;
+    /// `acc` plus, per 32-bit lane, the four products of the unsigned bytes of `u` with the
+    /// signed bytes of `s`. The AVX2 form sums pairs in i16 first, which is exact when
+    /// `u <= 128` and `|s| <= 127`; every caller stays in that range.
+    unsafe fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+    /// `acc` plus, per 32-bit lane, the two products of the i16 lanes of `a` and `b`.
+    unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+    /// `v` plus `byte` in byte `i` wherever bit `i` of `bits` is set.
+    unsafe fn add_where(v: __m256i, bits: u32, byte: i8) -> __m256i;
+    /// From 16 i16 lanes `s`: `s[2 j]` in the low 8 lanes, `s[2 j + 1]` in the high 8.
+    unsafe fn pair_lanes(s: __m256i, j: usize) -> __m256i;
+}
+
+/// AVX2 with FMA and F16C.
+pub(crate) struct Avx2;
+
+/// AVX-512 VNNI on 256-bit vectors (`vpdpbusd`), with AVX2, FMA and F16C.
+pub(crate) struct Vnni;
+
+impl Dot for Avx2 {
+    const MAX_UNSIGNED: u8 = 128;
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))) }
+    }
+    #[inline(always)]
+    unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn add_where(v: __m256i, bits: u32, byte: i8) -> __m256i {
+        unsafe { _mm256_add_epi8(v, _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(byte))) }
+    }
+    #[inline(always)]
+    unsafe fn pair_lanes(s: __m256i, j: usize) -> __m256i {
+        unsafe {
+            // Both lanes are in one 128-bit half: copy it to both, then pick within each.
+            let half = if j < 4 { _mm256_permute4x64_epi64::<0x44>(s) } else { _mm256_permute4x64_epi64::<0xee>(s) };
+            let lo = (4 * j % 16) as i16;
+            let pick =
+                _mm256_set_m128i(_mm_set1_epi16(((lo + 3) << 8) | (lo + 2)), _mm_set1_epi16(((lo + 1) << 8) | lo));
+            _mm256_shuffle_epi8(half, pick)
+        }
+    }
+}
+
+impl Dot for Vnni {
+    const MAX_UNSIGNED: u8 = 255;
+    #[inline(always)]
+    unsafe fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        unsafe { _mm256_dpbusd_epi32(acc, u, s) }
+    }
+    #[inline(always)]
+    unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        unsafe { _mm256_dpwssd_epi32(acc, a, b) }
+    }
+    #[inline(always)]
+    unsafe fn add_where(v: __m256i, bits: u32, byte: i8) -> __m256i {
+        unsafe { _mm256_mask_add_epi8(v, bits, v, _mm256_set1_epi8(byte)) }
+    }
+    #[inline(always)]
+    unsafe fn pair_lanes(s: __m256i, j: usize) -> __m256i {
+        // vpermw measured slower on Zen 4 than the two AVX2 shuffles.
+        unsafe { Avx2::pair_lanes(s, j) }
+    }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
+    unsafe {
+        let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+    }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn hmax_ps(v: __m256) -> f32 {
+    unsafe {
+        let x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)))
+    }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    unsafe {
+        let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+        _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x)))
+    }
+}
+
+/// Reads a little-endian u16 at any alignment.
+#[inline(always)]
+pub(crate) unsafe fn read_u16(p: *const u8) -> u16 {
+    unsafe { p.cast::<u16>().read_unaligned() }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
+    unsafe { p.cast::<u32>().read_unaligned() }
+}
+
+/// The f16 at `p` in all lanes, as f32.
+#[inline(always)]
+pub(crate) unsafe fn bcast_f16(p: *const u8) -> __m256 {
+    unsafe { _mm256_cvtph_ps(_mm_set1_epi16(read_u16(p) as i16)) }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn f16_to_f32(p: *const u8) -> f32 {
+    unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(read_u16(p) as i32))) }
+}
+
+#[inline(always)]
+pub(crate) unsafe fn loadu(p: *const u8) -> __m256i {
+    unsafe { _mm256_loadu_si256(p.cast()) }
+}
+
+/// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high nibbles.
+#[inline(always)]
+pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
+    unsafe {
+        let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast()));
+        let shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f))
+    }
+}
+
+/// The f16 values at `p`, `p + stride`, ... (`n <= 8` of them; lanes past `n` are zero), as f32.
+#[inline(always)]
+pub(crate) unsafe fn gather_f16(p: *const u8, stride: usize, n: usize) -> __m256 {
+    unsafe {
+        // Packed in general registers: narrow stores into a buffer would stall the wide load.
+        let mut words = [0u64; 2];
+        for i in 0..n {
+            words[i / 4] |= (read_u16(p.add(i * stride)) as u64) << (16 * (i % 4));
+        }
+        _mm256_cvtph_ps(_mm_set_epi64x(words[1] as i64, words[0] as i64))
+    }
+}
+
+/// `n <= 8` floats at `p`; lanes past `n` are zero and their memory is not read.
+#[inline(always)]
+pub(crate) unsafe fn load_ps_n(p: *const f32, n: usize) -> __m256 {
+    unsafe {
+        if n == 8 {
+            _mm256_loadu_ps(p)
+        } else {
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes))
+        }
+    }
+}
+
+/// Byte `i` is 0xff where bit `i` of `bits` is set, else 0.
+#[inline(always)]
+pub(crate) unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+    unsafe {
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
+    }
+}

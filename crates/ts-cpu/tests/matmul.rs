@@ -1,0 +1,271 @@
+//! matmul against ts-quant's scalar reference and against exact dot products of the
+//! dequantized rows, for every type, several shapes and every available instruction set.
+
+mod common;
+
+use common::{Aligned, Rng, TYPES, dequantized, exact_dot, magnitude, tolerance, weights};
+use ts_cpu::{CpuError, GgmlType, Isa, QuantizedRows, activation_type, matmul, matmul_strided, matmul_with_isa};
+
+/// Values of `k` for a type: one block, a few blocks, and real models' widths that fit.
+fn ks(ty: GgmlType) -> Vec<usize> {
+    let block = (ty.block_size() as usize).max(32);
+    let mut ks = vec![block, 3 * block];
+    ks.extend([896, 4864, 2048].into_iter().filter(|k| k % block == 0));
+    if !ty.is_quantized() {
+        ks.push(37); // float rows of any length
+    }
+    ks
+}
+
+fn isas() -> Vec<Isa> {
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_available()).collect()
+}
+
+fn run(isa: Isa, ty: GgmlType, w: &[u8], n_out: usize, k: usize, x: &QuantizedRows) -> Vec<f32> {
+    let mut out = vec![f32::NAN; x.m() * n_out];
+    matmul_with_isa(isa, ty, w, n_out, k, x, &mut out, n_out).unwrap_or_else(|e| panic!("{ty} {isa}: {e}"));
+    out
+}
+
+/// A product to check: weights, their shape, and the activations before and after quantization.
+struct Case<'a> {
+    ty: GgmlType,
+    w: &'a [u8],
+    n_out: usize,
+    k: usize,
+    xf: &'a [f32],
+    x: &'a QuantizedRows,
+}
+
+/// Checks `got` (m x n_out) against ts-quant's `vec_dot` and against the exact dot product.
+fn check(case: &Case, got: &[f32], what: &str) {
+    let Case { ty, w, n_out, k, xf, x } = *case;
+    let m = x.m();
+    let act_ty = x.ty();
+    let row_bytes = w.len() / n_out;
+    let w_rows: Vec<Vec<f32>> =
+        (0..n_out).map(|j| dequantized(ty, &w[j * row_bytes..(j + 1) * row_bytes], k)).collect();
+    for i in 0..m {
+        let a =
+            if act_ty == GgmlType::F32 { xf[i * k..(i + 1) * k].to_vec() } else { dequantized(act_ty, x.row(i), k) };
+        for (j, wf) in w_rows.iter().enumerate() {
+            let got = got[i * n_out + j];
+            let mut tol = tolerance(ty, wf, &a);
+            if ty.is_quantized() {
+                let w_row = Aligned::new(&w[j * row_bytes..(j + 1) * row_bytes], 0);
+                let reference = ts_quant::vec_dot(ty, w_row.bytes(), x.row(i)).unwrap();
+                assert!(
+                    (got as f64 - reference as f64).abs() <= 2.0 * tol,
+                    "{what}: ({i}, {j}) = {got} but vec_dot gives {reference}, tolerance {:e}",
+                    2.0 * tol
+                );
+            }
+            if act_ty == GgmlType::Q8_1 {
+                // `s` is stored as f16 (see ts-quant's property tests).
+                tol += 2f64.powi(-10) * magnitude(ty, wf, &a);
+            }
+            let exact = exact_dot(wf, &a);
+            assert!(
+                (got as f64 - exact).abs() <= tol,
+                "{what}: ({i}, {j}) = {got} but exactly {exact}, difference {:e} > {tol:e}",
+                (got as f64 - exact).abs()
+            );
+        }
+    }
+}
+
+#[test]
+fn every_type_and_shape_matches_the_references() {
+    for ty in TYPES {
+        let mut rng = Rng::new(ty.id() as u64);
+        for k in ks(ty) {
+            for (n_out, m) in [(1, 1), (7, 1), (13, 2), (5, 5), (21, 64)] {
+                let has_min =
+                    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
+                // Arbitrary blocks only for formats without mins (see `tolerance`).
+                let random = !has_min && n_out % 2 == 1 && m < 64;
+                if m == 64 && k > 2048 {
+                    continue;
+                }
+                let w = weights(&mut rng, ty, n_out, k, random);
+                let xf = rng.rows(m * k);
+                let mut x = QuantizedRows::new();
+                x.quantize(ty, &xf, k).unwrap();
+                for isa in isas() {
+                    let got = run(isa, ty, &w, n_out, k, &x);
+                    let what = format!("{ty} {isa} k={k} n_out={n_out} m={m} random={random}");
+                    check(&Case { ty, w: &w, n_out, k, xf: &xf, x: &x }, &got, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn instruction_sets_agree() {
+    let isas = isas();
+    for ty in TYPES {
+        let mut rng = Rng::new(100 + ty.id() as u64);
+        let k = if ty.block_size() == 256 { 2048 } else { 896 };
+        for m in [1, 3, 8, 33] {
+            let n_out = 19;
+            let w = weights(&mut rng, ty, n_out, k, false);
+            let xf = rng.rows(m * k);
+            let mut x = QuantizedRows::new();
+            x.quantize(ty, &xf, k).unwrap();
+            let results: Vec<Vec<f32>> = isas.iter().map(|&isa| run(isa, ty, &w, n_out, k, &x)).collect();
+            let w_rows: Vec<Vec<f32>> =
+                (0..n_out).map(|j| dequantized(ty, &w[j * w.len() / n_out..][..w.len() / n_out], k)).collect();
+            for i in 0..m {
+                let a = if x.ty() == GgmlType::F32 {
+                    xf[i * k..(i + 1) * k].to_vec()
+                } else {
+                    dequantized(x.ty(), x.row(i), k)
+                };
+                for (j, wf) in w_rows.iter().enumerate() {
+                    let tol = 2.0 * tolerance(ty, wf, &a);
+                    for (isa, r) in isas.iter().zip(&results).skip(1) {
+                        let (a, b) = (results[0][i * n_out + j], r[i * n_out + j]);
+                        assert!((a - b).abs() as f64 <= tol, "{ty} m={m}: {} gives {a}, {isa} {b}", isas[0]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_results() {
+    for ty in TYPES {
+        let mut rng = Rng::new(200 + ty.id() as u64);
+        let k = if ty.block_size() == 256 { 1024 } else { 896 };
+        let n_out = 301;
+        let w = weights(&mut rng, ty, n_out, k, false);
+        for m in [1, 2, 9] {
+            let xf = rng.rows(m * k);
+            let results: Vec<Vec<f32>> = [1, 2, 3]
+                .into_iter()
+                .map(|threads| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| {
+                        let mut x = QuantizedRows::new();
+                        x.quantize(ty, &xf, k).unwrap();
+                        let mut out = vec![0.0; m * n_out];
+                        matmul(ty, &w, n_out, k, &x, &mut out).unwrap();
+                        out
+                    })
+                })
+                .collect();
+            assert!(
+                results.iter().all(|r| r.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits())),
+                "{ty} m={m}"
+            );
+        }
+    }
+}
+
+#[test]
+fn strided_output_and_unaligned_weights() {
+    for ty in TYPES {
+        let mut rng = Rng::new(300 + ty.id() as u64);
+        let k = (ty.block_size() as usize).max(32) * 2;
+        let (n_out, m, stride) = (11, 6, 29);
+        let w = weights(&mut rng, ty, n_out, k, false);
+        let xf = rng.rows(m * k);
+        let mut x = QuantizedRows::new();
+        x.quantize(ty, &xf, k).unwrap();
+        let mut dense = vec![0.0; m * n_out];
+        matmul(ty, &w, n_out, k, &x, &mut dense).unwrap();
+        for offset in [1, 3] {
+            // Like one expert's slice of a stacked tensor, at an odd address.
+            let shifted = Aligned::new(&w, offset);
+            for isa in isas() {
+                let mut out = vec![-7.0f32; (m - 1) * stride + n_out];
+                matmul_with_isa(isa, ty, shifted.bytes(), n_out, k, &x, &mut out, stride).unwrap();
+                for i in 0..m {
+                    let row = &out[i * stride..];
+                    for j in 0..n_out {
+                        let want = dense[i * n_out + j];
+                        assert!(
+                            (row[j] - want).abs() <= 1e-3 * want.abs().max(1.0),
+                            "{ty} {isa}: {} vs {want}",
+                            row[j]
+                        );
+                    }
+                    if i + 1 < m {
+                        assert!(row[n_out..stride].iter().all(|&v| v == -7.0), "{ty} {isa}: gap written");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn errors_name_the_problem() {
+    use GgmlType::*;
+    let mut x = QuantizedRows::new();
+    let xf = vec![0.5f32; 512];
+
+    for ty in [IQ2_XXS, Q8_K, Q8_1, I8, NVFP4] {
+        let err = x.quantize(ty, &xf, 256).unwrap_err();
+        assert_eq!(err, CpuError::Unsupported(ty));
+        assert_eq!(err.to_string(), format!("tensor type {} has no CPU matmul", ty.name()));
+        assert_eq!(matmul(ty, &[], 0, 256, &x, &mut []).unwrap_err(), CpuError::Unsupported(ty));
+    }
+    assert_eq!(activation_type(Q5_1), Ok(Q8_1));
+    assert_eq!(activation_type(BF16), Ok(F32));
+
+    assert!(matches!(x.quantize(Q4_K, &xf, 128), Err(CpuError::PartialBlock { k: 128, block_size: 256, .. })));
+    assert!(matches!(x.quantize(Q4_0, &xf, 0), Err(CpuError::PartialBlock { .. })));
+    assert!(matches!(x.quantize(Q4_0, &xf[..100], 64), Err(CpuError::WrongLength { .. })));
+
+    x.quantize(Q4_0, &xf, 256).unwrap();
+    assert_eq!(x.m(), 2);
+    let w = vec![0u8; 3 * 8 * 18];
+    let mut out = vec![0.0f32; 6];
+    matmul(Q4_0, &w, 3, 256, &x, &mut out).unwrap();
+    // Q8_0 weights pair with the same activations; Q4_1 and Q4_K do not.
+    matmul(Q8_0, &vec![0u8; 3 * 8 * 34], 3, 256, &x, &mut out).unwrap();
+    let err = matmul(Q4_1, &vec![0u8; 3 * 8 * 20], 3, 256, &x, &mut out).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "activations were quantized as Q8_0 rows of 256, but Q4_1 weights with k = 256 need Q8_1"
+    );
+    assert!(matches!(matmul(Q4_0, &w, 3, 224, &x, &mut out), Err(CpuError::Activations { .. })));
+    assert!(matches!(matmul(Q4_0, &w, 3, 250, &x, &mut out), Err(CpuError::PartialBlock { k: 250, .. })));
+    let err = matmul(Q4_0, &w[1..], 3, 256, &x, &mut out).unwrap_err();
+    assert_eq!(err.to_string(), "weights (bytes) holds 431, but 432 are needed");
+    assert!(matches!(matmul(Q4_0, &w, 3, 256, &x, &mut out[..5]), Err(CpuError::WrongLength { .. })));
+    assert_eq!(
+        matmul_strided(Q4_0, &w, 3, 256, &x, &mut out, 2).unwrap_err(),
+        CpuError::Stride { stride: 2, n_out: 3 }
+    );
+    let mut long = vec![0.0f32; 7];
+    matmul_strided(Q4_0, &w, 3, 256, &x, &mut long, 4).unwrap();
+    assert!(matches!(matmul_strided(Q4_0, &w, 3, 256, &x, &mut long[..6], 4), Err(CpuError::WrongLength { .. })));
+    assert!(matches!(matmul(Q4_0, &w, usize::MAX / 2, 256, &x, &mut out), Err(CpuError::WrongLength { .. })));
+
+    // Empty batches and empty outputs are fine.
+    x.quantize(Q4_0, &[], 256).unwrap();
+    assert_eq!(x.m(), 0);
+    matmul(Q4_0, &w, 3, 256, &x, &mut []).unwrap();
+    x.quantize(Q4_0, &xf, 256).unwrap();
+    matmul(Q4_0, &[], 0, 256, &x, &mut []).unwrap();
+}
+
+#[test]
+fn arbitrary_weight_bytes_never_panic() {
+    let mut rng = Rng::new(9);
+    for ty in TYPES {
+        let k = (ty.block_size() as usize).max(32) * 2;
+        let bytes: Vec<u8> = (0..ty.bytes_for(5 * k as u64).unwrap()).map(|_| rng.next_u64() as u8).collect();
+        let xf = rng.rows(3 * k);
+        let mut x = QuantizedRows::new();
+        x.quantize(ty, &xf, k).unwrap();
+        for isa in isas() {
+            let mut out = vec![0.0; 15];
+            matmul_with_isa(isa, ty, &bytes, 5, k, &x, &mut out, 5).unwrap();
+        }
+    }
+}
