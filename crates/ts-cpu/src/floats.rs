@@ -99,10 +99,11 @@ mod x86 {
             n: usize,
         ) -> [[f32; C]; R] {
             unsafe {
-                // Four accumulators per pair of rows: FMA latency would bound a single chain.
+                // Small tiles get four accumulators per pair of rows: FMA latency would bound a
+                // single chain. Tiles of 4 pairs or more have chains enough.
                 let mut acc = [[[_mm256_setzero_ps(); C]; R]; 4];
                 let mut i = 0;
-                while i + 32 <= n {
+                while R * C < 4 && i + 32 <= n {
                     for (u, acc) in acc.iter_mut().enumerate() {
                         step::<F, R, C>(w, row_bytes, a, i + 8 * u, acc);
                     }

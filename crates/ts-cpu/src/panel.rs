@@ -1,9 +1,9 @@
 //! Interleaved weight panels for batches, on AVX-512 VNNI.
 //!
-//! A panel holds `ROWS` weight rows unpacked to unsigned bytes and interleaved four elements
-//! at a time, `[step][row][4 bytes]`, so that one `vpdpbusd` of a panel vector with four
-//! activation bytes broadcast to every lane adds a step of each row's dot product to that
-//! row's lane. Each lane then sums one (weight row, activation row) pair block by block, and
+//! A panel holds `ROWS` = 16 weight rows unpacked to unsigned bytes and interleaved four
+//! elements at a time, `[step][row][4 bytes]`, so that one 512-bit `vpdpbusd` of a panel vector
+//! with four activation bytes broadcast to every lane adds a step of each row's dot product to
+//! that row's lane. Each lane then sums one (weight row, activation row) pair block by block, and
 //! scales are applied to whole vectors of rows. Unpacking a panel (with the transposition it
 //! needs) is done once and repaid over every activation row of the batch.
 //!
@@ -17,20 +17,29 @@ use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
 use crate::dispatch::TileFn;
+use crate::floats::{Bf16, F16, F32, FloatFormat};
 use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::simd::{Vnni, read_u32};
 
-/// Weight rows per panel: one 32-bit lane each.
-pub(crate) const ROWS: usize = 8;
+/// Weight rows per panel: one 32-bit lane of a 512-bit vector each.
+pub(crate) const ROWS: usize = 16;
 
 /// Activation rows per pass over a panel.
 const COLS: usize = 4;
 
+/// The smallest batch for which the panel kernel of `ty` beats the direct one (measured).
+pub(crate) fn min_batch(ty: GgmlType) -> usize {
+    if ty.is_quantized() { 4 } else { 12 }
+}
+
 pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
     use GgmlType as T;
     let tile: TileFn = match ty {
+        T::F32 => float_tile::<F32>,
+        T::F16 => float_tile::<F16>,
+        T::BF16 => float_tile::<Bf16>,
         T::Q4_0 => legacy_tile::<Q4_0>,
         T::Q4_1 => legacy_tile::<Q4_1>,
         T::Q5_0 => legacy_tile::<Q5_0>,
@@ -79,13 +88,13 @@ unsafe fn transpose8(v: &mut [__m256i; 8]) {
     }
 }
 
-/// Scratch for one panel, 32-byte aligned.
-struct Panel(Vec<__m256i>);
+/// Scratch for one panel, 64-byte aligned.
+struct Panel(Vec<__m512i>);
 
 impl Panel {
     fn new(bytes: usize) -> Self {
-        // SAFETY: all-zero bytes are a valid __m256i.
-        Panel(vec![unsafe { _mm256_setzero_si256() }; bytes.div_ceil(32)])
+        // SAFETY: all-zero bytes are a valid __m512i.
+        Panel(vec![unsafe { std::mem::zeroed() }; bytes.div_ceil(64)])
     }
 
     fn ptr(&mut self) -> *mut u8 {
@@ -93,26 +102,54 @@ impl Panel {
     }
 }
 
+/// Unpacks quants of 16 rows and stores them interleaved: `rows(r)` gives row `r`'s 32
+/// quants (zero past `n`); the 8 steps go to `out + 64 s`, rows 0-7 then rows 8-15.
+#[inline(always)]
+unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) -> __m256i) {
+    unsafe {
+        for half in 0..2 {
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (i, v) in v.iter_mut().enumerate() {
+                if 8 * half + i < n {
+                    *v = rows(8 * half + i);
+                }
+            }
+            transpose8(&mut v);
+            for (s, v) in v.iter().enumerate() {
+                _mm256_store_si256(out.add(64 * s + 32 * half).cast(), *v);
+            }
+        }
+    }
+}
+
 /// Stores the first `n` lanes of `v` to `out[c][r0..]` for each column.
 #[inline(always)]
-unsafe fn store_rows<const C: usize>(acc: &[__m256; C], out: &mut [&mut [f32]], c0: usize, r0: usize, n: usize) {
+unsafe fn store_rows<const C: usize>(acc: &[__m512; C], out: &mut [&mut [f32]], c0: usize, r0: usize, n: usize) {
     let mut lanes = [0.0f32; ROWS];
     for (c, acc) in acc.iter().enumerate() {
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc) };
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
         out[c0 + c][r0..r0 + n].copy_from_slice(&lanes[..n]);
     }
 }
 
-/// Runs `pass::<COLS>` over the activation rows, then `pass::<1>` for the rest.
+/// Runs `body` with `$cols = $n` over the activation rows, then with `$cols = 4` (if `$n` is
+/// larger) and `$cols = 1` for the rest.
 macro_rules! each_cols {
-    ($m:expr, |$c:ident, $cols:ident| $body:expr) => {{
+    ($m:expr, $n:expr, |$c:ident, $cols:ident| $body:expr) => {{
         let mut $c = 0;
-        while $c + COLS <= $m {
+        while $c + $n <= $m {
             {
-                const $cols: usize = COLS;
+                const $cols: usize = $n;
                 $body;
             }
-            $c += COLS;
+            $c += $n;
+        }
+        while $n > 4 && $c + 4 <= $m {
+            {
+                const $cols: usize = 4;
+                $body;
+            }
+            $c += 4;
         }
         while $c < $m {
             {
@@ -140,7 +177,7 @@ unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &
         let n = ROWS.min(rows - r0);
         unsafe {
             build_legacy::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
-            each_cols!(m, |c, C| {
+            each_cols!(m, COLS, |c, C| {
                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                 let acc = legacy_pass::<F, C>(p, nb, &a);
                 store_rows(&acc, out, c, r0, n);
@@ -153,59 +190,54 @@ unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &
 unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
     unsafe {
         for b in 0..nb {
-            let mut v = [_mm256_setzero_si256(); ROWS];
+            let out = panel.add(b * LEGACY_BLOCK);
+            let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
+            store_interleaved(out, n, |r| F::unsigned_values::<Vnni>(row(r)));
             let mut scales = [0.0f32; ROWS];
             let mut mins = [0.0f32; ROWS];
             for r in 0..n {
-                let p = w.add(r * row_bytes + b * F::BYTES);
-                v[r] = F::unsigned_values::<Vnni>(p);
-                scales[r] = _mm256_cvtss_f32(F::scales(p, 1));
+                scales[r] = _mm256_cvtss_f32(F::scales(row(r), 1));
                 if F::OFFSET_LOG2.is_none() {
-                    mins[r] = _mm256_cvtss_f32(F::mins(p, 1));
+                    mins[r] = _mm256_cvtss_f32(F::mins(row(r), 1));
                 }
             }
-            transpose8(&mut v);
-            let out = panel.add(b * LEGACY_BLOCK);
-            for (s, v) in v.iter().enumerate() {
-                _mm256_store_si256(out.add(32 * s).cast(), *v);
-            }
-            _mm256_store_ps(out.add(32 * ROWS).cast(), _mm256_loadu_ps(scales.as_ptr()));
-            _mm256_store_ps(out.add(36 * ROWS).cast(), _mm256_loadu_ps(mins.as_ptr()));
+            _mm512_store_ps(out.add(32 * ROWS).cast(), _mm512_loadu_ps(scales.as_ptr()));
+            _mm512_store_ps(out.add(36 * ROWS).cast(), _mm512_loadu_ps(mins.as_ptr()));
         }
     }
 }
 
 /// One pass of `C` activation rows over a legacy panel: per lane (weight row), the dot product.
 #[inline(always)]
-unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
     let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
     unsafe {
-        let mut acc = [_mm256_setzero_ps(); C];
+        let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * LEGACY_BLOCK);
-            let mut sums = [_mm256_setzero_si256(); C];
-            if let Some(shift) = F::OFFSET_LOG2 {
+            let mut sums = [_mm512_setzero_si512(); C];
+            if let Some(log2) = F::OFFSET_LOG2 {
                 for c in 0..C {
-                    sums[c] = _mm256_set1_epi32(*a[c].neg_sums.add(b) << shift);
+                    sums[c] = _mm512_set1_epi32(*a[c].neg_sums.add(b) << log2);
                 }
             }
             for s in 0..8 {
-                let wv = _mm256_load_si256(block.add(32 * s).cast());
+                let wv = _mm512_load_si512(block.add(64 * s).cast());
                 for c in 0..C {
-                    let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
-                    sums[c] = _mm256_dpbusd_epi32(sums[c], wv, av);
+                    let av = _mm512_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], wv, av);
                 }
             }
-            let scales = _mm256_load_ps(block.add(32 * ROWS).cast());
+            let scales = _mm512_load_ps(block.add(32 * ROWS).cast());
             for c in 0..C {
-                let d = _mm256_mul_ps(scales, _mm256_broadcast_ss(&*a[c].d.add(b)));
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
+                let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
             }
             if F::OFFSET_LOG2.is_none() {
-                let mins = _mm256_load_ps(block.add(36 * ROWS).cast());
+                let mins = _mm512_load_ps(block.add(36 * ROWS).cast());
                 for c in 0..C {
-                    acc[c] = _mm256_fmadd_ps(mins, _mm256_broadcast_ss(&*a[c].s.add(b)), acc[c]);
+                    acc[c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(*a[c].s.add(b)), acc[c]);
                 }
             }
         }
@@ -213,7 +245,7 @@ unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a:
     }
 }
 
-/// Layout of one super-block in a k-quant panel: quants `[32 steps][ROWS][4]`, then i32 group
+/// Layout of one super-block in a k-quant panel: quants `[64 steps][ROWS][4]`, then i32 group
 /// scales `[16][ROWS]`, i16 correction pairs `[8][ROWS][2]`, and f32 `d` and `dmin` per row.
 const K_SCALES: usize = 256 * ROWS;
 const K_CORR: usize = K_SCALES + 16 * 4 * ROWS;
@@ -237,7 +269,7 @@ unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: 
         let n = ROWS.min(rows - r0);
         unsafe {
             build_kquant::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
-            each_cols!(m, |c, C| {
+            each_cols!(m, COLS, |c, C| {
                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                 let acc = kquant_pass::<F, C>(p, nb, &a);
                 store_rows(&acc, out, c, r0, n);
@@ -249,25 +281,17 @@ unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: 
 #[inline(always)]
 unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
     unsafe {
-        let zero = _mm256_setzero_si256();
         for b in 0..nb {
             let out = panel.add(b * K_BLOCK);
+            let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
             let mut prep = [Prep::zeroed(); ROWS];
             for (r, prep) in prep.iter_mut().enumerate().take(n) {
-                *prep = F::prepare(w.add(r * row_bytes + b * F::BYTES));
+                *prep = F::prepare(row(r));
             }
             for j in 0..8 {
-                let mut v = [zero; ROWS];
-                for r in 0..n {
-                    v[r] = F::chunk::<Vnni>(w.add(r * row_bytes + b * F::BYTES), &prep[r], j).0;
-                }
-                transpose8(&mut v);
-                for (s, v) in v.iter().enumerate() {
-                    _mm256_store_si256(out.add(32 * (8 * j + s)).cast(), *v);
-                }
+                store_interleaved(out.add(64 * 8 * j), n, |r| F::chunk::<Vnni>(row(r), &prep[r], j).0);
             }
             let scales = out.add(K_SCALES).cast::<i32>();
-            let mut corr = [zero; ROWS];
             let mut d = [0.0f32; ROWS];
             let mut dmin = [0.0f32; ROWS];
             for r in 0..ROWS {
@@ -275,26 +299,23 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
                 for (g, &s) in group_scales.iter().enumerate().take(256 / F::GROUP) {
                     *scales.add(g * ROWS + r) = s;
                 }
-                corr[r] = prep[r].corr;
                 d[r] = _mm256_cvtss_f32(prep[r].d);
                 dmin[r] = _mm256_cvtss_f32(prep[r].dmin);
             }
-            transpose8(&mut corr);
-            for (p, v) in corr.iter().enumerate() {
-                _mm256_store_si256(out.add(K_CORR + 32 * p).cast(), *v);
-            }
-            _mm256_store_ps(out.add(K_D).cast(), _mm256_loadu_ps(d.as_ptr()));
-            _mm256_store_ps(out.add(K_DMIN).cast(), _mm256_loadu_ps(dmin.as_ptr()));
+            // Correction pairs: dword p of each row's `corr`, as steps of 8 interleaved rows.
+            store_interleaved(out.add(K_CORR), ROWS, |r| prep[r].corr);
+            _mm512_store_ps(out.add(K_D).cast(), _mm512_loadu_ps(d.as_ptr()));
+            _mm512_store_ps(out.add(K_DMIN).cast(), _mm512_loadu_ps(dmin.as_ptr()));
         }
     }
 }
 
 /// One pass of `C` activation rows over a k-quant panel.
 #[inline(always)]
-unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     unsafe {
-        let zero = _mm256_setzero_si256();
-        let mut acc = [_mm256_setzero_ps(); C];
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); C];
         let steps = F::GROUP / 4;
         for b in 0..nb {
             let block = panel.add(b * K_BLOCK);
@@ -303,38 +324,124 @@ unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a
                 let mut group = [zero; C];
                 for s in 0..steps {
                     let step = g * steps + s;
-                    let wv = _mm256_load_si256(block.add(32 * step).cast());
+                    let wv = _mm512_load_si512(block.add(64 * step).cast());
                     for c in 0..C {
-                        let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 4 + 4 * step)) as i32);
-                        group[c] = _mm256_dpbusd_epi32(group[c], wv, av);
+                        let av = _mm512_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 4 + 4 * step)) as i32);
+                        group[c] = _mm512_dpbusd_epi32(group[c], wv, av);
                     }
                 }
-                let scale = _mm256_load_si256(block.add(K_SCALES + 32 * g).cast());
+                let scale = _mm512_load_si512(block.add(K_SCALES + 64 * g).cast());
                 for c in 0..C {
-                    sums[c] = _mm256_add_epi32(sums[c], _mm256_mullo_epi32(group[c], scale));
+                    sums[c] = _mm512_add_epi32(sums[c], _mm512_mullo_epi32(group[c], scale));
                 }
             }
             let mut corr = [zero; C];
             for p in 0..8 {
-                let cv = _mm256_load_si256(block.add(K_CORR + 32 * p).cast());
+                let cv = _mm512_load_si512(block.add(K_CORR + 64 * p).cast());
                 for c in 0..C {
-                    let bsums = _mm256_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 260 + 4 * p)) as i32);
-                    corr[c] = _mm256_dpwssd_epi32(corr[c], cv, bsums);
+                    let bsums = _mm512_set1_epi32(read_u32(a[c].q.add(b * Q8K_BYTES + 260 + 4 * p)) as i32);
+                    corr[c] = _mm512_dpwssd_epi32(corr[c], cv, bsums);
                 }
             }
-            let d = _mm256_load_ps(block.add(K_D).cast());
-            let dmin = _mm256_load_ps(block.add(K_DMIN).cast());
+            let d = _mm512_load_ps(block.add(K_D).cast());
+            let dmin = _mm512_load_ps(block.add(K_DMIN).cast());
             for c in 0..C {
-                let da = _mm256_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                let da = _mm512_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
                 if F::OFFSET {
-                    let total = _mm256_sub_epi32(sums[c], corr[c]);
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, da), acc[c]);
+                    let total = _mm512_sub_epi32(sums[c], corr[c]);
+                    acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, da), acc[c]);
                 } else {
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), _mm256_mul_ps(d, da), acc[c]);
-                    acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[c]), _mm256_mul_ps(dmin, da), acc[c]);
+                    acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), _mm512_mul_ps(d, da), acc[c]);
+                    acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr[c]), _mm512_mul_ps(dmin, da), acc[c]);
                 }
             }
         }
         acc
+    }
+}
+
+/// Elements per chunk of a float panel (16 rows of f32: 128 KiB, resident in L2).
+const FLOAT_CHUNK: usize = 2048;
+
+/// Activation rows per pass over a float panel: 8 chains of FMAs hide their latency.
+const FLOAT_COLS: usize = 8;
+
+/// Float weights: 16 rows widened to f32 and interleaved per element, `[k][ROWS]`, taken in
+/// chunks of `FLOAT_CHUNK` elements; each activation element is broadcast to an FMA with the
+/// 16 rows' weights.
+///
+/// # Safety
+/// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn float_tile<F: FloatFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    let k = x.nb;
+    let mut panel = Panel::new(FLOAT_CHUNK.min(k) * 4 * ROWS);
+    let p = panel.ptr();
+    // SAFETY: all-zero bytes are valid vectors.
+    let mut acc: Vec<__m512> = vec![unsafe { std::mem::zeroed() }; m];
+    for r0 in (0..rows).step_by(ROWS) {
+        let n = ROWS.min(rows - r0);
+        acc.fill(_mm512_setzero_ps());
+        for k0 in (0..k).step_by(FLOAT_CHUNK) {
+            let kc = FLOAT_CHUNK.min(k - k0);
+            unsafe {
+                build_float::<F>(w.as_ptr().add(r0 * row_bytes + k0 * F::BYTES), row_bytes, n, kc, p);
+                each_cols!(m, FLOAT_COLS, |c, C| {
+                    let a: [*const f32; C] = std::array::from_fn(|i| x.arow(c + i).q.cast::<f32>().add(k0));
+                    float_pass::<C>(p, kc, &a, &mut acc[c..c + C]);
+                });
+            }
+        }
+        unsafe {
+            for (c, out) in out.iter_mut().enumerate() {
+                let mut lanes = [0.0f32; ROWS];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), acc[c]);
+                out[r0..r0 + n].copy_from_slice(&lanes[..n]);
+            }
+        }
+    }
+}
+
+/// Widens `kc` elements of `n` rows into the panel, element-major.
+#[inline(always)]
+unsafe fn build_float<F: FloatFormat>(w: *const u8, row_bytes: usize, n: usize, kc: usize, panel: *mut u8) {
+    unsafe {
+        let full = kc / 8 * 8;
+        for i0 in (0..full).step_by(8) {
+            store_interleaved(panel.add(4 * ROWS * i0), n, |r| {
+                _mm256_castps_si256(F::load8(w.add(r * row_bytes + i0 * F::BYTES)))
+            });
+        }
+        for i in full..kc {
+            let out = panel.add(4 * ROWS * i).cast::<f32>();
+            for r in 0..ROWS {
+                *out.add(r) = if r < n { F::load1(w.add(r * row_bytes + i * F::BYTES)) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// Adds `kc` elements of the panel times `C` activation rows to `acc`. Even and odd elements
+/// go to separate sums, so that even one column has two chains of FMAs.
+#[inline(always)]
+unsafe fn float_pass<const C: usize>(panel: *const u8, kc: usize, a: &[*const f32; C], acc: &mut [__m512]) {
+    unsafe {
+        let mut sums = [[_mm512_setzero_ps(); C]; 2];
+        sums[0].copy_from_slice(acc);
+        let mut i = 0;
+        while i < kc {
+            for (u, sums) in sums.iter_mut().enumerate().take(kc - i) {
+                let wv = _mm512_load_ps(panel.add(4 * ROWS * (i + u)).cast());
+                for c in 0..C {
+                    sums[c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(*a[c].add(i + u)), sums[c]);
+                }
+            }
+            i += 2;
+        }
+        for c in 0..C {
+            acc[c] = _mm512_add_ps(sums[0][c], sums[1][c]);
+        }
     }
 }

@@ -79,7 +79,7 @@ fn every_type_and_shape_matches_the_references() {
     for ty in TYPES {
         let mut rng = Rng::new(ty.id() as u64);
         for k in ks(ty) {
-            for (n_out, m) in [(1, 1), (7, 1), (13, 2), (5, 5), (21, 64)] {
+            for (n_out, m) in [(1, 1), (7, 1), (13, 2), (5, 5), (3, 16), (21, 64)] {
                 let has_min =
                     matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q2_K | GgmlType::Q4_K | GgmlType::Q5_K);
                 // Arbitrary blocks only for formats without mins (see `tolerance`).
@@ -141,7 +141,7 @@ fn thread_count_does_not_change_results() {
         let k = if ty.block_size() == 256 { 1024 } else { 896 };
         let n_out = 301;
         let w = weights(&mut rng, ty, n_out, k, false);
-        for m in [1, 2, 9] {
+        for m in [1, 2, 9, 16] {
             let xf = rng.rows(m * k);
             let results: Vec<Vec<f32>> = [1, 2, 3]
                 .into_iter()
