@@ -77,25 +77,10 @@ impl QuantizedRows {
             });
         }
         let m = x.len() / k;
+        self.resize(ty, k, m);
         let nb = k / block;
-        let row_bytes = nb * ty.type_size() as usize;
-        self.ty = ty;
-        self.k = k;
-        self.m = m;
-        self.row_bytes = row_bytes;
-        let lines = (m * row_bytes).div_ceil(64);
-        if self.data.len() < lines {
-            self.data.resize(lines, Line([0; 64]));
-        }
-        let side = if ty == GgmlType::F32 { 0 } else { m * nb };
-        for v in [&mut self.d, &mut self.s] {
-            if v.len() < side {
-                v.resize(side, 0.0);
-            }
-        }
-        if self.neg_sums.len() < side {
-            self.neg_sums.resize(side, 0);
-        }
+        let row_bytes = self.row_bytes;
+        let side = self.side_len();
         if m == 0 {
             return Ok(());
         }
@@ -117,6 +102,51 @@ impl QuantizedRows {
             .try_for_each(|((((out, x), d), s), neg_sums)| quantize_row(isa, ty, x, Side { out, d, s, neg_sums }))
     }
 
+    /// Makes `self` hold `m` rows of `k` elements of `ty`, growing the buffers if needed.
+    fn resize(&mut self, ty: GgmlType, k: usize, m: usize) {
+        self.ty = ty;
+        self.k = k;
+        self.m = m;
+        self.row_bytes = k / ty.block_size() as usize * ty.type_size() as usize;
+        let lines = (m * self.row_bytes).div_ceil(64);
+        if self.data.len() < lines {
+            self.data.resize(lines, Line([0; 64]));
+        }
+        let side = self.side_len();
+        for v in [&mut self.d, &mut self.s] {
+            if v.len() < side {
+                v.resize(side, 0.0);
+            }
+        }
+        if self.neg_sums.len() < side {
+            self.neg_sums.resize(side, 0);
+        }
+    }
+
+    /// Entries of each side array in use: one per block (none for F32).
+    fn side_len(&self) -> usize {
+        if self.ty == GgmlType::F32 { 0 } else { self.m * (self.k / self.ty.block_size() as usize) }
+    }
+
+    /// Makes `self` the rows `rows` of `src`, in that order (repeats allowed): for instance the
+    /// tokens a MoE layer routes to one expert, so that a batch is quantized once for all experts.
+    pub fn gather(&mut self, src: &QuantizedRows, rows: &[usize]) -> Result<(), CpuError> {
+        if let Some(&row) = rows.iter().find(|&&r| r >= src.m) {
+            return Err(CpuError::RowOutOfRange { row, m: src.m });
+        }
+        self.resize(src.ty, src.k, rows.len());
+        let row_bytes = self.row_bytes;
+        let nb = if self.ty == GgmlType::F32 { 0 } else { self.k / self.ty.block_size() as usize };
+        let bytes = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.data)[..rows.len() * row_bytes];
+        for (i, &r) in rows.iter().enumerate() {
+            bytes[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(src.row(r));
+            self.d[i * nb..(i + 1) * nb].copy_from_slice(&src.d[r * nb..(r + 1) * nb]);
+            self.s[i * nb..(i + 1) * nb].copy_from_slice(&src.s[r * nb..(r + 1) * nb]);
+            self.neg_sums[i * nb..(i + 1) * nb].copy_from_slice(&src.neg_sums[r * nb..(r + 1) * nb]);
+        }
+        Ok(())
+    }
+
     /// The activation format: Q8_0, Q8_1, Q8_K or F32.
     pub fn ty(&self) -> GgmlType {
         self.ty
@@ -133,6 +163,9 @@ impl QuantizedRows {
     }
 
     /// The bytes of row `i` in ggml's layout for [`QuantizedRows::ty`] (f32 little-endian for F32).
+    ///
+    /// # Panics
+    /// If `i >= m`.
     pub fn row(&self, i: usize) -> &[u8] {
         &self.bytes()[i * self.row_bytes..(i + 1) * self.row_bytes]
     }
@@ -142,7 +175,7 @@ impl QuantizedRows {
     }
 
     pub(crate) fn view(&self) -> ActView<'_> {
-        let side = if self.ty == GgmlType::F32 { 0 } else { self.m * (self.k / self.ty.block_size() as usize) };
+        let side = self.side_len();
         ActView {
             ty: self.ty,
             nb: self.k / self.ty.block_size() as usize,
@@ -244,6 +277,9 @@ mod simd_q8 {
     use crate::simd::{hmax_ps, hsum_epi32};
 
     /// Loads 8 floats, returning them and their absolute values.
+    ///
+    /// # Safety
+    /// Needs AVX2; `p` points at 8 readable floats.
     #[inline(always)]
     unsafe fn load_abs(p: *const f32) -> (__m256, __m256) {
         unsafe {
@@ -253,6 +289,9 @@ mod simd_q8 {
     }
 
     /// Whether any lane of `abs` is infinite or NaN.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn any_nonfinite(abs: __m256) -> bool {
         unsafe {
@@ -262,6 +301,9 @@ mod simd_q8 {
     }
 
     /// Rounds half away from zero, like `f32::round`, exactly for any finite input.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn round_away(y: __m256) -> __m256i {
         unsafe {
@@ -276,6 +318,9 @@ mod simd_q8 {
     }
 
     /// Packs 32 i32 in -128..=127 into 32 bytes in order.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn pack_i8(q: [__m256i; 4]) -> __m256i {
         unsafe {
@@ -389,6 +434,9 @@ mod simd_q8 {
     }
 
     /// Quants `nearest_int(iscale * x).min(127)` (ggml's magic-number rounding), group sums and `d`.
+    ///
+    /// # Safety
+    /// Needs AVX2; `x` holds 256 finite floats, `out` one Q8_K block, and `iscale` is finite.
     #[inline(always)]
     unsafe fn quantize_q8k_block(x: &[f32], iscale: f32, out: &mut [u8]) {
         unsafe {

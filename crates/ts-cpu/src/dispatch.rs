@@ -94,6 +94,9 @@ pub(crate) fn matmul(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
+    if !isa.is_available() {
+        return Err(CpuError::IsaUnavailable(isa));
+    }
     let act_ty = crate::activation_type(weight_ty)?;
     let block = weight_ty.block_size() as usize;
     if k == 0 || !k.is_multiple_of(block) {
@@ -131,10 +134,10 @@ pub(crate) fn matmul(
     let run = |task: usize, outs: &mut [&mut [f32]]| {
         let w = &w[task * rows_per_task * row_bytes..];
         match tile {
-            // SAFETY: `kernels` only hands out kernels of instruction set `isa`, which the
-            // callers of this function checked is available, and the tile satisfies
-            // `TileFn`'s contract: one output slice per activation row, all of the same length
-            // `rows`, and at least `rows` weight rows left in `w`.
+            // SAFETY: `kernels` only hands out kernels of instruction set `isa`, checked to be
+            // available above, and the tile satisfies `TileFn`'s contract: one output slice per
+            // activation row, all of the same length `rows`, and at least `rows` weight rows
+            // left in `w`.
             Some(tile) => unsafe { tile(w, row_bytes, &view, outs) },
             None => scalar_tile(weight_ty, w, row_bytes, &view, outs),
         }
@@ -285,6 +288,9 @@ mod x86 {
     }
 
     /// `R` weight rows at `w` against every activation row in `a`, 4 at a time.
+    ///
+    /// # Safety
+    /// As [`TileFn`] for the rows at `w`; `a` points at the activation rows of `out`.
     #[inline(always)]
     unsafe fn cols<K: RowsDot, const R: usize>(
         w: *const u8,

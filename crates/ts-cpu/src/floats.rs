@@ -19,7 +19,12 @@ mod x86 {
     pub(crate) trait FloatFormat {
         const BYTES: usize;
         /// Eight elements at `p` as f32.
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at 8 readable elements.
         unsafe fn load8(p: *const u8) -> __m256;
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at 1 readable element.
         unsafe fn load1(p: *const u8) -> f32;
     }
 
@@ -64,6 +69,9 @@ mod x86 {
     }
 
     /// Adds elements `i .. i + 8` of `R` weight rows times `C` activation rows to `acc`.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; the rows hold elements `i .. i + 8`.
     #[inline(always)]
     unsafe fn step<F: FloatFormat, const R: usize, const C: usize>(
         w: *const u8,

@@ -45,12 +45,20 @@ mod x86 {
         const BYTES: usize;
         /// The correction is an offset scaled by `d` (Q3_K, Q6_K), not mins scaled by `dmin`.
         const OFFSET: bool;
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at a whole block.
         unsafe fn prepare(p: *const u8) -> Prep;
         /// Elements `32 j .. 32 j + 32` as unsigned bytes, and their group scales in i16 lanes.
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C (and what `I` needs); `p` points at the whole block `prep` was made from; `j < 8`.
         unsafe fn chunk<I: Dot>(p: *const u8, prep: &Prep, j: usize) -> (__m256i, __m256i);
         /// Elements per group scale: 16 or 32.
         const GROUP: usize;
         /// The group scales (the first `256 / GROUP`).
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C.
         #[inline(always)]
         unsafe fn group_scales(prep: &Prep) -> [i32; 16] {
             let mut out = [0i32; 16];
@@ -79,24 +87,35 @@ mod x86 {
     pub(crate) struct Q5K;
     pub(crate) struct Q6K;
 
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn shift_right_16(v: __m256i, n: usize) -> __m256i {
         unsafe { _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32)) }
     }
 
     /// Scale of group `j` in all lanes, from 8 i16 in each half.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn group_scale(scales: __m256i, j: usize) -> __m256i {
         unsafe { _mm256_shuffle_epi8(scales, _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16)) }
     }
 
     /// Two bits at `shift` of each byte.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn two_bits(v: __m256i, shift: usize) -> __m256i {
         unsafe { _mm256_and_si256(shift_right_16(v, shift), _mm256_set1_epi8(3)) }
     }
 
     /// Bit `bit` of each byte, moved to `to`.
+    ///
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn one_bit(v: __m256i, bit: usize, to: i32) -> __m256i {
         unsafe {
@@ -105,6 +124,8 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// Needs AVX2.
     #[inline(always)]
     unsafe fn nibble(v: __m256i, high: bool) -> __m256i {
         unsafe {
@@ -179,6 +200,9 @@ mod x86 {
     }
 
     /// The 8 six-bit scales and mins of Q4_K and Q5_K, as bytes (ts-quant `scale_min_k4`).
+    ///
+    /// # Safety
+    /// Needs AVX2; `p` points at 12 readable bytes.
     #[inline(always)]
     unsafe fn scales_mins_k4(p: *const u8) -> (__m128i, __m128i) {
         unsafe {
@@ -193,6 +217,8 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `p` points at a whole Q4_K or Q5_K block.
     #[inline(always)]
     unsafe fn prepare_k4(p: *const u8, high: __m256i) -> Prep {
         unsafe {

@@ -23,16 +23,28 @@ mod x86 {
         /// The largest value [`Format::unsigned_values`] returns.
         const MAX_UNSIGNED: u8;
         /// Scales of the `n <= 8` blocks from `p` on, in lanes `0..n`.
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at `n <= 8` whole blocks.
         unsafe fn scales(p: *const u8, n: usize) -> __m256 {
             unsafe { gather_f16(p, Self::BYTES, n) }
         }
         /// Mins of the `n <= 8` blocks from `p` on, for formats with a min.
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at `n <= 8` whole blocks.
         unsafe fn mins(p: *const u8, n: usize) -> __m256 {
             unsafe { gather_f16(p.add(2), Self::BYTES, n) }
         }
         /// The 32 quants in element order as unsigned bytes (offset by `1 << OFFSET_LOG2`).
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C (and what `I` needs); `p` points at a whole block.
         unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i;
         /// The 32 quants as signed bytes, where `unsigned_values` exceed what `I` multiplies.
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; `p` points at a whole block.
         unsafe fn signed_values(p: *const u8) -> __m256i {
             let _ = p;
             unreachable!("only formats with large unsigned values have signed values")
@@ -163,6 +175,9 @@ mod x86 {
     /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` and `mins`. The group's weight scales are
     /// converted together and multiplied by the activations' scales in one vector; each block
     /// takes its lane from there (cheaper than converting one f16 per block).
+    ///
+    /// # Safety
+    /// As [`dot`], for blocks `b0 .. b0 + n`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn group<F: Format, I: Dot, const R: usize, const C: usize>(
@@ -196,6 +211,9 @@ mod x86 {
 
     /// Adds block `b` of `R` weight rows times `C` activation rows to `acc`, with lane `lane`
     /// of `scales` as each pair's scale.
+    ///
+    /// # Safety
+    /// As [`dot`], for block `b`.
     #[inline(always)]
     unsafe fn block<F: Format, I: Dot, const R: usize, const C: usize>(
         w: *const u8,

@@ -12,6 +12,20 @@
 //! [`ts_quant::vec_dot`] up to float summation order. Work is spread over the current rayon
 //! pool by runs of weight rows; for batches, each run of weight rows is multiplied by every
 //! activation row while it is in cache.
+//!
+//! ```
+//! use ts_cpu::{GgmlType, QuantizedRows, matmul};
+//!
+//! let (n_out, k) = (3, 64);
+//! let w = vec![0u8; n_out * 2 * 18]; // 3 rows of two Q4_0 blocks (scales 0)
+//! let x = vec![0.5f32; 2 * k]; // 2 activation rows
+//! let mut q = QuantizedRows::new(); // reuse across calls
+//! q.quantize(GgmlType::Q4_0, &x, k)?;
+//! let mut out = vec![0.0f32; 2 * n_out];
+//! matmul(GgmlType::Q4_0, &w, n_out, k, &q, &mut out)?;
+//! assert_eq!(out, [0.0; 6]);
+//! # Ok::<(), ts_cpu::CpuError>(())
+//! ```
 
 mod activations;
 mod dispatch;
@@ -43,6 +57,8 @@ pub enum CpuError {
     Activations { weight_ty: GgmlType, k: usize, expected: GgmlType, actual: GgmlType, actual_k: usize },
     #[error("output stride {stride} is smaller than n_out = {n_out}")]
     Stride { stride: usize, n_out: usize },
+    #[error("row {row} is out of range for {m} activation rows")]
+    RowOutOfRange { row: usize, m: usize },
     #[error("instruction set {0} is not available on this CPU")]
     IsaUnavailable(Isa),
     #[error("{0}")]
@@ -92,9 +108,6 @@ pub fn matmul_with_isa(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
-    if !isa.is_available() {
-        return Err(CpuError::IsaUnavailable(isa));
-    }
     dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride)
 }
 

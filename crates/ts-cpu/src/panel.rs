@@ -9,7 +9,8 @@
 //!
 //! The offset that makes signed quants unsigned is taken back through the activations' block
 //! sums; k-quant group scales are applied to each group's integer sum with `vpmulld`, and mins
-//! or offsets through `vpdpwssd` with the activations' `bsums`.
+//! or offsets through `vpdpwssd` with the activations' `bsums`. Float weights are widened to
+//! f32 panels, `[element][row]`, and multiplied by broadcast activations with FMAs.
 
 use std::arch::x86_64::*;
 
@@ -57,6 +58,9 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
 }
 
 /// Transposes 8 vectors of 8 dwords: `v[i]` lane `j` becomes `v[j]` lane `i`.
+///
+/// # Safety
+/// Needs AVX2.
 #[inline(always)]
 unsafe fn transpose8(v: &mut [__m256i; 8]) {
     unsafe {
@@ -104,6 +108,9 @@ impl Panel {
 
 /// Unpacks quants of 16 rows and stores them interleaved: `rows(r)` gives row `r`'s 32
 /// quants (zero past `n`); the 8 steps go to `out + 64 s`, rows 0-7 then rows 8-15.
+///
+/// # Safety
+/// Needs AVX2; `out` points at 512 writable, 32-byte aligned bytes; `rows` may be called for `r < n`.
 #[inline(always)]
 unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) -> __m256i) {
     unsafe {
@@ -123,6 +130,9 @@ unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) 
 }
 
 /// Stores the first `n` lanes of `v` to `out[c][r0..]` for each column.
+///
+/// # Safety
+/// Needs AVX-512 F; every `out[c0 + c]` holds `r0 + n` elements, `n <= ROWS`.
 #[inline(always)]
 unsafe fn store_rows<const C: usize>(acc: &[__m512; C], out: &mut [&mut [f32]], c0: usize, r0: usize, n: usize) {
     let mut lanes = [0.0f32; ROWS];
@@ -186,6 +196,8 @@ unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &
     }
 }
 
+/// # Safety
+/// Needs AVX-512 VNNI and what [`legacy_tile`] needs; `n <= ROWS` rows of `nb` blocks at `w`, and a panel of `nb` blocks.
 #[inline(always)]
 unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
     unsafe {
@@ -208,6 +220,9 @@ unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: 
 }
 
 /// One pass of `C` activation rows over a legacy panel: per lane (weight row), the dot product.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` was built for `nb` blocks and the rows of `a` hold as many.
 #[inline(always)]
 unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
@@ -278,6 +293,8 @@ unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: 
     }
 }
 
+/// # Safety
+/// Needs AVX-512 VNNI and what [`kquant_tile`] needs; `n <= ROWS` rows of `nb` super-blocks at `w`, and a panel of `nb` super-blocks.
 #[inline(always)]
 unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
     unsafe {
@@ -311,6 +328,9 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
 }
 
 /// One pass of `C` activation rows over a k-quant panel.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` was built for `nb` super-blocks and the rows of `a` hold as many.
 #[inline(always)]
 unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     unsafe {
@@ -405,6 +425,9 @@ unsafe fn float_tile<F: FloatFormat>(w: &[u8], row_bytes: usize, x: &ActView, ou
 }
 
 /// Widens `kc` elements of `n` rows into the panel, element-major.
+///
+/// # Safety
+/// Needs AVX-512 F; `n <= ROWS` rows holding `kc` elements at `w`, and a panel of `kc` elements.
 #[inline(always)]
 unsafe fn build_float<F: FloatFormat>(w: *const u8, row_bytes: usize, n: usize, kc: usize, panel: *mut u8) {
     unsafe {
@@ -425,6 +448,9 @@ unsafe fn build_float<F: FloatFormat>(w: *const u8, row_bytes: usize, n: usize, 
 
 /// Adds `kc` elements of the panel times `C` activation rows to `acc`. Even and odd elements
 /// go to separate sums, so that even one column has two chains of FMAs.
+///
+/// # Safety
+/// Needs AVX-512 F; `panel` holds `kc` elements, each `a[c]` `kc` floats; `acc.len() == C`.
 #[inline(always)]
 unsafe fn float_pass<const C: usize>(panel: *const u8, kc: usize, a: &[*const f32; C], acc: &mut [__m512]) {
     unsafe {

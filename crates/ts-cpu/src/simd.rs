@@ -10,12 +10,24 @@ pub(crate) trait Dot {
     /// `acc` plus, per 32-bit lane, the four products of the unsigned bytes of `u` with the
     /// signed bytes of `s`. The AVX2 form sums pairs in i16 first, which is exact when
     /// `u <= 128` and `|s| <= 127`; every caller stays in that range.
+    ///
+    /// # Safety
+    /// Needs the instruction set of `Self`.
     unsafe fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
     /// `acc` plus, per 32-bit lane, the two products of the i16 lanes of `a` and `b`.
+    ///
+    /// # Safety
+    /// Needs the instruction set of `Self`.
     unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
     /// `v` plus `byte` in byte `i` wherever bit `i` of `bits` is set.
+    ///
+    /// # Safety
+    /// Needs the instruction set of `Self`.
     unsafe fn add_where(v: __m256i, bits: u32, byte: i8) -> __m256i;
     /// From 16 i16 lanes `s`: `s[2 j]` in the low 8 lanes, `s[2 j + 1]` in the high 8.
+    ///
+    /// # Safety
+    /// Needs the instruction set of `Self`; `j < 8`.
     unsafe fn pair_lanes(s: __m256i, j: usize) -> __m256i;
 }
 
@@ -73,6 +85,8 @@ impl Dot for Vnni {
     }
 }
 
+/// # Safety
+/// Needs AVX.
 #[inline(always)]
 pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
     unsafe {
@@ -82,6 +96,8 @@ pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
     }
 }
 
+/// # Safety
+/// Needs AVX.
 #[inline(always)]
 pub(crate) unsafe fn hmax_ps(v: __m256) -> f32 {
     unsafe {
@@ -91,6 +107,8 @@ pub(crate) unsafe fn hmax_ps(v: __m256) -> f32 {
     }
 }
 
+/// # Safety
+/// Needs AVX2.
 #[inline(always)]
 pub(crate) unsafe fn hsum_epi32(v: __m256i) -> i32 {
     unsafe {
@@ -101,33 +119,48 @@ pub(crate) unsafe fn hsum_epi32(v: __m256i) -> i32 {
 }
 
 /// Reads a little-endian u16 at any alignment.
+///
+/// # Safety
+/// `p` points at 2 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn read_u16(p: *const u8) -> u16 {
     unsafe { p.cast::<u16>().read_unaligned() }
 }
 
+/// # Safety
+/// `p` points at 4 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn read_u32(p: *const u8) -> u32 {
     unsafe { p.cast::<u32>().read_unaligned() }
 }
 
 /// The f16 at `p` in all lanes, as f32.
+///
+/// # Safety
+/// Needs AVX2 and F16C; `p` points at 2 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn bcast_f16(p: *const u8) -> __m256 {
     unsafe { _mm256_cvtph_ps(_mm_set1_epi16(read_u16(p) as i16)) }
 }
 
+/// # Safety
+/// Needs F16C; `p` points at 2 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn f16_to_f32(p: *const u8) -> f32 {
     unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(read_u16(p) as i32))) }
 }
 
+/// # Safety
+/// Needs AVX; `p` points at 32 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn loadu(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
 /// 16 bytes of packed nibbles as 32 bytes: the low nibbles, then the high nibbles.
+///
+/// # Safety
+/// Needs AVX2; `p` points at 16 readable bytes.
 #[inline(always)]
 pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
     unsafe {
@@ -138,6 +171,9 @@ pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
 }
 
 /// The f16 values at `p`, `p + stride`, ... (`n <= 8` of them; lanes past `n` are zero), as f32.
+///
+/// # Safety
+/// Needs AVX and F16C; `p + i * stride` points at 2 readable bytes for `i < n <= 8`.
 #[inline(always)]
 pub(crate) unsafe fn gather_f16(p: *const u8, stride: usize, n: usize) -> __m256 {
     unsafe {
@@ -151,6 +187,9 @@ pub(crate) unsafe fn gather_f16(p: *const u8, stride: usize, n: usize) -> __m256
 }
 
 /// `n <= 8` floats at `p`; lanes past `n` are zero and their memory is not read.
+///
+/// # Safety
+/// Needs AVX; `p` points at `n <= 8` readable floats.
 #[inline(always)]
 pub(crate) unsafe fn load_ps_n(p: *const f32, n: usize) -> __m256 {
     unsafe {
@@ -164,6 +203,9 @@ pub(crate) unsafe fn load_ps_n(p: *const f32, n: usize) -> __m256 {
 }
 
 /// Byte `i` is 0xff where bit `i` of `bits` is set, else 0.
+///
+/// # Safety
+/// Needs AVX2.
 #[inline(always)]
 pub(crate) unsafe fn bits_to_bytes(bits: u32) -> __m256i {
     unsafe {

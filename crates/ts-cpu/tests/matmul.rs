@@ -202,6 +202,41 @@ fn strided_output_and_unaligned_weights() {
 }
 
 #[test]
+fn gathered_rows_multiply_like_the_batch_they_come_from() {
+    for ty in TYPES {
+        let mut rng = Rng::new(400 + ty.id() as u64);
+        let k = (ty.block_size() as usize).max(32) * 3;
+        let (n_out, m) = (9, 14);
+        let w = weights(&mut rng, ty, n_out, k, false);
+        let xf = rng.rows(m * k);
+        let mut x = QuantizedRows::new();
+        x.quantize(ty, &xf, k).unwrap();
+        let mut full = vec![0.0; m * n_out];
+        matmul(ty, &w, n_out, k, &x, &mut full).unwrap();
+        // Batches big enough for the panel kernels and small enough for the direct ones.
+        for rows in [vec![13, 2, 2, 7, 0, 5, 11, 9, 4, 3, 1, 12, 6], vec![4, 1, 1, 5]] {
+            let mut expert = QuantizedRows::new();
+            expert.gather(&x, &rows).unwrap();
+            assert_eq!((expert.ty(), expert.k(), expert.m()), (x.ty(), k, rows.len()));
+            let mut out = vec![0.0; rows.len() * n_out];
+            matmul(ty, &w, n_out, k, &expert, &mut out).unwrap();
+            for (i, &r) in rows.iter().enumerate() {
+                assert_eq!(expert.row(i), x.row(r), "{ty}");
+                let got = &out[i * n_out..(i + 1) * n_out];
+                let want = &full[r * n_out..(r + 1) * n_out];
+                for (g, w) in got.iter().zip(want) {
+                    assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{ty} row {r}: {g} vs {w}");
+                }
+            }
+        }
+    }
+    let mut x = QuantizedRows::new();
+    x.quantize(GgmlType::Q4_0, &[0.0; 64], 32).unwrap();
+    let err = QuantizedRows::new().gather(&x, &[0, 2]).unwrap_err();
+    assert_eq!(err.to_string(), "row 2 is out of range for 2 activation rows");
+}
+
+#[test]
 fn errors_name_the_problem() {
     use GgmlType::*;
     let mut x = QuantizedRows::new();
