@@ -142,8 +142,8 @@ fn main() {
     let o = options();
     println!("kernels: {}; threads {:?}; prefill m = {}", o.isa, o.threads, o.prefill_m);
     println!(
-        "{:<6} {:>13} {:>4} | {:>9} {:>8} {:>8} {:>5} | {:>9} {:>9}",
-        "type", "n_out x k", "thr", "decode us", "GB/s", "read", "%", "prefill", "GFLOP/s"
+        "{:<6} {:>13} {:>4} | {:>9} {:>8} {:>8} {:>5} | {:>8} {:>9} {:>9}",
+        "type", "n_out x k", "thr", "decode us", "GB/s", "read", "%", "quantize", "prefill", "GFLOP/s"
     );
     let pools: Vec<rayon::ThreadPool> =
         o.threads.iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
@@ -160,7 +160,6 @@ fn main() {
             let mut x1 = QuantizedRows::new();
             x1.quantize(ty, &xf[..k], k).unwrap();
             let mut xm = QuantizedRows::new();
-            xm.quantize(ty, &xf, k).unwrap();
             for (pool, &threads) in pools.iter().zip(&o.threads) {
                 pool.install(|| {
                     let mut out = vec![0.0f32; m * n_out];
@@ -184,6 +183,10 @@ fn main() {
                         100.0 * gbs / read_gbs
                     );
                     if prefill {
+                        let q = time(|| {
+                            xm.quantize(ty, &xf, k).unwrap();
+                        });
+                        line += &format!(" {:>6.0}us", q.as_secs_f64() * 1e6);
                         let t = time(|| {
                             matmul_with_isa(o.isa, ty, &w, n_out, k, &xm, &mut out, n_out).unwrap();
                             black_box(&out);

@@ -269,12 +269,11 @@ fn fill_side(ty: GgmlType, side: Side) {
 mod simd_q8 {
     use std::arch::x86_64::*;
 
-    use half::f16;
     use ts_gguf::GgmlType;
     use ts_quant::QuantError;
 
     use super::{Side, fill_side};
-    use crate::simd::{hmax_ps, hsum_epi32};
+    use crate::simd::hsum_epi32;
 
     /// Loads 8 floats, returning them and their absolute values.
     ///
@@ -288,32 +287,69 @@ mod simd_q8 {
         }
     }
 
-    /// Whether any lane of `abs` is infinite or NaN.
+    /// Lane-wise maximum of absolute values, compared as integers: for non-negative floats that
+    /// orders like the values, and infinities and NaNs come out above every finite value.
     ///
     /// # Safety
     /// Needs AVX2.
     #[inline(always)]
-    unsafe fn any_nonfinite(abs: __m256) -> bool {
+    unsafe fn max_bits(acc: __m256i, abs: __m256) -> __m256i {
+        unsafe { _mm256_max_epi32(acc, _mm256_castps_si256(abs)) }
+    }
+
+    /// The largest lane of [`max_bits`].
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[inline(always)]
+    unsafe fn reduce_max(bits: __m256i) -> u32 {
         unsafe {
-            let big = _mm256_cmpgt_epi32(_mm256_castps_si256(abs), _mm256_set1_epi32(0x7f7f_ffff));
-            _mm256_movemask_epi8(big) != 0
+            let x = _mm_max_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256::<1>(bits));
+            let x = _mm_max_epi32(x, _mm_unpackhi_epi64(x, x));
+            let x = _mm_max_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x));
+            _mm_cvtsi128_si32(x) as u32
         }
     }
 
-    /// Rounds half away from zero, like `f32::round`, exactly for any finite input.
+    /// The largest lane of [`max_bits`] as a float, or `None` if some value was not finite.
     ///
     /// # Safety
     /// Needs AVX2.
     #[inline(always)]
-    unsafe fn round_away(y: __m256) -> __m256i {
+    unsafe fn finite_max(bits: __m256i) -> Option<f32> {
+        let max = unsafe { reduce_max(bits) };
+        (max < 0x7f80_0000).then(|| f32::from_bits(max))
+    }
+
+    /// Eight floats rounded to f16 bits (nearest even, as `f16::from_f32` for values that are
+    /// not NaN), and those f16 values as f32.
+    ///
+    /// # Safety
+    /// Needs F16C.
+    #[inline(always)]
+    unsafe fn to_f16x8(x: __m256) -> ([u16; 8], [f32; 8]) {
+        let (mut bits, mut back) = ([0u16; 8], [0.0f32; 8]);
         unsafe {
-            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-            let frac = _mm256_sub_ps(y, t);
-            let sign = _mm256_and_ps(y, _mm256_set1_ps(-0.0));
-            let abs_frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0), frac);
-            let half = _mm256_cmp_ps::<_CMP_GE_OQ>(abs_frac, _mm256_set1_ps(0.5));
-            let step = _mm256_and_ps(half, _mm256_or_ps(sign, _mm256_set1_ps(1.0)));
-            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+            _mm_storeu_si128(bits.as_mut_ptr().cast(), h);
+            _mm256_storeu_ps(back.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+        (bits, back)
+    }
+
+    /// `y.round()` (half away from zero) as an integer, given `y2 = 2 y` (finite, below 2^30 in
+    /// magnitude): `trunc(2 y)` is `2 k` or `2 k + 1` away from zero, and adding one (toward
+    /// zero for negatives, through the arithmetic shift's floor) before halving rounds halves
+    /// up in magnitude.
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[inline(always)]
+    unsafe fn round_away_from_double(y2: __m256) -> __m256i {
+        unsafe {
+            let t = _mm256_cvttps_epi32(y2);
+            let up = _mm256_add_epi32(_mm256_srai_epi32::<31>(t), _mm256_set1_epi32(1));
+            _mm256_srai_epi32::<1>(_mm256_add_epi32(t, up))
         }
     }
 
@@ -331,7 +367,9 @@ mod simd_q8 {
         }
     }
 
-    /// One row of Q8_0 (or Q8_1 with `with_s`) blocks and their side data.
+    /// One row of Q8_0 (or Q8_1 with `with_s`) blocks and their side data, 8 blocks at a time:
+    /// the blocks' maxima are gathered first, so that the scale arithmetic (divisions, f16
+    /// rounding) runs on vectors instead of once per block on the critical path.
     ///
     /// # Safety
     /// Needs AVX2, FMA and F16C; `side` holds one row for `x`.
@@ -339,44 +377,68 @@ mod simd_q8 {
     pub unsafe fn q8_row(with_s: bool, x: &[f32], side: Side) -> Result<(), QuantError> {
         let (ty, block_bytes) = if with_s { (GgmlType::Q8_1, 36) } else { (GgmlType::Q8_0, 34) };
         let qs_at = block_bytes - 32;
-        let blocks = x.chunks_exact(32).zip(side.out.chunks_exact_mut(block_bytes));
-        for (b, (xb, out)) in blocks.enumerate() {
-            let p = xb.as_ptr();
-            // SAFETY: `xb` holds 32 floats, `out` one block.
-            let done = unsafe {
-                let v = [load_abs(p), load_abs(p.add(8)), load_abs(p.add(16)), load_abs(p.add(24))];
-                let max = _mm256_max_ps(_mm256_max_ps(v[0].1, v[1].1), _mm256_max_ps(v[2].1, v[3].1));
-                let nonfinite =
-                    any_nonfinite(v[0].1) | any_nonfinite(v[1].1) | any_nonfinite(v[2].1) | any_nonfinite(v[3].1);
-                let amax = hmax_ps(max);
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                if nonfinite || !id.is_finite() {
-                    false
-                } else {
-                    let idv = _mm256_set1_ps(id);
-                    let mut q = [_mm256_setzero_si256(); 4];
-                    for (q, (v, _)) in q.iter_mut().zip(v) {
-                        *q = round_away(_mm256_mul_ps(v, idv));
+        let nb = x.len() / 32;
+        for b0 in (0..nb).step_by(8) {
+            let n = 8.min(nb - b0);
+            let xs = &x[32 * b0..32 * (b0 + n)];
+            let out = &mut side.out[block_bytes * b0..block_bytes * (b0 + n)];
+            // SAFETY: `xs` holds `n` blocks of 32 floats, `out` `n` blocks.
+            let (d16, d, sums, s16, s, usable) = unsafe {
+                let mut max = [0u32; 8];
+                for (i, max) in max.iter_mut().enumerate().take(n) {
+                    let p = xs.as_ptr().add(32 * i);
+                    let mut bits = _mm256_setzero_si256();
+                    for j in 0..4 {
+                        bits = max_bits(bits, load_abs(p.add(8 * j)).1);
                     }
-                    _mm256_storeu_si256(out[qs_at..].as_mut_ptr().cast(), pack_i8(q));
-                    let sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-                    let d16 = f16::from_f32(d);
-                    out[..2].copy_from_slice(&d16.to_le_bytes());
-                    side.d[b] = d16.to_f32();
-                    side.neg_sums[b] = -sum;
-                    if with_s {
-                        let s16 = f16::from_f32(sum as f32 * d);
-                        out[2..4].copy_from_slice(&s16.to_le_bytes());
-                        side.s[b] = s16.to_f32();
-                    }
-                    true
+                    *max = reduce_max(bits);
                 }
+                let max = _mm256_loadu_si256(max.as_ptr().cast());
+                let finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f80_0000), max);
+                let d = _mm256_div_ps(_mm256_castsi256_ps(max), _mm256_set1_ps(127.0));
+                let nonzero = _mm256_cmp_ps::<_CMP_NEQ_OQ>(d, _mm256_setzero_ps());
+                let id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0), d), nonzero);
+                // 2 id scales exactly (unless it overflows): v (2 id) is exactly 2 (v id).
+                let id2 = _mm256_add_ps(id, id);
+                let id_finite = _mm256_cmp_ps::<_CMP_LT_OQ>(id2, _mm256_set1_ps(f32::INFINITY));
+                let usable = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(finite), id_finite)) as u32;
+                let mut ids = [0.0f32; 8];
+                _mm256_storeu_ps(ids.as_mut_ptr(), id2);
+                let mut sums = [0i32; 8];
+                for i in 0..n {
+                    if usable & (1 << i) == 0 {
+                        continue;
+                    }
+                    let p = xs.as_ptr().add(32 * i);
+                    let idv = _mm256_set1_ps(ids[i]);
+                    let mut q = [_mm256_setzero_si256(); 4];
+                    for (j, q) in q.iter_mut().enumerate() {
+                        *q = round_away_from_double(_mm256_mul_ps(_mm256_loadu_ps(p.add(8 * j)), idv));
+                    }
+                    let block = out[block_bytes * i..].as_mut_ptr();
+                    _mm256_storeu_si256(block.add(qs_at).cast(), pack_i8(q));
+                    sums[i] = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+                }
+                let sums_v = _mm256_loadu_si256(sums.as_ptr().cast());
+                let (s16, s) = to_f16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(sums_v), d));
+                let (d16, d) = to_f16x8(d);
+                (d16, d, sums, s16, s, usable)
             };
-            if !done {
-                ts_quant::quantize(ty, xb, out)?;
-                let (d, s, neg_sums) = (&mut side.d[b..b + 1], &mut side.s[b..b + 1], &mut side.neg_sums[b..b + 1]);
-                fill_side(ty, Side { out, d, s, neg_sums });
+            for i in 0..n {
+                let (b, block) = (b0 + i, &mut out[block_bytes * i..block_bytes * (i + 1)]);
+                if usable & (1 << i) == 0 {
+                    ts_quant::quantize(ty, &xs[32 * i..32 * (i + 1)], block)?;
+                    let (d, s, neg_sums) = (&mut side.d[b..b + 1], &mut side.s[b..b + 1], &mut side.neg_sums[b..b + 1]);
+                    fill_side(ty, Side { out: block, d, s, neg_sums });
+                    continue;
+                }
+                block[..2].copy_from_slice(&d16[i].to_le_bytes());
+                side.d[b] = d[i];
+                side.neg_sums[b] = -sums[i];
+                if with_s {
+                    block[2..4].copy_from_slice(&s16[i].to_le_bytes());
+                    side.s[b] = s[i];
+                }
             }
         }
         Ok(())
@@ -392,22 +454,19 @@ mod simd_q8 {
             let p = xb.as_ptr();
             // SAFETY: `xb` holds 256 floats, `out` one block.
             let done = unsafe {
-                let mut max = _mm256_setzero_ps();
-                let mut nonfinite = false;
+                let mut bits = _mm256_setzero_si256();
                 for i in 0..32 {
-                    let (_, a) = load_abs(p.add(8 * i));
-                    max = _mm256_max_ps(max, a);
-                    nonfinite |= any_nonfinite(a);
+                    bits = max_bits(bits, load_abs(p.add(8 * i)).1);
                 }
-                let amax = hmax_ps(max);
-                if nonfinite {
+                let amax = finite_max(bits);
+                if amax.is_none() {
                     false
-                } else if amax == 0.0 {
+                } else if amax == Some(0.0) {
                     out.fill(0);
                     true
                 } else {
                     // The first element of largest magnitude sets the sign, as in the reference.
-                    let target = _mm256_set1_ps(amax);
+                    let target = _mm256_set1_ps(amax.unwrap_or(0.0));
                     let mut first = 0;
                     for i in 0..32 {
                         let (_, a) = load_abs(p.add(8 * i));

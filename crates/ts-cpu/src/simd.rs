@@ -97,17 +97,6 @@ pub(crate) unsafe fn hsum_ps(v: __m256) -> f32 {
 }
 
 /// # Safety
-/// Needs AVX.
-#[inline(always)]
-pub(crate) unsafe fn hmax_ps(v: __m256) -> f32 {
-    unsafe {
-        let x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-        _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)))
-    }
-}
-
-/// # Safety
 /// Needs AVX2.
 #[inline(always)]
 pub(crate) unsafe fn hsum_epi32(v: __m256i) -> i32 {

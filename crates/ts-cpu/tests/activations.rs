@@ -21,6 +21,8 @@ fn special_rows(rng: &mut Rng, k: usize) -> Vec<Vec<f32>> {
     rows.push((0..k).map(|i| if i % 2 == 0 { -0.0 } else { 0.0 }).collect());
     rows.push((0..k).map(|i| (i % 255) as f32 - 127.0).collect());
     rows.push((0..k).map(|i| ((i % 64) as f32 - 32.0) * 0.5).collect());
+    // Scale exactly 1 (amax 127): every other value is a tie to round.
+    rows.push((0..k).map(|i| if i % 16 == 0 { 127.0 } else { (i % 64) as f32 - 31.5 }).collect());
     rows.push((0..k).map(|i| ((i % 7) as f32 - 3.0) * 1e-40).collect());
     rows.push((0..k).map(|i| ((i % 7) as f32 - 3.0) * 1e-37).collect());
     rows.push((0..k).map(|i| ((i % 7) as f32 - 3.0) * 3e37).collect());
@@ -68,7 +70,8 @@ fn quantized_rows_are_bit_identical_to_ts_quant() {
     for (weight_ty, act_ty) in
         [(GgmlType::Q4_0, GgmlType::Q8_0), (GgmlType::Q4_1, GgmlType::Q8_1), (GgmlType::Q4_K, GgmlType::Q8_K)]
     {
-        for k in [256, 768, 4864] {
+        let ks: &[usize] = if act_ty == GgmlType::Q8_K { &[256, 768, 4864] } else { &[32, 96, 352, 4864] };
+        for &k in ks {
             let rows = special_rows(&mut rng, k);
             let flat: Vec<f32> = rows.concat();
             let mut x = QuantizedRows::new();
