@@ -36,6 +36,8 @@ mod x86 {
                 for i in 0..n {
                     bytes |= (*p.add(i * Self::BYTES) as u64) << (8 * i);
                 }
+                // Kept in a general register: LLVM would otherwise insert byte by byte.
+                let bytes = std::hint::black_box(bytes);
                 let e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64));
                 let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes);
