@@ -250,18 +250,13 @@ mod x86 {
 
     /// Runs `K` over a tile. Small batches take one weight row at a time, so that weights are
     /// read in one sequential stream (hardware prefetchers lose track of several interleaved
-    /// short rows, which halves DRAM bandwidth); larger ones `RB` rows by up to 4 activation
-    /// rows (as many as the registers hold).
+    /// short rows, which halves DRAM bandwidth); larger ones two rows by up to 4 activation
+    /// rows.
     ///
     /// # Safety
     /// As [`TileFn`].
     #[inline(always)]
-    unsafe fn direct_tile<K: RowsDot, const RB: usize>(
-        w: &[u8],
-        row_bytes: usize,
-        x: &ActView,
-        out: &mut [&mut [f32]],
-    ) {
+    unsafe fn direct_tile<K: RowsDot>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
         let rows = out.first().map_or(0, |o| o.len());
         let wp = w.as_ptr();
         unsafe {
@@ -275,9 +270,9 @@ mod x86 {
             let a: Vec<ARow> = (0..out.len()).map(|c| x.arow(c)).collect();
             let mut r = 0;
             if out.len() >= 4 {
-                while r + RB <= rows {
-                    cols::<K, RB>(wp.add(r * row_bytes), row_bytes, &a, x.nb, out, r);
-                    r += RB;
+                while r + 2 <= rows {
+                    cols::<K, 2>(wp.add(r * row_bytes), row_bytes, &a, x.nb, out, r);
+                    r += 2;
                 }
             }
             while r < rows {
@@ -326,37 +321,37 @@ mod x86 {
 
     /// Entry points compiled with each instruction set's target features.
     macro_rules! entries {
-        ($($avx2:ident, $avx512:ident => $kernel:ty, $kernel512:ty, $rows512:literal;)*) => {$(
+        ($($avx2:ident, $avx512:ident => $kernel:ty, $kernel512:ty;)*) => {$(
             /// # Safety
             /// As [`TileFn`]; needs AVX2, FMA and F16C.
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn $avx2(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
-                unsafe { direct_tile::<$kernel, 2>(w, row_bytes, x, out) }
+                unsafe { direct_tile::<$kernel>(w, row_bytes, x, out) }
             }
             /// # Safety
             /// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
             unsafe fn $avx512(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
-                unsafe { direct_tile::<$kernel512, $rows512>(w, row_bytes, x, out) }
+                unsafe { direct_tile::<$kernel512>(w, row_bytes, x, out) }
             }
         )*};
     }
 
     entries! {
-        f32_avx2, f32_avx512 => Floats<F32>, Floats<F32>, 2;
-        f16_avx2, f16_avx512 => Floats<F16>, Floats<F16>, 2;
-        bf16_avx2, bf16_avx512 => Floats<Bf16>, Floats<Bf16>, 2;
-        q4_0_avx2, q4_0_avx512 => Legacy<Q4_0, Avx2>, Legacy<Q4_0, Vnni>, 2;
-        q4_1_avx2, q4_1_avx512 => Legacy<Q4_1, Avx2>, Legacy<Q4_1, Vnni>, 2;
-        q5_0_avx2, q5_0_avx512 => Legacy<Q5_0, Avx2>, Legacy<Q5_0, Vnni>, 2;
-        q5_1_avx2, q5_1_avx512 => Legacy<Q5_1, Avx2>, Legacy<Q5_1, Vnni>, 2;
-        q8_0_avx2, q8_0_avx512 => Legacy<Q8_0, Avx2>, Legacy<Q8_0, Vnni>, 2;
-        mxfp4_avx2, mxfp4_avx512 => Legacy<Mxfp4, Avx2>, Legacy<Mxfp4, Vnni>, 2;
-        q2_k_avx2, q2_k_avx512 => KQuant<Q2K, Avx2>, KQuant<Q2K, Vnni>, 2;
-        q3_k_avx2, q3_k_avx512 => KQuant<Q3K, Avx2>, KQuant<Q3K, Vnni>, 2;
-        q4_k_avx2, q4_k_avx512 => KQuant<Q4K, Avx2>, KQuant<Q4K, Vnni>, 2;
-        q5_k_avx2, q5_k_avx512 => KQuant<Q5K, Avx2>, KQuant<Q5K, Vnni>, 2;
-        q6_k_avx2, q6_k_avx512 => KQuant<Q6K, Avx2>, KQuant<Q6K, Vnni>, 2;
+        f32_avx2, f32_avx512 => Floats<F32>, Floats<F32>;
+        f16_avx2, f16_avx512 => Floats<F16>, Floats<F16>;
+        bf16_avx2, bf16_avx512 => Floats<Bf16>, Floats<Bf16>;
+        q4_0_avx2, q4_0_avx512 => Legacy<Q4_0, Avx2>, Legacy<Q4_0, Vnni>;
+        q4_1_avx2, q4_1_avx512 => Legacy<Q4_1, Avx2>, Legacy<Q4_1, Vnni>;
+        q5_0_avx2, q5_0_avx512 => Legacy<Q5_0, Avx2>, Legacy<Q5_0, Vnni>;
+        q5_1_avx2, q5_1_avx512 => Legacy<Q5_1, Avx2>, Legacy<Q5_1, Vnni>;
+        q8_0_avx2, q8_0_avx512 => Legacy<Q8_0, Avx2>, Legacy<Q8_0, Vnni>;
+        mxfp4_avx2, mxfp4_avx512 => Legacy<Mxfp4, Avx2>, Legacy<Mxfp4, Vnni>;
+        q2_k_avx2, q2_k_avx512 => KQuant<Q2K, Avx2>, KQuant<Q2K, Vnni>;
+        q3_k_avx2, q3_k_avx512 => KQuant<Q3K, Avx2>, KQuant<Q3K, Vnni>;
+        q4_k_avx2, q4_k_avx512 => KQuant<Q4K, Avx2>, KQuant<Q4K, Vnni>;
+        q5_k_avx2, q5_k_avx512 => KQuant<Q5K, Avx2>, KQuant<Q5K, Vnni>;
+        q6_k_avx2, q6_k_avx512 => KQuant<Q6K, Avx2>, KQuant<Q6K, Vnni>;
     }
 
     pub(super) fn kernels(isa: Isa, ty: T) -> Option<Kernels> {

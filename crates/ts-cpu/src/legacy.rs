@@ -1,6 +1,12 @@
 //! Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: 32-element blocks with an f16 scale, against Q8_0 or
 //! Q8_1 activations. One generic kernel multiplies `R` weight rows by `C` activation rows,
 //! unpacking each weight block once for all `C` rows.
+//!
+//! Quants are multiplied as unsigned bytes by the signed activations (`vpdpbusd`, or
+//! `maddubs` + `madd` on AVX2). Signed formats are offset to unsigned and the offset times the
+//! activations' block sum, kept with the activations, is taken back; Q8_0 on AVX2, whose
+//! offset bytes would saturate `maddubs`'s i16 sums, multiplies |w| by the activations carrying
+//! w's sign instead (llama.cpp's `mul_sum_i8_pairs` idea).
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::*;

@@ -1,15 +1,18 @@
 //! MXFP4: 32 E2M1 codes with a power-of-two scale, against Q8_0 activations. The codes are
-//! looked up as doubled E2M1 values (small signed integers) and run through the legacy kernel.
+//! looked up (`pshufb`) as doubled E2M1 values plus 16, small unsigned integers, and run through
+//! the legacy kernels like Q5_0.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::*;
 
 /// E2M1 values doubled, by 4-bit code (ggml-common.h `kvalues_mxfp4`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-#[cfg(test)]
 /// Half of the E8M0 scale `2^(e - 127)`, built from bits as ggml-impl.h
-/// `ggml_e8m0_to_fp32_half` does (values are stored doubled).
+/// `ggml_e8m0_to_fp32_half` does (values are stored doubled); the reference for the vector
+/// version in the kernels.
+#[cfg(test)]
 pub(crate) fn e8m0_half(e: u8) -> f32 {
     let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e - 1) as u32) << 23 };
     f32::from_bits(bits)
