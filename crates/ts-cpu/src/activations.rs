@@ -203,6 +203,7 @@ pub(crate) struct ActView<'a> {
 
 /// Pointers to one activation row and its side data, for the SIMD kernels.
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct ARow {
     pub q: *const u8,
     pub d: *const f32,
@@ -210,6 +211,7 @@ pub(crate) struct ARow {
     pub neg_sums: *const i32,
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl ActView<'_> {
     pub fn arow(&self, i: usize) -> ARow {
         let side = if self.ty == GgmlType::F32 { 0 } else { i * self.nb };

@@ -70,6 +70,7 @@ pub(crate) type TileFn = unsafe fn(w: &[u8], row_bytes: usize, x: &ActView, out:
 
 /// SIMD kernels for one weight type.
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Kernels {
     /// Weight rows straight from their blocks; for decoding and small batches.
     direct: TileFn,
