@@ -33,6 +33,7 @@ mod floats;
 mod kquants;
 mod legacy;
 mod mxfp4;
+pub mod ops;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 #[cfg(target_arch = "x86_64")]

@@ -4,7 +4,7 @@
 //! llama.cpp would read it too.
 
 use crate::ModelError;
-use crate::ops::GatedActivation;
+use ts_cpu::ops::GatedActivation;
 use ts_gguf::{Array, Metadata, Value};
 
 /// The architectures this engine runs, by `general.architecture`.
@@ -56,7 +56,7 @@ impl Arch {
 }
 
 /// Pairing of rotary dimensions (see `ts_cpu::ops::RopeLayout`).
-pub use crate::ops::RopeLayout;
+pub use ts_cpu::ops::RopeLayout;
 
 /// Frequency scaling of the rotary embedding.
 #[derive(Clone, Copy, Debug, PartialEq)]

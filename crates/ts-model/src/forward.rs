@@ -6,13 +6,13 @@
 use crate::ModelError;
 use crate::config::{ArchConfig, QkNorm, RopeScaling};
 use crate::experts::ExpertStore;
-use crate::kernels::QuantizedRows;
 use crate::kv::SeqState;
 use crate::moe;
-use crate::ops::{self, AttentionParams, Rope};
 use crate::tensors::{Ffn, LayerWeights, ModelWeights};
 use crate::weights::Weight;
 use rayon::prelude::*;
+use ts_cpu::QuantizedRows;
+use ts_cpu::ops::{self, AttentionParams, Rope};
 
 /// One token to run: its id, its position and the sequence it belongs to.
 #[derive(Clone, Copy, Debug)]
@@ -68,7 +68,7 @@ pub fn linear_bytes(
         (w.ty, bytes)
     };
     scratch.xq.quantize(ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    crate::kernels::matmul(ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
+    ts_cpu::matmul(ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
 }
 
 /// Rotary tables for one layer's settings (frequencies with scaling folded

@@ -5,10 +5,8 @@
 pub mod config;
 pub mod experts;
 pub mod forward;
-mod kernels;
 pub mod kv;
 pub mod moe;
-pub mod ops;
 pub mod tensors;
 pub mod weights;
 

@@ -6,8 +6,8 @@ use crate::ModelError;
 use crate::config::{ArchConfig, Gating, MoeConfig};
 use crate::experts::ExpertStore;
 use crate::forward::{Scratch, dense_ffn, linear, linear_bytes};
-use crate::ops;
 use crate::tensors::MoeWeights;
+use ts_cpu::ops;
 
 /// The k experts a row goes to, with their weights.
 #[derive(Clone, Debug, PartialEq)]
