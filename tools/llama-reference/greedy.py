@@ -4,7 +4,8 @@
 usage: python greedy.py MODELS_DIR OUT.json
 
 For each real model and prompt: the prompt's ids (BOS per the model, special
-tokens not parsed) and the 64 ids llama.cpp picks greedily. The KV cache is
+tokens not parsed), the 64 ids llama.cpp picks greedily, and at each step the
+margin between its top two logits. The KV cache is
 f32 and flash attention off, so both engines keep attention in float32 and
 what differs is only summation order.
 """
@@ -48,15 +49,18 @@ def main():
             ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
             llm.reset()
             llm.eval(ids)
-            generated = []
+            generated, margins = [], []
             for _ in range(N):
                 logits = llm.scores[llm.n_tokens - 1]
-                tok = int(logits.argmax())
+                top2 = logits.argsort()[-2:]
+                tok = int(top2[1])
+                margins.append(round(float(logits[top2[1]] - logits[top2[0]]), 5))
                 if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
                     break
                 generated.append(tok)
                 llm.eval([tok])
-            out["runs"].append({"model": name, "prompt": prompt, "prompt_ids": ids, "generated": generated})
+            out["runs"].append({"model": name, "prompt": prompt, "prompt_ids": ids, "generated": generated,
+                                "margins": margins})
             print(name, repr(prompt[:30]), len(generated), file=sys.stderr)
         del llm
     with open(out_path, "w") as f:

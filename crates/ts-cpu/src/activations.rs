@@ -244,11 +244,38 @@ fn quantize_row(isa: Isa, ty: GgmlType, x: &[f32], side: Side) -> Result<(), Cpu
         return Ok(());
     }
     let _ = isa;
-    ts_quant::quantize(ty, x, side.out)?;
-    if ty != GgmlType::Q8_K {
+    if ty == GgmlType::Q8_K {
+        ts_quant::quantize(ty, x, side.out)?;
+    } else {
+        quantize_q8_runtime(ty, x, side.out);
         fill_side(ty, side);
     }
     Ok(())
+}
+
+/// Q8_0 / Q8_1 activations as llama.cpp's CPU backend makes them at run time
+/// (`ggml-cpu/arch/x86/quants.c: quantize_row_q8_0/q8_1`), which differs from the
+/// reference quantizer used for weights: `id = 127 / amax` rather than `1 / (amax / 127)`,
+/// rounding half to even rather than away from zero, and `s = d * Σq` from the f32 `d`.
+/// Matching it keeps logits equal to llama.cpp's where a value sits on a rounding boundary.
+pub fn quantize_q8_runtime(ty: GgmlType, x: &[f32], out: &mut [u8]) {
+    let block_bytes = ty.type_size() as usize;
+    let qs_at = block_bytes - 32;
+    for (xb, block) in x.chunks_exact(32).zip(out.chunks_exact_mut(block_bytes)) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in block[qs_at..].iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even().clamp(-128.0, 127.0) as i32;
+            sum += r;
+            *q = r as i8 as u8;
+        }
+        block[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        if ty == GgmlType::Q8_1 {
+            block[2..4].copy_from_slice(&half::f16::from_f32(d * sum as f32).to_le_bytes());
+        }
+    }
 }
 
 /// Side data of Q8_0 / Q8_1 blocks from their bytes.
@@ -339,22 +366,6 @@ mod simd_q8 {
         (bits, back)
     }
 
-    /// `y.round()` (half away from zero) as an integer, given `y2 = 2 y` (finite, below 2^30 in
-    /// magnitude): `trunc(2 y)` is `2 k` or `2 k + 1` away from zero, and adding one (toward
-    /// zero for negatives, through the arithmetic shift's floor) before halving rounds halves
-    /// up in magnitude.
-    ///
-    /// # Safety
-    /// Needs AVX2.
-    #[inline(always)]
-    unsafe fn round_away_from_double(y2: __m256) -> __m256i {
-        unsafe {
-            let t = _mm256_cvttps_epi32(y2);
-            let up = _mm256_add_epi32(_mm256_srai_epi32::<31>(t), _mm256_set1_epi32(1));
-            _mm256_srai_epi32::<1>(_mm256_add_epi32(t, up))
-        }
-    }
-
     /// Packs 32 i32 in -128..=127 into 32 bytes in order.
     ///
     /// # Safety
@@ -397,15 +408,15 @@ mod simd_q8 {
                 }
                 let max = _mm256_loadu_si256(max.as_ptr().cast());
                 let finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f80_0000), max);
-                let d = _mm256_div_ps(_mm256_castsi256_ps(max), _mm256_set1_ps(127.0));
-                let nonzero = _mm256_cmp_ps::<_CMP_NEQ_OQ>(d, _mm256_setzero_ps());
-                let id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0), d), nonzero);
-                // 2 id scales exactly (unless it overflows): v (2 id) is exactly 2 (v id).
-                let id2 = _mm256_add_ps(id, id);
-                let id_finite = _mm256_cmp_ps::<_CMP_LT_OQ>(id2, _mm256_set1_ps(f32::INFINITY));
+                let maxf = _mm256_castsi256_ps(max);
+                let d = _mm256_div_ps(maxf, _mm256_set1_ps(127.0));
+                // llama.cpp's runtime quantizer: id = 127 / max (0 for an all-zero block).
+                let nonzero = _mm256_cmp_ps::<_CMP_NEQ_OQ>(maxf, _mm256_setzero_ps());
+                let id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(127.0), maxf), nonzero);
+                let id_finite = _mm256_cmp_ps::<_CMP_LT_OQ>(id, _mm256_set1_ps(f32::INFINITY));
                 let usable = _mm256_movemask_ps(_mm256_and_ps(_mm256_castsi256_ps(finite), id_finite)) as u32;
                 let mut ids = [0.0f32; 8];
-                _mm256_storeu_ps(ids.as_mut_ptr(), id2);
+                _mm256_storeu_ps(ids.as_mut_ptr(), id);
                 let mut sums = [0i32; 8];
                 for i in 0..n {
                     if usable & (1 << i) == 0 {
@@ -415,7 +426,8 @@ mod simd_q8 {
                     let idv = _mm256_set1_ps(ids[i]);
                     let mut q = [_mm256_setzero_si256(); 4];
                     for (j, q) in q.iter_mut().enumerate() {
-                        *q = round_away_from_double(_mm256_mul_ps(_mm256_loadu_ps(p.add(8 * j)), idv));
+                        // Round half to even, as the default MXCSR rounding of cvtps does.
+                        *q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p.add(8 * j)), idv));
                     }
                     let block = out[block_bytes * i..].as_mut_ptr();
                     _mm256_storeu_si256(block.add(qs_at).cast(), pack_i8(q));
@@ -429,7 +441,7 @@ mod simd_q8 {
             for i in 0..n {
                 let (b, block) = (b0 + i, &mut out[block_bytes * i..block_bytes * (i + 1)]);
                 if usable & (1 << i) == 0 {
-                    ts_quant::quantize(ty, &xs[32 * i..32 * (i + 1)], block)?;
+                    super::quantize_q8_runtime(ty, &xs[32 * i..32 * (i + 1)], block);
                     let (d, s, neg_sums) = (&mut side.d[b..b + 1], &mut side.s[b..b + 1], &mut side.neg_sums[b..b + 1]);
                     fill_side(ty, Side { out: block, d, s, neg_sums });
                     continue;

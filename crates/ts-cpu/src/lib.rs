@@ -39,7 +39,7 @@ mod panel;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-pub use activations::QuantizedRows;
+pub use activations::{QuantizedRows, quantize_q8_runtime};
 pub use dispatch::Isa;
 pub use ts_gguf::GgmlType;
 

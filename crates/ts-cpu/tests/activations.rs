@@ -1,4 +1,6 @@
-//! Activation quantization is bit-identical to ts-quant's reference quantizers.
+//! Activation quantization is bit-identical to what llama.cpp's CPU backend makes at run time
+//! (vectors from tools/quant-vectors/activations.py): for Q8_K that is ts-quant's reference
+//! quantizer; for Q8_0 and Q8_1 llama.cpp's runtime rounds half to even with id = 127/amax.
 
 mod common;
 
@@ -7,10 +9,44 @@ use ts_cpu::{GgmlType, QuantizedRows};
 
 fn reference(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let n = ty.bytes_for(x.len() as u64).unwrap() as usize;
+    if ty != GgmlType::Q8_K {
+        let mut out = vec![0u8; n];
+        ts_cpu::quantize_q8_runtime(ty, x, &mut out);
+        return out;
+    }
     // Aligned storage for ts-quant's in-place block views.
     let mut buf = vec![0u32; n.div_ceil(4)];
     ts_quant::quantize(ty, x, &mut bytemuck::cast_slice_mut::<u32, u8>(&mut buf)[..n]).unwrap();
     bytemuck::cast_slice::<u32, u8>(&buf)[..n].to_vec()
+}
+
+#[test]
+fn activations_are_bit_identical_to_llama_cpp_runtime() {
+    let bytes = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/activations-llama-cpp.bin")).unwrap();
+    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let (mut at, mut checked) = (4, 0);
+    for _ in 0..u32_at(0) {
+        let (ty, k) = (GgmlType::from_id(u32_at(at)).unwrap(), u32_at(at + 4) as usize);
+        at += 8;
+        let x: Vec<f32> =
+            bytes[at..at + 4 * k].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        at += 4 * k;
+        let n = ty.bytes_for(k as u64).unwrap() as usize;
+        let want = &bytes[at..at + n];
+        at += n;
+        // A weight type that pairs with this activation type.
+        let weight_ty = match ty {
+            GgmlType::Q8_0 => GgmlType::Q4_0,
+            GgmlType::Q8_1 => GgmlType::Q4_1,
+            _ => GgmlType::Q4_K,
+        };
+        let mut q = QuantizedRows::new();
+        q.quantize(weight_ty, &x, k).unwrap();
+        assert_eq!(q.row(0), want, "{ty} k={k}");
+        assert_eq!(reference(ty, &x), want, "{ty} k={k} (scalar path)");
+        checked += 1;
+    }
+    assert!(checked > 50);
 }
 
 /// Inputs that stress rounding and the fallbacks: ties, huge and tiny magnitudes, zeros,
@@ -65,7 +101,7 @@ fn special_rows(rng: &mut Rng, k: usize) -> Vec<Vec<f32>> {
 }
 
 #[test]
-fn quantized_rows_are_bit_identical_to_ts_quant() {
+fn simd_rows_are_bit_identical_to_the_scalar_quantizers() {
     let mut rng = Rng::new(1);
     for (weight_ty, act_ty) in
         [(GgmlType::Q4_0, GgmlType::Q8_0), (GgmlType::Q4_1, GgmlType::Q8_1), (GgmlType::Q4_K, GgmlType::Q8_K)]

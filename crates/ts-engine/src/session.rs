@@ -40,6 +40,8 @@ pub struct Engine {
     pool: rayon::ThreadPool,
     /// Rows per forward step during prefill.
     pub n_batch: usize,
+    /// Keep activations in f32 for quantized weights (see `Scratch::exact`).
+    pub exact_activations: bool,
 }
 
 /// Timings of one generation.
@@ -95,7 +97,11 @@ impl Engine {
         }
         let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer)
             .map_err(|e| EngineError::Invalid(format!("chat template: {e}")))?;
-        Ok(Engine { model, tokenizer, template, pool, n_batch: 512 })
+        Ok(Engine { model, tokenizer, template, pool, n_batch: 512, exact_activations: false })
+    }
+
+    fn scratch(&self) -> Scratch {
+        if self.exact_activations { Scratch::exact() } else { Scratch::default() }
     }
 
     /// The context size to use when the user gives none: the training context, capped at 4096.
@@ -116,7 +122,7 @@ impl Engine {
         if seq.n_past + tokens.len() > seq.n_ctx {
             return Err(EngineError::PromptTooLong { tokens: seq.n_past + tokens.len(), n_ctx: seq.n_ctx });
         }
-        let mut scratch = Scratch::default();
+        let mut scratch = self.scratch();
         let mut out = Vec::new();
         self.pool.install(|| -> Result<(), EngineError> {
             for (c, chunk) in tokens.chunks(self.n_batch.max(1)).enumerate() {
@@ -164,7 +170,7 @@ impl Engine {
 
         let t1 = Instant::now();
         let mut decoder = self.tokenizer.stream_decoder(special);
-        let mut scratch = Scratch::default();
+        let mut scratch = self.scratch();
         let mut generated = Vec::new();
         stats.stop = StopReason::Length;
         while generated.len() < max_tokens {
@@ -226,10 +232,10 @@ impl Engine {
         let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
         for c in 0..n_chunk {
             let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
-            if self.tokenizer.add_bos() {
-                if let Some(bos) = self.tokenizer.bos() {
-                    chunk[0] = bos;
-                }
+            if self.tokenizer.add_bos()
+                && let Some(bos) = self.tokenizer.bos()
+            {
+                chunk[0] = bos;
             }
             seq.clear();
             let logits = self.prefill(&mut seq, &chunk, true)?;

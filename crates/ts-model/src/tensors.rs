@@ -114,6 +114,7 @@ pub struct SharedExpertWeights {
     pub gate_inp: Option<Vec<f32>>,
 }
 
+#[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
 pub enum Ffn {
     /// `[n_embd, n_ff]`, `[n_embd, n_ff]`, `[n_ff, n_embd]`.
     Dense {

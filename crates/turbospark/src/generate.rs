@@ -22,6 +22,10 @@ pub struct ModelArgs {
     /// Where routed experts live: `mapped` (pages of the file, the OS decides) or `resident` (read into memory at open).
     #[arg(long, default_value = "mapped")]
     experts: String,
+    /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
+    /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
+    #[arg(long)]
+    exact_activations: bool,
 }
 
 /// Sampling options, with llama.cpp's defaults.
@@ -133,6 +137,7 @@ fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)> {
     let opts = LoadOptions { threads: global.threads()?, experts };
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
+    engine.exact_activations = args.exact_activations;
     let n_ctx = args.ctx.unwrap_or_else(|| engine.default_context());
     if n_ctx == 0 {
         bail!("--ctx-size must be at least 1");

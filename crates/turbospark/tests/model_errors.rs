@@ -18,7 +18,10 @@ fn expect_error(args: &[&str], expected: &str) {
     assert!(!ok, "{args:?} succeeded");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{args:?}: {stderr}");
-    assert!(lines[0].starts_with("error: ") && lines[0].contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+    assert!(
+        lines[0].starts_with("error: ") && lines[0].contains(expected),
+        "{args:?}: expected {expected:?} in {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -53,7 +56,10 @@ fn missing_tensor() {
 fn unsupported_tensor_type_for_a_role() {
     // I32 has F32's size, so the file stays well formed; a matrix cannot be I32.
     let p = variant("type", |_, t| t.iter_mut().find(|t| t.0 == "blk.0.attn_q.weight").unwrap().1 = GgmlType::I32);
-    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "tensor 'blk.0.attn_q.weight': type I32 is not supported");
+    expect_error(
+        &["logits", "-m", s(&p), "--tokens", "1,2"],
+        "tensor 'blk.0.attn_q.weight': type I32 is not supported",
+    );
 }
 
 #[test]
@@ -67,7 +73,10 @@ fn wrong_shape() {
 
 #[test]
 fn token_id_out_of_range() {
-    expect_error(&["logits", "-m", s(&fixture()), "--tokens", "1,512"], "token id 512 is out of range (vocabulary size 512)");
+    expect_error(
+        &["logits", "-m", s(&fixture()), "--tokens", "1,512"],
+        "token id 512 is out of range (vocabulary size 512)",
+    );
 }
 
 #[test]
