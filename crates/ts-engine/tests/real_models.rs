@@ -106,10 +106,10 @@ fn greedy_continuations_match_llama_cpp() {
             ),
         };
         println!("{line}");
-        if let Some((_, _, theirs)) = diverged {
-            if theirs >= NEAR_TIE {
-                failures.push(line);
-            }
+        if let Some((_, _, theirs)) = diverged
+            && theirs >= NEAR_TIE
+        {
+            failures.push(line);
         }
     }
     println!("{identical} of {runs} continuations identical; the others part at a near-tie");
