@@ -37,18 +37,43 @@ pub fn scale_inplace(x: &mut [f32], s: f32) {
     x.iter_mut().for_each(|v| *v *= s);
 }
 
+/// `e^x` for f32 in a form loops vectorise: `x = n ln2 + r` with `|r| <= ln2 / 2`, then a
+/// degree-7 Taylor polynomial for `e^r` (truncation below 6e-9 relative) scaled by `2^n`
+/// built in the exponent bits. Inputs are clamped to [-87.3, 88] (so 2^n stays a normal
+/// float); NaN stays NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
+    let x = x.clamp(-87.3, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + exp(-x))
 }
 
+#[inline(always)]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp(-x))
 }
 
-/// GELU, tanh approximation (`gelu_pytorch_tanh`).
+/// GELU, tanh approximation (`gelu_pytorch_tanh`), with `tanh(u) = 1 - 2 / (e^{2u} + 1)`.
+#[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+    let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+    let tanh = 1.0 - 2.0 / (exp(2.0 * u) + 1.0);
+    0.5 * x * (1.0 + tanh)
 }
 
 /// The gated activation applied to `gate` and `up`, written into `gate`.
@@ -63,7 +88,22 @@ pub enum GatedActivation {
     SwiGluClamped { alpha: f32, limit: f32 },
 }
 
+/// Applies `act` in place over `gate`, in parallel chunks on the current rayon pool.
 pub fn gated_activation(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 4096;
+    gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(|(g, u)| {
+        #[cfg(target_arch = "x86_64")]
+        if crate::Isa::detect() != crate::Isa::Scalar {
+            // SAFETY: AVX2 and FMA are available.
+            return unsafe { x86::gated(act, g, u) };
+        }
+        gated_plain(act, g, u)
+    });
+}
+
+#[inline(always)]
+fn gated_plain(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
     match act {
         GatedActivation::SwiGlu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu(*g) * u),
         GatedActivation::GeGlu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = gelu_tanh(*g) * u),
@@ -73,6 +113,22 @@ pub fn gated_activation(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
             *g = x * sigmoid(alpha * x) * (u + 1.0);
         }),
     }
+}
+
+/// `x[i] = e^(x[i] - max)` in place; returns the sum (f64).
+pub fn exp_shifted(x: &mut [f32], max: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::detect() != crate::Isa::Scalar {
+        // SAFETY: AVX2 and FMA are available.
+        return unsafe { x86::exp_shifted(x, max) };
+    }
+    exp_shifted_plain(x, max)
+}
+
+#[inline(always)]
+fn exp_shifted_plain(x: &mut [f32], max: f32) -> f64 {
+    x.iter_mut().for_each(|v| *v = exp(*v - max));
+    x.iter().map(|&v| v as f64).sum()
 }
 
 /// Softmax in place, max-subtracted, accumulated in f64 for stability.
@@ -135,6 +191,110 @@ impl Rope {
     }
 }
 
+/// `Σ a[i] b[i]`, vectorised where the CPU allows (8 partial sums, so the
+/// result may differ from a sequential sum in the last bits).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::detect() != crate::Isa::Scalar {
+        // SAFETY: AVX2 and FMA are available (checked by `Isa::detect`).
+        return unsafe { x86::dot(a, b) };
+    }
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `y += a * x`.
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::Isa::detect() != crate::Isa::Scalar {
+        // SAFETY: AVX2 and FMA are available.
+        return unsafe { x86::axpy(y, a, x) };
+    }
+    y.iter_mut().zip(x).for_each(|(y, &x)| *y += a * x);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The plain loop compiled for AVX2, which it vectorises.
+    ///
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gated(act: super::GatedActivation, gate: &mut [f32], up: &[f32]) {
+        super::gated_plain(act, gate, up)
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(x: &mut [f32], max: f32) -> f64 {
+        super::exp_shifted_plain(x, max)
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load reads 8 floats below `n`.
+        unsafe {
+            while i + 16 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
+                s1 =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), _mm256_loadu_ps(b.as_ptr().add(i + 8)), s1);
+                i += 16;
+            }
+            if i + 8 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
+                i += 8;
+            }
+            let s = _mm256_add_ps(s0, s1);
+            let h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            let mut total = _mm_cvtss_f32(h);
+            while i < n {
+                total += a[i] * b[i];
+                i += 1;
+            }
+            total
+        }
+    }
+
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = y.len().min(x.len());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        // SAFETY: every load and store touches 8 floats below `n`.
+        unsafe {
+            while i + 8 <= n {
+                let p = y.as_mut_ptr().add(i);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+                i += 8;
+            }
+        }
+        while i < n {
+            y[i] += a * x[i];
+            i += 1;
+        }
+    }
+}
+
 /// One query head's attention over `n` cached positions.
 ///
 /// `keys` and `values` yield the cached k and v vectors of this head's kv head
@@ -157,7 +317,7 @@ pub fn attend<'a>(
 ) {
     scores.clear();
     for k in keys {
-        let mut s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * p.scale;
+        let mut s = dot(q, k) * p.scale;
         if let Some(c) = p.softcap {
             s = c * (s / c).tanh();
         }
@@ -168,15 +328,11 @@ pub fn attend<'a>(
         max = max.max(sink);
     }
     let mut denom = p.sink.map_or(0.0, |s| ((s - max) as f64).exp());
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        denom += *s as f64;
-    }
+    denom += exp_shifted(scores, max);
     let inv = (1.0 / denom) as f32;
     out.iter_mut().for_each(|o| *o = 0.0);
     for (w, v) in scores.iter().zip(values) {
-        let w = w * inv;
-        out.iter_mut().zip(v).for_each(|(o, &x)| *o += w * x);
+        axpy(out, w * inv, v);
     }
 }
 
@@ -220,6 +376,46 @@ mod tests {
         let mut z = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
         rope(RopeLayout::Halves).apply(&mut z, 6, 3);
         assert_eq!(&z[4..], &[5.0, 6.0]);
+    }
+
+    #[test]
+    fn exp_is_accurate() {
+        let mut worst = 0f64;
+        for i in -87_000..87_900 {
+            let x = i as f32 * 1e-3 + 0.000_37;
+            let want = (x as f64).exp();
+            worst = worst.max(((exp(x) as f64 - want) / want).abs());
+        }
+        assert!(worst < 4e-7, "worst relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NAN).is_nan());
+        assert!(exp(-1e4) < 1e-37 && exp(1e4).is_finite());
+    }
+
+    #[test]
+    fn activations_match_libm() {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.01;
+            let gelu = 0.5 * x as f64 * (1.0 + (0.797_884_560_8 * (x as f64 + 0.044_715 * (x as f64).powi(3))).tanh());
+            assert!((gelu_tanh(x) as f64 - gelu).abs() < 1e-6 * (1.0 + gelu.abs()), "gelu {x}");
+            let silu_ref = x as f64 / (1.0 + (-x as f64).exp());
+            assert!((silu(x) as f64 - silu_ref).abs() < 1e-6 * (1.0 + silu_ref.abs()), "silu {x}");
+        }
+    }
+
+    #[test]
+    fn dot_and_axpy_match_plain_loops() {
+        for n in [0, 1, 7, 8, 15, 16, 17, 64, 100, 257] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5 * (1.0 + want.abs()), "n={n}");
+            let mut y = b.clone();
+            axpy(&mut y, 0.5, &a);
+            for i in 0..n {
+                assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6);
+            }
+        }
     }
 
     #[test]

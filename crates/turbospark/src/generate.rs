@@ -124,7 +124,7 @@ pub struct PerplexityArgs {
     model: ModelArgs,
 }
 
-fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)> {
+pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)> {
     let model = global.model(None)?;
     let experts = match args.experts.as_str() {
         "mapped" => ExpertPlacement::Mapped,

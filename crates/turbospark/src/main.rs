@@ -1,5 +1,6 @@
 //! `turbospark`: the command-line program.
 
+mod bench;
 mod generate;
 mod inspect;
 mod tokenize;
@@ -55,6 +56,8 @@ enum Command {
     Logits(generate::LogitsArgs),
     /// Perplexity of a text file, as llama-perplexity computes it.
     Perplexity(generate::PerplexityArgs),
+    /// Prompt-processing and generation speed, llama-bench style, with peak memory.
+    Bench(bench::BenchArgs),
 }
 
 /// Where computation runs.
@@ -106,6 +109,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => generate::chat(global, &args),
         Command::Logits(args) => generate::logits(global, &args),
         Command::Perplexity(args) => generate::perplexity(global, &args),
+        Command::Bench(args) => bench::run(global, &args),
     }
 }
 

@@ -1,0 +1,119 @@
+//! `turbospark bench`: prompt processing and generation speed, measured the
+//! way llama-bench does (random tokens from an empty context; pp = one
+//! prefill of N tokens, tg = N single-token steps), as mean ± sd over runs.
+
+use crate::GlobalOptions;
+use crate::generate::{ModelArgs, load};
+use anyhow::{Result, bail};
+use serde_json::json;
+use std::time::Instant;
+use ts_engine::session::peak_rss_bytes;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Prompt tokens to process (0 skips the test).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    n_prompt: usize,
+    /// Tokens to generate (0 skips the test).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    n_gen: usize,
+    /// Repetitions of each test.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    repetitions: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+/// A small deterministic generator for the benchmark's token ids.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+fn mean_sd(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
+    if args.repetitions == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    let threads = global.threads()?;
+    let (engine, _) = load(global, &args.model)?;
+    let n_ctx = args.n_prompt.max(args.n_gen).max(1);
+    let n_vocab = engine.model.cfg.n_vocab as u64;
+    let mut rng = SplitMix(42);
+    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % n_vocab) as u32).collect() };
+    let mut seq = engine.new_sequence(n_ctx);
+
+    // One warm-up step pages the weights in, as llama-bench's warm-up run does.
+    engine.prefill(&mut seq, &tokens(1), false)?;
+
+    let mut results = Vec::new();
+    if args.n_prompt > 0 {
+        let mut tps = Vec::new();
+        for _ in 0..args.repetitions {
+            let prompt = tokens(args.n_prompt);
+            seq.clear();
+            let t = Instant::now();
+            engine.prefill(&mut seq, &prompt, false)?;
+            tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+        }
+        results.push((format!("pp{}", args.n_prompt), mean_sd(&tps)));
+    }
+    if args.n_gen > 0 {
+        let mut tps = Vec::new();
+        for _ in 0..args.repetitions {
+            let steps = tokens(args.n_gen);
+            seq.clear();
+            let t = Instant::now();
+            for &tok in &steps {
+                engine.prefill(&mut seq, &[tok], false)?;
+            }
+            tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+        }
+        results.push((format!("tg{}", args.n_gen), mean_sd(&tps)));
+    }
+
+    let cfg = &engine.model.cfg;
+    let path = global.model(None)?;
+    let file_size = ts_gguf::GgufFile::open(&path)?.header.tensor_bytes_total();
+    let rss = peak_rss_bytes().unwrap_or(0);
+    let model_name = path.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
+    if args.json {
+        let tests: Vec<_> =
+            results.iter().map(|(t, (m, s))| json!({"test": t, "tokens_per_second": m, "stddev": s})).collect();
+        let out = json!({
+            "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
+            "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
+            "tests": tests, "peak_rss_bytes": rss,
+        });
+        return crate::write_stdout(format!("{out}\n").as_bytes());
+    }
+    let mut s = String::new();
+    s += "| model | arch | size | threads | experts | test | t/s |\n";
+    s += "| --- | --- | ---: | ---: | --- | ---: | ---: |\n";
+    for (test, (mean, sd)) in &results {
+        s += &format!(
+            "| {model_name} | {} | {:.2} MiB | {threads} | {} | {test} | {mean:.2} ± {sd:.2} |\n",
+            cfg.arch.gguf_name(),
+            file_size as f64 / (1 << 20) as f64,
+            engine.model.experts.kind()
+        );
+    }
+    s += &format!("\npeak RSS {:.1} MiB\n", rss as f64 / (1 << 20) as f64);
+    crate::write_stdout(s.as_bytes())
+}
