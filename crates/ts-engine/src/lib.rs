@@ -1,3 +1,4 @@
 pub mod chat;
+pub mod memory;
 pub mod sampler;
 pub mod session;

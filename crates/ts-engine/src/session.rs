@@ -85,7 +85,7 @@ impl Engine {
             .num_threads(opts.threads)
             .build()
             .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
-        let model = Model::open(path, opts.experts)?;
+        let model = Model::open(path, opts.experts.clone())?;
         let file = ts_gguf::GgufFile::open(path)?;
         let tokenizer = Tokenizer::from_metadata(file.metadata())?;
         if tokenizer.vocab_size() != model.cfg.n_vocab {

@@ -5,7 +5,6 @@
 
 use crate::ModelError;
 use crate::config::{ArchConfig, QkNorm, RopeScaling};
-use crate::experts::ExpertStore;
 use crate::kv::SeqState;
 use crate::moe;
 use crate::tensors::{Ffn, LayerWeights, ModelWeights};
@@ -13,6 +12,7 @@ use crate::weights::Weight;
 use rayon::prelude::*;
 use ts_cpu::QuantizedRows;
 use ts_cpu::ops::{self, AttentionParams, Rope};
+use ts_experts::ExpertStore;
 
 /// One token to run: its id, its position and the sequence it belongs to.
 #[derive(Clone, Copy, Debug)]

@@ -50,6 +50,16 @@ impl LayerCache {
     }
 }
 
+/// Positions a layer's cache holds: the context, or for a sliding layer its
+/// window plus one chunk (so a chunk's first query still finds its window).
+fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
+    match layer.sliding_window {
+        Some(w) => (w + max_chunk.max(1) - 1).min(n_ctx),
+        None => n_ctx,
+    }
+    .max(1)
+}
+
 /// The state of one sequence: its caches and how many positions they hold.
 pub struct SeqState {
     pub layers: Vec<LayerCache>,
@@ -66,11 +76,7 @@ impl SeqState {
             .layers
             .iter()
             .map(|l| {
-                let slots = match l.sliding_window {
-                    Some(w) => (w + max_chunk.max(1) - 1).min(n_ctx),
-                    None => n_ctx,
-                }
-                .max(1);
+                let slots = slots_for(l, n_ctx, max_chunk);
                 LayerCache {
                     k: vec![0.0; slots * cfg.kv_dim()],
                     v: vec![0.0; slots * cfg.v_dim()],
@@ -82,6 +88,14 @@ impl SeqState {
             })
             .collect();
         SeqState { layers, n_past: 0, n_ctx }
+    }
+
+    /// Bytes [`SeqState::new`] would allocate.
+    pub fn bytes_for(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> usize {
+        cfg.layers
+            .iter()
+            .map(|l| slots_for(l, n_ctx, max_chunk) * (cfg.kv_dim() + cfg.v_dim()) * size_of::<f32>())
+            .sum()
     }
 
     /// Forgets every position (the memory stays allocated).

@@ -3,7 +3,6 @@
 //! once for every family.
 
 pub mod config;
-pub mod experts;
 pub mod forward;
 pub mod kv;
 pub mod moe;
@@ -11,9 +10,12 @@ pub mod tensors;
 pub mod weights;
 
 pub use config::{Arch, ArchConfig};
-pub use experts::{ExpertStore, MappedExperts, ResidentExperts};
 pub use forward::{Model, Row, Scratch};
 pub use kv::SeqState;
+pub use ts_experts::{
+    EvictionPolicy, ExpertLayout, ExpertStore, LayerLayout, MappedExperts, ProjLayout, ResidentExperts, StatsSnapshot,
+    StreamOptions, StreamingExperts,
+};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -39,15 +41,19 @@ pub enum ModelError {
     TokenOutOfRange { token: u32, n_vocab: usize },
     #[error("{0}")]
     Compute(String),
+    #[error("{0}")]
+    Experts(#[from] ts_experts::ExpertError),
 }
 
 /// Where routed experts are kept.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum ExpertPlacement {
     /// Read through the memory map; the OS pages them in.
     Mapped,
     /// Copied into memory at open.
     Resident,
+    /// Read from disk into a bounded cache of slots.
+    Stream(StreamOptions),
 }
 
 impl Model {
@@ -59,10 +65,46 @@ impl Model {
         let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
         let cfg = ArchConfig::from_metadata(file.metadata(), n_vocab)?;
         let weights = tensors::ModelWeights::load(&file, &cfg)?;
+        let layout = expert_layout(&file, &weights);
         let store: Box<dyn ExpertStore> = match experts {
-            ExpertPlacement::Mapped => Box::new(MappedExperts::new(&weights)),
-            ExpertPlacement::Resident => Box::new(ResidentExperts::new(&weights)),
+            ExpertPlacement::Mapped => Box::new(MappedExperts::new(file.clone(), layout)),
+            ExpertPlacement::Resident => Box::new(ResidentExperts::new(&file, layout)),
+            ExpertPlacement::Stream(opts) => {
+                let store = StreamingExperts::open(layout, &opts)?;
+                if let Some(moe) = &cfg.moe
+                    && store.slots() < moe.n_expert_used
+                {
+                    return Err(ModelError::Experts(ts_experts::ExpertError::Setup(format!(
+                        "--expert-cache {} bytes holds {} experts; one token needs {} ({} bytes)",
+                        opts.cache_bytes,
+                        store.slots(),
+                        moe.n_expert_used,
+                        moe.n_expert_used * store.slot_bytes()
+                    ))));
+                }
+                Box::new(store)
+            }
         };
         Ok(Model::new(cfg, weights, store))
     }
+}
+
+/// Where each layer's routed experts are in the file.
+pub fn expert_layout(file: &GgufFile, weights: &tensors::ModelWeights) -> ExpertLayout {
+    let proj = |w: &weights::Weight| ProjLayout {
+        file_offset: w.file_offset().expect("expert tensors are mapped from the file"),
+        expert_bytes: w.row_bytes() * w.n_rows(),
+    };
+    let layers = weights
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            tensors::Ffn::Moe(m) => Some(LayerLayout {
+                n_expert: m.gate_exps.dims[2],
+                proj: [proj(&m.gate_exps), proj(&m.up_exps), proj(&m.down_exps)],
+            }),
+            tensors::Ffn::Dense { .. } => None,
+        })
+        .collect();
+    ExpertLayout { path: file.path.clone(), layers }
 }

@@ -4,10 +4,10 @@
 
 use crate::ModelError;
 use crate::config::{ArchConfig, Gating, MoeConfig};
-use crate::experts::ExpertStore;
 use crate::forward::{Scratch, dense_ffn, linear, linear_bytes};
 use crate::tensors::MoeWeights;
 use ts_cpu::ops;
+use ts_experts::ExpertStore;
 
 /// The k experts a row goes to, with their weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,7 +62,6 @@ pub fn moe_ffn(
 ) -> Result<Vec<f32>, ModelError> {
     let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
     let e = cfg.n_embd;
-    let f = moe.n_ff_exp;
 
     let mut logits = Vec::new();
     linear(&w.router, x, m, scratch, &mut logits)?;
@@ -79,33 +78,18 @@ pub fn moe_ffn(
         }
     }
     let used: Vec<usize> = (0..moe.n_expert).filter(|&ex| !rows_of[ex].is_empty()).collect();
-    let set = store.ensure(layer, &used)?;
 
     let mut out = vec![0f32; m * e];
     let (mut xs, mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (&ex, bytes) in used.iter().zip(&set.experts) {
-        let rows = &rows_of[ex];
-        let me = rows.len();
-        xs.clear();
-        for &(row, _) in rows {
-            xs.extend_from_slice(&x[row * e..(row + 1) * e]);
-        }
-        linear_bytes(&w.gate_exps, bytes.gate, f, &xs, me, scratch, &mut g)?;
-        linear_bytes(&w.up_exps, bytes.up, f, &xs, me, scratch, &mut u)?;
-        if let Some(b) = &w.gate_bias {
-            ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
-        }
-        if let Some(b) = &w.up_bias {
-            ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
-        }
-        ops::gated_activation(cfg.ffn_act, &mut g, &u);
-        linear_bytes(&w.down_exps, bytes.down, e, &g, me, scratch, &mut d)?;
-        if let Some(b) = &w.down_bias {
-            ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
-        }
-        for (j, &(row, wt)) in rows.iter().enumerate() {
-            let o = &mut out[row * e..(row + 1) * e];
-            o.iter_mut().zip(&d[j * e..(j + 1) * e]).for_each(|(o, &v)| *o += wt * v);
+    // A chunk whose experts exceed the store's slots goes in groups that fit.
+    for group in used.chunks(store.capacity().max(1)) {
+        let set = store.ensure(layer, group)?;
+        // Experts already in memory first, so reads of the others overlap with their compute.
+        let (ready, pending): (Vec<usize>, Vec<usize>) = (0..group.len()).partition(|&i| set.is_ready(i));
+        for i in ready.into_iter().chain(pending) {
+            let ex = group[i];
+            let bytes = set.get(i)?;
+            expert_ffn(cfg, w, ex, &bytes, &rows_of[ex], x, scratch, &mut out, [&mut xs, &mut g, &mut u, &mut d])?;
         }
     }
 
@@ -120,6 +104,46 @@ pub fn moe_ffn(
         ops::add_inplace(&mut out, &s);
     }
     Ok(out)
+}
+
+/// One expert on the rows routed to it, added into `out` with each row's weight.
+#[allow(clippy::too_many_arguments)]
+fn expert_ffn(
+    cfg: &ArchConfig,
+    w: &MoeWeights,
+    ex: usize,
+    bytes: &ts_experts::ExpertBytes,
+    rows: &[(usize, f32)],
+    x: &[f32],
+    scratch: &mut Scratch,
+    out: &mut [f32],
+    [xs, g, u, d]: [&mut Vec<f32>; 4],
+) -> Result<(), ModelError> {
+    let e = cfg.n_embd;
+    let f = cfg.moe.as_ref().expect("MoE config").n_ff_exp;
+    let me = rows.len();
+    xs.clear();
+    for &(row, _) in rows {
+        xs.extend_from_slice(&x[row * e..(row + 1) * e]);
+    }
+    linear_bytes(&w.gate_exps, bytes.gate, f, xs, me, scratch, g)?;
+    linear_bytes(&w.up_exps, bytes.up, f, xs, me, scratch, u)?;
+    if let Some(b) = &w.gate_bias {
+        ops::add_bias_rows(g, &b[ex * f..(ex + 1) * f]);
+    }
+    if let Some(b) = &w.up_bias {
+        ops::add_bias_rows(u, &b[ex * f..(ex + 1) * f]);
+    }
+    ops::gated_activation(cfg.ffn_act, g, u);
+    linear_bytes(&w.down_exps, bytes.down, e, g, me, scratch, d)?;
+    if let Some(b) = &w.down_bias {
+        ops::add_bias_rows(d, &b[ex * e..(ex + 1) * e]);
+    }
+    for (j, &(row, wt)) in rows.iter().enumerate() {
+        let o = &mut out[row * e..(row + 1) * e];
+        o.iter_mut().zip(&d[j * e..(j + 1) * e]).for_each(|(o, &v)| *o += wt * v);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

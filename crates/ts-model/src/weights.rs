@@ -42,6 +42,14 @@ impl Weight {
         Weight { name: name.into(), ty: GgmlType::F32, dims, data: WeightData::Owned(bytes.into()) }
     }
 
+    /// Absolute file offset of the first byte, for a tensor read from the file.
+    pub fn file_offset(&self) -> Option<u64> {
+        match &self.data {
+            WeightData::Mapped { start, .. } => Some(*start as u64),
+            WeightData::Owned(_) => None,
+        }
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match &self.data {
             WeightData::Mapped { file, start, len } => &file.mapped()[*start..*start + *len],

@@ -63,8 +63,11 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     engine.prefill(&mut seq, &tokens(1), false)?;
 
     let mut results = Vec::new();
+    let mut cache_lines = Vec::new();
+    let snapshot = || engine.model.experts.stats();
     if args.n_prompt > 0 {
         let mut tps = Vec::new();
+        let before = snapshot();
         for _ in 0..args.repetitions {
             let prompt = tokens(args.n_prompt);
             seq.clear();
@@ -73,9 +76,13 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
             tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
         }
         results.push((format!("pp{}", args.n_prompt), mean_sd(&tps)));
+        if let (Some(a), Some(b)) = (snapshot(), before) {
+            cache_lines.push((format!("pp{}", args.n_prompt), a.since(&b), args.n_prompt * args.repetitions));
+        }
     }
     if args.n_gen > 0 {
         let mut tps = Vec::new();
+        let before = snapshot();
         for _ in 0..args.repetitions {
             let steps = tokens(args.n_gen);
             seq.clear();
@@ -86,6 +93,9 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
             tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
         }
         results.push((format!("tg{}", args.n_gen), mean_sd(&tps)));
+        if let (Some(a), Some(b)) = (snapshot(), before) {
+            cache_lines.push((format!("tg{}", args.n_gen), a.since(&b), args.n_gen * args.repetitions));
+        }
     }
 
     let cfg = &engine.model.cfg;
@@ -115,5 +125,8 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
         );
     }
     s += &format!("\npeak RSS {:.1} MiB\n", rss as f64 / (1 << 20) as f64);
+    for (test, st, n) in &cache_lines {
+        s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
+    }
     crate::write_stdout(s.as_bytes())
 }

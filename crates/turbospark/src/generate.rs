@@ -6,9 +6,10 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
 use ts_engine::chat::{ChatMessage, ChatTemplate};
+use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes, parse_size};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
-use ts_model::ExpertPlacement;
+use ts_model::{EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// Options of every command that loads a model.
 #[derive(clap::Args, Clone, Debug)]
@@ -19,9 +20,23 @@ pub struct ModelArgs {
     /// Rows per forward step during prompt processing.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     batch: usize,
-    /// Where routed experts live: `mapped` (pages of the file, the OS decides) or `resident` (read into memory at open).
-    #[arg(long, default_value = "mapped")]
+    /// Where routed experts live: `auto` (resident when the model fits in memory, else
+    /// streamed), `resident` (read into memory at open), `mapped` (pages of the file; the OS
+    /// decides), `stream` (read from disk into a cache of --expert-cache bytes).
+    #[arg(long, default_value = "auto", env = "TURBOSPARK_EXPERTS")]
     experts: String,
+    /// Size of the expert cache for streamed experts, e.g. `6GiB` (default: what memory allows).
+    #[arg(long, env = "TURBOSPARK_EXPERT_CACHE")]
+    expert_cache: Option<String>,
+    /// Eviction policy of the expert cache: `decay` (frequency with decay), `lru` or `lfu`.
+    #[arg(long, default_value = "decay")]
+    expert_policy: String,
+    /// Threads reading streamed experts.
+    #[arg(long, default_value_t = 4)]
+    expert_readers: usize,
+    /// Read streamed experts through the page cache instead of with O_DIRECT.
+    #[arg(long)]
+    no_direct_io: bool,
     /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
@@ -80,6 +95,9 @@ pub struct RunArgs {
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     n_predict: usize,
+    /// Print the expert cache's counters per layer at the end.
+    #[arg(long)]
+    stats: bool,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -124,16 +142,78 @@ pub struct PerplexityArgs {
     model: ModelArgs,
 }
 
+/// Where routed experts go, from the flags (and, for `auto`, from the memory available).
+fn placement(args: &ModelArgs, model: &std::path::Path, n_ctx: Option<usize>) -> Result<ExpertPlacement> {
+    let policy = match args.expert_policy.as_str() {
+        "decay" => EvictionPolicy::DecayedFrequency { half_life: 256.0 },
+        "lru" => EvictionPolicy::Lru,
+        "lfu" => EvictionPolicy::Lfu,
+        other => bail!("--expert-policy {other}: expected `decay`, `lru` or `lfu`"),
+    };
+    if args.expert_readers == 0 {
+        bail!("--expert-readers must be at least 1");
+    }
+    let cache = match &args.expert_cache {
+        None => None,
+        Some(s) => {
+            Some(parse_size(s).with_context(|| format!("--expert-cache {s}: expected a size such as 6GiB or 512MiB"))?)
+        }
+    };
+    let base = StreamOptions {
+        cache_bytes: cache.unwrap_or(0),
+        policy,
+        readers: args.expert_readers,
+        direct_io: !args.no_direct_io,
+    };
+    let stream_only = |flag: &str| -> Result<()> {
+        bail!("{flag} applies to streamed experts only (--experts stream or auto), not --experts {}", args.experts)
+    };
+    match args.experts.as_str() {
+        "mapped" | "resident" if cache.is_some() => stream_only("--expert-cache")?,
+        "mapped" | "resident" if args.expert_policy != "decay" => stream_only("--expert-policy")?,
+        "mapped" | "resident" if args.no_direct_io => stream_only("--no-direct-io")?,
+        "mapped" => return Ok(ExpertPlacement::Mapped),
+        "resident" => return Ok(ExpertPlacement::Resident),
+        "stream" | "auto" => {}
+        other => bail!("--experts {other}: expected `auto`, `resident`, `mapped` or `stream`"),
+    }
+    let (experts, dense) = expert_and_dense_bytes(model)?;
+    if let Some(bytes) = cache {
+        return Ok(ExpertPlacement::Stream(StreamOptions { cache_bytes: bytes, ..base }));
+    }
+    let available = available_memory().context("cannot tell how much memory is available; pass --expert-cache")?;
+    let kv = kv_bytes_estimate(model, n_ctx)?;
+    let (choice, why) = auto_placement(experts, dense, kv, available, &base);
+    let choice = match (args.experts.as_str(), choice) {
+        ("stream", ExpertPlacement::Resident) => {
+            // Asked to stream though everything fits: a cache that holds every expert.
+            ExpertPlacement::Stream(StreamOptions { cache_bytes: experts + experts / 16, ..base })
+        }
+        (_, c) => {
+            if experts > 0 {
+                eprintln!("{why}");
+            }
+            c
+        }
+    };
+    Ok(choice)
+}
+
+/// The KV cache a context of `n_ctx` (or the default) takes, for sizing the expert cache.
+fn kv_bytes_estimate(model: &std::path::Path, n_ctx: Option<usize>) -> Result<u64> {
+    let file = ts_gguf::GgufFile::open(model)?;
+    let n_vocab = file.tensor("token_embd.weight")?.dims.get(1).copied().unwrap_or(0) as usize;
+    let cfg = ts_model::ArchConfig::from_metadata(file.metadata(), n_vocab)?;
+    let n_ctx = n_ctx.unwrap_or(if cfg.n_ctx_train == 0 { 4096 } else { cfg.n_ctx_train.min(4096) });
+    Ok(ts_model::SeqState::bytes_for(&cfg, n_ctx, 512) as u64)
+}
+
 pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)> {
     let model = global.model(None)?;
-    let experts = match args.experts.as_str() {
-        "mapped" => ExpertPlacement::Mapped,
-        "resident" => ExpertPlacement::Resident,
-        other => bail!("--experts {other}: expected `mapped` or `resident`"),
-    };
     if args.batch == 0 {
         bail!("--batch-size must be at least 1");
     }
+    let experts = placement(args, &model, args.ctx)?;
     let opts = LoadOptions { threads: global.threads()?, experts };
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
@@ -176,6 +256,14 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     drop(out);
     report(&stats);
     eprintln!("seed {}", sampler.seed);
+    if args.stats {
+        match engine.model.experts.stats() {
+            Some(s) => eprint!("{}", crate::stats::table(&s, stats.prompt_tokens + stats.generated_tokens)),
+            None => {
+                eprintln!("experts {}: no cache counters (they count only when streamed)", engine.model.experts.kind())
+            }
+        }
+    }
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 mod bench;
 mod generate;
 mod inspect;
+mod stats;
 mod tokenize;
 
 use anyhow::{Context, Result, bail};

@@ -1,0 +1,88 @@
+//! Experts read through the memory map, or copied into memory at open.
+
+use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore};
+use std::sync::Arc;
+use ts_gguf::GgufFile;
+
+/// Pages of the mapped file; the operating system decides what stays (llama.cpp's default).
+pub struct MappedExperts {
+    file: Arc<GgufFile>,
+    layout: ExpertLayout,
+}
+
+impl MappedExperts {
+    pub fn new(file: Arc<GgufFile>, layout: ExpertLayout) -> MappedExperts {
+        MappedExperts { file, layout }
+    }
+}
+
+impl ExpertStore for MappedExperts {
+    fn ensure(&self, layer: usize, ids: &[usize]) -> Result<ExpertSet<'_>, ExpertError> {
+        let l = self.layout.check(layer, ids)?;
+        let map = self.file.mapped();
+        let slice = |p: usize, e: usize| {
+            let pr = l.proj[p];
+            let start = pr.offset(e) as usize;
+            &map[start..start + pr.expert_bytes]
+        };
+        Ok(ExpertSet::ready(
+            ids.iter().map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e) }).collect(),
+        ))
+    }
+
+    fn kind(&self) -> &'static str {
+        "mapped"
+    }
+}
+
+/// Every expert copied at open into u64-aligned memory the process owns.
+pub struct ResidentExperts {
+    layout: ExpertLayout,
+    /// Per layer, per projection: all experts' matrices back to back.
+    data: Vec<Option<[Vec<u64>; 3]>>,
+}
+
+impl ResidentExperts {
+    pub fn new(file: &GgufFile, layout: ExpertLayout) -> ResidentExperts {
+        let map = file.mapped();
+        let data = layout
+            .layers
+            .iter()
+            .map(|l| {
+                l.map(|l| {
+                    l.proj.map(|p| {
+                        let len = p.expert_bytes * l.n_expert;
+                        let start = p.file_offset as usize;
+                        let mut words = vec![0u64; len.div_ceil(8)];
+                        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len]
+                            .copy_from_slice(&map[start..start + len]);
+                        words
+                    })
+                })
+            })
+            .collect();
+        ResidentExperts { layout, data }
+    }
+}
+
+impl ExpertStore for ResidentExperts {
+    fn ensure(&self, layer: usize, ids: &[usize]) -> Result<ExpertSet<'_>, ExpertError> {
+        let l = self.layout.check(layer, ids)?;
+        let d = self.data[layer].as_ref().ok_or(ExpertError::NoExperts(layer))?;
+        let slice = |p: usize, e: usize| {
+            let size = l.proj[p].expert_bytes;
+            &bytemuck::cast_slice::<u64, u8>(&d[p])[e * size..(e + 1) * size]
+        };
+        Ok(ExpertSet::ready(
+            ids.iter().map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e) }).collect(),
+        ))
+    }
+
+    fn kind(&self) -> &'static str {
+        "resident"
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.layout.total_bytes()
+    }
+}

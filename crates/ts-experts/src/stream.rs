@@ -1,0 +1,575 @@
+//! Experts streamed from disk into a bounded cache of slots.
+//!
+//! A slot holds one expert's gate, up and down matrices. `ensure` maps each
+//! asked expert to a slot: a hit pins the slot it is in; a miss takes a free or
+//! evicted slot (never a pinned one: the protect set), pins it, and queues its
+//! three reads on a pool of reader threads. `ExpertSet::get` waits for an
+//! expert's reads, so the compute thread works on experts already in while
+//! the others are still being read. Reads are positioned reads of the aligned
+//! range covering each matrix, with O_DIRECT where the filesystem allows it.
+
+use crate::stats::{LayerCounters, StatsSnapshot};
+use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore, SetInner};
+use std::alloc::Layout;
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// Where expert bytes are read from.
+pub trait ReadSource: Send + Sync {
+    /// Fills `buf` from `offset`; both are multiples of [`alignment`](Self::alignment).
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Offsets, lengths and buffer addresses must be multiples of this.
+    fn alignment(&self) -> usize;
+    /// Whether reads bypass the page cache.
+    fn direct(&self) -> bool;
+    fn path(&self) -> &Path;
+}
+
+/// A file read with O_DIRECT (4096-byte alignment), or with plain positioned reads.
+pub struct FileSource {
+    file: File,
+    path: PathBuf,
+    direct: bool,
+}
+
+const DIRECT_ALIGN: usize = 4096;
+
+impl FileSource {
+    /// Opens `path` for O_DIRECT reads when `direct` and the filesystem accepts them,
+    /// else for buffered reads.
+    pub fn open(path: &Path, direct: bool) -> io::Result<FileSource> {
+        if direct && let Ok(file) = File::options().read(true).custom_flags(libc::O_DIRECT).open(path) {
+            // Some filesystems accept the flag at open and refuse the read (EINVAL).
+            let mut probe = AlignedBuf::new(DIRECT_ALIGN, DIRECT_ALIGN);
+            if file.read_at(probe.as_mut_slice(), 0).is_ok() {
+                return Ok(FileSource { file, path: path.to_path_buf(), direct: true });
+            }
+        }
+        Ok(FileSource { file: File::open(path)?, path: path.to_path_buf(), direct: false })
+    }
+}
+
+impl ReadSource for FileSource {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        // O_DIRECT may return fewer bytes at the end of the file; the padding past it stays unused.
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn alignment(&self) -> usize {
+        if self.direct { DIRECT_ALIGN } else { 1 }
+    }
+
+    fn direct(&self) -> bool {
+        self.direct
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Which cached expert to evict when a miss needs a slot.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EvictionPolicy {
+    /// Least recently used.
+    Lru,
+    /// Least frequently used (ties: least recently used).
+    Lfu,
+    /// Frequency with exponential decay: each use adds 1 to a score that halves
+    /// every `half_life` ensure calls; the lowest score goes.
+    DecayedFrequency { half_life: f64 },
+}
+
+impl EvictionPolicy {
+    pub fn name(&self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::DecayedFrequency { .. } => "decay",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct StreamOptions {
+    /// Bytes the slots may take together.
+    pub cache_bytes: u64,
+    pub policy: EvictionPolicy,
+    /// Threads issuing reads.
+    pub readers: usize,
+    /// Try O_DIRECT.
+    pub direct_io: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        StreamOptions {
+            cache_bytes: 1 << 30,
+            policy: EvictionPolicy::DecayedFrequency { half_life: 256.0 },
+            readers: 4,
+            direct_io: true,
+        }
+    }
+}
+
+/// An owned allocation with a chosen alignment.
+struct AlignedBuf {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is plain memory; who may touch it when is governed by the slot protocol.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    fn new(len: usize, align: usize) -> AlignedBuf {
+        let layout = Layout::from_size_align(len.max(1), align).expect("valid buffer layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, layout }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation is `layout.size()` bytes and exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// Where, inside a slot, each matrix's bytes land: the aligned read's start and
+/// length, and the matrix's offset within what was read.
+#[derive(Clone, Copy, Debug)]
+struct Placement {
+    slot_offset: usize,
+    read_offset: u64,
+    read_len: usize,
+    data_skip: usize,
+    data_len: usize,
+}
+
+fn placements(layout: &crate::LayerLayout, expert: usize, align: usize) -> [Placement; 3] {
+    let mut at = 0;
+    layout.proj.map(|p| {
+        let offset = p.offset(expert);
+        let start = offset / align as u64 * align as u64;
+        let end = (offset + p.expert_bytes as u64).div_ceil(align as u64) * align as u64;
+        let pl = Placement {
+            slot_offset: at,
+            read_offset: start,
+            read_len: (end - start) as usize,
+            data_skip: (offset - start) as usize,
+            data_len: p.expert_bytes,
+        };
+        at += pl.read_len;
+        pl
+    })
+}
+
+/// Counts down the reads of one expert; holds the first error.
+struct Latch {
+    state: Mutex<(usize, Option<io::Error>)>,
+    done: Condvar,
+}
+
+impl Latch {
+    fn new(n: usize) -> Arc<Latch> {
+        Arc::new(Latch { state: Mutex::new((n, None)), done: Condvar::new() })
+    }
+
+    fn complete(&self, result: io::Result<()>) {
+        let mut s = self.state.lock().unwrap();
+        s.0 -= 1;
+        if let Err(e) = result {
+            s.1.get_or_insert(e);
+        }
+        if s.0 == 0 {
+            self.done.notify_all();
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.state.lock().unwrap().0 == 0
+    }
+
+    /// Waits for every read; the first error, if any, as (kind, message).
+    fn wait(&self) -> Result<(), io::Error> {
+        let mut s = self.state.lock().unwrap();
+        while s.0 > 0 {
+            s = self.done.wait(s).unwrap();
+        }
+        match &s.1 {
+            None => Ok(()),
+            Some(e) => Err(io::Error::new(e.kind(), e.to_string())),
+        }
+    }
+}
+
+struct ReadJob {
+    slot: usize,
+    placement: Placement,
+    layer: usize,
+    latch: Arc<Latch>,
+}
+
+/// Slot bookkeeping, under one lock.
+struct State {
+    /// (layer, expert) -> slot.
+    table: HashMap<(usize, usize), usize>,
+    owner: Vec<Option<(usize, usize)>>,
+    pins: Vec<u32>,
+    latch: Vec<Option<Arc<Latch>>>,
+    last_use: Vec<u64>,
+    uses: Vec<u64>,
+    score: Vec<f64>,
+    clock: u64,
+}
+
+struct Shared {
+    source: Box<dyn ReadSource>,
+    slots: Vec<AlignedBuf>,
+    queue: Mutex<VecDeque<ReadJob>>,
+    queued: Condvar,
+    stop: std::sync::atomic::AtomicBool,
+    counters: Vec<LayerCounters>,
+}
+
+/// A bounded cache of expert slots filled from disk.
+pub struct StreamingExperts {
+    layout: ExpertLayout,
+    shared: Arc<Shared>,
+    state: Mutex<State>,
+    slot_bytes: usize,
+    policy: EvictionPolicy,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl StreamingExperts {
+    /// A cache of `opts.cache_bytes` over the experts of `layout`, read from its file.
+    pub fn open(layout: ExpertLayout, opts: &StreamOptions) -> Result<StreamingExperts, ExpertError> {
+        let source = FileSource::open(&layout.path, opts.direct_io)
+            .map_err(|e| ExpertError::Setup(format!("{}: {e}", layout.path.display())))?;
+        Self::with_source(layout, opts, Box::new(source))
+    }
+
+    /// As [`open`](Self::open), reading through `source` (tests inject failures here).
+    pub fn with_source(
+        layout: ExpertLayout,
+        opts: &StreamOptions,
+        source: Box<dyn ReadSource>,
+    ) -> Result<StreamingExperts, ExpertError> {
+        let align = source.alignment().max(64);
+        let slot_bytes = layout
+            .layers
+            .iter()
+            .flatten()
+            .map(|l| placements(l, 0, align).iter().map(|p| p.read_len + align).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        if slot_bytes == 0 {
+            return Err(ExpertError::Setup("the model has no routed experts to stream".into()));
+        }
+        let n_slots = (opts.cache_bytes / slot_bytes as u64) as usize;
+        let slots = (0..n_slots).map(|_| AlignedBuf::new(slot_bytes, align)).collect();
+        let shared = Arc::new(Shared {
+            source,
+            slots,
+            queue: Mutex::new(VecDeque::new()),
+            queued: Condvar::new(),
+            stop: false.into(),
+            counters: (0..layout.layers.len()).map(|_| LayerCounters::default()).collect(),
+        });
+        let readers = (0..opts.readers.max(1))
+            .map(|_| {
+                let shared = shared.clone();
+                std::thread::spawn(move || reader_loop(&shared))
+            })
+            .collect();
+        Ok(StreamingExperts {
+            layout,
+            state: Mutex::new(State {
+                table: HashMap::new(),
+                owner: vec![None; n_slots],
+                pins: vec![0; n_slots],
+                latch: vec![None; n_slots],
+                last_use: vec![0; n_slots],
+                uses: vec![0; n_slots],
+                score: vec![0.0; n_slots],
+                clock: 0,
+            }),
+            shared,
+            slot_bytes,
+            policy: opts.policy,
+            readers,
+        })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.shared.slots.len()
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Whether reads bypass the page cache.
+    pub fn direct_io(&self) -> bool {
+        self.shared.source.direct()
+    }
+
+    /// Picks an unpinned slot for a new expert: a free one, else the policy's victim.
+    fn victim(&self, st: &State) -> Option<usize> {
+        let unpinned = (0..st.owner.len()).filter(|&s| st.pins[s] == 0);
+        if let Some(s) = unpinned.clone().find(|&s| st.owner[s].is_none()) {
+            return Some(s);
+        }
+        match self.policy {
+            EvictionPolicy::Lru => unpinned.min_by_key(|&s| st.last_use[s]),
+            EvictionPolicy::Lfu => unpinned.min_by_key(|&s| (st.uses[s], st.last_use[s])),
+            EvictionPolicy::DecayedFrequency { half_life } => unpinned.min_by(|&a, &b| {
+                let decayed = |s: usize| st.score[s] * 0.5f64.powf((st.clock - st.last_use[s]) as f64 / half_life);
+                decayed(a).total_cmp(&decayed(b)).then(st.last_use[a].cmp(&st.last_use[b]))
+            }),
+        }
+    }
+
+    fn touch(&self, st: &mut State, s: usize) {
+        if let EvictionPolicy::DecayedFrequency { half_life } = self.policy {
+            st.score[s] = st.score[s] * 0.5f64.powf((st.clock - st.last_use[s]) as f64 / half_life) + 1.0;
+        }
+        st.uses[s] += 1;
+        st.last_use[s] = st.clock;
+    }
+
+    fn release(&self, slots: &[usize]) {
+        let mut st = self.state.lock().unwrap();
+        for &s in slots {
+            st.pins[s] -= 1;
+            // A slot whose read failed holds nothing usable: forget it so the next ask retries.
+            let failed = st.latch[s].as_ref().is_some_and(|l| l.is_done() && l.wait().is_err());
+            if failed && st.pins[s] == 0 {
+                if let Some(key) = st.owner[s].take() {
+                    st.table.remove(&key);
+                }
+                st.latch[s] = None;
+            }
+        }
+    }
+}
+
+impl Drop for StreamingExperts {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Relaxed);
+        self.shared.queued.notify_all();
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}
+
+fn reader_loop(shared: &Shared) {
+    loop {
+        let job = {
+            let mut q = shared.queue.lock().unwrap();
+            loop {
+                if let Some(job) = q.pop_front() {
+                    break job;
+                }
+                if shared.stop.load(Relaxed) {
+                    return;
+                }
+                q = shared.queued.wait(q).unwrap();
+            }
+        };
+        let p = job.placement;
+        let t = Instant::now();
+        // SAFETY: the slot is pinned by the set that queued this job and marked loading;
+        // nothing else reads or writes this range until the latch completes.
+        let buf = unsafe { std::slice::from_raw_parts_mut(shared.slots[job.slot].ptr.add(p.slot_offset), p.read_len) };
+        let result = shared.source.read_at(buf, p.read_offset);
+        let c = &shared.counters[job.layer];
+        c.read_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+        if result.is_ok() {
+            c.bytes_read.fetch_add(p.read_len as u64, Relaxed);
+        }
+        job.latch.complete(result);
+    }
+}
+
+/// The experts of one `ensure` on a streaming store.
+pub(crate) struct PendingSet<'a> {
+    store: &'a StreamingExperts,
+    layer: usize,
+    /// Per asked expert: its id, slot, placements and the latch of its reads.
+    entries: Vec<(usize, usize, [Placement; 3], Arc<Latch>)>,
+}
+
+impl PendingSet<'_> {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_ready(&self, i: usize) -> bool {
+        self.entries[i].3.is_done()
+    }
+
+    pub fn get(&self, i: usize) -> Result<ExpertBytes<'_>, ExpertError> {
+        let (expert, slot, pl, latch) = &self.entries[i];
+        if !latch.is_done() {
+            let t = Instant::now();
+            let r = latch.wait();
+            self.store.shared.counters[self.layer].wait_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            r
+        } else {
+            latch.wait()
+        }
+        .map_err(|source| {
+            let p = self.store.layout.layers[self.layer].expect("checked at ensure").proj[0];
+            ExpertError::Read {
+                path: self.store.shared.source.path().to_path_buf(),
+                layer: self.layer,
+                expert: *expert,
+                offset: p.offset(*expert),
+                len: self.store.layout.layers[self.layer].expect("checked").expert_bytes(),
+                source,
+            }
+        })?;
+        let base = self.store.shared.slots[*slot].ptr;
+        // SAFETY: the reads into this slot are complete and the slot stays pinned while `self` lives.
+        let part =
+            |p: &Placement| unsafe { std::slice::from_raw_parts(base.add(p.slot_offset + p.data_skip), p.data_len) };
+        Ok(ExpertBytes { gate: part(&pl[0]), up: part(&pl[1]), down: part(&pl[2]) })
+    }
+}
+
+impl Drop for PendingSet<'_> {
+    fn drop(&mut self) {
+        // A slot must not be unpinned (and so evictable) while a reader still writes into it.
+        for e in &self.entries {
+            let _ = e.3.wait();
+        }
+        let slots: Vec<usize> = self.entries.iter().map(|e| e.1).collect();
+        self.store.release(&slots);
+    }
+}
+
+impl ExpertStore for StreamingExperts {
+    fn ensure(&self, layer: usize, ids: &[usize]) -> Result<ExpertSet<'_>, ExpertError> {
+        let l = *self.layout.check(layer, ids)?;
+        let align = self.shared.source.alignment().max(64);
+        if ids.len() > self.slots() {
+            return Err(ExpertError::CacheTooSmall {
+                layer,
+                needed: ids.len(),
+                slots: self.slots(),
+                min_bytes: (ids.len() * self.slot_bytes) as u64,
+            });
+        }
+        let counters = &self.shared.counters[layer];
+        let mut jobs = Vec::new();
+        let mut entries = Vec::with_capacity(ids.len());
+        {
+            let mut st = self.state.lock().unwrap();
+            st.clock += 1;
+            for &e in ids {
+                let pl = placements(&l, e, align);
+                let slot = match st.table.get(&(layer, e)).copied() {
+                    Some(s) => {
+                        counters.hits.fetch_add(1, Relaxed);
+                        s
+                    }
+                    None => {
+                        counters.misses.fetch_add(1, Relaxed);
+                        let Some(s) = self.victim(&st) else {
+                            // Every slot is pinned by this call: unpin what we took and refuse.
+                            drop(st);
+                            self.release(
+                                &entries
+                                    .iter()
+                                    .map(|x: &(usize, usize, [Placement; 3], Arc<Latch>)| x.1)
+                                    .collect::<Vec<_>>(),
+                            );
+                            return Err(ExpertError::CacheTooSmall {
+                                layer,
+                                needed: ids.len(),
+                                slots: self.slots(),
+                                min_bytes: (ids.len() * self.slot_bytes) as u64,
+                            });
+                        };
+                        if let Some(old) = st.owner[s].take() {
+                            st.table.remove(&old);
+                        }
+                        st.owner[s] = Some((layer, e));
+                        st.table.insert((layer, e), s);
+                        st.score[s] = 0.0;
+                        st.uses[s] = 0;
+                        let latch = Latch::new(3);
+                        st.latch[s] = Some(latch.clone());
+                        jobs.extend(pl.iter().map(|&placement| ReadJob {
+                            slot: s,
+                            placement,
+                            layer,
+                            latch: latch.clone(),
+                        }));
+                        s
+                    }
+                };
+                st.pins[slot] += 1;
+                self.touch(&mut st, slot);
+                let latch = st.latch[slot].clone().expect("a cached slot has a latch");
+                entries.push((e, slot, pl, latch));
+            }
+        }
+        if !jobs.is_empty() {
+            self.shared.queue.lock().unwrap().extend(jobs);
+            self.shared.queued.notify_all();
+        }
+        Ok(ExpertSet { inner: SetInner::Streamed(PendingSet { store: self, layer, entries }) })
+    }
+
+    fn kind(&self) -> &'static str {
+        "stream"
+    }
+
+    fn capacity(&self) -> usize {
+        self.slots()
+    }
+
+    fn stats(&self) -> Option<StatsSnapshot> {
+        Some(StatsSnapshot {
+            layers: self.shared.counters.iter().map(LayerCounters::snapshot).collect(),
+            slots: self.slots(),
+            slot_bytes: self.slot_bytes,
+            direct_io: self.direct_io(),
+            policy: self.policy.name(),
+        })
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        (self.slots() * self.slot_bytes) as u64
+    }
+}

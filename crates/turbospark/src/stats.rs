@@ -1,0 +1,47 @@
+//! Printing the expert cache's counters.
+
+use ts_model::StatsSnapshot;
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// One line: hit rate, bytes read (and per token when `tokens` > 0), read and wait time.
+pub fn summary(s: &StatsSnapshot, tokens: usize) -> String {
+    let t = s.total();
+    let per_token =
+        if tokens > 0 { format!(" ({:.2} MiB/token)", mib(t.bytes_read) / tokens as f64) } else { String::new() };
+    format!(
+        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), read {:.1} MiB{per_token}, read time {:.2} s, compute waited {:.2} s",
+        s.slots,
+        mib(s.slot_bytes as u64),
+        s.policy,
+        if s.direct_io { "O_DIRECT" } else { "buffered reads (O_DIRECT unavailable or off)" },
+        t.hits,
+        t.misses,
+        100.0 * t.hit_rate(),
+        mib(t.bytes_read),
+        t.read_time.as_secs_f64(),
+        t.wait_time.as_secs_f64()
+    )
+}
+
+/// A table with one row per MoE layer, then the summary.
+pub fn table(s: &StatsSnapshot, tokens: usize) -> String {
+    let mut out = String::from("layer    hits  misses  hit%    MiB read  read ms  wait ms\n");
+    for (i, l) in s.layers.iter().enumerate() {
+        if l.hits + l.misses == 0 {
+            continue;
+        }
+        out += &format!(
+            "{i:>5} {:>7} {:>7} {:>5.1} {:>11.1} {:>8.0} {:>8.0}\n",
+            l.hits,
+            l.misses,
+            100.0 * l.hit_rate(),
+            mib(l.bytes_read),
+            l.read_time.as_secs_f64() * 1e3,
+            l.wait_time.as_secs_f64() * 1e3
+        );
+    }
+    out + &summary(s, tokens) + "\n"
+}
