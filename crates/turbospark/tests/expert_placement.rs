@@ -1,0 +1,48 @@
+//! The same tokens whether experts are resident, mapped or streamed through a
+//! cache too small to hold one layer's experts; and options a placement cannot
+//! honour are refused by name.
+
+use std::process::Command;
+
+fn run(model: &str, experts: &[&str]) -> (String, String) {
+    let mut args = vec!["run", "-m", model, "-p", "The quick brown fox", "-n", "24", "--temp", "0.9", "--seed", "7", "--stats"];
+    args.extend_from_slice(experts);
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
+    assert!(out.status.success(), "{experts:?}: {}", String::from_utf8_lossy(&out.stderr));
+    (String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
+#[test]
+fn generated_tokens_are_identical_across_placements() {
+    for family in ["mixtral", "qwen3_moe", "gpt_oss"] {
+        let model = ts_testkit::fixtures_dir().join(format!("{family}/model-q8_0.gguf"));
+        let model = model.to_str().unwrap();
+        let (resident, _) = run(model, &["--experts", "resident"]);
+        let (mapped, _) = run(model, &["--experts", "mapped"]);
+        // Room for a handful of experts only: most steps read from disk.
+        let (streamed, stats) = run(model, &["--experts", "stream", "--expert-cache", "512KiB"]);
+        assert!(!resident.is_empty(), "{family}");
+        assert_eq!(resident, mapped, "{family}: mapped");
+        assert_eq!(resident, streamed, "{family}: streamed");
+        assert!(stats.contains("expert cache:") && stats.contains("misses"), "{stats}");
+    }
+}
+
+#[test]
+fn options_a_placement_cannot_honour_are_refused() {
+    let model = ts_testkit::fixtures_dir().join("mixtral/model-q8_0.gguf");
+    let model = model.to_str().unwrap();
+    for (flags, expected) in [
+        (&["--experts", "mapped", "--expert-cache", "1GiB"][..], "--expert-cache applies to streamed experts only"),
+        (&["--experts", "resident", "--expert-policy", "lru"][..], "--expert-policy applies to streamed experts only"),
+        (&["--experts", "stream", "--expert-cache", "10KiB"][..], "holds 0 experts; one token needs 2"),
+        (&["--experts", "stream", "--expert-cache", "lots"][..], "--expert-cache lots"),
+        (&["--experts", "disk"][..], "--experts disk"),
+    ] {
+        let mut args = vec!["run", "-m", model, "-p", "hi", "-n", "1"];
+        args.extend_from_slice(flags);
+        let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+}
