@@ -23,6 +23,8 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, n_ctx: usize },
     #[error("{0}")]
     Invalid(String),
+    #[error("this model has no tokenizer (tokenizer.ggml.model is '{0}'): give token ids, e.g. with `logits` or `bench`")]
+    NoTokenizer(String),
 }
 
 /// How to load a model.
@@ -34,7 +36,8 @@ pub struct LoadOptions {
 
 pub struct Engine {
     pub model: Model,
-    pub tokenizer: Tokenizer,
+    /// `None` for tokenizer-less files (`tokenizer.ggml.model = none`, e.g. synthetic models).
+    tokenizer: Option<Tokenizer>,
     /// The file's chat template, if it has one.
     pub template: Option<ChatTemplate>,
     pool: rayon::ThreadPool,
@@ -87,17 +90,28 @@ impl Engine {
             .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
         let model = Model::open(path, opts.experts.clone())?;
         let file = ts_gguf::GgufFile::open(path)?;
-        let tokenizer = Tokenizer::from_metadata(file.metadata())?;
-        if tokenizer.vocab_size() != model.cfg.n_vocab {
-            return Err(EngineError::Invalid(format!(
-                "the tokenizer has {} tokens but the embedding table {} rows",
-                tokenizer.vocab_size(),
-                model.cfg.n_vocab
-            )));
-        }
-        let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer)
-            .map_err(|e| EngineError::Invalid(format!("chat template: {e}")))?;
+        let (tokenizer, template) = match file.metadata().str("tokenizer.ggml.model")? {
+            None | Some("none") | Some("no_vocab") => (None, None),
+            Some(_) => {
+                let tokenizer = Tokenizer::from_metadata(file.metadata())?;
+                if tokenizer.vocab_size() != model.cfg.n_vocab {
+                    return Err(EngineError::Invalid(format!(
+                        "the tokenizer has {} tokens but the embedding table {} rows",
+                        tokenizer.vocab_size(),
+                        model.cfg.n_vocab
+                    )));
+                }
+                let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer)
+                    .map_err(|e| EngineError::Invalid(format!("chat template: {e}")))?;
+                (Some(tokenizer), template)
+            }
+        };
         Ok(Engine { model, tokenizer, template, pool, n_batch: 512, exact_activations: false })
+    }
+
+    /// The tokenizer, or an error for a tokenizer-less model.
+    pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
+        self.tokenizer.as_ref().ok_or_else(|| EngineError::NoTokenizer("none".into()))
     }
 
     fn scratch(&self) -> Scratch {
@@ -169,14 +183,15 @@ impl Engine {
         stats.prompt_time = t0.elapsed();
 
         let t1 = Instant::now();
-        let mut decoder = self.tokenizer.stream_decoder(special);
+        let tokenizer = self.tokenizer()?;
+        let mut decoder = tokenizer.stream_decoder(special);
         let mut scratch = self.scratch();
         let mut generated = Vec::new();
         stats.stop = StopReason::Length;
         while generated.len() < max_tokens {
             let token = sampler.try_sample(&logits)?;
             sampler.accept(token);
-            if self.tokenizer.is_eog(token) {
+            if tokenizer.is_eog(token) {
                 stats.stop = StopReason::EndOfGeneration;
                 break;
             }
@@ -218,7 +233,8 @@ impl Engine {
         n_ctx: usize,
         mut on_chunk: impl FnMut(usize, f64),
     ) -> Result<Perplexity, EngineError> {
-        let tokens = self.tokenizer.encode(text, true, false)?;
+        let tokenizer = self.tokenizer()?;
+        let tokens = tokenizer.encode(text, true, false)?;
         if n_ctx < 4 || tokens.len() < 2 * n_ctx {
             return Err(EngineError::Invalid(format!(
                 "perplexity needs at least 2 x n_ctx = {} tokens, the text has {}",
@@ -232,8 +248,8 @@ impl Engine {
         let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
         for c in 0..n_chunk {
             let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
-            if self.tokenizer.add_bos()
-                && let Some(bos) = self.tokenizer.bos()
+            if tokenizer.add_bos()
+                && let Some(bos) = tokenizer.bos()
             {
                 chunk[0] = bos;
             }

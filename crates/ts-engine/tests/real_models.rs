@@ -78,7 +78,7 @@ fn greedy_continuations_match_llama_cpp() {
         }
         let engine = &loaded.as_ref().unwrap().1;
         let prompt = run["prompt"].as_str().unwrap();
-        let prompt_ids = engine.tokenizer.encode(prompt, true, false).unwrap();
+        let prompt_ids = engine.tokenizer().unwrap().encode(prompt, true, false).unwrap();
         assert_eq!(prompt_ids, ids(&run["prompt_ids"]), "{file}: prompt tokenization");
         let expected = ids(&run["generated"]);
         let margins: Vec<f32> = run["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap() as f32).collect();

@@ -245,7 +245,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     };
     let (engine, n_ctx) = load(global, &args.model)?;
     let sampler = args.sampling.config();
-    let tokens = engine.tokenizer.encode(&prompt, true, true)?;
+    let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx);
     let mut out = std::io::stdout().lock();
     let mut closed = false;
@@ -302,7 +302,7 @@ pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
         messages.push(ChatMessage { role: "user".into(), content: line.to_string() });
         let rendered = template.render(&messages, true)?;
         // The template emits BOS itself where the model wants one.
-        let tokens = engine.tokenizer.encode(&rendered, false, true)?;
+        let tokens = engine.tokenizer()?.encode(&rendered, false, true)?;
         // Reuse the cache for the common prefix of the last turn's tokens.
         let common = cached.iter().zip(&tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
         if common < seq.n_past {
