@@ -4,6 +4,7 @@ mod bench;
 mod generate;
 mod inspect;
 mod stats;
+mod synth;
 mod tokenize;
 
 use anyhow::{Context, Result, bail};
@@ -59,6 +60,8 @@ enum Command {
     Perplexity(generate::PerplexityArgs),
     /// Prompt-processing and generation speed, llama-bench style, with peak memory.
     Bench(bench::BenchArgs),
+    /// Write a GGUF with a real model's shapes, types and metadata and random weights, for benchmarks.
+    Synth(synth::SynthArgs),
 }
 
 /// Where computation runs.
@@ -111,6 +114,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Logits(args) => generate::logits(global, &args),
         Command::Perplexity(args) => generate::perplexity(global, &args),
         Command::Bench(args) => bench::run(global, &args),
+        Command::Synth(args) => synth::run(global, &args),
     }
 }
 

@@ -1,0 +1,343 @@
+//! The layout of a synthetic file: metadata keys as llama.cpp's converter writes them,
+//! and every tensor's name, ggml-order shape, type and how its values are drawn.
+
+use crate::fill::{EmbeddingCodec, WeightCodec};
+use crate::rng::{derive, name_hash};
+use crate::routing;
+use crate::spec::{Family, ModelSpec, Recipe};
+use crate::{SynthError, SynthOptions};
+use ts_gguf::{GgmlType, GgufWriter, Value};
+
+/// Standard deviation of biases and of the jitter on norm weights.
+const SMALL_STD: f64 = 0.02;
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// Zero mean, standard deviation `1/sqrt(row length)`.
+    Weights,
+    /// `1 + N(0, 0.02²)`.
+    Norm,
+    /// `N(0, 0.02²)`.
+    Bias,
+    /// Uniform in `[0, 1)`: attention-sink logits.
+    Sinks,
+    /// Token embeddings: the common vector plus each row's random part.
+    Embedding,
+    /// The router of a layer (see `routing`).
+    Router { layer: usize },
+}
+
+#[derive(Clone, Debug)]
+pub struct PlannedTensor {
+    pub name: String,
+    pub ty: GgmlType,
+    /// ggml order: `dims[0]` is the row length.
+    pub dims: Vec<u64>,
+    pub fill: Fill,
+}
+
+impl PlannedTensor {
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    pub fn n_bytes(&self) -> u64 {
+        self.ty.bytes_for(self.n_elements()).expect("sizes checked when planned")
+    }
+}
+
+/// A synthetic file, laid out but not written.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub spec: ModelSpec,
+    pub opts: SynthOptions,
+    pub n_layer: usize,
+    pub metadata: Vec<(String, Value)>,
+    pub tensors: Vec<PlannedTensor>,
+    embedding: EmbeddingCodec,
+    embedding_std: f64,
+}
+
+/// Expert types `--quant` takes.
+pub const EXPERT_TYPES: [GgmlType; 6] =
+    [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::MXFP4];
+
+/// An expert type by its lower-case ggml name (`q4_k`, `mxfp4`, ...).
+pub fn parse_quant(name: &str) -> Result<GgmlType, SynthError> {
+    EXPERT_TYPES.into_iter().find(|t| t.name().eq_ignore_ascii_case(name)).ok_or_else(|| SynthError::UnknownType {
+        name: name.into(),
+        choices: EXPERT_TYPES.map(|t| t.name().to_ascii_lowercase()).join(", "),
+    })
+}
+
+/// llama-quantize's choice of layers that get more bits (`use_more_bits` in llama-quant.cpp).
+fn use_more_bits(layer: usize, n_layer: usize) -> bool {
+    layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer - n_layer / 8) % 3 == 2
+}
+
+/// `general.file_type` (llama_ftype) of a file whose experts are `ty`.
+fn file_type(recipe: Recipe, expert: Option<GgmlType>) -> u32 {
+    match (recipe, expert) {
+        (Recipe::Mxfp4Moe, None) | (_, Some(GgmlType::MXFP4)) => 38,
+        (Recipe::Q4KM, None) | (_, Some(GgmlType::Q4_K)) => 15,
+        (_, Some(GgmlType::Q4_0)) => 2,
+        (_, Some(GgmlType::Q8_0)) => 7,
+        (_, Some(GgmlType::Q5_K)) => 17,
+        (_, Some(GgmlType::Q6_K)) => 18,
+        (_, Some(_)) => 0,
+    }
+}
+
+/// Tensor types of one layer: attention q, k, v, output; expert gate/up, down.
+struct LayerTypes {
+    q: GgmlType,
+    k: GgmlType,
+    v: GgmlType,
+    o: GgmlType,
+    gate_up: GgmlType,
+    down: GgmlType,
+}
+
+impl Plan {
+    pub fn new(spec: &ModelSpec, opts: &SynthOptions) -> Result<Plan, SynthError> {
+        let n_layer = match opts.layers {
+            None => spec.n_layer,
+            Some(n) if (1..=spec.n_layer).contains(&n) => n,
+            Some(n) => return Err(SynthError::Layers { asked: n, max: spec.n_layer }),
+        };
+        if let Some(ty) = opts.expert_type {
+            for row in [spec.n_embd, spec.n_ff_exp] {
+                if !(row as u64).is_multiple_of(ty.block_size()) {
+                    return Err(SynthError::Incompatible {
+                        ty: ty.name().to_ascii_lowercase(),
+                        model: spec.name.into(),
+                        row,
+                        block: ty.block_size(),
+                    });
+                }
+            }
+        }
+        let (token_type, output_type) = match spec.recipe {
+            Recipe::Mxfp4Moe => (GgmlType::Q8_0, GgmlType::Q8_0),
+            Recipe::Q4KM => (GgmlType::Q4_K, GgmlType::Q6_K),
+        };
+        let (level, embedding_std) =
+            routing::embedding_levels(spec.n_embd, opts.routing, derive(opts.seed, name_hash("common vector")));
+        let embedding = EmbeddingCodec::new(token_type, spec.n_embd, embedding_std, &level)?;
+
+        let mut plan = Plan {
+            spec: spec.clone(),
+            opts: opts.clone(),
+            n_layer,
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+            embedding,
+            embedding_std,
+        };
+        plan.metadata = plan.metadata_keys();
+        let (e, v) = (spec.n_embd as u64, spec.n_vocab as u64);
+        plan.add("token_embd.weight", token_type, &[e, v], Fill::Embedding);
+        for il in 0..n_layer {
+            plan.add_layer(il, plan.layer_types(il));
+        }
+        plan.add("output_norm.weight", GgmlType::F32, &[e], Fill::Norm);
+        plan.add("output.weight", output_type, &[e, v], Fill::Weights);
+        Ok(plan)
+    }
+
+    fn add(&mut self, name: &str, ty: GgmlType, dims: &[u64], fill: Fill) {
+        self.tensors.push(PlannedTensor { name: name.into(), ty, dims: dims.to_vec(), fill });
+    }
+
+    fn layer_types(&self, il: usize) -> LayerTypes {
+        let spec = &self.spec;
+        let more_bits = use_more_bits(il, self.n_layer);
+        let mut t = match spec.recipe {
+            Recipe::Mxfp4Moe => LayerTypes {
+                q: GgmlType::Q8_0,
+                k: GgmlType::Q8_0,
+                v: GgmlType::Q8_0,
+                o: GgmlType::Q8_0,
+                gate_up: GgmlType::MXFP4,
+                down: GgmlType::MXFP4,
+            },
+            Recipe::Q4KM => {
+                let eight = spec.n_expert == 8;
+                let more = if more_bits { GgmlType::Q6_K } else { GgmlType::Q4_K };
+                LayerTypes {
+                    q: GgmlType::Q4_K,
+                    k: if eight { GgmlType::Q8_0 } else { GgmlType::Q4_K },
+                    v: if eight { GgmlType::Q8_0 } else { more },
+                    o: if eight { GgmlType::Q5_K } else { GgmlType::Q4_K },
+                    gate_up: GgmlType::Q4_K,
+                    down: more,
+                }
+            }
+        };
+        if let Some(ty) = self.opts.expert_type {
+            t.gate_up = ty;
+            t.down = ty;
+        }
+        t
+    }
+
+    fn add_layer(&mut self, il: usize, t: LayerTypes) {
+        let s = self.spec.clone();
+        let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
+        let (q, kv) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
+        let (n_exp, ff) = (s.n_expert as u64, s.n_ff_exp as u64);
+        let name = |base: &str| format!("blk.{il}.{base}");
+        let gpt_oss = s.family == Family::GptOss;
+
+        self.add(&name("attn_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
+        for (base, ty, width) in [("attn_q", t.q, q), ("attn_k", t.k, kv), ("attn_v", t.v, kv)] {
+            self.add(&name(&format!("{base}.weight")), ty, &[e, width], Fill::Weights);
+            if gpt_oss {
+                self.add(&name(&format!("{base}.bias")), GgmlType::F32, &[width], Fill::Bias);
+            }
+        }
+        self.add(&name("attn_output.weight"), t.o, &[q, e], Fill::Weights);
+        match s.family {
+            Family::GptOss => {
+                self.add(&name("attn_output.bias"), GgmlType::F32, &[e], Fill::Bias);
+                self.add(&name("attn_sinks.weight"), GgmlType::F32, &[s.n_head as u64], Fill::Sinks);
+                // gpt-oss's pre-FFN norm.
+                self.add(&name("post_attention_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
+            }
+            Family::Qwen3Moe => {
+                self.add(&name("attn_q_norm.weight"), GgmlType::F32, &[hd], Fill::Norm);
+                self.add(&name("attn_k_norm.weight"), GgmlType::F32, &[hd], Fill::Norm);
+                self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
+            }
+            Family::Mixtral => self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm),
+        }
+        self.add(&name("ffn_gate_inp.weight"), GgmlType::F32, &[e, n_exp], Fill::Router { layer: il });
+        if gpt_oss {
+            self.add(&name("ffn_gate_inp.bias"), GgmlType::F32, &[n_exp], Fill::Bias);
+        }
+        for (base, ty, dims) in [
+            ("ffn_gate_exps", t.gate_up, [e, ff, n_exp]),
+            ("ffn_up_exps", t.gate_up, [e, ff, n_exp]),
+            ("ffn_down_exps", t.down, [ff, e, n_exp]),
+        ] {
+            self.add(&name(&format!("{base}.weight")), ty, &dims, Fill::Weights);
+            if gpt_oss {
+                self.add(&name(&format!("{base}.bias")), GgmlType::F32, &[dims[1], n_exp], Fill::Bias);
+            }
+        }
+    }
+
+    fn metadata_keys(&self) -> Vec<(String, Value)> {
+        let s = &self.spec;
+        let arch = s.family.gguf_arch();
+        let mut md: Vec<(String, Value)> = Vec::new();
+        let mut put = |key: &str, v: Value| md.push((key.replace("{arch}", arch), v));
+        let u32v = |x: usize| Value::U32(x as u32);
+        put("general.architecture", Value::String(arch.into()));
+        put("general.type", Value::String("model".into()));
+        put("general.name", Value::String(format!("{} (synthetic, random weights)", s.name)));
+        put("{arch}.block_count", u32v(self.n_layer));
+        put("{arch}.context_length", u32v(s.n_ctx_train));
+        put("{arch}.embedding_length", u32v(s.n_embd));
+        put("{arch}.feed_forward_length", u32v(s.n_ff));
+        put("{arch}.attention.head_count", u32v(s.n_head));
+        put("{arch}.attention.head_count_kv", u32v(s.n_head_kv));
+        put("{arch}.rope.freq_base", Value::F32(s.rope_freq_base));
+        put("{arch}.attention.layer_norm_rms_epsilon", Value::F32(s.rms_eps));
+        put("{arch}.expert_count", u32v(s.n_expert));
+        put("{arch}.expert_used_count", u32v(s.n_expert_used));
+        if s.family != Family::Mixtral {
+            put("{arch}.attention.key_length", u32v(s.head_dim));
+            put("{arch}.attention.value_length", u32v(s.head_dim));
+        }
+        if let Some((factor, original)) = s.yarn {
+            put("{arch}.rope.scaling.type", Value::String("yarn".into()));
+            put("{arch}.rope.scaling.factor", Value::F32(factor));
+            put("{arch}.rope.scaling.original_context_length", u32v(original));
+            put("{arch}.rope.scaling.yarn_beta_fast", Value::F32(32.0));
+            put("{arch}.rope.scaling.yarn_beta_slow", Value::F32(1.0));
+        }
+        if let Some(w) = s.sliding_window {
+            put("{arch}.attention.sliding_window", u32v(w));
+        }
+        if s.family != Family::Mixtral {
+            put("{arch}.expert_feed_forward_length", u32v(s.n_ff_exp));
+        }
+        // The llama converter writes these two; llama.cpp sizes a tokenizer-less vocabulary
+        // from vocab_size, so every family gets it here.
+        put("{arch}.vocab_size", u32v(s.n_vocab));
+        if s.family == Family::Mixtral {
+            put("{arch}.rope.dimension_count", u32v(s.head_dim));
+        }
+        put("general.file_type", Value::U32(file_type(s.recipe, self.opts.expert_type)));
+        put("general.quantization_version", Value::U32(2));
+        put("tokenizer.ggml.model", Value::String("none".into()));
+        put("turbospark.synth.like", Value::String(s.name.into()));
+        put("turbospark.synth.routing", Value::String(self.opts.routing.name().into()));
+        put("turbospark.synth.seed", Value::U64(self.opts.seed));
+        md
+    }
+
+    /// The GGUF header: metadata and tensor table.
+    pub fn gguf_writer(&self) -> Result<GgufWriter, SynthError> {
+        let mut w = GgufWriter::new();
+        for (k, v) in &self.metadata {
+            w.set(k, v.clone()).map_err(SynthError::internal)?;
+        }
+        for t in &self.tensors {
+            w.add_tensor(&t.name, t.ty, &t.dims).map_err(SynthError::internal)?;
+        }
+        Ok(w)
+    }
+
+    /// Bytes of tensor data, padding included.
+    pub fn data_bytes(&self) -> Result<u64, SynthError> {
+        let w = self.gguf_writer()?;
+        Ok(w.tensors().last().map_or(0, |t| (t.offset + t.n_bytes).next_multiple_of(ts_gguf::DEFAULT_ALIGNMENT)))
+    }
+
+    /// Size of the whole file, computed without writing it.
+    pub fn file_size(&self) -> Result<u64, SynthError> {
+        let mut head = Vec::new();
+        self.gguf_writer()?.write_header(&mut head).map_err(SynthError::internal)?;
+        Ok(head.len() as u64 + self.data_bytes()?)
+    }
+
+    /// Writes tensor `t`'s values into `out` (exactly its size).
+    pub fn fill(&self, t: &PlannedTensor, out: &mut [u8]) -> Result<(), SynthError> {
+        let seed = derive(self.opts.seed, name_hash(&t.name));
+        let small = |std: f64, offset: f32, out: &mut [u8]| -> Result<(), SynthError> {
+            WeightCodec::new(GgmlType::F32, std)?.fill(GgmlType::F32, seed, out);
+            for v in out.chunks_exact_mut(4) {
+                let x = f32::from_le_bytes(v.try_into().unwrap()) + offset;
+                v.copy_from_slice(&x.to_le_bytes());
+            }
+            Ok(())
+        };
+        match t.fill {
+            Fill::Weights => WeightCodec::new(t.ty, 1.0 / (t.dims[0] as f64).sqrt())?.fill(t.ty, seed, out),
+            Fill::Norm => small(SMALL_STD, 1.0, out)?,
+            Fill::Bias => small(SMALL_STD, 0.0, out)?,
+            Fill::Sinks => {
+                let mut rng = crate::rng::Rng::new(seed);
+                for v in out.chunks_exact_mut(4) {
+                    v.copy_from_slice(&(rng.uniform() as f32).to_le_bytes());
+                }
+            }
+            Fill::Embedding => self.embedding.fill(t.ty, seed, out),
+            Fill::Router { .. } => {
+                let rows = routing::router_rows(
+                    self.opts.routing,
+                    &self.embedding.mean,
+                    self.embedding_std,
+                    self.spec.n_expert,
+                    self.spec.routing_skew as f64,
+                    seed,
+                );
+                out.copy_from_slice(bytemuck::cast_slice(&rows));
+            }
+        }
+        Ok(())
+    }
+}
