@@ -43,25 +43,33 @@ pub struct ResidentExperts {
 }
 
 impl ResidentExperts {
-    pub fn new(file: &GgufFile, layout: ExpertLayout) -> ResidentExperts {
-        let map = file.mapped();
-        let data = layout
-            .layers
-            .iter()
-            .map(|l| {
-                l.map(|l| {
-                    l.proj.map(|p| {
-                        let len = p.expert_bytes * l.n_expert;
-                        let start = p.file_offset as usize;
-                        let mut words = vec![0u64; len.div_ceil(8)];
-                        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len]
-                            .copy_from_slice(&map[start..start + len]);
-                        words
-                    })
-                })
-            })
-            .collect();
-        ResidentExperts { layout, data }
+    /// Reads every expert with positioned reads (not through the map, so the
+    /// copies are the only place the bytes count towards this process's memory).
+    pub fn new(file: &GgufFile, layout: ExpertLayout) -> Result<ResidentExperts, ExpertError> {
+        use std::os::unix::fs::FileExt;
+        let mut data = Vec::with_capacity(layout.layers.len());
+        for (layer, l) in layout.layers.iter().enumerate() {
+            let Some(l) = l else {
+                data.push(None);
+                continue;
+            };
+            let mut projs: [Vec<u64>; 3] = Default::default();
+            for (words, p) in projs.iter_mut().zip(l.proj) {
+                let len = p.expert_bytes * l.n_expert;
+                *words = vec![0u64; len.div_ceil(8)];
+                let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
+                file.file().read_exact_at(buf, p.file_offset).map_err(|source| ExpertError::Read {
+                    path: layout.path.clone(),
+                    layer,
+                    expert: 0,
+                    offset: p.file_offset,
+                    len,
+                    source,
+                })?;
+            }
+            data.push(Some(projs));
+        }
+        Ok(ResidentExperts { layout, data })
     }
 }
 

@@ -68,7 +68,7 @@ impl Model {
         let layout = expert_layout(&file, &weights);
         let store: Box<dyn ExpertStore> = match experts {
             ExpertPlacement::Mapped => Box::new(MappedExperts::new(file.clone(), layout)),
-            ExpertPlacement::Resident => Box::new(ResidentExperts::new(&file, layout)),
+            ExpertPlacement::Resident => Box::new(ResidentExperts::new(&file, layout)?),
             ExpertPlacement::Stream(opts) => {
                 let store = StreamingExperts::open(layout, &opts)?;
                 if let Some(moe) = &cfg.moe
