@@ -23,6 +23,10 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Skip the untimed run of each test that comes first (as llama-bench's --no-warmup);
+    /// with streamed experts the warm-up also fills the cache.
+    #[arg(long)]
+    no_warmup: bool,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -59,21 +63,25 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % n_vocab) as u32).collect() };
     let mut seq = engine.new_sequence(n_ctx);
 
-    // One warm-up step pages the weights in, as llama-bench's warm-up run does.
-    engine.prefill(&mut seq, &tokens(1), false)?;
+    let warm = usize::from(!args.no_warmup);
 
     let mut results = Vec::new();
     let mut cache_lines = Vec::new();
     let snapshot = || engine.model.experts.stats();
     if args.n_prompt > 0 {
         let mut tps = Vec::new();
-        let before = snapshot();
-        for _ in 0..args.repetitions {
+        let mut before = snapshot();
+        for rep in 0..warm + args.repetitions {
             let prompt = tokens(args.n_prompt);
             seq.clear();
+            if rep == warm {
+                before = snapshot();
+            }
             let t = Instant::now();
             engine.prefill(&mut seq, &prompt, false)?;
-            tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+            if rep >= warm {
+                tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+            }
         }
         results.push((format!("pp{}", args.n_prompt), mean_sd(&tps)));
         if let (Some(a), Some(b)) = (snapshot(), before) {
@@ -82,15 +90,20 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     }
     if args.n_gen > 0 {
         let mut tps = Vec::new();
-        let before = snapshot();
-        for _ in 0..args.repetitions {
+        let mut before = snapshot();
+        for rep in 0..warm + args.repetitions {
             let steps = tokens(args.n_gen);
             seq.clear();
+            if rep == warm {
+                before = snapshot();
+            }
             let t = Instant::now();
             for &tok in &steps {
                 engine.prefill(&mut seq, &[tok], false)?;
             }
-            tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+            if rep >= warm {
+                tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+            }
         }
         results.push((format!("tg{}", args.n_gen), mean_sd(&tps)));
         if let (Some(a), Some(b)) = (snapshot(), before) {
