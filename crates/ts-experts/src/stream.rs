@@ -121,7 +121,7 @@ impl Default for StreamOptions {
         StreamOptions {
             cache_bytes: 1 << 30,
             policy: EvictionPolicy::DecayedFrequency { half_life: 256.0 },
-            readers: 4,
+            readers: 8,
             direct_io: true,
         }
     }

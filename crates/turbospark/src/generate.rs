@@ -31,8 +31,8 @@ pub struct ModelArgs {
     /// Eviction policy of the expert cache: `decay` (frequency with decay), `lru` or `lfu`.
     #[arg(long, default_value = "decay")]
     expert_policy: String,
-    /// Threads reading streamed experts.
-    #[arg(long, default_value_t = 4)]
+    /// Threads reading streamed experts (8 measured best on this project's disks: docs/BENCHMARKS.md).
+    #[arg(long, default_value_t = 8)]
     expert_readers: usize,
     /// Read streamed experts through the page cache instead of with O_DIRECT.
     #[arg(long)]
