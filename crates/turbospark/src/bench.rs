@@ -117,8 +117,21 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     let rss = peak_rss_bytes().unwrap_or(0);
     let model_name = path.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
     if args.json {
-        let tests: Vec<_> =
-            results.iter().map(|(t, (m, s))| json!({"test": t, "tokens_per_second": m, "stddev": s})).collect();
+        let tests: Vec<_> = results
+            .iter()
+            .map(|(t, (m, s))| {
+                let cache = cache_lines.iter().find(|c| &c.0 == t).map(|(_, st, n)| {
+                    let total = st.total();
+                    json!({
+                        "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate(),
+                        "bytes_read": total.bytes_read, "bytes_read_per_token": total.bytes_read as f64 / *n as f64,
+                        "read_seconds": total.read_time.as_secs_f64(), "wait_seconds": total.wait_time.as_secs_f64(),
+                        "slots": st.slots, "slot_bytes": st.slot_bytes, "direct_io": st.direct_io, "policy": st.policy,
+                    })
+                });
+                json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache})
+            })
+            .collect();
         let out = json!({
             "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
             "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,

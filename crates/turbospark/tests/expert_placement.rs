@@ -5,7 +5,8 @@
 use std::process::Command;
 
 fn run(model: &str, experts: &[&str]) -> (String, String) {
-    let mut args = vec!["run", "-m", model, "-p", "The quick brown fox", "-n", "24", "--temp", "0.9", "--seed", "7", "--stats"];
+    let mut args =
+        vec!["run", "-m", model, "-p", "The quick brown fox", "-n", "24", "--temp", "0.9", "--seed", "7", "--stats"];
     args.extend_from_slice(experts);
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
     assert!(out.status.success(), "{experts:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -45,4 +46,29 @@ fn options_a_placement_cannot_honour_are_refused() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains(expected), "{flags:?}: {stderr}");
     }
+}
+
+#[test]
+fn a_synthetic_model_gives_identical_logits_across_placements() {
+    let dir = std::env::temp_dir().join(format!("ts-placement-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("gpt-oss-1layer.gguf");
+    let m = model.to_str().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args(["synth", "--like", "gpt-oss-20b", "--layers", "2", "-o", m])
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let logits = |experts: &[&str]| {
+        let mut args = vec!["logits", "-m", m, "--all", "--tokens", "11,2048,77,90000,5,6,7,8"];
+        args.extend_from_slice(experts);
+        let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
+        assert!(out.status.success(), "{experts:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let resident = logits(&["--experts", "resident"]);
+    assert_eq!(resident, logits(&["--experts", "mapped"]));
+    // Four slots: every step evicts.
+    assert_eq!(resident, logits(&["--experts", "stream", "--expert-cache", "52MiB"]));
+    std::fs::remove_dir_all(&dir).ok();
 }
