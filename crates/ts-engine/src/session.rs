@@ -23,7 +23,9 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, n_ctx: usize },
     #[error("{0}")]
     Invalid(String),
-    #[error("this model has no tokenizer (tokenizer.ggml.model is '{0}'): give token ids, e.g. with `logits` or `bench`")]
+    #[error(
+        "this model has no tokenizer (tokenizer.ggml.model is '{0}'): give token ids, e.g. with `logits` or `bench`"
+    )]
     NoTokenizer(String),
 }
 

@@ -92,6 +92,9 @@ impl<'a> ExpertSet<'a> {
 pub trait ExpertStore: Send + Sync {
     /// Makes experts `ids` of `layer` available (reads start at once; `get` waits).
     fn ensure(&self, layer: usize, ids: &[usize]) -> Result<ExpertSet<'_>, ExpertError>;
+    /// Starts reading experts likely needed soon, without pinning them; a no-op
+    /// for stores that hold everything.
+    fn prefetch(&self, _layer: usize, _ids: &[usize]) {}
     /// A short name for logs and benchmarks (`mapped`, `resident`, `stream`).
     fn kind(&self) -> &'static str;
     /// The most experts one `ensure` may ask for (unbounded unless the store has slots).

@@ -13,6 +13,8 @@ pub(crate) struct LayerCounters {
     pub read_nanos: AtomicU64,
     /// Time the compute thread spent waiting for reads.
     pub wait_nanos: AtomicU64,
+    /// Experts read ahead of being asked for.
+    pub prefetched: AtomicU64,
 }
 
 impl LayerCounters {
@@ -23,6 +25,7 @@ impl LayerCounters {
             bytes_read: self.bytes_read.load(Relaxed),
             read_time: Duration::from_nanos(self.read_nanos.load(Relaxed)),
             wait_time: Duration::from_nanos(self.wait_nanos.load(Relaxed)),
+            prefetched: self.prefetched.load(Relaxed),
         }
     }
 }
@@ -34,6 +37,7 @@ pub struct LayerStats {
     pub bytes_read: u64,
     pub read_time: Duration,
     pub wait_time: Duration,
+    pub prefetched: u64,
 }
 
 impl LayerStats {
@@ -48,6 +52,7 @@ impl LayerStats {
         self.bytes_read += o.bytes_read;
         self.read_time += o.read_time;
         self.wait_time += o.wait_time;
+        self.prefetched += o.prefetched;
     }
 }
 
@@ -83,6 +88,7 @@ impl StatsSnapshot {
                 bytes_read: a.bytes_read - b.bytes_read,
                 read_time: a.read_time.saturating_sub(b.read_time),
                 wait_time: a.wait_time.saturating_sub(b.wait_time),
+                prefetched: a.prefetched - b.prefetched,
             })
             .collect();
         StatsSnapshot { layers, ..self.clone() }

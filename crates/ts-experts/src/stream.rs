@@ -343,7 +343,9 @@ impl StreamingExperts {
 
     /// Picks an unpinned slot for a new expert: a free one, else the policy's victim.
     fn victim(&self, st: &State) -> Option<usize> {
-        let unpinned = (0..st.owner.len()).filter(|&s| st.pins[s] == 0);
+        // Neither pinned nor still being filled (a prefetch holds no pin while its reads run).
+        let unpinned =
+            (0..st.owner.len()).filter(|&s| st.pins[s] == 0 && st.latch[s].as_ref().is_none_or(|l| l.is_done()));
         if let Some(s) = unpinned.clone().find(|&s| st.owner[s].is_none()) {
             return Some(s);
         }
@@ -549,6 +551,42 @@ impl ExpertStore for StreamingExperts {
             self.shared.queued.notify_all();
         }
         Ok(ExpertSet { inner: SetInner::Streamed(PendingSet { store: self, layer, entries }) })
+    }
+
+    fn prefetch(&self, layer: usize, ids: &[usize]) {
+        let Ok(l) = self.layout.check(layer, ids).copied() else { return };
+        let align = self.shared.source.alignment().max(64);
+        let mut jobs = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            for &e in ids {
+                if st.table.contains_key(&(layer, e)) {
+                    continue;
+                }
+                let Some(s) = self.victim(&st) else { break };
+                if let Some(old) = st.owner[s].take() {
+                    st.table.remove(&old);
+                }
+                st.owner[s] = Some((layer, e));
+                st.table.insert((layer, e), s);
+                st.score[s] = 0.0;
+                st.uses[s] = 0;
+                st.last_use[s] = st.clock;
+                let latch = Latch::new(3);
+                st.latch[s] = Some(latch.clone());
+                jobs.extend(placements(&l, e, align).iter().map(|&placement| ReadJob {
+                    slot: s,
+                    placement,
+                    layer,
+                    latch: latch.clone(),
+                }));
+                self.shared.counters[layer].prefetched.fetch_add(1, Relaxed);
+            }
+        }
+        if !jobs.is_empty() {
+            self.shared.queue.lock().unwrap().extend(jobs);
+            self.shared.queued.notify_all();
+        }
     }
 
     fn kind(&self) -> &'static str {

@@ -119,13 +119,23 @@ pub struct Model {
     pub cfg: ArchConfig,
     pub weights: ModelWeights,
     pub experts: Box<dyn ExpertStore>,
+    /// Guess the next MoE layer's experts from this layer's input and start reading them.
+    pub prefetch_experts: bool,
     ropes: Vec<Rope>,
 }
 
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
         let ropes = cfg.layers.iter().map(|l| build_rope(&l.rope, weights.rope_freqs.as_deref())).collect();
-        Model { cfg, weights, experts, ropes }
+        Model { cfg, weights, experts, prefetch_experts: false, ropes }
+    }
+
+    /// The next layer after `il` with routed experts, and its weights.
+    fn next_moe_layer(&self, il: usize) -> Option<(usize, &crate::tensors::MoeWeights)> {
+        self.weights.layers.iter().enumerate().skip(il + 1).find_map(|(i, l)| match &l.ffn {
+            Ffn::Moe(w) => Some((i, w)),
+            Ffn::Dense { .. } => None,
+        })
     }
 
     /// Runs `rows` through the model, updating each row's sequence cache, and
@@ -170,7 +180,10 @@ impl Model {
             rms_norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, &mut normed);
             let mut ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => dense_ffn(cfg, gate, up, down, &normed, m, scratch)?,
-                Ffn::Moe(w) => moe::moe_ffn(cfg, il, w, self.experts.as_ref(), &normed, m, scratch)?,
+                Ffn::Moe(w) => {
+                    let next = self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten();
+                    moe::moe_ffn(cfg, il, w, next, self.experts.as_ref(), &normed, m, scratch)?
+                }
             };
             if let Some(w) = &layer.ffn_post_norm {
                 rms_norm_rows_inplace(&mut ffn, w, cfg.rms_eps);

@@ -37,6 +37,9 @@ pub struct ModelArgs {
     /// Read streamed experts through the page cache instead of with O_DIRECT.
     #[arg(long)]
     no_direct_io: bool,
+    /// Guess the next layer's experts from this layer's input and read them early.
+    #[arg(long)]
+    expert_prefetch: bool,
     /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
@@ -218,6 +221,12 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)>
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
+    if args.expert_prefetch {
+        if engine.model.experts.kind() != "stream" {
+            bail!("--expert-prefetch applies to streamed experts only, not --experts {}", engine.model.experts.kind());
+        }
+        engine.model.prefetch_experts = true;
+    }
     let n_ctx = args.ctx.unwrap_or_else(|| engine.default_context());
     if n_ctx == 0 {
         bail!("--ctx-size must be at least 1");

@@ -12,7 +12,7 @@ pub fn summary(s: &StatsSnapshot, tokens: usize) -> String {
     let per_token =
         if tokens > 0 { format!(" ({:.2} MiB/token)", mib(t.bytes_read) / tokens as f64) } else { String::new() };
     format!(
-        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), read {:.1} MiB{per_token}, read time {:.2} s, compute waited {:.2} s",
+        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), prefetched {}, read {:.1} MiB{per_token}, read time {:.2} s, compute waited {:.2} s",
         s.slots,
         mib(s.slot_bytes as u64),
         s.policy,
@@ -20,6 +20,7 @@ pub fn summary(s: &StatsSnapshot, tokens: usize) -> String {
         t.hits,
         t.misses,
         100.0 * t.hit_rate(),
+        t.prefetched,
         mib(t.bytes_read),
         t.read_time.as_secs_f64(),
         t.wait_time.as_secs_f64()
