@@ -493,7 +493,9 @@ impl ExpertStore for StreamingExperts {
         }
         let counters = &self.shared.counters[layer];
         let mut jobs = Vec::new();
-        let mut entries = Vec::with_capacity(ids.len());
+        let mut entries: Vec<(usize, usize, [Placement; 3], Arc<Latch>)> = Vec::with_capacity(ids.len());
+        // Slots this call takes for misses, to undo if it must refuse.
+        let mut taken: Vec<usize> = Vec::new();
         {
             let mut st = self.state.lock().unwrap();
             st.clock += 1;
@@ -507,14 +509,16 @@ impl ExpertStore for StreamingExperts {
                     None => {
                         counters.misses.fetch_add(1, Relaxed);
                         let Some(s) = self.victim(&st) else {
-                            // Every slot is pinned by this call: unpin what we took and refuse.
-                            drop(st);
-                            self.release(
-                                &entries
-                                    .iter()
-                                    .map(|x: &(usize, usize, [Placement; 3], Arc<Latch>)| x.1)
-                                    .collect::<Vec<_>>(),
-                            );
+                            // No slot can take it: undo this call (its reads were not queued yet) and refuse.
+                            for &(_, slot, _, _) in &entries {
+                                st.pins[slot] -= 1;
+                            }
+                            for &slot in &taken {
+                                if let Some(key) = st.owner[slot].take() {
+                                    st.table.remove(&key);
+                                }
+                                st.latch[slot] = None;
+                            }
                             return Err(ExpertError::CacheTooSmall {
                                 layer,
                                 needed: ids.len(),
@@ -522,6 +526,7 @@ impl ExpertStore for StreamingExperts {
                                 min_bytes: (ids.len() * self.slot_bytes) as u64,
                             });
                         };
+                        taken.push(s);
                         if let Some(old) = st.owner[s].take() {
                             st.table.remove(&old);
                         }

@@ -86,21 +86,21 @@ pub fn moe_ffn(
     // A chunk whose experts exceed the store's slots goes in groups that fit.
     for (gi, group) in used.chunks(store.capacity().max(1)).enumerate() {
         let set = store.ensure(layer, group)?;
-        if gi == 0 {
-            if let Some((next_layer, next_w)) = next {
-                // The next MoE layer's router applied to this layer's input guesses its experts;
-                // their reads queue behind this layer's and overlap with its compute.
-                let mut next_logits = Vec::new();
-                linear(&next_w.router, x, m, scratch, &mut next_logits)?;
-                if let Some(b) = &next_w.router_bias {
-                    ops::add_bias_rows(&mut next_logits, b);
-                }
-                let mut guess: Vec<usize> =
-                    next_logits.chunks_exact(moe.n_expert).flat_map(|l| route(moe, l).experts).collect();
-                guess.sort_unstable();
-                guess.dedup();
-                store.prefetch(next_layer, &guess);
+        if gi == 0
+            && let Some((next_layer, next_w)) = next
+        {
+            // The next MoE layer's router applied to this layer's input guesses its experts;
+            // their reads queue behind this layer's and overlap with its compute.
+            let mut next_logits = Vec::new();
+            linear(&next_w.router, x, m, scratch, &mut next_logits)?;
+            if let Some(b) = &next_w.router_bias {
+                ops::add_bias_rows(&mut next_logits, b);
             }
+            let mut guess: Vec<usize> =
+                next_logits.chunks_exact(moe.n_expert).flat_map(|l| route(moe, l).experts).collect();
+            guess.sort_unstable();
+            guess.dedup();
+            store.prefetch(next_layer, &guess);
         }
         // Experts already in memory first, so reads of the others overlap with their compute.
         let (ready, pending): (Vec<usize>, Vec<usize>) = (0..group.len()).partition(|&i| set.is_ready(i));

@@ -70,5 +70,6 @@ fn a_synthetic_model_gives_identical_logits_across_placements() {
     assert_eq!(resident, logits(&["--experts", "mapped"]));
     // Four slots: every step evicts.
     assert_eq!(resident, logits(&["--experts", "stream", "--expert-cache", "52MiB"]));
+    assert_eq!(resident, logits(&["--experts", "stream", "--expert-cache", "52MiB", "--expert-prefetch"]));
     std::fs::remove_dir_all(&dir).ok();
 }
