@@ -88,7 +88,7 @@ fn every_type_and_shape_matches_the_references() {
                     continue;
                 }
                 let w = weights(&mut rng, ty, n_out, k, random);
-                let xf = rng.rows(m * k);
+                let xf = common::rows(&mut rng, m * k);
                 let mut x = QuantizedRows::new();
                 x.quantize(ty, &xf, k).unwrap();
                 for isa in isas() {
@@ -110,7 +110,7 @@ fn instruction_sets_agree() {
         for m in [1, 3, 8, 33] {
             let n_out = 19;
             let w = weights(&mut rng, ty, n_out, k, false);
-            let xf = rng.rows(m * k);
+            let xf = common::rows(&mut rng, m * k);
             let mut x = QuantizedRows::new();
             x.quantize(ty, &xf, k).unwrap();
             let results: Vec<Vec<f32>> = isas.iter().map(|&isa| run(isa, ty, &w, n_out, k, &x)).collect();
@@ -142,7 +142,7 @@ fn thread_count_does_not_change_results() {
         let n_out = 301;
         let w = weights(&mut rng, ty, n_out, k, false);
         for m in [1, 2, 9, 16] {
-            let xf = rng.rows(m * k);
+            let xf = common::rows(&mut rng, m * k);
             let results: Vec<Vec<f32>> = [1, 2, 3]
                 .into_iter()
                 .map(|threads| {
@@ -171,7 +171,7 @@ fn strided_output_and_unaligned_weights() {
         let k = (ty.block_size() as usize).max(32) * 2;
         let (n_out, m, stride) = (11, 6, 29);
         let w = weights(&mut rng, ty, n_out, k, false);
-        let xf = rng.rows(m * k);
+        let xf = common::rows(&mut rng, m * k);
         let mut x = QuantizedRows::new();
         x.quantize(ty, &xf, k).unwrap();
         let mut dense = vec![0.0; m * n_out];
@@ -208,7 +208,7 @@ fn gathered_rows_multiply_like_the_batch_they_come_from() {
         let k = (ty.block_size() as usize).max(32) * 3;
         let (n_out, m) = (9, 14);
         let w = weights(&mut rng, ty, n_out, k, false);
-        let xf = rng.rows(m * k);
+        let xf = common::rows(&mut rng, m * k);
         let mut x = QuantizedRows::new();
         x.quantize(ty, &xf, k).unwrap();
         let mut full = vec![0.0; m * n_out];
@@ -295,7 +295,7 @@ fn arbitrary_weight_bytes_never_panic() {
     for ty in TYPES {
         let k = (ty.block_size() as usize).max(32) * 2;
         let bytes: Vec<u8> = (0..ty.bytes_for(5 * k as u64).unwrap()).map(|_| rng.next_u64() as u8).collect();
-        let xf = rng.rows(3 * k);
+        let xf = common::rows(&mut rng, 3 * k);
         let mut x = QuantizedRows::new();
         x.quantize(ty, &xf, k).unwrap();
         for isa in isas() {

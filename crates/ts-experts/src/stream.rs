@@ -258,6 +258,21 @@ struct Shared {
     counters: Vec<LayerCounters>,
 }
 
+/// Gives slot `s` to expert `e` of `layer` (evicting what it held) and returns
+/// the reads that fill it; the slot's latch completes when they are done.
+fn assign(st: &mut State, s: usize, layer: usize, e: usize, pl: &[Placement; 3]) -> Vec<ReadJob> {
+    if let Some(old) = st.owner[s].take() {
+        st.table.remove(&old);
+    }
+    st.owner[s] = Some((layer, e));
+    st.table.insert((layer, e), s);
+    st.score[s] = 0.0;
+    st.uses[s] = 0;
+    let latch = Latch::new(3);
+    st.latch[s] = Some(latch.clone());
+    pl.iter().map(|&placement| ReadJob { slot: s, placement, layer, latch: latch.clone() }).collect()
+}
+
 /// A bounded cache of expert slots filled from disk.
 pub struct StreamingExperts {
     layout: ExpertLayout,
@@ -356,6 +371,14 @@ impl StreamingExperts {
                 let decayed = |s: usize| st.score[s] * 0.5f64.powf((st.clock - st.last_use[s]) as f64 / half_life);
                 decayed(a).total_cmp(&decayed(b)).then(st.last_use[a].cmp(&st.last_use[b]))
             }),
+        }
+    }
+
+    /// Queues reads for the reader threads.
+    fn submit(&self, jobs: Vec<ReadJob>) {
+        if !jobs.is_empty() {
+            self.shared.queue.lock().unwrap().extend(jobs);
+            self.shared.queued.notify_all();
         }
     }
 
@@ -527,21 +550,7 @@ impl ExpertStore for StreamingExperts {
                             });
                         };
                         taken.push(s);
-                        if let Some(old) = st.owner[s].take() {
-                            st.table.remove(&old);
-                        }
-                        st.owner[s] = Some((layer, e));
-                        st.table.insert((layer, e), s);
-                        st.score[s] = 0.0;
-                        st.uses[s] = 0;
-                        let latch = Latch::new(3);
-                        st.latch[s] = Some(latch.clone());
-                        jobs.extend(pl.iter().map(|&placement| ReadJob {
-                            slot: s,
-                            placement,
-                            layer,
-                            latch: latch.clone(),
-                        }));
+                        jobs.extend(assign(&mut st, s, layer, e, &pl));
                         s
                     }
                 };
@@ -551,10 +560,7 @@ impl ExpertStore for StreamingExperts {
                 entries.push((e, slot, pl, latch));
             }
         }
-        if !jobs.is_empty() {
-            self.shared.queue.lock().unwrap().extend(jobs);
-            self.shared.queued.notify_all();
-        }
+        self.submit(jobs);
         Ok(ExpertSet { inner: SetInner::Streamed(PendingSet { store: self, layer, entries }) })
     }
 
@@ -569,29 +575,12 @@ impl ExpertStore for StreamingExperts {
                     continue;
                 }
                 let Some(s) = self.victim(&st) else { break };
-                if let Some(old) = st.owner[s].take() {
-                    st.table.remove(&old);
-                }
-                st.owner[s] = Some((layer, e));
-                st.table.insert((layer, e), s);
-                st.score[s] = 0.0;
-                st.uses[s] = 0;
+                jobs.extend(assign(&mut st, s, layer, e, &placements(&l, e, align)));
                 st.last_use[s] = st.clock;
-                let latch = Latch::new(3);
-                st.latch[s] = Some(latch.clone());
-                jobs.extend(placements(&l, e, align).iter().map(|&placement| ReadJob {
-                    slot: s,
-                    placement,
-                    layer,
-                    latch: latch.clone(),
-                }));
                 self.shared.counters[layer].prefetched.fetch_add(1, Relaxed);
             }
         }
-        if !jobs.is_empty() {
-            self.shared.queue.lock().unwrap().extend(jobs);
-            self.shared.queued.notify_all();
-        }
+        self.submit(jobs);
     }
 
     fn kind(&self) -> &'static str {

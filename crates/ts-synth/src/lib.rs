@@ -20,6 +20,7 @@ mod stats;
 pub use fill::{EMBEDDING_TYPES, EmbeddingCodec, WEIGHT_TYPES, WeightCodec, pack_scale_min_k4};
 pub use plan::{EXPERT_TYPES, Fill, Plan, PlannedTensor, parse_quant};
 pub use progress::{Progress, TerminalProgress};
+pub use rng::Rng;
 pub use routing::{COMMON_SHARE, EMBEDDING_RMS, Routing};
 pub use spec::{Family, ModelSpec, NAMES, Recipe, Reference, spec};
 pub use stats::RoutingStats;

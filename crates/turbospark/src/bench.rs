@@ -31,19 +31,6 @@ pub struct BenchArgs {
     model: ModelArgs,
 }
 
-/// A small deterministic generator for the benchmark's token ids.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
 fn mean_sd(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
     let mean = v.iter().sum::<f64>() / n;
@@ -59,8 +46,8 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     let (engine, _) = load(global, &args.model)?;
     let n_ctx = args.n_prompt.max(args.n_gen).max(1);
     let n_vocab = engine.model.cfg.n_vocab as u64;
-    let mut rng = SplitMix(42);
-    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next() % n_vocab) as u32).collect() };
+    let mut rng = ts_synth::Rng::new(42);
+    let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % n_vocab) as u32).collect() };
     let mut seq = engine.new_sequence(n_ctx);
 
     let warm = usize::from(!args.no_warmup);

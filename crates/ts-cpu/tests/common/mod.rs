@@ -10,37 +10,12 @@ pub const TYPES: [GgmlType; 14] = {
     [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4]
 };
 
-/// SplitMix64.
-pub struct Rng(u64);
+pub use ts_testkit::Rng;
 
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    pub fn normal(&mut self) -> f32 {
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-    }
-
-    /// Gaussian values whose scale changes every 256 elements, as activations and weights vary.
-    pub fn rows(&mut self, n: usize) -> Vec<f32> {
-        const SCALES: [f32; 4] = [1.0, 30.0, 0.25, 4.0];
-        (0..n).map(|i| self.normal() * SCALES[i / 256 % 4] + if i % 1000 < 300 { 0.5 } else { 0.0 }).collect()
-    }
+/// Gaussian values whose scale changes every 256 elements, as activations and weights vary.
+pub fn rows(rng: &mut Rng, n: usize) -> Vec<f32> {
+    const SCALES: [f32; 4] = [1.0, 30.0, 0.25, 4.0];
+    (0..n).map(|i| rng.normal() * SCALES[i / 256 % 4] + if i % 1000 < 300 { 0.5 } else { 0.0 }).collect()
 }
 
 /// Bytes in 8-byte aligned storage, optionally starting `offset` bytes in.
@@ -80,7 +55,7 @@ fn f16_offsets(ty: GgmlType) -> &'static [usize] {
 pub fn weights(rng: &mut Rng, ty: GgmlType, n_rows: usize, k: usize, random: bool) -> Vec<u8> {
     let bytes = ty.bytes_for((n_rows * k) as u64).unwrap() as usize;
     if !random {
-        let x = rng.rows(n_rows * k);
+        let x = rows(rng, n_rows * k);
         let mut out = Aligned::new(&vec![0u8; bytes], 0);
         let dst = bytemuck::cast_slice_mut::<u64, u8>(&mut out.words);
         ts_quant::quantize(ty, &x, &mut dst[..bytes]).unwrap();

@@ -96,38 +96,7 @@ impl Vectors {
     }
 }
 
-/// SplitMix64, enough for reproducible test data without a dependency.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f32 {
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-    }
-
-    pub fn normals(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
-        (0..n).map(|_| self.normal() * scale + offset).collect()
-    }
-}
+pub use ts_testkit::Rng;
 
 pub fn dequantized(ty: GgmlType, bytes: &[u8], elements: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; elements];
