@@ -6,7 +6,7 @@ use crate::chat::ChatTemplate;
 use crate::sampler::{Sampler, SamplerConfig};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use ts_model::{ExpertPlacement, Model, ModelError, Row, Scratch, SeqState};
+use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, Row, SeqState};
 use ts_tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
@@ -36,8 +36,8 @@ pub struct LoadOptions {
     pub experts: ExpertPlacement,
 }
 
-pub struct Engine {
-    pub model: Model,
+pub struct Engine<B: Backend = Cpu> {
+    pub model: Model<B>,
     /// `None` for tokenizer-less files (`tokenizer.ggml.model = none`, e.g. synthetic models).
     tokenizer: Option<Tokenizer>,
     /// The file's chat template, if it has one.
@@ -111,13 +111,25 @@ impl Engine {
         Ok(Engine { model, tokenizer, template, pool, n_batch: 512, exact_activations: false })
     }
 
+    /// The same engine with its model on another backend, built by `make`.
+    pub fn into_backend<B: Backend>(
+        self,
+        make: impl FnOnce(&Model) -> Result<B, ModelError>,
+    ) -> Result<Engine<B>, EngineError> {
+        let Engine { model, tokenizer, template, pool, n_batch, exact_activations } = self;
+        let model = model.into_backend(make)?;
+        Ok(Engine { model, tokenizer, template, pool, n_batch, exact_activations })
+    }
+}
+
+impl<B: Backend> Engine<B> {
     /// The tokenizer, or an error for a tokenizer-less model.
     pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
         self.tokenizer.as_ref().ok_or_else(|| EngineError::NoTokenizer("none".into()))
     }
 
-    fn scratch(&self) -> Scratch {
-        if self.exact_activations { Scratch::exact() } else { Scratch::default() }
+    fn scratch(&self) -> B::Scratch {
+        self.model.backend.scratch(self.exact_activations)
     }
 
     /// The context size to use when the user gives none: the training context, capped at 4096.
@@ -128,13 +140,13 @@ impl Engine {
         }
     }
 
-    pub fn new_sequence(&self, n_ctx: usize) -> SeqState {
-        SeqState::new(&self.model.cfg, n_ctx, self.n_batch)
+    pub fn new_sequence(&self, n_ctx: usize) -> Result<SeqState<B::Kv>, EngineError> {
+        Ok(self.model.new_sequence(n_ctx, self.n_batch)?)
     }
 
     /// Runs `tokens` after what `seq` holds, `n_batch` at a time. Returns the
     /// logits of every position when `all`, else of the last one only.
-    pub fn prefill(&self, seq: &mut SeqState, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+    pub fn prefill(&self, seq: &mut SeqState<B::Kv>, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
         if seq.n_past + tokens.len() > seq.n_ctx {
             return Err(EngineError::PromptTooLong { tokens: seq.n_past + tokens.len(), n_ctx: seq.n_ctx });
         }
@@ -167,7 +179,7 @@ impl Engine {
     /// markers, for one).
     pub fn generate(
         &self,
-        seq: &mut SeqState,
+        seq: &mut SeqState<B::Kv>,
         prompt: &[u32],
         max_tokens: usize,
         sampler: &SamplerConfig,
@@ -246,7 +258,7 @@ impl Engine {
         }
         let n_chunk = tokens.len() / n_ctx;
         let first = n_ctx / 2;
-        let mut seq = self.new_sequence(n_ctx);
+        let mut seq = self.new_sequence(n_ctx)?;
         let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
         for c in 0..n_chunk {
             let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();

@@ -83,7 +83,7 @@ fn greedy_continuations_match_llama_cpp() {
         let expected = ids(&run["generated"]);
         let margins: Vec<f32> = run["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap() as f32).collect();
 
-        let mut seq = engine.new_sequence(512);
+        let mut seq = engine.new_sequence(512).unwrap();
         let mut logits = engine.prefill(&mut seq, &prompt_ids, false).unwrap().pop().unwrap();
         let mut got = Vec::new();
         let mut diverged = None;

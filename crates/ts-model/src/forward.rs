@@ -4,14 +4,13 @@
 //! weight matrix is read once per step for all rows.
 
 use crate::ModelError;
+use crate::backend::{AttnShape, Backend, Cpu};
 use crate::config::{ArchConfig, QkNorm, RopeScaling};
 use crate::kv::SeqState;
-use crate::moe;
 use crate::tensors::{Ffn, LayerWeights, ModelWeights};
 use crate::weights::Weight;
-use rayon::prelude::*;
 use ts_cpu::QuantizedRows;
-use ts_cpu::ops::{self, AttentionParams, Rope};
+use ts_cpu::ops::Rope;
 use ts_experts::ExpertStore;
 
 /// One token to run: its id, its position and the sequence it belongs to.
@@ -114,28 +113,47 @@ pub fn build_rope(cfg: &crate::config::RopeConfig, freq_factors: Option<&[f32]>)
     }
 }
 
-/// A model ready to run: configuration, weights and per-layer rotary tables.
-pub struct Model {
+/// A model ready to run on backend `B`: configuration, weights, where routed
+/// experts live, and per-layer rotary tables.
+pub struct Model<B: Backend = Cpu> {
     pub cfg: ArchConfig,
     pub weights: ModelWeights,
     pub experts: Box<dyn ExpertStore>,
     /// Guess the next MoE layer's experts from this layer's input and start reading them.
     pub prefetch_experts: bool,
-    ropes: Vec<Rope>,
+    pub ropes: Vec<Rope>,
+    pub backend: B,
 }
 
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
         let ropes = cfg.layers.iter().map(|l| build_rope(&l.rope, weights.rope_freqs.as_deref())).collect();
-        Model { cfg, weights, experts, prefetch_experts: false, ropes }
+        Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu }
     }
 
+    /// The same model on another backend, built by `make` from this one.
+    pub fn into_backend<B: Backend>(
+        self,
+        make: impl FnOnce(&Model) -> Result<B, ModelError>,
+    ) -> Result<Model<B>, ModelError> {
+        let backend = make(&self)?;
+        let Model { cfg, weights, experts, prefetch_experts, ropes, .. } = self;
+        Ok(Model { cfg, weights, experts, prefetch_experts, ropes, backend })
+    }
+}
+
+impl<B: Backend> Model<B> {
     /// The next layer after `il` with routed experts, and its weights.
-    fn next_moe_layer(&self, il: usize) -> Option<(usize, &crate::tensors::MoeWeights)> {
+    pub fn next_moe_layer(&self, il: usize) -> Option<(usize, &crate::tensors::MoeWeights)> {
         self.weights.layers.iter().enumerate().skip(il + 1).find_map(|(i, l)| match &l.ffn {
             Ffn::Moe(w) => Some((i, w)),
             Ffn::Dense { .. } => None,
         })
+    }
+
+    /// A new, empty sequence of `n_ctx` positions, filled `max_chunk` rows at a time.
+    pub fn new_sequence(&self, n_ctx: usize, max_chunk: usize) -> Result<SeqState<B::Kv>, ModelError> {
+        Ok(SeqState { kv: self.backend.new_kv(self, n_ctx, max_chunk)?, n_past: 0, n_ctx })
     }
 
     /// Runs `rows` through the model, updating each row's sequence cache, and
@@ -143,12 +161,12 @@ impl Model {
     pub fn forward(
         &self,
         rows: &[Row],
-        seqs: &mut [&mut SeqState],
-        scratch: &mut Scratch,
+        seqs: &mut [&mut SeqState<B::Kv>],
+        scratch: &mut B::Scratch,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.cfg;
+        let be = &self.backend;
         let m = rows.len();
-        let e = cfg.n_embd;
         for r in rows {
             let seq = seqs
                 .get(r.seq)
@@ -161,34 +179,32 @@ impl Model {
             }
         }
 
-        let mut x = self.embed(rows)?;
-        let mut normed = vec![0f32; m * e];
-        let mut tmp = Vec::new();
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let mut x = be.embed(&self.weights.token_embd, &tokens)?;
+        if let Some(s) = cfg.embed_scale {
+            be.scale(&mut x, s)?;
+        }
         for (il, layer) in self.weights.layers.iter().enumerate() {
-            rms_norm_rows(&x, &layer.attn_norm, cfg.rms_eps, &mut normed);
-            let mut attn = self.attention(il, layer, rows, seqs, &normed, scratch)?;
-            linear(&layer.wo, &attn, m, scratch, &mut tmp)?;
-            std::mem::swap(&mut attn, &mut tmp);
+            let normed = be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let attn = self.attention(il, layer, rows, seqs, &normed, scratch)?;
+            let mut attn = be.linear(&layer.wo, &attn, m, scratch)?;
             if let Some(b) = &layer.bo {
-                ops::add_bias_rows(&mut attn, b);
+                be.add_bias(&mut attn, b)?;
             }
             if let Some(w) = &layer.attn_post_norm {
-                rms_norm_rows_inplace(&mut attn, w, cfg.rms_eps);
+                be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
             }
-            ops::add_inplace(&mut x, &attn);
+            be.add(&mut x, &attn)?;
 
-            rms_norm_rows(&x, &layer.ffn_norm, cfg.rms_eps, &mut normed);
+            let normed = be.rms_norm_to(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let mut ffn = match &layer.ffn {
-                Ffn::Dense { gate, up, down } => dense_ffn(cfg, gate, up, down, &normed, m, scratch)?,
-                Ffn::Moe(w) => {
-                    let next = self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten();
-                    moe::moe_ffn(cfg, il, w, next, self.experts.as_ref(), &normed, m, scratch)?
-                }
+                Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
+                Ffn::Moe(w) => be.moe(self, il, w, &normed, m, scratch)?,
             };
             if let Some(w) = &layer.ffn_post_norm {
-                rms_norm_rows_inplace(&mut ffn, w, cfg.rms_eps);
+                be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
             }
-            ops::add_inplace(&mut x, &ffn);
+            be.add(&mut x, &ffn)?;
         }
         for r in rows {
             let s = &mut seqs[r.seq];
@@ -197,21 +213,21 @@ impl Model {
         self.output(rows, &x, scratch)
     }
 
-    /// Token embeddings, `[m][n_embd]`, scaled where the family does.
-    fn embed(&self, rows: &[Row]) -> Result<Vec<f32>, ModelError> {
-        let table = &self.weights.token_embd;
-        let e = self.cfg.n_embd;
-        let row_bytes = table.row_bytes();
-        let mut x = vec![0f32; rows.len() * e];
-        for (r, out) in rows.iter().zip(x.chunks_exact_mut(e)) {
-            let t = r.token as usize;
-            ts_quant::dequantize(table.ty, &table.bytes()[t * row_bytes..(t + 1) * row_bytes], out)
-                .map_err(|err| ModelError::Compute(format!("{}: {err}", table.name)))?;
-        }
-        if let Some(s) = self.cfg.embed_scale {
-            ops::scale_inplace(&mut x, s);
-        }
-        Ok(x)
+    /// `down(act(gate · x) * (up · x))` for `m` rows.
+    pub fn dense_ffn(
+        &self,
+        gate: &Weight,
+        up: &Weight,
+        down: &Weight,
+        x: &B::Act,
+        m: usize,
+        scratch: &mut B::Scratch,
+    ) -> Result<B::Act, ModelError> {
+        let be = &self.backend;
+        let mut g = be.linear(gate, x, m, scratch)?;
+        let u = be.linear(up, x, m, scratch)?;
+        be.gated(self.cfg.ffn_act, &mut g, &u)?;
+        be.linear(down, &g, m, scratch)
     }
 
     /// Self-attention of every row; returns `[m][n_head * head_dim_v]`.
@@ -220,116 +236,68 @@ impl Model {
         il: usize,
         layer: &LayerWeights,
         rows: &[Row],
-        seqs: &mut [&mut SeqState],
-        normed: &[f32],
-        scratch: &mut Scratch,
-    ) -> Result<Vec<f32>, ModelError> {
+        seqs: &mut [&mut SeqState<B::Kv>],
+        normed: &B::Act,
+        scratch: &mut B::Scratch,
+    ) -> Result<B::Act, ModelError> {
         let cfg = &self.cfg;
+        let be = &self.backend;
         let m = rows.len();
-        let (hd, hdv) = (cfg.head_dim, cfg.head_dim_v);
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        linear(&layer.wq, normed, m, scratch, &mut q)?;
-        linear(&layer.wk, normed, m, scratch, &mut k)?;
-        linear(&layer.wv, normed, m, scratch, &mut v)?;
+        let hd = cfg.head_dim;
+        let mut q = be.linear(&layer.wq, normed, m, scratch)?;
+        let mut k = be.linear(&layer.wk, normed, m, scratch)?;
+        let mut v = be.linear(&layer.wv, normed, m, scratch)?;
         for (t, b) in [(&mut q, &layer.bq), (&mut k, &layer.bk), (&mut v, &layer.bv)] {
             if let Some(b) = b {
-                ops::add_bias_rows(t, b);
+                be.add_bias(t, b)?;
             }
         }
-        let (q_dim, kv_dim, v_dim) = (cfg.q_dim(), cfg.kv_dim(), cfg.v_dim());
-        match cfg.qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                ops::rms_norm_pieces(&mut q, hd, layer.q_norm.as_deref(), cfg.rms_eps);
-                ops::rms_norm_pieces(&mut k, hd, layer.k_norm.as_deref(), cfg.rms_eps);
-            }
-            QkNorm::Full => {
-                ops::rms_norm_pieces(&mut q, q_dim, layer.q_norm.as_deref(), cfg.rms_eps);
-                ops::rms_norm_pieces(&mut k, kv_dim, layer.k_norm.as_deref(), cfg.rms_eps);
-            }
+        let piece = match cfg.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((hd, hd)),
+            QkNorm::Full => Some((cfg.q_dim(), cfg.kv_dim())),
+        };
+        if let Some((qp, kp)) = piece {
+            be.rms_norm(&mut q, qp, layer.q_norm.as_deref(), cfg.rms_eps)?;
+            be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
         }
         let rope = &self.ropes[il];
-        for (i, r) in rows.iter().enumerate() {
-            rope.apply(&mut q[i * q_dim..(i + 1) * q_dim], hd, r.pos as u32);
-            rope.apply(&mut k[i * kv_dim..(i + 1) * kv_dim], hd, r.pos as u32);
-            let cache = &mut seqs[r.seq].layers[il];
-            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
-        }
-
-        let group = cfg.n_head / cfg.n_head_kv;
-        let mut out = vec![0f32; m * cfg.n_head * hdv];
-        let seqs: &[&mut SeqState] = seqs;
-        out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-            let (i, h) = (idx / cfg.n_head, idx % cfg.n_head);
-            let r = rows[i];
-            let cache = &seqs[r.seq].layers[il];
-            let kvh = h / group;
-            let params =
-                AttentionParams { scale: cfg.attn_scale, softcap: None, sink: layer.sinks.as_ref().map(|s| s[h]) };
-            let visible = cache.visible(r.pos);
-            ops::attend(
-                &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
-                visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
-                visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                &params,
-                scores,
-                o,
-            );
-        });
-        Ok(out)
+        be.rope(il, rope, &mut q, hd, rows)?;
+        be.rope(il, rope, &mut k, hd, rows)?;
+        let shape = AttnShape {
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: hd,
+            head_dim_v: cfg.head_dim_v,
+            scale: cfg.attn_scale,
+            softcap: None,
+            sinks: layer.sinks.as_deref(),
+        };
+        be.attention(il, &shape, &q, &k, &v, rows, seqs)
     }
 
     /// Final norm and output head for the rows that want logits.
-    fn output(&self, rows: &[Row], x: &[f32], scratch: &mut Scratch) -> Result<Vec<Vec<f32>>, ModelError> {
-        let e = self.cfg.n_embd;
+    fn output(&self, rows: &[Row], x: &B::Act, scratch: &mut B::Scratch) -> Result<Vec<Vec<f32>>, ModelError> {
+        let be = &self.backend;
         let wanted: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, _)| i).collect();
         if wanted.is_empty() {
             return Ok(Vec::new());
         }
-        let mut normed = vec![0f32; wanted.len() * e];
-        for (j, &i) in wanted.iter().enumerate() {
-            ops::rms_norm(
-                &x[i * e..(i + 1) * e],
-                Some(&self.weights.output_norm),
-                self.cfg.rms_eps,
-                &mut normed[j * e..(j + 1) * e],
-            );
-        }
-        let mut logits = Vec::new();
-        linear(&self.weights.output, &normed, wanted.len(), scratch, &mut logits)?;
+        let selected;
+        let x = if wanted.len() == rows.len() {
+            x
+        } else {
+            selected = be.select_rows(x, self.cfg.n_embd, &wanted)?;
+            &selected
+        };
+        let normed = be.rms_norm_to(x, &self.weights.output_norm, self.cfg.rms_eps)?;
+        let mut logits = be.linear(&self.weights.output, &normed, wanted.len(), scratch)?;
         if let Some(b) = &self.weights.output_bias {
-            ops::add_bias_rows(&mut logits, b);
+            be.add_bias(&mut logits, b)?;
         }
         if let Some(c) = self.cfg.final_softcap {
-            logits.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+            be.softcap(&mut logits, c)?;
         }
-        Ok(logits.chunks_exact(self.cfg.n_vocab).map(<[f32]>::to_vec).collect())
+        Ok(be.to_host(&logits)?.chunks_exact(self.cfg.n_vocab).map(<[f32]>::to_vec).collect())
     }
-}
-
-pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let e = w.len();
-    out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
-}
-
-fn rms_norm_rows_inplace(x: &mut [f32], w: &[f32], eps: f32) {
-    ops::rms_norm_pieces(x, w.len(), Some(w), eps);
-}
-
-/// `down(act(gate · x) * (up · x))` for `m` rows.
-pub fn dense_ffn(
-    cfg: &ArchConfig,
-    gate: &Weight,
-    up: &Weight,
-    down: &Weight,
-    x: &[f32],
-    m: usize,
-    scratch: &mut Scratch,
-) -> Result<Vec<f32>, ModelError> {
-    let (mut g, mut u, mut out) = (Vec::new(), Vec::new(), Vec::new());
-    linear(gate, x, m, scratch, &mut g)?;
-    linear(up, x, m, scratch, &mut u)?;
-    ops::gated_activation(cfg.ffn_act, &mut g, &u);
-    linear(down, &g, m, scratch, &mut out)?;
-    Ok(out)
 }

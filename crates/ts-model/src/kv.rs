@@ -52,7 +52,7 @@ impl LayerCache {
 
 /// Positions a layer's cache holds: the context, or for a sliding layer its
 /// window plus one chunk (so a chunk's first query still finds its window).
-fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
+pub fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
     match layer.sliding_window {
         Some(w) => (w + max_chunk.max(1) - 1).min(n_ctx),
         None => n_ctx,
@@ -60,18 +60,14 @@ fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize)
     .max(1)
 }
 
-/// The state of one sequence: its caches and how many positions they hold.
-pub struct SeqState {
+/// The CPU's caches of one sequence: one per layer.
+pub struct CpuKv {
     pub layers: Vec<LayerCache>,
-    /// Positions `0..n_past` are in the cache.
-    pub n_past: usize,
-    /// The most positions this sequence may hold.
-    pub n_ctx: usize,
 }
 
-impl SeqState {
+impl CpuKv {
     /// Caches for `n_ctx` positions, taken `max_chunk` rows at a time.
-    pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> SeqState {
+    pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> CpuKv {
         let layers = cfg
             .layers
             .iter()
@@ -87,23 +83,46 @@ impl SeqState {
                 }
             })
             .collect();
-        SeqState { layers, n_past: 0, n_ctx }
+        CpuKv { layers }
     }
 
-    /// Bytes [`SeqState::new`] would allocate.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerCache::bytes).sum()
+    }
+}
+
+/// The state of one sequence: its caches (of the backend's kind `K`) and how
+/// many positions they hold.
+pub struct SeqState<K = CpuKv> {
+    pub kv: K,
+    /// Positions `0..n_past` are in the cache.
+    pub n_past: usize,
+    /// The most positions this sequence may hold.
+    pub n_ctx: usize,
+}
+
+impl SeqState {
+    /// CPU caches for `n_ctx` positions, taken `max_chunk` rows at a time.
+    pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> SeqState {
+        SeqState { kv: CpuKv::new(cfg, n_ctx, max_chunk), n_past: 0, n_ctx }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    /// Bytes of f32 keys and values for `n_ctx` positions (what [`SeqState::new`] allocates).
     pub fn bytes_for(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> usize {
         cfg.layers
             .iter()
             .map(|l| slots_for(l, n_ctx, max_chunk) * (cfg.kv_dim() + cfg.v_dim()) * size_of::<f32>())
             .sum()
     }
+}
 
+impl<K> SeqState<K> {
     /// Forgets every position (the memory stays allocated).
     pub fn clear(&mut self) {
         self.n_past = 0;
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.layers.iter().map(LayerCache::bytes).sum()
     }
 }

@@ -2,6 +2,7 @@
 //! validated at open, where routed experts live, and the forward pass written
 //! once for every family.
 
+pub mod backend;
 pub mod config;
 pub mod forward;
 pub mod kv;
@@ -9,9 +10,10 @@ pub mod moe;
 pub mod tensors;
 pub mod weights;
 
+pub use backend::{AttnShape, Backend, Cpu};
 pub use config::{Arch, ArchConfig};
 pub use forward::{Model, Row, Scratch};
-pub use kv::SeqState;
+pub use kv::{CpuKv, SeqState};
 pub use ts_experts::{
     EvictionPolicy, ExpertLayout, ExpertStore, LayerLayout, MappedExperts, ProjLayout, ResidentExperts, StatsSnapshot,
     StreamOptions, StreamingExperts,

@@ -48,7 +48,7 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % n_vocab) as u32).collect() };
-    let mut seq = engine.new_sequence(n_ctx);
+    let mut seq = engine.new_sequence(n_ctx)?;
 
     let warm = usize::from(!args.no_warmup);
 

@@ -255,7 +255,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     let (engine, n_ctx) = load(global, &args.model)?;
     let sampler = args.sampling.config();
     let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
-    let mut seq = engine.new_sequence(n_ctx);
+    let mut seq = engine.new_sequence(n_ctx)?;
     let mut out = std::io::stdout().lock();
     let mut closed = false;
     let (_, stats) = engine.generate(&mut seq, &tokens, args.n_predict, &sampler, false, |text| {
@@ -292,7 +292,7 @@ pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     if let Some(s) = &args.system {
         messages.push(ChatMessage { role: "system".into(), content: s.clone() });
     }
-    let mut seq = engine.new_sequence(n_ctx);
+    let mut seq = engine.new_sequence(n_ctx)?;
     let mut cached: Vec<u32> = Vec::new();
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
@@ -364,7 +364,7 @@ pub fn logits(global: &GlobalOptions, args: &LogitsArgs) -> Result<()> {
     if let Some(&bad) = args.tokens.iter().find(|&&t| t as usize >= n_vocab) {
         bail!("token id {bad} is out of range (vocabulary size {n_vocab})");
     }
-    let mut seq = engine.new_sequence(n_ctx.max(args.tokens.len()));
+    let mut seq = engine.new_sequence(n_ctx.max(args.tokens.len()))?;
     let rows = engine.prefill(&mut seq, &args.tokens, args.all)?;
     let json = serde_json::json!({ "tokens": args.tokens, "logits": rows });
     crate::write_stdout(format!("{json}\n").as_bytes())
