@@ -38,6 +38,11 @@ pub trait Backend: Sized + Send + Sync {
     /// Caches for `n_ctx` positions of `model`, filled `max_chunk` rows at a time.
     fn new_kv(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<Self::Kv, ModelError>;
 
+    /// Called once at the start of each forward step with its rows and sequences.
+    fn begin_step(&self, _rows: &[Row], _seqs: &mut [&mut SeqState<Self::Kv>]) -> Result<(), ModelError> {
+        Ok(())
+    }
+
     /// Rows `tokens` of the embedding table `table` `[n_vocab][n_embd]`.
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Self::Act, ModelError>;
     /// `x[m][k] · wᵀ` for `w` of ggml shape `[k, n_out]`; returns `[m][n_out]`.

@@ -179,6 +179,7 @@ impl<B: Backend> Model<B> {
             }
         }
 
+        be.begin_step(rows, seqs)?;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
         if let Some(s) = cfg.embed_scale {

@@ -52,8 +52,13 @@ impl LayerCache {
 
 /// Positions a layer's cache holds: the context, or for a sliding layer its
 /// window plus one chunk (so a chunk's first query still finds its window).
-pub fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
-    match layer.sliding_window {
+fn slots_for(layer: &crate::config::LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
+    ring_slots(layer.sliding_window, n_ctx, max_chunk)
+}
+
+/// Slots of a layer with sliding window `window` (None: full context).
+pub fn ring_slots(window: Option<usize>, n_ctx: usize, max_chunk: usize) -> usize {
+    match window {
         Some(w) => (w + max_chunk.max(1) - 1).min(n_ctx),
         None => n_ctx,
     }

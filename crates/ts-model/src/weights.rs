@@ -42,6 +42,11 @@ impl Weight {
         Weight { name: name.into(), ty: GgmlType::F32, dims, data: WeightData::Owned(bytes.into()) }
     }
 
+    /// A tensor of any type from bytes in memory (tests, converted tables).
+    pub fn from_bytes(name: &str, ty: GgmlType, dims: Vec<usize>, bytes: Vec<u8>) -> Weight {
+        Weight { name: name.into(), ty, dims, data: WeightData::Owned(bytes.into()) }
+    }
+
     /// Absolute file offset of the first byte, for a tensor read from the file.
     pub fn file_offset(&self) -> Option<u64> {
         match &self.data {

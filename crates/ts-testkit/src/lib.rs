@@ -7,9 +7,12 @@ pub use golden::{Comparison, Golden};
 
 use std::path::{Path, PathBuf};
 
-/// The repository root.
+/// The repository root: `$TURBOSPARK_ROOT` (test binaries run on another
+/// machine, e.g. the GPU machine), else where this crate was built.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    std::env::var_os("TURBOSPARK_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
 }
 
 /// Where `tools/fetch-models.sh` puts the real models: `$TURBOSPARK_MODELS`, else `models/`.

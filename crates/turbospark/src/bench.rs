@@ -7,7 +7,7 @@ use crate::generate::{ModelArgs, load};
 use anyhow::{Result, bail};
 use serde_json::json;
 use std::time::Instant;
-use ts_engine::session::peak_rss_bytes;
+use ts_engine::session::{Engine, peak_rss_bytes};
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -44,6 +44,16 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     }
     let threads = global.threads()?;
     let (engine, _) = load(global, &args.model)?;
+    let path = global.model(None)?;
+    crate::on_device!(global, engine, |engine| run_on(&engine, threads, args, &path))
+}
+
+fn run_on<B: ts_model::Backend>(
+    engine: &Engine<B>,
+    threads: usize,
+    args: &BenchArgs,
+    path: &std::path::Path,
+) -> Result<()> {
     let n_ctx = args.n_prompt.max(args.n_gen).max(1);
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
@@ -99,8 +109,7 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     }
 
     let cfg = &engine.model.cfg;
-    let path = global.model(None)?;
-    let file_size = ts_gguf::GgufFile::open(&path)?.header.tensor_bytes_total();
+    let file_size = ts_gguf::GgufFile::open(path)?.header.tensor_bytes_total();
     let rss = peak_rss_bytes().unwrap_or(0);
     let model_name = path.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
     if args.json {

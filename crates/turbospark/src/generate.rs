@@ -9,7 +9,7 @@ use ts_engine::chat::{ChatMessage, ChatTemplate};
 use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes, parse_size};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
-use ts_model::{EvictionPolicy, ExpertPlacement, StreamOptions};
+use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// Options of every command that loads a model.
 #[derive(clap::Args, Clone, Debug)]
@@ -216,7 +216,19 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)>
     if args.batch == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let experts = placement(args, &model, args.ctx)?;
+    let experts = match global.device()? {
+        crate::Device::Cpu => placement(args, &model, args.ctx)?,
+        crate::Device::Cuda(_) => {
+            // Every weight goes to the GPU; the host keeps only the mapped file to upload from.
+            if args.experts != "auto" && args.experts != "mapped" {
+                bail!("--experts {} is not available with --device cuda (all experts live in VRAM)", args.experts);
+            }
+            if args.expert_cache.is_some() {
+                bail!("--expert-cache is not available with --device cuda yet (all experts live in VRAM)");
+            }
+            ExpertPlacement::Mapped
+        }
+    };
     let opts = LoadOptions { threads: global.threads()?, experts };
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
@@ -253,6 +265,10 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
         (None, None) => bail!("no prompt given: pass -p TEXT or -f FILE"),
     };
     let (engine, n_ctx) = load(global, &args.model)?;
+    crate::on_device!(global, engine, |engine| run_on(&engine, n_ctx, args, prompt))
+}
+
+fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: String) -> Result<()> {
     let sampler = args.sampling.config();
     let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx)?;
@@ -278,6 +294,10 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
 
 pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     let (engine, n_ctx) = load(global, &args.model)?;
+    crate::on_device!(global, engine, |engine| chat_on(&engine, n_ctx, args))
+}
+
+fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Result<()> {
     let chatml;
     let template = match &engine.template {
         Some(t) => t,
@@ -360,6 +380,10 @@ pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
 
 pub fn logits(global: &GlobalOptions, args: &LogitsArgs) -> Result<()> {
     let (engine, n_ctx) = load(global, &args.model)?;
+    crate::on_device!(global, engine, |engine| logits_on(&engine, n_ctx, args))
+}
+
+fn logits_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &LogitsArgs) -> Result<()> {
     let n_vocab = engine.model.cfg.n_vocab;
     if let Some(&bad) = args.tokens.iter().find(|&&t| t as usize >= n_vocab) {
         bail!("token id {bad} is out of range (vocabulary size {n_vocab})");
@@ -372,6 +396,10 @@ pub fn logits(global: &GlobalOptions, args: &LogitsArgs) -> Result<()> {
 
 pub fn perplexity(global: &GlobalOptions, args: &PerplexityArgs) -> Result<()> {
     let (engine, n_ctx) = load(global, &args.model)?;
+    crate::on_device!(global, engine, |engine| perplexity_on(&engine, n_ctx, args))
+}
+
+fn perplexity_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let ppl = engine.perplexity(&text, n_ctx, |chunk, ppl| eprint!("[{chunk}]{ppl:.4},"))?;
     eprintln!();

@@ -64,9 +64,33 @@ enum Command {
     Synth(synth::SynthArgs),
 }
 
+/// Runs `$body` with `$engine` (an `Engine` loaded for the CPU) moved to the
+/// device `--device` names: the body is compiled once per backend.
+#[macro_export]
+macro_rules! on_device {
+    ($global:expr, $loaded:expr, |$engine:ident| $body:expr) => {{
+        match $global.device()? {
+            $crate::Device::Cpu => {
+                let $engine = $loaded;
+                $body
+            }
+            $crate::Device::Cuda(ordinal) => {
+                let $engine = $loaded
+                    .into_backend(|m| {
+                        let cuda = ts_cuda::Cuda::new(ordinal, m)?;
+                        eprintln!("cuda:{ordinal}: {}", cuda.describe());
+                        Ok(cuda)
+                    })
+                    .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?;
+                $body
+            }
+        }
+    }};
+}
+
 /// Where computation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Device {
+pub enum Device {
     Cpu,
     Cuda(usize),
 }
@@ -87,9 +111,6 @@ impl GlobalOptions {
                 _ => bail!("--device {d}: expected `cpu`, `cuda` or `cuda:N`"),
             },
         };
-        if let Device::Cuda(_) = device {
-            bail!("--device {d}: this build has no CUDA backend yet");
-        }
         Ok(device)
     }
 

@@ -1,0 +1,236 @@
+//! One CUDA device: context, stream, the kernels compiled once per process by
+//! NVRTC for the device's architecture, launches and copies.
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, sys};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Kernel sources, compiled together: `quant.cuh` is included by `matmul.cu`.
+const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
+const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
+const OPS_CU: &str = include_str!("../kernels/ops.cu");
+
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA: {0}")]
+    Driver(String),
+    #[error("CUDA kernel compilation failed: {0}")]
+    Compile(String),
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(e.to_string())
+    }
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// Runs `f`, turning a panic of cudarc's dynamic loader (library missing) into
+/// an error naming what is missing; the panic message is kept quiet.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    result.map_err(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        let lib = msg.split('"').nth(1).unwrap_or("a CUDA library");
+        CudaError::Unavailable(format!("{what}: the {lib} library was not found (is an NVIDIA driver installed?)"))
+    })
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    funcs: Arc<HashMap<String, CudaFunction>>,
+    pub name: String,
+    pub arch: (i32, i32),
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles the kernels for it.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        let count = guard("loading the CUDA driver", || {
+            cudarc::driver::result::init().and_then(|()| cudarc::driver::result::device::get_count())
+        })?
+        .map_err(|e| CudaError::Unavailable(format!("no usable CUDA device or driver: {e}")))?;
+        if ordinal as i32 >= count {
+            return Err(CudaError::Unavailable(format!(
+                "device cuda:{ordinal} does not exist ({count} CUDA device{} found)",
+                if count == 1 { "" } else { "s" }
+            )));
+        }
+        let (ctx, funcs) = loaded(ordinal)?;
+        let stream = ctx.default_stream();
+        let arch = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        Ok(Gpu { ctx, stream, funcs, name, arch })
+    }
+
+    pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+        self.funcs.get(name).ok_or_else(|| CudaError::Driver(format!("no kernel named {name}")))
+    }
+
+    /// Launches kernel `name` on the stream.
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        // Each parameter is read from the start of its 8-byte cell (little-endian).
+        let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                grid,
+                block,
+                smem,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
+    }
+
+    /// A 1-D grid-stride launch over `n` elements.
+    pub fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), CudaError> {
+        let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+        self.launch(name, (blocks, 1, 1), (256, 1, 1), 0, args)
+    }
+
+    pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        Ok(unsafe { self.stream.alloc::<T>(n.max(1)) }?)
+    }
+
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if data.is_empty() {
+            return self.alloc(1);
+        }
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, src: &CudaSlice<T>, n: usize) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::default(); n];
+        self.stream.memcpy_dtoh(&src.slice(..n), &mut out)?;
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    pub fn sync(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    pub fn ptr_mut<T>(&self, s: &mut CudaSlice<T>) -> u64 {
+        s.device_ptr_mut(&self.stream).0
+    }
+
+    /// Free and total device memory, bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+}
+
+/// The device's primary context with every kernel loaded: compiled once per
+/// process and device, shared by every `Gpu` opened on it.
+fn loaded(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>), CudaError> {
+    type Loaded = (Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>);
+    static LOADED: std::sync::Mutex<Vec<(usize, Loaded)>> = std::sync::Mutex::new(Vec::new());
+    let mut all = LOADED.lock().expect("kernel cache lock");
+    if let Some((_, l)) = all.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(l.clone());
+    }
+    let ctx = CudaContext::new(ordinal)?;
+    // One stream, ordered: no per-buffer events needed.
+    unsafe { ctx.disable_event_tracking() };
+    let ptx = compile(ctx.compute_capability()?)?;
+    let names = ptx_entries(&ptx.to_src());
+    let module = ctx.load_module(ptx)?;
+    let mut funcs = HashMap::new();
+    for entry in names {
+        funcs.insert(entry.clone(), module.load_function(&entry)?);
+    }
+    let l = (ctx, Arc::new(funcs));
+    all.push((ordinal, l.clone()));
+    Ok(l)
+}
+
+/// The whole kernel source: quant.cuh inlined where matmul.cu includes it.
+pub fn kernel_source() -> String {
+    let matmul = MATMUL_CU.replace("#include \"quant.cuh\"", QUANT_CUH);
+    format!("{matmul}\n{OPS_CU}\n")
+}
+
+/// NVRTC for the device's architecture (`sm_XY`).
+fn compile(arch: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    let arch_name: &'static str = Box::leak(format!("sm_{}{}", arch.0, arch.1).into_boxed_str());
+    compile_for(arch_name)
+}
+
+/// Compiles every kernel for `arch` (e.g. `sm_90`).
+pub fn compile_for(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    let src = kernel_source();
+    let opts =
+        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
+    guard("loading NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
+        .map_err(|e| CudaError::Compile(e.to_string()))
+}
+
+/// Names of the kernels (`.entry NAME(`) in PTX text.
+pub fn ptx_entries(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|l| {
+            let rest = &l[l.find(".entry ")? + ".entry ".len()..];
+            let name = rest.split(['(', ' ']).next()?.trim();
+            (!name.is_empty()).then(|| name.to_string())
+        })
+        .collect()
+}
+
+/// Kernel names generated by macros in matmul.cu, for each type suffix.
+pub fn quant_kernel_names(suffix: &str) -> [String; 4] {
+    [
+        format!("matvec_{suffix}"),
+        format!("moe_matvec_{suffix}"),
+        format!("dequant_f16_{suffix}"),
+        format!("get_rows_{suffix}"),
+    ]
+}
+
+pub use sys::CUdeviceptr;

@@ -1,0 +1,880 @@
+//! The CUDA backend: every op of [`ts_model::Backend`] on an NVIDIA GPU.
+//!
+//! cudarc loads the driver, NVRTC and cuBLAS at run time, so this crate builds
+//! and the CPU path runs on machines without CUDA; asking for the GPU there is
+//! a clear error. Kernels (`kernels/*.cu`) are compiled once per process by
+//! NVRTC for the device's architecture. Weights are uploaded at open in their
+//! GGUF block layouts and read directly by the matvec kernels; prefill of 32
+//! rows or more dequantizes a weight to f16 and multiplies on the tensor cores
+//! with cuBLAS.
+
+pub mod device;
+
+use cudarc::cublas::{CudaBlas, sys as blas};
+use cudarc::driver::CudaSlice;
+use device::{Arg, CudaError, Gpu};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use ts_cpu::ops::{GatedActivation, Rope, RopeLayout};
+use ts_gguf::GgmlType;
+use ts_model::backend::AttnShape;
+use ts_model::config::{Gating, MoeConfig};
+use ts_model::kv::ring_slots;
+use ts_model::tensors::{Ffn, MoeWeights};
+use ts_model::weights::Weight;
+use ts_model::{Backend, Model, ModelError, Row, SeqState};
+
+pub use device::CudaError as Error;
+
+/// The kernel-name suffix of a weight type the GPU reads directly.
+pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::MXFP4 => "mxfp4",
+        _ => return None,
+    })
+}
+
+fn err(e: CudaError) -> ModelError {
+    ModelError::Compute(format!("cuda: {e}"))
+}
+
+/// Rows below this go through the matvec kernels, 8 at a time; from it on, cuBLAS.
+const GEMM_MIN_ROWS: usize = 32;
+/// Activation rows one matvec launch serves.
+const MATVEC_ROWS: usize = 8;
+/// MoE steps of at most this many rows route and run experts on the device
+/// without a round trip; larger ones group rows by expert on the host.
+const DEVICE_MOE_ROWS: usize = 8;
+
+/// `[m][width]` f32 on the device.
+pub struct Act {
+    buf: CudaSlice<f32>,
+    len: usize,
+}
+
+/// One sequence's caches on the device: per layer, keys `[slots][kv_dim]`,
+/// values `[slots][v_dim]` and the ring size.
+pub struct GpuKv {
+    layers: Vec<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
+}
+
+/// Per forward step: each row's position, and per layer each row's cache
+/// (`RowKv` of ops.cu: k pointer, v pointer, slots | pos << 32).
+struct Step {
+    m: usize,
+    pos: CudaSlice<i32>,
+    kv: CudaSlice<u64>,
+}
+
+/// Buffers reused across steps.
+#[derive(Default)]
+pub struct GpuScratch {
+    /// Multiply in f32 throughout (no f16 tensor-core prefill).
+    exact: bool,
+}
+
+pub struct Cuda {
+    gpu: Gpu,
+    /// Device copies of the model's weights, by the address of their host bytes.
+    weights: HashMap<usize, CudaSlice<u8>>,
+    /// Device copies of norm weights, biases and other f32 vectors, by host address.
+    vectors: HashMap<usize, CudaSlice<f32>>,
+    /// Per layer: rotary frequencies and sliding window (0 = none).
+    ropes: Vec<CudaSlice<f32>>,
+    windows: Vec<i32>,
+    step: Mutex<Option<Step>>,
+    blas: Option<CudaBlas>,
+    /// f16 staging for cuBLAS: a dequantized weight and the activations.
+    half: Mutex<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// Bytes of weights on the device.
+    pub weight_bytes: usize,
+}
+
+impl Cuda {
+    /// Opens device `ordinal` and uploads every weight of `model`.
+    pub fn new(ordinal: usize, model: &Model) -> Result<Cuda, ModelError> {
+        let mut me = Cuda::open(ordinal)?;
+        me.upload_model(model)?;
+        Ok(me)
+    }
+
+    /// Opens device `ordinal` with no weights on it yet.
+    pub fn open(ordinal: usize) -> Result<Cuda, ModelError> {
+        let gpu = Gpu::open(ordinal).map_err(err)?;
+        let blas = device::guard("loading cuBLAS", || CudaBlas::new(gpu.stream.clone())).ok().and_then(|r| r.ok());
+        Ok(Cuda {
+            half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
+            gpu,
+            weights: HashMap::new(),
+            vectors: HashMap::new(),
+            ropes: Vec::new(),
+            windows: Vec::new(),
+            step: Mutex::new(None),
+            blas,
+            weight_bytes: 0,
+        })
+    }
+
+    /// The device, in words: name, compute capability, memory.
+    pub fn describe(&self) -> String {
+        let (free, total) = self.gpu.mem_info().unwrap_or((0, 0));
+        format!(
+            "{} (sm_{}{}), {:.1} GiB weights on the device, {:.1} of {:.1} GiB free{}",
+            self.gpu.name,
+            self.gpu.arch.0,
+            self.gpu.arch.1,
+            self.weight_bytes as f64 / (1u64 << 30) as f64,
+            free as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64,
+            if self.blas.is_some() { "" } else { "; cuBLAS not found, prefill uses the matvec kernels" }
+        )
+    }
+
+    fn upload_model(&mut self, model: &Model) -> Result<(), ModelError> {
+        let w = &model.weights;
+        self.upload_weight(&w.token_embd)?;
+        self.upload_weight(&w.output)?;
+        self.upload_vec(&w.output_norm)?;
+        self.upload_opt(&w.output_bias)?;
+        for (il, l) in w.layers.iter().enumerate() {
+            for t in [&l.wq, &l.wk, &l.wv, &l.wo] {
+                self.upload_weight(t)?;
+            }
+            self.upload_vec(&l.attn_norm)?;
+            self.upload_vec(&l.ffn_norm)?;
+            for v in [&l.bq, &l.bk, &l.bv, &l.bo, &l.q_norm, &l.k_norm, &l.attn_post_norm, &l.sinks, &l.ffn_post_norm] {
+                self.upload_opt(v)?;
+            }
+            match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    for t in [gate, up, down] {
+                        self.upload_weight(t)?;
+                    }
+                }
+                Ffn::Moe(m) => {
+                    for t in [&m.router, &m.gate_exps, &m.up_exps, &m.down_exps] {
+                        self.upload_weight(t)?;
+                    }
+                    for v in [&m.router_bias, &m.gate_bias, &m.up_bias, &m.down_bias] {
+                        self.upload_opt(v)?;
+                    }
+                    if let Some(s) = &m.shared {
+                        for t in [&s.gate, &s.up, &s.down] {
+                            self.upload_weight(t)?;
+                        }
+                        self.upload_opt(&s.gate_inp)?;
+                    }
+                }
+            }
+            let rope = &model.ropes[il];
+            let table = self.gpu.upload(&rope.inv_freq).map_err(err)?;
+            self.ropes.push(table);
+            self.windows.push(model.cfg.layers[il].sliding_window.unwrap_or(0) as i32);
+        }
+        let (hd, hdv) = (model.cfg.head_dim, model.cfg.head_dim_v);
+        if hd > 256 || hdv > 256 {
+            return Err(ModelError::Compute(format!("cuda: head size {hd}/{hdv} is over the attention kernel's 256")));
+        }
+        if let Some(moe) = &model.cfg.moe
+            && (moe.n_expert > 1024 || moe.n_expert_used > 64)
+        {
+            return Err(ModelError::Compute(format!(
+                "cuda: {} experts, {} per token is over the router kernel's 1024 / 64",
+                moe.n_expert, moe.n_expert_used
+            )));
+        }
+        self.gpu.sync().map_err(err)?;
+        Ok(())
+    }
+
+    /// Puts `w` on the device (once; found again by the address of its host bytes).
+    pub fn upload_weight(&mut self, w: &Weight) -> Result<(), ModelError> {
+        if type_suffix(w.ty).is_none() {
+            return Err(ModelError::BadTensor {
+                name: w.name.clone(),
+                problem: format!("type {} is not supported by the CUDA backend", w.ty),
+            });
+        }
+        let key = w.bytes().as_ptr() as usize;
+        if !self.weights.contains_key(&key) {
+            let buf = self.gpu.upload(w.bytes()).map_err(|e| {
+                ModelError::Compute(format!("cuda: uploading {} ({} bytes): {e}", w.name, w.bytes().len()))
+            })?;
+            self.weight_bytes += w.bytes().len();
+            self.weights.insert(key, buf);
+        }
+        Ok(())
+    }
+
+    /// Puts an f32 vector of the model on the device (found again by its host address).
+    pub fn upload_vec(&mut self, v: &[f32]) -> Result<(), ModelError> {
+        let key = v.as_ptr() as usize;
+        if !self.vectors.contains_key(&key) {
+            let buf = self.gpu.upload(v).map_err(err)?;
+            self.vectors.insert(key, buf);
+        }
+        Ok(())
+    }
+
+    fn upload_opt(&mut self, v: &Option<Vec<f32>>) -> Result<(), ModelError> {
+        match v {
+            Some(v) => self.upload_vec(v),
+            None => Ok(()),
+        }
+    }
+
+    /// Device address of weight `w`'s bytes.
+    fn wptr(&self, w: &Weight) -> Result<u64, ModelError> {
+        let buf = self
+            .weights
+            .get(&(w.bytes().as_ptr() as usize))
+            .ok_or_else(|| ModelError::Compute(format!("cuda: weight {} is not on the device", w.name)))?;
+        Ok(self.gpu.ptr(buf))
+    }
+
+    /// Device address of an f32 vector of the model.
+    fn vptr(&self, v: &[f32]) -> Result<u64, ModelError> {
+        let buf = self
+            .vectors
+            .get(&(v.as_ptr() as usize))
+            .ok_or_else(|| ModelError::Compute("cuda: a vector of the model is not on the device".into()))?;
+        Ok(self.gpu.ptr(buf))
+    }
+
+    fn act(&self, len: usize) -> Result<Act, ModelError> {
+        Ok(Act { buf: self.gpu.alloc(len).map_err(err)?, len })
+    }
+
+    fn zeros(&self, len: usize) -> Result<Act, ModelError> {
+        Ok(Act { buf: self.gpu.zeros(len).map_err(err)?, len })
+    }
+
+    fn p(&self, a: &Act) -> u64 {
+        self.gpu.ptr(&a.buf)
+    }
+
+    fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<(), ModelError> {
+        self.gpu.launch(name, grid, block, 0, args).map_err(err)
+    }
+
+    fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
+        self.gpu.launch_1d(name, n, args).map_err(err)
+    }
+
+    /// `y[m][n_out] = x[m][k] · Wᵀ` for `n_out` rows of type `ty` at device address `w`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(
+        &self,
+        ty: GgmlType,
+        w: u64,
+        n_out: usize,
+        k: usize,
+        x: u64,
+        m: usize,
+        y: u64,
+        exact: bool,
+    ) -> Result<(), ModelError> {
+        let sfx = type_suffix(ty).ok_or_else(|| ModelError::Compute(format!("cuda: type {ty} unsupported")))?;
+        if m >= GEMM_MIN_ROWS
+            && !exact
+            && let Some(blas) = &self.blas
+        {
+            return self.gemm_f16(blas, sfx, w, n_out, k, x, m, y);
+        }
+        let grid = (n_out.div_ceil(4) as u32, 1, 1);
+        for r0 in (0..m).step_by(MATVEC_ROWS) {
+            let mc = (m - r0).min(MATVEC_ROWS);
+            self.launch(
+                &format!("matvec_{sfx}"),
+                grid,
+                (32, 4, 1),
+                &[
+                    Arg::Ptr(w),
+                    Arg::Ptr(x + (r0 * k * 4) as u64),
+                    Arg::Ptr(y + (r0 * n_out * 4) as u64),
+                    Arg::I32(n_out as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(mc as i32),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The weight dequantized to f16, the activations rounded to f16, one cuBLAS
+    /// GemmEx with f32 accumulation. Row-major `y = x · Wᵀ` is column-major
+    /// `yᵀ = W · xᵀ`: W is `k × n_out` column-major, transposed.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_f16(
+        &self,
+        blas: &CudaBlas,
+        sfx: &str,
+        w: u64,
+        n_out: usize,
+        k: usize,
+        x: u64,
+        m: usize,
+        y: u64,
+    ) -> Result<(), ModelError> {
+        let mut half = self.half.lock().expect("f16 staging lock");
+        if half.0.len() < n_out * k {
+            half.0 = self.gpu.alloc(n_out * k).map_err(err)?;
+        }
+        if half.1.len() < m * k {
+            half.1 = self.gpu.alloc(m * k).map_err(err)?;
+        }
+        let (wh, xh) = (self.gpu.ptr(&half.0), self.gpu.ptr(&half.1));
+        self.launch_1d(
+            &format!("dequant_f16_{sfx}"),
+            n_out * k / 32,
+            &[Arg::Ptr(w), Arg::Ptr(wh), Arg::I32(n_out as i32), Arg::I32(k as i32)],
+        )?;
+        self.launch_1d("f32_to_f16", m * k, &[Arg::Ptr(x), Arg::Ptr(xh), Arg::I64((m * k) as i64)])?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                n_out as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                wh as *const _,
+                blas::cudaDataType_t::CUDA_R_16F,
+                k as i32,
+                xh as *const _,
+                blas::cudaDataType_t::CUDA_R_16F,
+                k as i32,
+                &beta as *const f32 as *const _,
+                y as *mut _,
+                blas::cudaDataType_t::CUDA_R_32F,
+                n_out as i32,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| ModelError::Compute(format!("cuda: cuBLAS GemmEx: {e:?}")))
+    }
+
+    /// Routed experts of one MoE layer for a few rows, all on the device: the
+    /// k selected experts of each row run as k slots of expert-indexed matvecs.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_on_device(
+        &self,
+        w: &MoeWeights,
+        x: &Act,
+        m: usize,
+        k: usize,
+        ids: &CudaSlice<i32>,
+        wts: &Act,
+        act: GatedActivation,
+    ) -> Result<Act, ModelError> {
+        let e = w.gate_exps.row_len();
+        let f = w.gate_exps.n_rows();
+        let slots = m * k;
+        let ids_p = self.gpu.ptr(ids);
+        let mm = |t: &Weight, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+            let out = self.act(slots * n_out)?;
+            let sfx = type_suffix(t.ty).expect("checked at upload");
+            self.launch(
+                &format!("moe_matvec_{sfx}"),
+                (n_out.div_ceil(4) as u32, slots as u32, 1),
+                (32, 4, 1),
+                &[
+                    Arg::Ptr(self.wptr(t)?),
+                    Arg::I64((t.row_bytes() * t.n_rows()) as i64),
+                    Arg::Ptr(ids_p),
+                    Arg::Ptr(self.p(xin)),
+                    Arg::I32(x_group as i32),
+                    Arg::Ptr(self.p(&out)),
+                    Arg::I32(n_out as i32),
+                    Arg::I32(kk as i32),
+                ],
+            )?;
+            Ok(out)
+        };
+        let mut g = mm(&w.gate_exps, x, k, f, e)?;
+        let u = mm(&w.up_exps, x, k, f, e)?;
+        for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+            if let Some(b) = b {
+                self.launch_1d(
+                    "add_bias_indexed",
+                    slots * f,
+                    &[
+                        Arg::Ptr(self.p(t)),
+                        Arg::Ptr(self.vptr(b)?),
+                        Arg::Ptr(ids_p),
+                        Arg::I32(f as i32),
+                        Arg::I64((slots * f) as i64),
+                    ],
+                )?;
+            }
+        }
+        self.gated(act, &mut g, &u)?;
+        let d = mm(&w.down_exps, &g, 1, e, f)?;
+        if let Some(b) = &w.down_bias {
+            self.launch_1d(
+                "add_bias_indexed",
+                slots * e,
+                &[
+                    Arg::Ptr(self.p(&d)),
+                    Arg::Ptr(self.vptr(b)?),
+                    Arg::Ptr(ids_p),
+                    Arg::I32(e as i32),
+                    Arg::I64((slots * e) as i64),
+                ],
+            )?;
+        }
+        let out = self.act(m * e)?;
+        self.launch(
+            "moe_combine",
+            (m as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(&d)),
+                Arg::Ptr(self.p(wts)),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(k as i32),
+                Arg::I32(e as i32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// Routed experts for many rows: routes come back to the host, rows are
+    /// grouped by expert, and each used expert runs once on its rows.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_grouped(
+        &self,
+        w: &MoeWeights,
+        x: &Act,
+        m: usize,
+        k: usize,
+        ids: &CudaSlice<i32>,
+        wts: &Act,
+        act: GatedActivation,
+        exact: bool,
+    ) -> Result<Act, ModelError> {
+        let e = w.gate_exps.row_len();
+        let f = w.gate_exps.n_rows();
+        let n_expert = w.gate_exps.dims[2];
+        let ids_h = self.gpu.download(ids, m * k).map_err(err)?;
+        let wts_h = self.gpu.download(&wts.buf, m * k).map_err(err)?;
+        let mut rows_of: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_expert];
+        for (s, (&ex, &wt)) in ids_h.iter().zip(&wts_h).enumerate() {
+            let ex = usize::try_from(ex)
+                .ok()
+                .filter(|&ex| ex < n_expert)
+                .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {ex} of {n_expert}")))?;
+            rows_of[ex].0.push((s / k) as i32);
+            rows_of[ex].1.push(wt);
+        }
+        let out = self.zeros(m * e)?;
+        for (ex, (rows, rw)) in rows_of.iter().enumerate().filter(|(_, r)| !r.0.is_empty()) {
+            let me = rows.len();
+            let rows_d = self.gpu.upload(rows).map_err(err)?;
+            let rw_d = self.gpu.upload(rw).map_err(err)?;
+            let xs = self.act(me * e)?;
+            self.launch(
+                "gather_rows",
+                (me as u32, 1, 1),
+                (256, 1, 1),
+                &[Arg::Ptr(self.p(x)), Arg::Ptr(self.gpu.ptr(&rows_d)), Arg::Ptr(self.p(&xs)), Arg::I32(e as i32)],
+            )?;
+            let expert = |t: &Weight, xin: &Act, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+                let y = self.act(me * n_out)?;
+                let base = self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64;
+                self.matmul(t.ty, base, n_out, kk, self.p(xin), me, self.p(&y), exact)?;
+                Ok(y)
+            };
+            let mut g = expert(&w.gate_exps, &xs, f, e)?;
+            let u = expert(&w.up_exps, &xs, f, e)?;
+            for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+                if let Some(b) = b {
+                    self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
+                }
+            }
+            self.gated(act, &mut g, &u)?;
+            let d = expert(&w.down_exps, &g, e, f)?;
+            if let Some(b) = &w.down_bias {
+                self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
+            }
+            self.launch(
+                "scatter_add_weighted",
+                (me as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(self.p(&out)),
+                    Arg::Ptr(self.gpu.ptr(&rows_d)),
+                    Arg::Ptr(self.gpu.ptr(&rw_d)),
+                    Arg::Ptr(self.p(&d)),
+                    Arg::I32(e as i32),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    fn bias_at(&self, x: &Act, bias: u64, width: usize) -> Result<(), ModelError> {
+        self.launch_1d(
+            "add_bias",
+            x.len,
+            &[Arg::Ptr(self.p(x)), Arg::Ptr(bias), Arg::I32(width as i32), Arg::I64(x.len as i64)],
+        )
+    }
+
+    /// Caches for `n_ctx` positions of layers with these sliding windows, filled
+    /// `max_chunk` rows at a time (a sliding layer keeps a ring, as on the CPU).
+    pub fn kv_for(
+        &self,
+        windows: &[Option<usize>],
+        kv_dim: usize,
+        v_dim: usize,
+        n_ctx: usize,
+        max_chunk: usize,
+    ) -> Result<GpuKv, ModelError> {
+        let layers = windows
+            .iter()
+            .map(|&w| {
+                let slots = ring_slots(w, n_ctx, max_chunk);
+                let alloc = |n| {
+                    self.gpu.zeros::<f32>(n).map_err(|e| {
+                        ModelError::Compute(format!("cuda: KV cache for {n_ctx} positions does not fit: {e}"))
+                    })
+                };
+                Ok((alloc(slots * kv_dim)?, alloc(slots * v_dim)?, slots))
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(GpuKv { layers })
+    }
+
+    /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
+    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(CudaSlice<i32>, Act), ModelError> {
+        let k = moe.n_expert_used;
+        let ids = self.gpu.alloc::<i32>(m * k).map_err(err)?;
+        let wts = self.act(m * k)?;
+        self.launch(
+            "route",
+            (m as u32, 1, 1),
+            (32, 1, 1),
+            &[
+                Arg::Ptr(self.p(logits)),
+                Arg::I32(moe.n_expert as i32),
+                Arg::I32(k as i32),
+                Arg::I32(match moe.gating {
+                    Gating::Softmax => 0,
+                    Gating::SoftmaxOverTopK => 1,
+                }),
+                Arg::I32(moe.renormalize as i32),
+                Arg::Ptr(self.gpu.ptr(&ids)),
+                Arg::Ptr(self.p(&wts)),
+            ],
+        )?;
+        Ok((ids, wts))
+    }
+
+    /// [`Cuda::route`] brought back to the host (tests): ids and weights `[m][k]`.
+    pub fn route_rows(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Vec<i32>, Vec<f32>), ModelError> {
+        let (ids, wts) = self.route(logits, m, moe)?;
+        let k = moe.n_expert_used;
+        Ok((self.gpu.download(&ids, m * k).map_err(err)?, self.gpu.download(&wts.buf, m * k).map_err(err)?))
+    }
+
+    /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
+    pub fn push_rope(&mut self, inv_freq: &[f32], window: Option<usize>) -> Result<(), ModelError> {
+        self.ropes.push(self.gpu.upload(inv_freq).map_err(err)?);
+        self.windows.push(window.unwrap_or(0) as i32);
+        Ok(())
+    }
+
+    /// Uploads host f32 values as an activation (tests).
+    pub fn act_from_host(&self, v: &[f32]) -> Result<Act, ModelError> {
+        Ok(Act { buf: self.gpu.upload(v).map_err(err)?, len: v.len() })
+    }
+}
+
+impl Backend for Cuda {
+    type Act = Act;
+    type Kv = GpuKv;
+    type Scratch = GpuScratch;
+
+    fn scratch(&self, exact_activations: bool) -> GpuScratch {
+        GpuScratch { exact: exact_activations }
+    }
+
+    fn new_kv(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<GpuKv, ModelError> {
+        let cfg = &model.cfg;
+        let windows: Vec<Option<usize>> = cfg.layers.iter().map(|l| l.sliding_window).collect();
+        self.kv_for(&windows, cfg.kv_dim(), cfg.v_dim(), n_ctx, max_chunk)
+    }
+
+    fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuKv>]) -> Result<(), ModelError> {
+        let n_layer = seqs.first().map_or(0, |s| s.kv.layers.len());
+        let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
+        let mut kv = Vec::with_capacity(n_layer * rows.len() * 3);
+        for il in 0..n_layer {
+            for r in rows {
+                let (k, v, slots) = &seqs[r.seq].kv.layers[il];
+                kv.extend([self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]);
+            }
+        }
+        let step =
+            Step { m: rows.len(), pos: self.gpu.upload(&pos).map_err(err)?, kv: self.gpu.upload(&kv).map_err(err)? };
+        *self.step.lock().expect("step lock") = Some(step);
+        Ok(())
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Act, ModelError> {
+        let e = table.row_len();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids = self.gpu.upload(&ids).map_err(err)?;
+        let out = self.act(tokens.len() * e)?;
+        let sfx = type_suffix(table.ty).expect("checked at upload");
+        self.launch_1d(
+            &format!("get_rows_{sfx}"),
+            tokens.len() * e / 32,
+            &[
+                Arg::Ptr(self.wptr(table)?),
+                Arg::Ptr(self.gpu.ptr(&ids)),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(tokens.len() as i32),
+                Arg::I32(e as i32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn linear(&self, w: &Weight, x: &Act, m: usize, s: &mut GpuScratch) -> Result<Act, ModelError> {
+        let n_out = w.n_rows();
+        let y = self.act(m * n_out)?;
+        self.matmul(w.ty, self.wptr(w)?, n_out, w.row_len(), self.p(x), m, self.p(&y), s.exact)?;
+        Ok(y)
+    }
+
+    fn add_bias(&self, x: &mut Act, bias: &[f32]) -> Result<(), ModelError> {
+        self.bias_at(x, self.vptr(bias)?, bias.len())
+    }
+
+    fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
+        let wp = match w {
+            Some(w) => self.vptr(w)?,
+            None => 0,
+        };
+        let xp = self.p(x);
+        self.launch(
+            "rms_norm",
+            ((x.len / piece) as u32, 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(xp), Arg::Ptr(wp), Arg::Ptr(xp), Arg::I32(piece as i32), Arg::F32(eps)],
+        )
+    }
+
+    fn rms_norm_to(&self, x: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
+        let out = self.act(x.len)?;
+        self.launch(
+            "rms_norm",
+            ((x.len / w.len()) as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.vptr(w)?),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(w.len() as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) -> Result<(), ModelError> {
+        self.launch_1d("add", x.len, &[Arg::Ptr(self.p(x)), Arg::Ptr(self.p(y)), Arg::I64(x.len as i64)])
+    }
+
+    fn scale(&self, x: &mut Act, s: f32) -> Result<(), ModelError> {
+        self.launch_1d("scale", x.len, &[Arg::Ptr(self.p(x)), Arg::F32(s), Arg::I64(x.len as i64)])
+    }
+
+    fn softcap(&self, x: &mut Act, c: f32) -> Result<(), ModelError> {
+        self.launch_1d("softcap", x.len, &[Arg::Ptr(self.p(x)), Arg::F32(c), Arg::I64(x.len as i64)])
+    }
+
+    fn gated(&self, act: GatedActivation, gate: &mut Act, up: &Act) -> Result<(), ModelError> {
+        let (kind, alpha, limit) = match act {
+            GatedActivation::SwiGlu => (0, 0.0, 0.0),
+            GatedActivation::GeGlu => (1, 0.0, 0.0),
+            GatedActivation::SwiGluClamped { alpha, limit } => (2, alpha, limit),
+        };
+        self.launch_1d(
+            "gated",
+            gate.len,
+            &[
+                Arg::Ptr(self.p(gate)),
+                Arg::Ptr(self.p(up)),
+                Arg::I64(gate.len as i64),
+                Arg::I32(kind),
+                Arg::F32(alpha),
+                Arg::F32(limit),
+            ],
+        )
+    }
+
+    fn rope(&self, il: usize, rope: &Rope, x: &mut Act, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
+        let step = self.step.lock().expect("step lock");
+        let step = step
+            .as_ref()
+            .filter(|s| s.m == rows.len())
+            .ok_or_else(|| ModelError::Compute("cuda: rope outside a step".into()))?;
+        let n_heads = x.len / rows.len() / head_dim;
+        self.launch(
+            "rope",
+            ((rows.len() * n_heads) as u32, 1, 1),
+            (64, 1, 1),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.gpu.ptr(&step.pos)),
+                Arg::Ptr(self.gpu.ptr(&self.ropes[il])),
+                Arg::I32(n_heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::I32(rope.n_rot as i32),
+                Arg::I32((rope.layout == RopeLayout::Interleaved) as i32),
+                Arg::F32(rope.mscale),
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        il: usize,
+        shape: &AttnShape,
+        q: &Act,
+        k: &Act,
+        v: &Act,
+        rows: &[Row],
+        _seqs: &mut [&mut SeqState<GpuKv>],
+    ) -> Result<Act, ModelError> {
+        let step = self.step.lock().expect("step lock");
+        let step = step
+            .as_ref()
+            .filter(|s| s.m == rows.len())
+            .ok_or_else(|| ModelError::Compute("cuda: attention outside a step".into()))?;
+        let m = rows.len();
+        let info = self.gpu.ptr(&step.kv) + (il * m * 24) as u64;
+        let (kv_dim, v_dim) = (shape.n_head_kv * shape.head_dim, shape.n_head_kv * shape.head_dim_v);
+        self.launch(
+            "kv_store",
+            (m as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(k)),
+                Arg::Ptr(self.p(v)),
+                Arg::Ptr(info),
+                Arg::I32(kv_dim as i32),
+                Arg::I32(v_dim as i32),
+            ],
+        )?;
+        let out = self.act(m * shape.n_head * shape.head_dim_v)?;
+        let sinks = match shape.sinks {
+            Some(s) => self.vptr(s)?,
+            None => 0,
+        };
+        self.launch(
+            "attention",
+            (shape.n_head as u32, m as u32, 1),
+            (128, 1, 1),
+            &[
+                Arg::Ptr(self.p(q)),
+                Arg::Ptr(self.p(&out)),
+                Arg::Ptr(info),
+                Arg::I32(shape.n_head as i32),
+                Arg::I32(shape.n_head_kv as i32),
+                Arg::I32(shape.head_dim as i32),
+                Arg::I32(shape.head_dim_v as i32),
+                Arg::F32(shape.scale),
+                Arg::F32(shape.softcap.unwrap_or(0.0)),
+                Arg::Ptr(sinks),
+                Arg::I32(self.windows[il]),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn moe(
+        &self,
+        model: &Model<Self>,
+        _il: usize,
+        w: &MoeWeights,
+        x: &Act,
+        m: usize,
+        s: &mut GpuScratch,
+    ) -> Result<Act, ModelError> {
+        let cfg = &model.cfg;
+        let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
+        let k = moe.n_expert_used;
+        let mut logits = self.linear(&w.router, x, m, s)?;
+        if let Some(b) = &w.router_bias {
+            self.add_bias(&mut logits, b)?;
+        }
+        let (ids, wts) = self.route(&logits, m, moe)?;
+        let mut out = if m <= DEVICE_MOE_ROWS {
+            self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act)?
+        } else {
+            self.moe_grouped(w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact)?
+        };
+        if let Some(sh) = &w.shared {
+            let mut y = model.dense_ffn(&sh.gate, &sh.up, &sh.down, x, m, s)?;
+            if let Some(gate_inp) = &sh.gate_inp {
+                self.launch(
+                    "sigmoid_gate_rows",
+                    (m as u32, 1, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::Ptr(self.p(&y)),
+                        Arg::Ptr(self.p(x)),
+                        Arg::Ptr(self.vptr(gate_inp)?),
+                        Arg::I32(cfg.n_embd as i32),
+                    ],
+                )?;
+            }
+            self.add(&mut out, &y)?;
+            y.len = 0;
+        }
+        Ok(out)
+    }
+
+    fn select_rows(&self, x: &Act, width: usize, rows: &[usize]) -> Result<Act, ModelError> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idx = self.gpu.upload(&idx).map_err(err)?;
+        let out = self.act(rows.len() * width)?;
+        self.launch(
+            "gather_rows",
+            (rows.len() as u32, 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(self.p(x)), Arg::Ptr(self.gpu.ptr(&idx)), Arg::Ptr(self.p(&out)), Arg::I32(width as i32)],
+        )?;
+        Ok(out)
+    }
+
+    fn to_host(&self, x: &Act) -> Result<Vec<f32>, ModelError> {
+        self.gpu.download(&x.buf, x.len).map_err(err)
+    }
+}

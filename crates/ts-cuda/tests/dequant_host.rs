@@ -1,0 +1,255 @@
+//! The CUDA kernels' block decoding (kernels/quant.cuh), compiled as host C++ and checked
+//! element for element against ts-quant's reference dequantization, which is bit-identical to
+//! llama.cpp's; and kernels/matmul.cu compiled with NVRTC where the library is present.
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use ts_gguf::GgmlType;
+use ts_testkit::Rng;
+
+/// Every type the kernels decode: ggml type, kernel suffix, alignment its rows need.
+const TYPES: [(GgmlType, &str, usize); 14] = [
+    (GgmlType::F32, "f32", 1),
+    (GgmlType::F16, "f16", 1),
+    (GgmlType::BF16, "bf16", 1),
+    (GgmlType::Q8_0, "q8_0", 2),
+    (GgmlType::Q4_0, "q4_0", 2),
+    (GgmlType::Q4_1, "q4_1", 2),
+    (GgmlType::Q5_0, "q5_0", 2),
+    (GgmlType::Q5_1, "q5_1", 2),
+    (GgmlType::Q2_K, "q2_k", 2),
+    (GgmlType::Q3_K, "q3_k", 2),
+    (GgmlType::Q4_K, "q4_k", 2),
+    (GgmlType::Q5_K, "q5_k", 2),
+    (GgmlType::Q6_K, "q6_k", 2),
+    (GgmlType::MXFP4, "mxfp4", 1),
+];
+
+const KERNELS: [&str; 4] = ["matvec", "moe_matvec", "dequant_f16", "get_rows"];
+
+fn kernels_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")
+}
+
+/// The compiled harness in a temporary directory, removed on drop.
+struct Harness {
+    dir: PathBuf,
+    exe: PathBuf,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Harness {
+    /// Compiles tests/dequant_host.cpp, or `None` (after saying so) when there is no `c++`.
+    fn build() -> Option<Harness> {
+        if Command::new("c++").arg("--version").output().is_err() {
+            eprintln!("skipping: no c++ on PATH");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("ts-cuda-dequant-host-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let harness = Harness { exe: dir.join("dequant_host"), dir };
+        let out = Command::new("c++")
+            .args(["-O1", "-std=c++17", "-Wall", "-Wextra", "-I"])
+            .arg(kernels_dir())
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/dequant_host.cpp"))
+            .arg("-o")
+            .arg(&harness.exe)
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "compiling the harness failed:\n{log}");
+        assert!(log.trim().is_empty(), "the harness compiles with warnings:\n{log}");
+        Some(harness)
+    }
+
+    /// Decodes `rows` rows of `k` elements of type `name` placed `offset` bytes past a 16-byte
+    /// boundary; `half` asks for the elements' f16 bits instead of f32.
+    fn run(&self, name: &str, k: usize, rows: usize, data: &[u8], half: bool, offset: usize) -> Vec<u8> {
+        let tag = format!("{name}-{k}-{}-{offset}", half as u8);
+        let input = self.dir.join(format!("{tag}.in"));
+        let output = self.dir.join(format!("{tag}.out"));
+        std::fs::write(&input, data).unwrap();
+        let status = Command::new(&self.exe)
+            .args([name, &k.to_string(), &rows.to_string()])
+            .arg(&input)
+            .arg(&output)
+            .args([if half { "f16" } else { "f32" }, &offset.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "harness failed for {tag}");
+        std::fs::read(&output).unwrap()
+    }
+}
+
+fn row_bytes(ty: GgmlType, k: usize) -> usize {
+    k / ty.block_size() as usize * ty.type_size() as usize
+}
+
+/// Values with spread: per-row scales from 1e-3 to 1e3, an offset, a few spikes, and the start
+/// of the first row zero (blocks of zeros).
+fn values(rng: &mut Rng, k: usize, rows: usize) -> Vec<f32> {
+    let scales = [1e-3, 0.05, 1.0, 40.0, 1e3];
+    let mut x = Vec::with_capacity(k * rows);
+    for r in 0..rows {
+        let scale = scales[r % scales.len()];
+        let mut row = rng.normals(k, scale, scale * 0.1 * (r as f32 - 1.0));
+        for _ in 0..k / 64 {
+            let i = (rng.next_u64() % k as u64) as usize;
+            row[i] *= 8.0;
+        }
+        if r == 0 {
+            row[..k / 2].fill(0.0);
+        }
+        x.extend(row);
+    }
+    x
+}
+
+/// The first few differences between ts-quant's elements and the harness's, bit for bit; NaNs
+/// count as equal when `nan_equal` (random bit patterns, where NaN payloads are not the point).
+fn mismatches(expected: &[f32], got: &[f32], k: usize, nan_equal: bool) -> Vec<String> {
+    assert_eq!(expected.len(), got.len());
+    expected
+        .iter()
+        .zip(got)
+        .enumerate()
+        .filter(|(_, (e, g))| e.to_bits() != g.to_bits() && !(nan_equal && e.is_nan() && g.is_nan()))
+        .take(8)
+        .map(|(i, (e, g))| {
+            format!(
+                "row {} element {}: expected {e:e} ({:#010x}), got {g:e} ({:#010x})",
+                i / k,
+                i % k,
+                e.to_bits(),
+                g.to_bits()
+            )
+        })
+        .collect()
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// Runs the harness on `data` at every allowed row offset, in f32 and f16 modes, and compares.
+fn check(h: &Harness, ty: GgmlType, name: &str, align: usize, k: usize, data: &[u8], random: bool) {
+    let rows = data.len() / row_bytes(ty, k);
+    let mut expected = vec![0f32; rows * k];
+    ts_quant::dequantize(ty, data, &mut expected).unwrap();
+    for offset in [0, 1, 2, 3, 8].into_iter().filter(|o| o % align == 0) {
+        let got = floats(&h.run(name, k, rows, data, false, offset));
+        let bad = mismatches(&expected, &got, k, random);
+        assert!(bad.is_empty(), "{name}, k = {k}, offset {offset}, random = {random}:\n{}", bad.join("\n"));
+    }
+    // The host half conversion the f16 output path mirrors: round to nearest even.
+    let got = h.run(name, k, rows, data, true, 0);
+    for (i, (e, g)) in expected.iter().zip(got.chunks_exact(2)).enumerate() {
+        let g = u16::from_le_bytes([g[0], g[1]]);
+        let want = half::f16::from_f32(*e);
+        let ok = if e.is_nan() { half::f16::from_bits(g).is_nan() } else { g == want.to_bits() };
+        assert!(ok, "{name} as f16, element {i}: {e:e} gave {g:#06x}, expected {:#06x}", want.to_bits());
+    }
+}
+
+#[test]
+fn dequant32_matches_ts_quant() {
+    let Some(h) = Harness::build() else { return };
+    let mut rng = Rng::new(0x5eed_c0da);
+    for (ty, name, align) in TYPES {
+        assert!(ts_quant::is_supported(ty), "{ty}");
+        let ks: &[usize] = if ty.block_size() == 256 { &[768, 2816] } else { &[288, 2880] };
+        for &k in ks {
+            // Quantized data, as real models hold.
+            let rows = 5;
+            let x = values(&mut rng, k, rows);
+            let mut data = vec![0u8; rows * row_bytes(ty, k)];
+            ts_quant::quantize(ty, &x, &mut data).unwrap();
+            check(&h, ty, name, align, k, &data, false);
+
+            // Every bit pattern: random bytes are valid blocks of every type.
+            let rows = 3;
+            let data: Vec<u8> = (0..rows * row_bytes(ty, k)).map(|_| rng.next_u64() as u8).collect();
+            check(&h, ty, name, align, k, &data, true);
+        }
+    }
+}
+
+/// Makes a library at `path` the one cudarc finds: once loaded, opening it by its soname
+/// returns the same object.
+#[cfg(target_os = "linux")]
+fn preload(path: &std::ffi::OsStr) {
+    unsafe extern "C" {
+        fn dlopen(filename: *const std::ffi::c_char, flags: std::ffi::c_int) -> *mut std::ffi::c_void;
+    }
+    const RTLD_NOW: std::ffi::c_int = 2;
+    const RTLD_GLOBAL: std::ffi::c_int = 0x100;
+    let c = CString::new(path.as_encoded_bytes()).unwrap();
+    // SAFETY: dlopen with a valid C string; the handle is kept for the life of the process.
+    let handle = unsafe { dlopen(c.as_ptr(), RTLD_NOW | RTLD_GLOBAL) };
+    assert!(!handle.is_null(), "TS_NVRTC_LIB={}: cannot load it", path.to_string_lossy());
+}
+
+#[cfg(not(target_os = "linux"))]
+fn preload(_path: &std::ffi::OsStr) {}
+
+/// Compiles `src` for sm_90 with the kernels directory on the include path: (PTX, log).
+fn nvrtc_compile(src: &str) -> Result<(String, String), String> {
+    use cudarc::nvrtc::result;
+    let src = CString::new(src).unwrap();
+    let prog = result::create_program(&src, Some(c"matmul.cu")).map_err(|e| format!("{e:?}"))?;
+    let options = ["--gpu-architecture=sm_90".to_string(), format!("--include-path={}", kernels_dir().display())];
+    // SAFETY: `prog` comes from create_program and is destroyed once, last.
+    unsafe {
+        let compiled = result::compile_program(prog, &options);
+        let log = result::get_program_log(prog).map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
+        let ptx = compiled.and_then(|()| result::get_ptx(prog));
+        let ptx = ptx.map(|p| CStr::from_ptr(p.as_ptr()).to_string_lossy().into_owned());
+        result::destroy_program(prog).map_err(|e| format!("{e:?}"))?;
+        let log = log.map_err(|e| format!("{e:?}"))?;
+        ptx.map(|p| (p, log.clone())).map_err(|e| format!("{e:?}:\n{log}"))
+    }
+}
+
+/// Set `TS_PTX_OUT` to a path to keep the PTX.
+#[test]
+fn nvrtc_compiles() {
+    let forced = std::env::var_os("TS_NVRTC_LIB");
+    if let Some(path) = &forced {
+        preload(path);
+    }
+    // SAFETY: only tries to open the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        assert!(forced.is_none(), "TS_NVRTC_LIB is set but NVRTC cannot be loaded");
+        eprintln!("skipping: no NVRTC");
+        return;
+    }
+    let src = std::fs::read_to_string(kernels_dir().join("matmul.cu")).unwrap();
+    let compiled = std::panic::catch_unwind(|| nvrtc_compile(&src));
+    let (ptx, log) = match compiled {
+        Ok(result) => result.unwrap_or_else(|e| panic!("matmul.cu does not compile: {e}")),
+        Err(_) if forced.is_none() => {
+            eprintln!("skipping: NVRTC failed to load");
+            return;
+        }
+        Err(e) => std::panic::resume_unwind(e),
+    };
+    if let Some(path) = std::env::var_os("TS_PTX_OUT") {
+        std::fs::write(path, &ptx).unwrap();
+    }
+    assert!(!log.contains("warning"), "NVRTC warnings:\n{log}");
+    for (_, name, _) in TYPES {
+        for kernel in KERNELS {
+            let entry = format!(".entry {kernel}_{name}(");
+            assert!(ptx.contains(&entry), "no {entry} in the PTX");
+        }
+    }
+    // Register arrays that spill to local memory would cost a round trip per element.
+    assert!(!ptx.contains(".local"), "local memory in the PTX");
+}

@@ -1,0 +1,364 @@
+//! The CUDA backend against the CPU reference, op by op on random inputs of
+//! real shapes, and every reference fixture on the GPU against its golden
+//! (transformers) logits. Without a CUDA device each test prints why it skips.
+//! On the device machine: tools/gpu-tests.sh.
+
+use ts_cpu::ops::{self, AttentionParams, GatedActivation, Rope, RopeLayout};
+use ts_cuda::Cuda;
+use ts_gguf::GgmlType;
+use ts_model::backend::AttnShape;
+use ts_model::config::{Gating, MoeConfig};
+use ts_model::weights::Weight;
+use ts_model::{Backend, ExpertPlacement, Model, Row, SeqState};
+use ts_testkit::{Golden, Rng, fixtures_dir};
+
+fn gpu() -> Option<Cuda> {
+    match Cuda::open(0) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("skipping: no CUDA device here ({e})");
+            None
+        }
+    }
+}
+
+/// max |a - b| / max |b|
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let s = b.iter().map(|y| y.abs()).fold(0f32, f32::max);
+    if d == 0.0 { 0.0 } else { d / s.max(1e-30) }
+}
+
+/// Random weights of type `ty`, `[n_out][k]`, and their f32 values.
+fn random_weight(rng: &mut Rng, ty: GgmlType, n_out: usize, k: usize) -> (Weight, Vec<f32>) {
+    let values = rng.normals(n_out * k, 0.05, 0.0);
+    let row_bytes = k / ty.block_size() as usize * ty.type_size() as usize;
+    let mut bytes = vec![0u8; n_out * row_bytes];
+    if ts_quant::quantize(ty, &values, &mut bytes).is_err() {
+        // Types without a quantizer here (MXFP4): random codes under a sane scale.
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = if i % 17 == 0 { 118 + (rng.next_u64() % 8) as u8 } else { rng.next_u64() as u8 };
+        }
+    }
+    let mut deq = vec![0f32; n_out * k];
+    ts_quant::dequantize(ty, &bytes, &mut deq).unwrap();
+    (Weight::from_bytes("w", ty, vec![k, n_out], bytes), deq)
+}
+
+/// `x[m][k] · Wᵀ` in f64.
+fn reference_matmul(w: &[f32], x: &[f32], n_out: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut y = vec![0f32; m * n_out];
+    for r in 0..m {
+        for o in 0..n_out {
+            let s: f64 = (0..k).map(|i| w[o * k + i] as f64 * x[r * k + i] as f64).sum();
+            y[r * n_out + o] = s as f32;
+        }
+    }
+    y
+}
+
+#[test]
+fn matmul_every_type_matches_the_cpu() {
+    let Some(mut cuda) = gpu() else { return };
+    let mut rng = Rng::new(7);
+    // (type, n_out, k) from the real models' and synthetic models' shapes.
+    let cases = [
+        (GgmlType::F32, 576, 576),
+        (GgmlType::F16, 640, 1024),
+        (GgmlType::BF16, 640, 1024),
+        (GgmlType::Q8_0, 1536, 896),
+        (GgmlType::Q4_0, 1536, 576),
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q5_0, 896, 4864),
+        (GgmlType::Q5_1, 896, 1024),
+        (GgmlType::Q2_K, 768, 2048),
+        (GgmlType::Q3_K, 768, 2048),
+        (GgmlType::Q4_K, 2048, 640),
+        (GgmlType::Q5_K, 1024, 2048),
+        (GgmlType::Q6_K, 1152, 2048),
+        (GgmlType::MXFP4, 2880, 2880),
+    ];
+    let mut failures = Vec::new();
+    println!("{:<6} {:>5} {:>5}  m=1      m=5      m=8      m=13     m=48 f16 m=48 exact", "type", "n_out", "k");
+    for (ty, n_out, k) in cases {
+        let (w, wf) = random_weight(&mut rng, ty, n_out, k);
+        cuda.upload_weight(&w).unwrap();
+        let mut line = format!("{:<6} {n_out:>5} {k:>5}", ty.to_string());
+        for (m, exact) in [(1, false), (5, false), (8, false), (13, false), (48, false), (48, true)] {
+            let x = rng.normals(m * k, 1.0, 0.0);
+            let xd = cuda.act_from_host(&x).unwrap();
+            let y = cuda.linear(&w, &xd, m, &mut cuda.scratch(exact)).unwrap();
+            let err = rel_err(&cuda.to_host(&y).unwrap(), &reference_matmul(&wf, &x, n_out, k, m));
+            // f32 accumulation of dequantized weights: summation order only. The
+            // tensor-core path rounds weights and activations to f16 (2^-11 relative).
+            let bound = if m >= 32 && !exact { 4e-3 } else { 2e-5 };
+            line += &format!(" {err:8.1e}");
+            if !(err <= bound) {
+                failures.push(format!("{ty} {n_out}x{k} m={m} exact={exact}: {err:e} > {bound:e}"));
+            }
+        }
+        println!("{line}");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn embedding_rows_match_the_cpu() {
+    let Some(mut cuda) = gpu() else { return };
+    let mut rng = Rng::new(8);
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q5_0] {
+        let (w, _) = random_weight(&mut rng, ty, 300, 512);
+        cuda.upload_weight(&w).unwrap();
+        let tokens = [0u32, 299, 17, 17, 150];
+        let got = cuda.to_host(&cuda.embed(&w, &tokens).unwrap()).unwrap();
+        let want = ts_model::Cpu.embed(&w, &tokens).unwrap();
+        assert_eq!(got, want, "{ty}");
+    }
+}
+
+#[test]
+fn elementwise_ops_match_the_cpu() {
+    let Some(mut cuda) = gpu() else { return };
+    let cpu = ts_model::Cpu;
+    let mut rng = Rng::new(9);
+    let (m, e) = (5, 2880);
+    let x = rng.normals(m * e, 2.0, 0.1);
+    let y = rng.normals(m * e, 1.0, 0.0);
+    let w = rng.normals(e, 0.5, 1.0);
+    let head_w = rng.normals(64, 0.5, 1.0);
+    cuda.upload_vec(&w).unwrap();
+    cuda.upload_vec(&head_w).unwrap();
+    let up = |v: &[f32]| cuda.act_from_host(v).unwrap();
+    let check = |name: &str, got: Vec<f32>, want: &[f32], bound: f32| {
+        let err = rel_err(&got, want);
+        println!("{name:<28} {err:.2e}");
+        assert!(err <= bound, "{name}: {err:e} > {bound:e}");
+    };
+
+    let want = cpu.rms_norm_to(&x, &w, 1e-6).unwrap();
+    check("rms_norm", cuda.to_host(&cuda.rms_norm_to(&up(&x), &w, 1e-6).unwrap()).unwrap(), &want, 1e-6);
+    for (piece, wt) in [(64, Some(&head_w[..])), (e, None)] {
+        let (mut a, mut b) = (x.clone(), up(&x));
+        cpu.rms_norm(&mut a, piece, wt, 1e-5).unwrap();
+        cuda.rms_norm(&mut b, piece, wt, 1e-5).unwrap();
+        check(&format!("rms_norm pieces of {piece}"), cuda.to_host(&b).unwrap(), &a, 1e-6);
+    }
+    let (mut a, mut b) = (x.clone(), up(&x));
+    cpu.add(&mut a, &y).unwrap();
+    cuda.add(&mut b, &up(&y)).unwrap();
+    check("add", cuda.to_host(&b).unwrap(), &a, 0.0);
+    let (mut a, mut b) = (x.clone(), up(&x));
+    cpu.add_bias(&mut a, &w).unwrap();
+    cuda.add_bias(&mut b, &w).unwrap();
+    check("add_bias", cuda.to_host(&b).unwrap(), &a, 0.0);
+    let (mut a, mut b) = (x.clone(), up(&x));
+    cpu.scale(&mut a, 0.125).unwrap();
+    cuda.scale(&mut b, 0.125).unwrap();
+    check("scale", cuda.to_host(&b).unwrap(), &a, 0.0);
+    let (mut a, mut b) = (x.clone(), up(&x));
+    cpu.softcap(&mut a, 3.0).unwrap();
+    cuda.softcap(&mut b, 3.0).unwrap();
+    check("softcap", cuda.to_host(&b).unwrap(), &a, 1e-6);
+    for act in
+        [GatedActivation::SwiGlu, GatedActivation::GeGlu, GatedActivation::SwiGluClamped { alpha: 1.702, limit: 7.0 }]
+    {
+        let (mut a, mut b) = (x.clone(), up(&x));
+        cpu.gated(act, &mut a, &y).unwrap();
+        cuda.gated(act, &mut b, &up(&y)).unwrap();
+        check(&format!("{act:?}"), cuda.to_host(&b).unwrap(), &a, 1e-5);
+    }
+}
+
+#[test]
+fn rope_matches_the_cpu() {
+    let Some(cuda) = gpu() else { return };
+    let mut rng = Rng::new(10);
+    let rows: Vec<Row> = [0usize, 1, 7, 300, 4095]
+        .iter()
+        .enumerate()
+        .map(|(i, &pos)| Row { token: 0, pos, seq: i % 2, logits: false })
+        .collect();
+    // Two sequences so begin_step has caches to point at.
+    let mut kv: Vec<SeqState<ts_cuda::GpuKv>> = (0..2)
+        .map(|_| SeqState { kv: cuda.kv_for(&[None], 64, 64, 4096, 8).unwrap(), n_past: 0, n_ctx: 4096 })
+        .collect();
+    let mut seqs: Vec<&mut SeqState<ts_cuda::GpuKv>> = kv.iter_mut().collect();
+    for (layout, hd, n_rot, mscale) in [
+        (RopeLayout::Halves, 64, 64, 1.0),
+        (RopeLayout::Interleaved, 128, 128, 1.0),
+        (RopeLayout::Halves, 128, 32, 1.35),
+    ] {
+        let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
+        let rope = Rope { layout, n_rot, inv_freq, mscale };
+        let mut c = Cuda::open(0).unwrap();
+        c.push_rope(&rope.inv_freq, None).unwrap();
+        c.begin_step(&rows, &mut seqs).unwrap();
+        let x = rng.normals(rows.len() * 4 * hd, 1.0, 0.0);
+        let mut a = x.clone();
+        ts_model::Cpu.rope(0, &rope, &mut a, hd, &rows).unwrap();
+        let mut b = c.act_from_host(&x).unwrap();
+        c.rope(0, &rope, &mut b, hd, &rows).unwrap();
+        let err = rel_err(&c.to_host(&b).unwrap(), &a);
+        println!("rope {layout:?} hd {hd} n_rot {n_rot} mscale {mscale}: {err:.2e}");
+        assert!(err < 2e-5, "{err:e}");
+    }
+}
+
+#[test]
+fn router_matches_the_cpu() {
+    let Some(cuda) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    for (n_expert, k, gating, renormalize) in [
+        (32, 4, Gating::SoftmaxOverTopK, false),
+        (128, 8, Gating::Softmax, true),
+        (60, 4, Gating::Softmax, false),
+        (8, 2, Gating::Softmax, true),
+    ] {
+        let moe = MoeConfig { n_expert, n_expert_used: k, n_ff_exp: 8, gating, renormalize, shared: None };
+        let m = 40;
+        let mut logits = rng.normals(m * n_expert, 2.0, 0.0);
+        logits[3] = logits[5]; // a tie: the lower index wins
+        let (ids, wts) = cuda.route_rows(&cuda.act_from_host(&logits).unwrap(), m, &moe).unwrap();
+        for r in 0..m {
+            let want = ts_model::moe::route(&moe, &logits[r * n_expert..(r + 1) * n_expert]);
+            let got_ids: Vec<usize> = ids[r * k..(r + 1) * k].iter().map(|&i| i as usize).collect();
+            assert_eq!(got_ids, want.experts, "row {r} {gating:?}");
+            let err = rel_err(&wts[r * k..(r + 1) * k], &want.weights);
+            assert!(err < 1e-5, "row {r}: weights {err:e}");
+        }
+    }
+}
+
+#[test]
+fn attention_matches_the_cpu() {
+    let Some(cuda) = gpu() else { return };
+    let mut rng = Rng::new(12);
+    // (n_head, n_head_kv, hd, window, sinks, softcap)
+    for (n_head, n_head_kv, hd, window, sinks, softcap) in [
+        (8, 2, 64, None, false, None),
+        (8, 2, 64, Some(5), true, None),
+        (4, 1, 256, None, false, Some(50.0)),
+        (16, 8, 128, Some(128), true, None),
+    ] {
+        let n = 20;
+        let chunk = 4;
+        let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
+        let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n, chunk).unwrap();
+        let mut seq = SeqState { kv, n_past: 0, n_ctx: n };
+        let sink_v = rng.normals(n_head, 1.0, 0.0);
+        let mut c = Cuda::open(0).unwrap();
+        c.upload_vec(&sink_v).unwrap();
+        c.push_rope(&[1.0], window).unwrap();
+        let shape = AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            head_dim_v: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap,
+            sinks: sinks.then_some(&sink_v[..]),
+        };
+        let (keys, values) = (rng.normals(n * kv_dim, 1.0, 0.0), rng.normals(n * kv_dim, 1.0, 0.0));
+        let q = rng.normals(n * q_dim, 1.0, 0.0);
+        let mut worst = 0f32;
+        for c0 in (0..n).step_by(chunk) {
+            let rows: Vec<Row> = (c0..c0 + chunk).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
+            let slice = |v: &[f32], w: usize| v[c0 * w..(c0 + chunk) * w].to_vec();
+            c.begin_step(&rows, &mut [&mut seq]).unwrap();
+            let out = c
+                .attention(
+                    0,
+                    &shape,
+                    &c.act_from_host(&slice(&q, q_dim)).unwrap(),
+                    &c.act_from_host(&slice(&keys, kv_dim)).unwrap(),
+                    &c.act_from_host(&slice(&values, kv_dim)).unwrap(),
+                    &rows,
+                    &mut [&mut seq],
+                )
+                .unwrap();
+            let got = c.to_host(&out).unwrap();
+            for (i, r) in rows.iter().enumerate() {
+                for h in 0..n_head {
+                    let kvh = h / (n_head / n_head_kv);
+                    let first = window.map_or(0, |w| (r.pos + 1).saturating_sub(w));
+                    let p = AttentionParams { scale: shape.scale, softcap, sink: shape.sinks.map(|s| s[h]) };
+                    let mut o = vec![0f32; hd];
+                    ops::attend(
+                        &q[r.pos * q_dim + h * hd..r.pos * q_dim + (h + 1) * hd],
+                        (first..=r.pos).map(|p| &keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]),
+                        (first..=r.pos).map(|p| &values[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd]),
+                        &p,
+                        &mut Vec::new(),
+                        &mut o,
+                    );
+                    worst = worst.max(rel_err(&got[i * q_dim + h * hd..i * q_dim + (h + 1) * hd], &o));
+                }
+            }
+        }
+        println!(
+            "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?}: {worst:.2e}"
+        );
+        assert!(worst < 1e-5, "{worst:e}");
+    }
+}
+
+/// Every fixture on the GPU: one token at a time (matvec kernels, routing on
+/// the device), and in chunks of 64 (tensor cores, experts grouped) with and
+/// without `exact` (f32 throughout).
+#[test]
+fn fixtures_match_transformers_on_the_gpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = fixtures_dir();
+    let mut families: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.path())
+        .collect();
+    families.sort();
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for fam in families {
+        let mut models: Vec<_> = std::fs::read_dir(&fam)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        models.sort();
+        for path in models {
+            let variant = path.file_stem().unwrap().to_string_lossy().trim_start_matches("model-").to_string();
+            let golden = Golden::read(&fam.join(format!("golden-{variant}.bin"))).unwrap();
+            let family = fam.file_name().unwrap().to_string_lossy().to_string();
+            let model = Model::open(&path, ExpertPlacement::Mapped)
+                .unwrap()
+                .into_backend(|m| Cuda::new(0, m))
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for (chunk, exact, bound) in [(1, false, 1e-4), (64, true, 1e-4), (64, false, 2e-2)] {
+                let n = golden.tokens.len();
+                let mut seq = model.new_sequence(n, chunk).unwrap();
+                let mut scratch = model.backend.scratch(exact);
+                let mut rows_out = Vec::new();
+                for (c, toks) in golden.tokens.chunks(chunk).enumerate() {
+                    let rows: Vec<Row> = toks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &t)| Row { token: t, pos: c * chunk + i, seq: 0, logits: true })
+                        .collect();
+                    rows_out.extend(model.forward(&rows, &mut [&mut seq], &mut scratch).unwrap());
+                }
+                let cmp = golden.compare(&rows_out);
+                let name = format!("{family}/{variant} chunk {chunk}{}", if exact { " exact" } else { "" });
+                println!("{name:<34} {cmp}");
+                if cmp.max_rel_err() > bound || cmp.argmax_agreement() < 0.99 {
+                    failures.push(format!("{name}: {cmp} (bound {bound:e}, argmax >= 99%)"));
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!("{checked} fixture runs on the GPU within bounds");
+}
