@@ -17,6 +17,8 @@ if [[ $what == bench || $what == all ]]; then
     for like in gpt-oss-20b qwen3-30b-a3b; do
         f=/tmp/$like.gguf
         [[ -f $f ]] || "$B"/turbospark synth --like "$like" -o "$f" 2>&1 | tail -1
-        "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 3 2>&1 | tee "$OUT/bench-$like.log"
+        start=$SECONDS
+        "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee "$OUT/bench-$like.log"
+        echo "load + bench: $((SECONDS - start)) s"
     done
 fi

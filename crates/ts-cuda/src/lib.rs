@@ -618,6 +618,10 @@ impl Backend for Cuda {
     type Kv = GpuKv;
     type Scratch = GpuScratch;
 
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
     fn scratch(&self, exact_activations: bool) -> GpuScratch {
         GpuScratch { exact: exact_activations }
     }

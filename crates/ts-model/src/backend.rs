@@ -34,6 +34,8 @@ pub trait Backend: Sized + Send + Sync {
     /// Buffers reused across steps.
     type Scratch: Send;
 
+    /// What computes, in a word (`cpu`, `cuda`), for reports.
+    fn name(&self) -> &'static str;
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
     /// Caches for `n_ctx` positions of `model`, filled `max_chunk` rows at a time.
     fn new_kv(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<Self::Kv, ModelError>;
@@ -99,6 +101,10 @@ impl Backend for Cpu {
     type Act = Vec<f32>;
     type Kv = CpuKv;
     type Scratch = Scratch;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
 
     fn scratch(&self, exact_activations: bool) -> Scratch {
         if exact_activations { Scratch::exact() } else { Scratch::default() }

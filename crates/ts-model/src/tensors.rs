@@ -165,6 +165,29 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
 }
 
+impl ModelWeights {
+    /// Weight bytes one token reads at batch 1: every matrix once, one row of
+    /// the embedding table, and `n_expert_used` experts of each MoE layer
+    /// (small f32 vectors left out). Decode is bound by this over memory bandwidth.
+    pub fn bytes_per_token(&self, n_expert_used: usize) -> u64 {
+        let b = |w: &Weight| w.bytes().len() as u64;
+        let mut total = self.token_embd.row_bytes() as u64 + b(&self.output);
+        for l in &self.layers {
+            total += b(&l.wq) + b(&l.wk) + b(&l.wv) + b(&l.wo);
+            total += match &l.ffn {
+                Ffn::Dense { gate, up, down } => b(gate) + b(up) + b(down),
+                Ffn::Moe(m) => {
+                    let n_expert = m.gate_exps.dims.get(2).copied().unwrap_or(1).max(1) as u64;
+                    let experts = (b(&m.gate_exps) + b(&m.up_exps) + b(&m.down_exps)) / n_expert;
+                    let shared = m.shared.as_ref().map_or(0, |s| b(&s.gate) + b(&s.up) + b(&s.down));
+                    b(&m.router) + experts * n_expert_used as u64 + shared
+                }
+            };
+        }
+        total
+    }
+}
+
 /// Types a weight matrix may have: what the CPU matmul computes with.
 fn matrix_type_ok(ty: GgmlType) -> bool {
     use GgmlType::*;

@@ -130,23 +130,27 @@ fn run_on<B: ts_model::Backend>(
             .collect();
         let out = json!({
             "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
-            "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
+            "backend": engine.model.backend.name(), "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
             "tests": tests, "peak_rss_bytes": rss,
+            "weight_bytes_per_token": engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used)),
         });
         return crate::write_stdout(format!("{out}\n").as_bytes());
     }
     let mut s = String::new();
-    s += "| model | arch | size | threads | experts | test | t/s |\n";
-    s += "| --- | --- | ---: | ---: | --- | ---: | ---: |\n";
+    s += "| model | arch | size | backend | threads | experts | test | t/s |\n";
+    s += "| --- | --- | ---: | --- | ---: | --- | ---: | ---: |\n";
     for (test, (mean, sd)) in &results {
         s += &format!(
-            "| {model_name} | {} | {:.2} MiB | {threads} | {} | {test} | {mean:.2} ± {sd:.2} |\n",
+            "| {model_name} | {} | {:.2} MiB | {} | {threads} | {} | {test} | {mean:.2} ± {sd:.2} |\n",
             cfg.arch.gguf_name(),
             file_size as f64 / (1 << 20) as f64,
+            engine.model.backend.name(),
             engine.model.experts.kind()
         );
     }
     s += &format!("\npeak RSS {:.1} MiB\n", rss as f64 / (1 << 20) as f64);
+    let per_token = engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used));
+    s += &format!("weights read per generated token: {:.1} MiB\n", per_token as f64 / (1 << 20) as f64);
     for (test, st, n) in &cache_lines {
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
     }
