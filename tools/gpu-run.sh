@@ -20,5 +20,10 @@ if [[ $what == bench || $what == all ]]; then
         start=$SECONDS
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee "$OUT/bench-$like.log"
         echo "load + bench: $((SECONDS - start)) s"
+        # A quarter of the expert bytes in VRAM, the rest in pinned host RAM.
+        quarter=$("$B"/turbospark inspect --json "$f" | python3 -c 'import json,sys
+d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in t["name"]) // 4)')
+        "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$quarter" -p 512 -n 128 -r 2 2>&1 \
+            | tee "$OUT/bench-$like-tier.log"
     done
 fi

@@ -1,18 +1,22 @@
-// Decoding of GGUF tensor rows, 32 elements at a time, straight from the file's bytes.
+// Decoding of GGUF tensor rows straight from the file's bytes.
 //
 // Block layouts follow ggml's block definitions (ggml-common.h) as implemented in ts-quant
-// (crates/ts-quant/src/blocks.rs and friends); every dequant32_<t> gives the same floats as
+// (crates/ts-quant/src/blocks.rs and friends); the decoders give the same floats as
 // ts_quant::dequantize, bit for bit (tests/dequant_host.rs checks this on the host).
 //
-//   dequant32_<t>(row, chunk, w): w[0..32) = elements chunk*32 .. chunk*32+32 of the row that
-//   starts at `row`. A chunk is one block for the 32-element types and one eighth of a
-//   256-element superblock for the k-quants.
+//   dequant8_<t>(row, chunk, s, w)  s in 0..4: w[0..4) = elements 4s..4s+3 and w[4..8) =
+//       elements 16+4s..16+4s+3 of chunk `chunk` (elements chunk*32 .. chunk*32+32) of the row
+//       at `row`. Four lanes decode a chunk together, so that lanes read x and the weights in
+//       runs (the kernels' layout); the split matches the nibble packing of the 4-bit types.
+//   dequant32_<t>(row, chunk, w)    w[0..32) = the whole chunk (the four dequant8 calls).
+// A chunk is one block for the 32-element types and one eighth of a 256-element superblock
+// for the k-quants.
 //
 // Alignment: blocks are often only 2-byte aligned (Q4_0 is 18 bytes, Q6_K 210) or not at all
-// (MXFP4, 17), so most fields are read as the aligned 32-bit words that hold them and shifted
-// into place; a field is read with 16-byte loads where its address allows. Only whole aligned
-// words holding some byte of a block are read. Rows need 2-byte alignment where the type has
-// f16 fields, none otherwise.
+// (MXFP4, 17), so fields are read as the aligned 32-bit words that hold them and shifted into
+// place, or with 8- and 16-byte loads where the address allows. Only whole aligned words
+// holding some byte of the row are read. Rows need 2-byte alignment where the type has f16
+// fields, none otherwise.
 //
 // Also compiles as host C++17 (the test harness): loads become memcpy, intrinsics portable code.
 
@@ -90,6 +94,15 @@ __device__ __forceinline__ ts_u32 ts_ld32(const ts_u8* p) {
     ts_u32 v;
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
+#endif
+}
+
+__device__ __forceinline__ void ts_ld64(const ts_u8* p, ts_u32* w) {
+#ifdef TS_HOST
+    assert((ts_addr(p) & 7) == 0);
+    memcpy(w, p, 8);
+#else
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
 #endif
 }
 
@@ -235,21 +248,30 @@ __device__ __forceinline__ ts_u16 ts_f2h(float f) {
 #endif
 }
 
-// ---- loads of whole fields ----
+// ---- loads of fields at any alignment ----
 
-// n bytes at p (any alignment) as little-endian words w[0 .. (n+3)/4); bytes past n are junk.
-// Reads the aligned words that hold them and shifts into place.
-template <int N>
-__device__ __forceinline__ void ts_ld_bytes(const ts_u8* p, ts_u32* w) {
-    constexpr int W = (N + 3) / 4;
+// The 32-bit little-endian value at p (any alignment): the aligned words holding it, shifted.
+__device__ __forceinline__ ts_u32 ts_ldu32(const ts_u8* p) {
     const int mis = (int)(ts_addr(p) & 3);
-    const ts_u8* base = p - mis;
-    ts_u32 r[W + 1];
-    TS_UNROLL
-    for (int i = 0; i < W; i++) r[i] = ts_ld32(base + 4 * i);
-    r[W] = (mis + N > 4 * W) ? ts_ld32(base + 4 * W) : 0u;
-    TS_UNROLL
-    for (int i = 0; i < W; i++) w[i] = ts_funnel(r[i], r[i + 1], 8 * mis);
+    const ts_u8* a = p - mis;
+    const ts_u32 lo = ts_ld32(a);
+    const ts_u32 hi = mis ? ts_ld32(a + 4) : 0u;
+    return ts_funnel(lo, hi, 8 * mis);
+}
+
+__device__ __forceinline__ ts_u32 ts_ldu8(const ts_u8* p) {
+    const int mis = (int)(ts_addr(p) & 3);
+    return (ts_ld32(p - mis) >> (8 * mis)) & 0xff;
+}
+
+// 8 bytes at p: one 8-byte load when aligned (the usual case), else word loads.
+__device__ __forceinline__ void ts_ld_8(const ts_u8* p, ts_u32* w) {
+    if ((ts_addr(p) & 7) == 0) {
+        ts_ld64(p, w);
+    } else {
+        w[0] = ts_ldu32(p);
+        w[1] = ts_ldu32(p + 4);
+    }
 }
 
 // 16 bytes at p: one 16-byte load when aligned (the usual case), else word loads.
@@ -257,7 +279,8 @@ __device__ __forceinline__ void ts_ld_16(const ts_u8* p, ts_u32* w) {
     if ((ts_addr(p) & 15) == 0) {
         ts_ld128(p, w);
     } else {
-        ts_ld_bytes<16>(p, w);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) w[i] = ts_ldu32(p + 4 * i);
     }
 }
 
@@ -292,34 +315,34 @@ __device__ __forceinline__ ts_u32 ts_spread4(ts_u32 x) { return ((x & 15u) * 0x0
 
 // ---- plain float types: a chunk is 32 consecutive elements ----
 
-__device__ __forceinline__ void dequant32_f32(const ts_u8* row, int chunk, float w[32]) {
-    const ts_u8* p = row + (ts_u64)chunk * 128;
-    ts_u32 v[32];
+__device__ __forceinline__ void dequant8_f32(const ts_u8* row, int chunk, int s, float w[8]) {
+    const ts_u8* p = row + (ts_u64)chunk * 128 + 16 * s;
+    ts_u32 v[8];
+    ts_ld_16(p, v);
+    ts_ld_16(p + 64, v + 4);
     TS_UNROLL
-    for (int i = 0; i < 8; i++) ts_ld_16(p + 16 * i, v + 4 * i);
-    TS_UNROLL
-    for (int i = 0; i < 32; i++) w[i] = ts_as_float(v[i]);
+    for (int i = 0; i < 8; i++) w[i] = ts_as_float(v[i]);
 }
 
-__device__ __forceinline__ void dequant32_f16(const ts_u8* row, int chunk, float w[32]) {
-    const ts_u8* p = row + (ts_u64)chunk * 64;
-    ts_u32 v[16];
+__device__ __forceinline__ void dequant8_f16(const ts_u8* row, int chunk, int s, float w[8]) {
+    const ts_u8* p = row + (ts_u64)chunk * 64 + 8 * s;
+    ts_u32 v[4];
+    ts_ld_8(p, v);
+    ts_ld_8(p + 32, v + 2);
     TS_UNROLL
-    for (int i = 0; i < 4; i++) ts_ld_16(p + 16 * i, v + 4 * i);
-    TS_UNROLL
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < 4; i++) {
         w[2 * i] = ts_h2f(v[i] & 0xffff);
         w[2 * i + 1] = ts_h2f(v[i] >> 16);
     }
 }
 
-__device__ __forceinline__ void dequant32_bf16(const ts_u8* row, int chunk, float w[32]) {
-    const ts_u8* p = row + (ts_u64)chunk * 64;
-    ts_u32 v[16];
+__device__ __forceinline__ void dequant8_bf16(const ts_u8* row, int chunk, int s, float w[8]) {
+    const ts_u8* p = row + (ts_u64)chunk * 64 + 8 * s;
+    ts_u32 v[4];
+    ts_ld_8(p, v);
+    ts_ld_8(p + 32, v + 2);
     TS_UNROLL
-    for (int i = 0; i < 4; i++) ts_ld_16(p + 16 * i, v + 4 * i);
-    TS_UNROLL
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < 4; i++) {
         w[2 * i] = ts_as_float(v[i] << 16);
         w[2 * i + 1] = ts_as_float(v[i] & 0xffff0000u);
     }
@@ -327,73 +350,55 @@ __device__ __forceinline__ void dequant32_bf16(const ts_u8* row, int chunk, floa
 
 // ---- 32-element blocks ----
 // Quants of Q4/Q5/MXFP4 blocks: byte j holds element j (low nibble) and j + 16 (high nibble),
-// so word t of qs gives elements 4t..4t+3 and 16+4t..16+4t+3.
+// so qs word s gives elements 4s..4s+3 and 16+4s..16+4s+3.
 
 // Q8_0 (34 bytes): f16 d, 32 x i8 q; x = q * d.
-__device__ __forceinline__ void dequant32_q8_0(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q8_0(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 34;
     const float d = ts_h2f(ts_ld16(b));
-    ts_u32 q[8];
-    ts_ld_bytes<32>(b + 2, q);
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) ts_put4(w + 4 * t, q[t] ^ 0x80808080u, 128.0f, d);  // q + 128 is unsigned
+    ts_put4(w, ts_ldu32(b + 2 + 4 * s) ^ 0x80808080u, 128.0f, d);  // q + 128 is unsigned
+    ts_put4(w + 4, ts_ldu32(b + 18 + 4 * s) ^ 0x80808080u, 128.0f, d);
 }
 
 // Q4_0 (18 bytes): f16 d, 16 bytes of nibbles; x = (q - 8) * d.
-__device__ __forceinline__ void dequant32_q4_0(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q4_0(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 18;
     const float d = ts_h2f(ts_ld16(b));
-    ts_u32 q[4];
-    ts_ld_bytes<16>(b + 2, q);
-    TS_UNROLL
-    for (int t = 0; t < 4; t++) {
-        ts_put4(w + 4 * t, q[t] & 0x0f0f0f0fu, 8.0f, d);
-        ts_put4(w + 16 + 4 * t, (q[t] >> 4) & 0x0f0f0f0fu, 8.0f, d);
-    }
+    const ts_u32 q = ts_ldu32(b + 2 + 4 * s);
+    ts_put4(w, q & 0x0f0f0f0fu, 8.0f, d);
+    ts_put4(w + 4, (q >> 4) & 0x0f0f0f0fu, 8.0f, d);
 }
 
 // Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles; x = q * d + m.
-__device__ __forceinline__ void dequant32_q4_1(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q4_1(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 20;
-    ts_u32 h[5];
-    ts_ld_bytes<20>(b, h);
-    const float d = ts_h2f(h[0] & 0xffff), m = ts_h2f(h[0] >> 16);
-    TS_UNROLL
-    for (int t = 0; t < 4; t++) {
-        ts_put4_dm(w + 4 * t, h[1 + t] & 0x0f0f0f0fu, d, m);
-        ts_put4_dm(w + 16 + 4 * t, (h[1 + t] >> 4) & 0x0f0f0f0fu, d, m);
-    }
+    const ts_u32 dm = ts_ldu32(b);
+    const float d = ts_h2f(dm & 0xffff), m = ts_h2f(dm >> 16);
+    const ts_u32 q = ts_ldu32(b + 4 + 4 * s);
+    ts_put4_dm(w, q & 0x0f0f0f0fu, d, m);
+    ts_put4_dm(w + 4, (q >> 4) & 0x0f0f0f0fu, d, m);
 }
 
 // Q5_0 (22 bytes): f16 d, u32 qh (bit j: fifth bit of element j), 16 bytes of nibbles;
 // x = (q - 16) * d.
-__device__ __forceinline__ void dequant32_q5_0(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q5_0(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 22;
-    ts_u32 h[6];
-    ts_ld_bytes<22>(b, h);
-    const float d = ts_h2f(h[0] & 0xffff);
-    const ts_u32 qh = ts_funnel(h[0], h[1], 16);
-    TS_UNROLL
-    for (int t = 0; t < 4; t++) {
-        const ts_u32 q = ts_funnel(h[1 + t], h[2 + t], 16);
-        ts_put4(w + 4 * t, (q & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * t)), 16.0f, d);
-        ts_put4(w + 16 + 4 * t, ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * t)), 16.0f, d);
-    }
+    const float d = ts_h2f(ts_ld16(b));
+    const ts_u32 qh = ts_ldu32(b + 2);
+    const ts_u32 q = ts_ldu32(b + 6 + 4 * s);
+    ts_put4(w, (q & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * s)), 16.0f, d);
+    ts_put4(w + 4, ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * s)), 16.0f, d);
 }
 
 // Q5_1 (24 bytes): f16 d, f16 m, u32 qh, 16 bytes of nibbles; x = q * d + m.
-__device__ __forceinline__ void dequant32_q5_1(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q5_1(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 24;
-    ts_u32 h[6];
-    ts_ld_bytes<24>(b, h);
+    ts_u32 h[2];
+    ts_ld_8(b, h);
     const float d = ts_h2f(h[0] & 0xffff), m = ts_h2f(h[0] >> 16);
-    const ts_u32 qh = h[1];
-    TS_UNROLL
-    for (int t = 0; t < 4; t++) {
-        const ts_u32 q = h[2 + t];
-        ts_put4_dm(w + 4 * t, (q & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * t)), d, m);
-        ts_put4_dm(w + 16 + 4 * t, ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * t)), d, m);
-    }
+    const ts_u32 q = ts_ldu32(b + 8 + 4 * s);
+    ts_put4_dm(w, (q & 0x0f0f0f0fu) | ts_spread4(h[1] >> (4 * s)), d, m);
+    ts_put4_dm(w + 4, ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(h[1] >> (16 + 4 * s)), d, m);
 }
 
 // MXFP4 (17 bytes): E8M0 exponent e, 16 bytes of E2M1 codes; x = kvalues[q] * 2^(e-128)
@@ -407,69 +412,54 @@ __device__ __forceinline__ ts_u32 ts_mxfp4_lut4(ts_u32 c) {
     return (pos & ~m) | (neg & m);
 }
 
-__device__ __forceinline__ void dequant32_mxfp4(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_mxfp4(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 17;
-    ts_u32 h[5];
-    ts_ld_bytes<17>(b, h);
-    const ts_u32 e = h[0] & 0xff;
+    const ts_u32 e = ts_ldu8(b);
     const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-    TS_UNROLL
-    for (int t = 0; t < 4; t++) {
-        const ts_u32 q = ts_funnel(h[t], h[t + 1], 8);
-        ts_put4(w + 4 * t, ts_mxfp4_lut4(q & 0x0f0f0f0fu), 128.0f, d);
-        ts_put4(w + 16 + 4 * t, ts_mxfp4_lut4((q >> 4) & 0x0f0f0f0fu), 128.0f, d);
-    }
+    const ts_u32 q = ts_ldu32(b + 1 + 4 * s);
+    ts_put4(w, ts_mxfp4_lut4(q & 0x0f0f0f0fu), 128.0f, d);
+    ts_put4(w + 4, ts_mxfp4_lut4((q >> 4) & 0x0f0f0f0fu), 128.0f, d);
 }
 
-// ---- k-quants: 256-element superblocks, chunk j = chunk & 7 of superblock chunk >> 3 ----
+// ---- k-quants: 256-element superblocks; chunk j = chunk & 7 of superblock chunk >> 3 ----
+// Elements 4s.. and 16+4s.. of a chunk are bytes 4s.. and 16+4s.. of its 32 quant bytes.
 
 // Q2_K (84 bytes): scales[16] (scale low nibble, min high nibble per 16 elements), qs[64],
 // f16 d, f16 dmin. Chunk j: qs byte 32*(j/4) + l, bits 2*(j%4); x = d*sc * q - dmin*mn.
-__device__ __forceinline__ void dequant32_q2_k(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q2_k(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)(chunk >> 3) * 84;
     const int j = chunk & 7;
-    ts_u32 q[8];
-    ts_ld_bytes<32>(b + 16 + 32 * (j >> 2), q);
+    const ts_u8* q = b + 16 + 32 * (j >> 2) + 4 * s;
     const ts_u32 sc = ts_ld16(b + 2 * j);  // groups 2j, 2j+1
-    ts_u32 dm[1];
-    ts_ld_bytes<4>(b + 80, dm);
-    const float d = ts_h2f(dm[0] & 0xffff), dmin = ts_h2f(dm[0] >> 16);
-    const float s0 = ts_mul(d, (float)(sc & 15)), m0 = ts_mul(dmin, (float)((sc >> 4) & 15));
-    const float s1 = ts_mul(d, (float)((sc >> 8) & 15)), m1 = ts_mul(dmin, (float)((sc >> 12) & 15));
+    const ts_u32 dm = ts_ldu32(b + 80);
+    const float d = ts_h2f(dm & 0xffff), dmin = ts_h2f(dm >> 16);
     const int sh = 2 * (j & 3);
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) ts_put4_sm(w + 4 * t, (q[t] >> sh) & 0x03030303u, t < 4 ? s0 : s1, t < 4 ? m0 : m1);
+    ts_put4_sm(w, (ts_ldu32(q) >> sh) & 0x03030303u, ts_mul(d, (float)(sc & 15)), ts_mul(dmin, (float)((sc >> 4) & 15)));
+    ts_put4_sm(w + 4, (ts_ldu32(q + 16) >> sh) & 0x03030303u, ts_mul(d, (float)((sc >> 8) & 15)),
+               ts_mul(dmin, (float)((sc >> 12) & 15)));
 }
 
-// Q3_K (110 bytes): hmask[32], qs[64], scales[12] (16 six-bit scales), f16 d.
-// Chunk j: low 2 bits as in Q2_K, high bit = hmask[l] bit j; x = d*(sc-32) * (q - 4).
-__device__ __forceinline__ int ts_q3k_scale(const ts_u32* s, int g) {
-    const int i = g & 7;
-    const ts_u32 by = ((i < 4 ? s[0] : s[1]) >> (8 * (i & 3))) & 0xff;
-    const ts_u32 low = g < 8 ? by & 15 : by >> 4;
-    const ts_u32 high = (s[2] >> (8 * (g & 3) + 2 * (g >> 2))) & 3;
-    return (int)(low | (high << 4)) - 32;
-}
-
-__device__ __forceinline__ void dequant32_q3_k(const ts_u8* row, int chunk, float w[32]) {
+// Q3_K (110 bytes): hmask[32], qs[64], scales[12], f16 d. Chunk j: low 2 bits as in Q2_K, high
+// bit = bit j of hmask[l]; x = d*(sc - 32) * (q - 4). Six-bit scale g: low 4 bits in nibble g/8
+// of byte g%8, high 2 bits at bit 2*(g/4) of byte 8 + g%4.
+__device__ __forceinline__ void dequant8_q3_k(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)(chunk >> 3) * 110;
     const int j = chunk & 7;
-    ts_u32 hm[8], q[8], s[3];
-    ts_ld_bytes<32>(b, hm);
-    ts_ld_bytes<32>(b + 32 + 32 * (j >> 2), q);
-    ts_ld_bytes<12>(b + 96, s);
+    const ts_u8* q = b + 32 + 32 * (j >> 2) + 4 * s;
+    const ts_u32 lo = ts_ld16(b + 96 + (2 * j & 7)) >> (j < 4 ? 0 : 4);  // groups 2j, 2j+1
+    const ts_u32 hi = ts_ld16(b + 104 + (2 * j & 3)) >> (2 * (j >> 1));
     const float d = ts_h2f(ts_ld16(b + 108));
-    const float s0 = ts_mul(d, (float)ts_q3k_scale(s, 2 * j)), s1 = ts_mul(d, (float)ts_q3k_scale(s, 2 * j + 1));
+    const int sc0 = (int)((lo & 15) | ((hi & 3) << 4)) - 32;
+    const int sc1 = (int)(((lo >> 8) & 15) | (((hi >> 8) & 3) << 4)) - 32;
     const int sh = 2 * (j & 3);
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) {
-        const ts_u32 u = ((q[t] >> sh) & 0x03030303u) | (((hm[t] >> j) & 0x01010101u) << 2);
-        ts_put4(w + 4 * t, u, 4.0f, t < 4 ? s0 : s1);
-    }
+    const ts_u32 u0 = ((ts_ldu32(q) >> sh) & 0x03030303u) | (((ts_ldu32(b + 4 * s) >> j) & 0x01010101u) << 2);
+    const ts_u32 u1 = ((ts_ldu32(q + 16) >> sh) & 0x03030303u) | (((ts_ldu32(b + 16 + 4 * s) >> j) & 0x01010101u) << 2);
+    ts_put4(w, u0, 4.0f, ts_mul(d, (float)sc0));
+    ts_put4(w + 4, u1, 4.0f, ts_mul(d, (float)sc1));
 }
 
 // Q4_K / Q5_K header (16 bytes): f16 d, f16 dmin, 12 bytes of six-bit scales and mins for the
-// 8 chunks (get_scale_min_k4). Returns chunk j's scale d*sc and min dmin*mn.
+// 8 chunks (get_scale_min_k4). Gives chunk j's scale d*sc and min dmin*mn.
 __device__ __forceinline__ void ts_k4_scale_min(const ts_u32* h, int j, float* scale, float* min) {
     const int sh = 8 * (j & 3);
     const ts_u32 a0 = (h[1] >> sh) & 0xff, a1 = (h[2] >> sh) & 0xff, a2 = (h[3] >> sh) & 0xff;
@@ -480,62 +470,66 @@ __device__ __forceinline__ void ts_k4_scale_min(const ts_u32* h, int j, float* s
 }
 
 // Q4_K (144 bytes): header, qs[128]; chunks 2i and 2i+1 share qs[32i..32i+32) (low, high nibbles).
-__device__ __forceinline__ void dequant32_q4_k(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q4_k(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)(chunk >> 3) * 144;
     const int j = chunk & 7;
-    ts_u32 h[4], q[8];
+    ts_u32 h[4];
     ts_ld_16(b, h);
-    ts_ld_16(b + 16 + 32 * (j >> 1), q);
-    ts_ld_16(b + 32 + 32 * (j >> 1), q + 4);
     float scale, min;
     ts_k4_scale_min(h, j, &scale, &min);
+    const ts_u8* q = b + 16 + 32 * (j >> 1) + 4 * s;
     const int sh = 4 * (j & 1);
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) ts_put4_sm(w + 4 * t, (q[t] >> sh) & 0x0f0f0f0fu, scale, min);
+    ts_put4_sm(w, (ts_ldu32(q) >> sh) & 0x0f0f0f0fu, scale, min);
+    ts_put4_sm(w + 4, (ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu, scale, min);
 }
 
 // Q5_K (176 bytes): header, qh[32] (element 32j+l: bit j of qh[l]), qs[128] as in Q4_K.
-__device__ __forceinline__ void dequant32_q5_k(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q5_k(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)(chunk >> 3) * 176;
     const int j = chunk & 7;
-    ts_u32 h[4], qh[8], q[8];
+    ts_u32 h[4];
     ts_ld_16(b, h);
-    ts_ld_16(b + 16, qh);
-    ts_ld_16(b + 32, qh + 4);
-    ts_ld_16(b + 48 + 32 * (j >> 1), q);
-    ts_ld_16(b + 64 + 32 * (j >> 1), q + 4);
     float scale, min;
     ts_k4_scale_min(h, j, &scale, &min);
+    const ts_u8* q = b + 48 + 32 * (j >> 1) + 4 * s;
     const int sh = 4 * (j & 1);
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) {
-        const ts_u32 u = ((q[t] >> sh) & 0x0f0f0f0fu) | (((qh[t] >> j) & 0x01010101u) << 4);
-        ts_put4_sm(w + 4 * t, u, scale, min);
-    }
+    const ts_u32 u0 = ((ts_ldu32(q) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 16 + 4 * s) >> j) & 0x01010101u) << 4);
+    const ts_u32 u1 = ((ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 32 + 4 * s) >> j) & 0x01010101u) << 4);
+    ts_put4_sm(w, u0, scale, min);
+    ts_put4_sm(w + 4, u1, scale, min);
 }
 
 // Q6_K (210 bytes): ql[128], qh[64], i8 scales[16] (one per 16 elements), f16 d.
 // Chunk j = 4*half + r: low 4 bits in ql[64*half + 32*(r&1) + l] >> 4*(r>>1),
 // high 2 bits in qh[32*half + l] >> 2r; x = d*sc * (q - 32).
-__device__ __forceinline__ void dequant32_q6_k(const ts_u8* row, int chunk, float w[32]) {
+__device__ __forceinline__ void dequant8_q6_k(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)(chunk >> 3) * 210;
     const int j = chunk & 7, half = j >> 2, r = j & 3;
-    ts_u32 ql[8], qh[8];
-    ts_ld_bytes<32>(b + 64 * half + 32 * (r & 1), ql);
-    ts_ld_bytes<32>(b + 128 + 32 * half, qh);
+    const ts_u8* ql = b + 64 * half + 32 * (r & 1) + 4 * s;
+    const ts_u8* qh = b + 128 + 32 * half + 4 * s;
     const ts_u32 sc = ts_ld16(b + 192 + 2 * j);
     const float d = ts_h2f(ts_ld16(b + 208));
-    const float s0 = ts_mul(d, (float)(signed char)(sc & 0xff)), s1 = ts_mul(d, (float)(signed char)(sc >> 8));
     const int lsh = 4 * (r >> 1), hsh = 2 * r;
-    TS_UNROLL
-    for (int t = 0; t < 8; t++) {
-        const ts_u32 u = ((ql[t] >> lsh) & 0x0f0f0f0fu) | (((qh[t] >> hsh) & 0x03030303u) << 4);
-        ts_put4(w + 4 * t, u, 32.0f, t < 4 ? s0 : s1);
-    }
+    const ts_u32 u0 = ((ts_ldu32(ql) >> lsh) & 0x0f0f0f0fu) | (((ts_ldu32(qh) >> hsh) & 0x03030303u) << 4);
+    const ts_u32 u1 = ((ts_ldu32(ql + 16) >> lsh) & 0x0f0f0f0fu) | (((ts_ldu32(qh + 16) >> hsh) & 0x03030303u) << 4);
+    ts_put4(w, u0, 32.0f, ts_mul(d, (float)(signed char)(sc & 0xff)));
+    ts_put4(w + 4, u1, 32.0f, ts_mul(d, (float)(signed char)(sc >> 8)));
 }
 
-// Bytes of a row of k elements of each type.
-#define TS_ROW_BYTES(t, block, bytes) \
+// Whole chunks, and the bytes of a row of k elements, for each type.
+#define TS_PER_TYPE(t, block, bytes)                                                    \
+    __device__ __forceinline__ void dequant32_##t(const ts_u8* row, int chunk, float w[32]) { \
+        TS_UNROLL                                                                       \
+        for (int s = 0; s < 4; s++) {                                                   \
+            float v[8];                                                                 \
+            dequant8_##t(row, chunk, s, v);                                             \
+            TS_UNROLL                                                                   \
+            for (int i = 0; i < 4; i++) {                                               \
+                w[4 * s + i] = v[i];                                                    \
+                w[16 + 4 * s + i] = v[4 + i];                                           \
+            }                                                                           \
+        }                                                                               \
+    }                                                                                   \
     __device__ __forceinline__ ts_u64 ts_row_bytes_##t(int k) { return (ts_u64)(k / (block)) * (bytes); }
-TS_QUANT_TYPES(TS_ROW_BYTES)
-#undef TS_ROW_BYTES
+TS_QUANT_TYPES(TS_PER_TYPE)
+#undef TS_PER_TYPE

@@ -169,8 +169,9 @@ impl Gpu {
 
 /// The device's primary context with every kernel loaded: compiled once per
 /// process and device, shared by every `Gpu` opened on it.
-fn loaded(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>), CudaError> {
-    type Loaded = (Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>);
+type Loaded = (Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>);
+
+fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
     static LOADED: std::sync::Mutex<Vec<(usize, Loaded)>> = std::sync::Mutex::new(Vec::new());
     let mut all = LOADED.lock().expect("kernel cache lock");
     if let Some((_, l)) = all.iter().find(|(o, _)| *o == ordinal) {

@@ -9,12 +9,14 @@
 //! with cuBLAS.
 
 pub mod device;
+pub mod tier;
 
 use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::CudaSlice;
 use device::{Arg, CudaError, Gpu};
 use std::collections::HashMap;
 use std::sync::Mutex;
+use tier::ExpertTier;
 use ts_cpu::ops::{GatedActivation, Rope, RopeLayout};
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
@@ -59,6 +61,15 @@ const MATVEC_ROWS: usize = 8;
 /// without a round trip; larger ones group rows by expert on the host.
 const DEVICE_MOE_ROWS: usize = 8;
 
+/// Where the expert-indexed matvecs find expert weights.
+enum ExpertSource {
+    /// The stacked tensors on the device, indexed by expert id.
+    Resident,
+    /// VRAM cache slots: per projection the address of slot 0, the slot stride,
+    /// and each (row, k) pair's slot `[m * k]`.
+    Slots { bases: [u64; 3], stride: usize, slot_ids: CudaSlice<i32> },
+}
+
 /// `[m][width]` f32 on the device.
 pub struct Act {
     buf: CudaSlice<f32>,
@@ -101,14 +112,50 @@ pub struct Cuda {
     half: Mutex<(CudaSlice<u16>, CudaSlice<u16>)>,
     /// Bytes of weights on the device.
     pub weight_bytes: usize,
+    /// A VRAM cache of experts over a host tier, when they do not all live on the device.
+    tier: Option<Mutex<ExpertTier>>,
+}
+
+/// How to place a model on the GPU.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// VRAM for routed experts; `None`: every expert on the device.
+    pub expert_cache: Option<u64>,
+    pub policy: ts_experts::EvictionPolicy,
+    /// Keep a page-locked copy of every expert in host RAM (else copy from the mapped file).
+    pub pinned_host: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            expert_cache: None,
+            policy: ts_experts::EvictionPolicy::DecayedFrequency { half_life: 256.0 },
+            pinned_host: true,
+        }
+    }
 }
 
 impl Cuda {
     /// Opens device `ordinal` and uploads every weight of `model`.
     pub fn new(ordinal: usize, model: &Model) -> Result<Cuda, ModelError> {
+        Cuda::with_options(ordinal, model, &CudaOptions::default())
+    }
+
+    /// Opens device `ordinal` and places `model` as `opts` asks.
+    pub fn with_options(ordinal: usize, model: &Model, opts: &CudaOptions) -> Result<Cuda, ModelError> {
         let mut me = Cuda::open(ordinal)?;
+        if let Some(bytes) = opts.expert_cache {
+            let tier = ExpertTier::new(&me.gpu, model, bytes, opts.policy, opts.pinned_host)?;
+            me.tier = Some(Mutex::new(tier));
+        }
         me.upload_model(model)?;
         Ok(me)
+    }
+
+    /// Counters of the VRAM expert cache, when there is one.
+    pub fn tier_stats(&self) -> Option<ts_experts::StatsSnapshot> {
+        self.tier.as_ref().map(|t| t.lock().expect("expert tier lock").stats())
     }
 
     /// Opens device `ordinal` with no weights on it yet.
@@ -125,6 +172,7 @@ impl Cuda {
             step: Mutex::new(None),
             blas,
             weight_bytes: 0,
+            tier: None,
         })
     }
 
@@ -165,8 +213,14 @@ impl Cuda {
                     }
                 }
                 Ffn::Moe(m) => {
-                    for t in [&m.router, &m.gate_exps, &m.up_exps, &m.down_exps] {
-                        self.upload_weight(t)?;
+                    self.upload_weight(&m.router)?;
+                    for t in [&m.gate_exps, &m.up_exps, &m.down_exps] {
+                        if type_suffix(t.ty).is_none() {
+                            self.upload_weight(t)?; // the error names the tensor
+                        }
+                        if self.tier.is_none() {
+                            self.upload_weight(t)?;
+                        }
                     }
                     for v in [&m.router_bias, &m.gate_bias, &m.up_bias, &m.down_bias] {
                         self.upload_opt(v)?;
@@ -388,12 +442,18 @@ impl Cuda {
         ids: &CudaSlice<i32>,
         wts: &Act,
         act: GatedActivation,
+        src: &ExpertSource,
     ) -> Result<Act, ModelError> {
         let e = w.gate_exps.row_len();
         let f = w.gate_exps.n_rows();
         let slots = m * k;
         let ids_p = self.gpu.ptr(ids);
-        let mm = |t: &Weight, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+        let mm = |proj: usize, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+            let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
+            let (base, stride, index) = match src {
+                ExpertSource::Resident => (self.wptr(t)?, t.row_bytes() * t.n_rows(), ids_p),
+                ExpertSource::Slots { bases, stride, slot_ids } => (bases[proj], *stride, self.gpu.ptr(slot_ids)),
+            };
             let out = self.act(slots * n_out)?;
             let sfx = type_suffix(t.ty).expect("checked at upload");
             self.launch(
@@ -401,9 +461,9 @@ impl Cuda {
                 (n_out.div_ceil(4) as u32, slots as u32, 1),
                 (32, 4, 1),
                 &[
-                    Arg::Ptr(self.wptr(t)?),
-                    Arg::I64((t.row_bytes() * t.n_rows()) as i64),
-                    Arg::Ptr(ids_p),
+                    Arg::Ptr(base),
+                    Arg::I64(stride as i64),
+                    Arg::Ptr(index),
                     Arg::Ptr(self.p(xin)),
                     Arg::I32(x_group as i32),
                     Arg::Ptr(self.p(&out)),
@@ -413,8 +473,8 @@ impl Cuda {
             )?;
             Ok(out)
         };
-        let mut g = mm(&w.gate_exps, x, k, f, e)?;
-        let u = mm(&w.up_exps, x, k, f, e)?;
+        let mut g = mm(0, x, k, f, e)?;
+        let u = mm(1, x, k, f, e)?;
         for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
             if let Some(b) = b {
                 self.launch_1d(
@@ -431,7 +491,7 @@ impl Cuda {
             }
         }
         self.gated(act, &mut g, &u)?;
-        let d = mm(&w.down_exps, &g, 1, e, f)?;
+        let d = mm(2, &g, 1, e, f)?;
         if let Some(b) = &w.down_bias {
             self.launch_1d(
                 "add_bias_indexed",
@@ -466,6 +526,7 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn moe_grouped(
         &self,
+        il: usize,
         w: &MoeWeights,
         x: &Act,
         m: usize,
@@ -490,47 +551,79 @@ impl Cuda {
             rows_of[ex].1.push(wt);
         }
         let out = self.zeros(m * e)?;
-        for (ex, (rows, rw)) in rows_of.iter().enumerate().filter(|(_, r)| !r.0.is_empty()) {
-            let me = rows.len();
-            let rows_d = self.gpu.upload(rows).map_err(err)?;
-            let rw_d = self.gpu.upload(rw).map_err(err)?;
-            let xs = self.act(me * e)?;
-            self.launch(
-                "gather_rows",
-                (me as u32, 1, 1),
-                (256, 1, 1),
-                &[Arg::Ptr(self.p(x)), Arg::Ptr(self.gpu.ptr(&rows_d)), Arg::Ptr(self.p(&xs)), Arg::I32(e as i32)],
-            )?;
-            let expert = |t: &Weight, xin: &Act, n_out: usize, kk: usize| -> Result<Act, ModelError> {
-                let y = self.act(me * n_out)?;
-                let base = self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64;
-                self.matmul(t.ty, base, n_out, kk, self.p(xin), me, self.p(&y), exact)?;
-                Ok(y)
-            };
-            let mut g = expert(&w.gate_exps, &xs, f, e)?;
-            let u = expert(&w.up_exps, &xs, f, e)?;
-            for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-                if let Some(b) = b {
-                    self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
+        let used: Vec<usize> = (0..n_expert).filter(|&ex| !rows_of[ex].0.is_empty()).collect();
+        let mut tier = self.tier.as_ref().map(|t| t.lock().expect("expert tier lock"));
+        // With a VRAM cache, experts go in groups the cache holds; each group's
+        // copies wait until the previous group's kernels are done with the slots.
+        let group_size = tier.as_ref().map_or(used.len(), |t| t.slots()).max(1);
+        for (gi, group) in used.chunks(group_size).enumerate() {
+            let bases: Vec<[u64; 3]> = match tier.as_mut() {
+                None => group
+                    .iter()
+                    .map(|&ex| {
+                        let b = |t: &Weight| {
+                            Ok::<u64, ModelError>(self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64)
+                        };
+                        Ok([b(&w.gate_exps)?, b(&w.up_exps)?, b(&w.down_exps)?])
+                    })
+                    .collect::<Result<_, ModelError>>()?,
+                Some(t) => {
+                    if gi > 0 {
+                        self.gpu.sync().map_err(err)?;
+                    }
+                    let slots = t.ensure(&self.gpu, il, w, group)?;
+                    slots
+                        .iter()
+                        .map(|&s| {
+                            let at = (s * t.slot_bytes()) as u64;
+                            [0, 1, 2].map(|p| t.proj_base(&self.gpu, p) + at)
+                        })
+                        .collect()
                 }
+            };
+            for (&ex, base) in group.iter().zip(&bases) {
+                let (rows, rw) = &rows_of[ex];
+                let me = rows.len();
+                let rows_d = self.gpu.upload(rows).map_err(err)?;
+                let rw_d = self.gpu.upload(rw).map_err(err)?;
+                let xs = self.act(me * e)?;
+                self.launch(
+                    "gather_rows",
+                    (me as u32, 1, 1),
+                    (256, 1, 1),
+                    &[Arg::Ptr(self.p(x)), Arg::Ptr(self.gpu.ptr(&rows_d)), Arg::Ptr(self.p(&xs)), Arg::I32(e as i32)],
+                )?;
+                let expert = |proj: usize, xin: &Act, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+                    let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
+                    let y = self.act(me * n_out)?;
+                    self.matmul(t.ty, base[proj], n_out, kk, self.p(xin), me, self.p(&y), exact)?;
+                    Ok(y)
+                };
+                let mut g = expert(0, &xs, f, e)?;
+                let u = expert(1, &xs, f, e)?;
+                for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+                    if let Some(b) = b {
+                        self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
+                    }
+                }
+                self.gated(act, &mut g, &u)?;
+                let d = expert(2, &g, e, f)?;
+                if let Some(b) = &w.down_bias {
+                    self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
+                }
+                self.launch(
+                    "scatter_add_weighted",
+                    (me as u32, 1, 1),
+                    (256, 1, 1),
+                    &[
+                        Arg::Ptr(self.p(&out)),
+                        Arg::Ptr(self.gpu.ptr(&rows_d)),
+                        Arg::Ptr(self.gpu.ptr(&rw_d)),
+                        Arg::Ptr(self.p(&d)),
+                        Arg::I32(e as i32),
+                    ],
+                )?;
             }
-            self.gated(act, &mut g, &u)?;
-            let d = expert(&w.down_exps, &g, e, f)?;
-            if let Some(b) = &w.down_bias {
-                self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
-            }
-            self.launch(
-                "scatter_add_weighted",
-                (me as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(&out)),
-                    Arg::Ptr(self.gpu.ptr(&rows_d)),
-                    Arg::Ptr(self.gpu.ptr(&rw_d)),
-                    Arg::Ptr(self.p(&d)),
-                    Arg::I32(e as i32),
-                ],
-            )?;
         }
         Ok(out)
     }
@@ -825,7 +918,7 @@ impl Backend for Cuda {
     fn moe(
         &self,
         model: &Model<Self>,
-        _il: usize,
+        il: usize,
         w: &MoeWeights,
         x: &Act,
         m: usize,
@@ -839,10 +932,33 @@ impl Backend for Cuda {
             self.add_bias(&mut logits, b)?;
         }
         let (ids, wts) = self.route(&logits, m, moe)?;
-        let mut out = if m <= DEVICE_MOE_ROWS {
-            self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act)?
-        } else {
-            self.moe_grouped(w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact)?
+        let mut out = match &self.tier {
+            None if m <= DEVICE_MOE_ROWS => {
+                self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &ExpertSource::Resident)?
+            }
+            Some(tier) if m <= DEVICE_MOE_ROWS => {
+                // Routes come back to the host (this waits for the layer so far), the
+                // cache takes in what is missing, and the slots replace expert ids.
+                let ids_h = self.gpu.download(&ids, m * k).map_err(err)?;
+                let mut uniq: Vec<usize> = ids_h.iter().map(|&e| e as usize).collect();
+                uniq.sort_unstable();
+                uniq.dedup();
+                if let Some(&bad) = uniq.iter().find(|&&e| e >= moe.n_expert) {
+                    return Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {}", moe.n_expert)));
+                }
+                let mut t = tier.lock().expect("expert tier lock");
+                let slots = t.ensure(&self.gpu, il, w, &uniq)?;
+                let slot_of: Vec<i32> =
+                    ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();
+                let src = ExpertSource::Slots {
+                    bases: [0, 1, 2].map(|p| t.proj_base(&self.gpu, p)),
+                    stride: t.slot_bytes(),
+                    slot_ids: self.gpu.upload(&slot_of).map_err(err)?,
+                };
+                drop(t);
+                self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &src)?
+            }
+            _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact)?,
         };
         if let Some(sh) = &w.shared {
             let mut y = model.dense_ffn(&sh.gate, &sh.up, &sh.down, x, m, s)?;
@@ -880,5 +996,9 @@ impl Backend for Cuda {
 
     fn to_host(&self, x: &Act) -> Result<Vec<f32>, ModelError> {
         self.gpu.download(&x.buf, x.len).map_err(err)
+    }
+
+    fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {
+        self.tier_stats()
     }
 }

@@ -16,7 +16,7 @@ mod stream;
 pub use layout::{ExpertLayout, LayerLayout, ProjLayout};
 pub use mapped::{MappedExperts, ResidentExperts};
 pub use stats::{LayerStats, StatsSnapshot};
-pub use stream::{EvictionPolicy, ReadSource, StreamOptions, StreamingExperts};
+pub use stream::{EvictionPolicy, ReadSource, SlotScores, StreamOptions, StreamingExperts};
 
 use std::path::PathBuf;
 

@@ -105,6 +105,53 @@ impl EvictionPolicy {
     }
 }
 
+/// Use counts and recency of a cache's slots, and the victim the policy picks:
+/// shared by every cache of experts (host slots here, VRAM slots on a GPU).
+#[derive(Clone, Debug)]
+pub struct SlotScores {
+    pub policy: EvictionPolicy,
+    last_use: Vec<u64>,
+    uses: Vec<u64>,
+    score: Vec<f64>,
+    /// Advanced once per `ensure`.
+    pub clock: u64,
+}
+
+impl SlotScores {
+    pub fn new(policy: EvictionPolicy, n_slots: usize) -> SlotScores {
+        SlotScores { policy, last_use: vec![0; n_slots], uses: vec![0; n_slots], score: vec![0.0; n_slots], clock: 0 }
+    }
+
+    /// A slot was given to a new expert: its history starts over.
+    pub fn reset(&mut self, s: usize) {
+        self.score[s] = 0.0;
+        self.uses[s] = 0;
+        self.last_use[s] = self.clock;
+    }
+
+    /// Slot `s` was used now.
+    pub fn touch(&mut self, s: usize) {
+        if let EvictionPolicy::DecayedFrequency { half_life } = self.policy {
+            self.score[s] = self.score[s] * 0.5f64.powf((self.clock - self.last_use[s]) as f64 / half_life) + 1.0;
+        }
+        self.uses[s] += 1;
+        self.last_use[s] = self.clock;
+    }
+
+    /// The policy's victim among `candidates` (occupied, evictable slots).
+    pub fn victim(&self, candidates: impl Iterator<Item = usize>) -> Option<usize> {
+        match self.policy {
+            EvictionPolicy::Lru => candidates.min_by_key(|&s| self.last_use[s]),
+            EvictionPolicy::Lfu => candidates.min_by_key(|&s| (self.uses[s], self.last_use[s])),
+            EvictionPolicy::DecayedFrequency { half_life } => candidates.min_by(|&a, &b| {
+                let decayed =
+                    |s: usize| self.score[s] * 0.5f64.powf((self.clock - self.last_use[s]) as f64 / half_life);
+                decayed(a).total_cmp(&decayed(b)).then(self.last_use[a].cmp(&self.last_use[b]))
+            }),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct StreamOptions {
     /// Bytes the slots may take together.
@@ -243,10 +290,7 @@ struct State {
     owner: Vec<Option<(usize, usize)>>,
     pins: Vec<u32>,
     latch: Vec<Option<Arc<Latch>>>,
-    last_use: Vec<u64>,
-    uses: Vec<u64>,
-    score: Vec<f64>,
-    clock: u64,
+    scores: SlotScores,
 }
 
 struct Shared {
@@ -266,8 +310,7 @@ fn assign(st: &mut State, s: usize, layer: usize, e: usize, pl: &[Placement; 3])
     }
     st.owner[s] = Some((layer, e));
     st.table.insert((layer, e), s);
-    st.score[s] = 0.0;
-    st.uses[s] = 0;
+    st.scores.reset(s);
     let latch = Latch::new(3);
     st.latch[s] = Some(latch.clone());
     pl.iter().map(|&placement| ReadJob { slot: s, placement, layer, latch: latch.clone() }).collect()
@@ -331,10 +374,7 @@ impl StreamingExperts {
                 owner: vec![None; n_slots],
                 pins: vec![0; n_slots],
                 latch: vec![None; n_slots],
-                last_use: vec![0; n_slots],
-                uses: vec![0; n_slots],
-                score: vec![0.0; n_slots],
-                clock: 0,
+                scores: SlotScores::new(opts.policy, n_slots),
             }),
             shared,
             slot_bytes,
@@ -364,14 +404,7 @@ impl StreamingExperts {
         if let Some(s) = unpinned.clone().find(|&s| st.owner[s].is_none()) {
             return Some(s);
         }
-        match self.policy {
-            EvictionPolicy::Lru => unpinned.min_by_key(|&s| st.last_use[s]),
-            EvictionPolicy::Lfu => unpinned.min_by_key(|&s| (st.uses[s], st.last_use[s])),
-            EvictionPolicy::DecayedFrequency { half_life } => unpinned.min_by(|&a, &b| {
-                let decayed = |s: usize| st.score[s] * 0.5f64.powf((st.clock - st.last_use[s]) as f64 / half_life);
-                decayed(a).total_cmp(&decayed(b)).then(st.last_use[a].cmp(&st.last_use[b]))
-            }),
-        }
+        st.scores.victim(unpinned)
     }
 
     /// Queues reads for the reader threads.
@@ -380,14 +413,6 @@ impl StreamingExperts {
             self.shared.queue.lock().unwrap().extend(jobs);
             self.shared.queued.notify_all();
         }
-    }
-
-    fn touch(&self, st: &mut State, s: usize) {
-        if let EvictionPolicy::DecayedFrequency { half_life } = self.policy {
-            st.score[s] = st.score[s] * 0.5f64.powf((st.clock - st.last_use[s]) as f64 / half_life) + 1.0;
-        }
-        st.uses[s] += 1;
-        st.last_use[s] = st.clock;
     }
 
     fn release(&self, slots: &[usize]) {
@@ -521,7 +546,7 @@ impl ExpertStore for StreamingExperts {
         let mut taken: Vec<usize> = Vec::new();
         {
             let mut st = self.state.lock().unwrap();
-            st.clock += 1;
+            st.scores.clock += 1;
             for &e in ids {
                 let pl = placements(&l, e, align);
                 let slot = match st.table.get(&(layer, e)).copied() {
@@ -555,7 +580,7 @@ impl ExpertStore for StreamingExperts {
                     }
                 };
                 st.pins[slot] += 1;
-                self.touch(&mut st, slot);
+                st.scores.touch(slot);
                 let latch = st.latch[slot].clone().expect("a cached slot has a latch");
                 entries.push((e, slot, pl, latch));
             }
@@ -576,7 +601,6 @@ impl ExpertStore for StreamingExperts {
                 }
                 let Some(s) = self.victim(&st) else { break };
                 jobs.extend(assign(&mut st, s, layer, e, &placements(&l, e, align)));
-                st.last_use[s] = st.clock;
                 self.shared.counters[layer].prefetched.fetch_add(1, Relaxed);
             }
         }

@@ -91,6 +91,11 @@ pub trait Backend: Sized + Send + Sync {
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act, ModelError>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;
+
+    /// Counters of an expert cache the backend keeps itself (a GPU's VRAM cache).
+    fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {
+        None
+    }
 }
 
 /// The CPU: rayon threads, SIMD kernels of `ts-cpu`.

@@ -164,6 +164,24 @@ fn expert_ffn(
     Ok(())
 }
 
+/// `down(act(gate · x) * (up · x))` for `m` rows on the CPU.
+fn dense_ffn(
+    cfg: &ArchConfig,
+    gate: &crate::weights::Weight,
+    up: &crate::weights::Weight,
+    down: &crate::weights::Weight,
+    x: &[f32],
+    m: usize,
+    scratch: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let (mut g, mut u, mut out) = (Vec::new(), Vec::new(), Vec::new());
+    linear(gate, x, m, scratch, &mut g)?;
+    linear(up, x, m, scratch, &mut u)?;
+    ops::gated_activation(cfg.ffn_act, &mut g, &u);
+    linear(down, &g, m, scratch, &mut out)?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,22 +208,4 @@ mod tests {
         assert_eq!(r.experts, vec![2, 3]);
         assert!((r.weights[0] - 1.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
     }
-}
-
-/// `down(act(gate · x) * (up · x))` for `m` rows on the CPU.
-fn dense_ffn(
-    cfg: &ArchConfig,
-    gate: &crate::weights::Weight,
-    up: &crate::weights::Weight,
-    down: &crate::weights::Weight,
-    x: &[f32],
-    m: usize,
-    scratch: &mut Scratch,
-) -> Result<Vec<f32>, ModelError> {
-    let (mut g, mut u, mut out) = (Vec::new(), Vec::new(), Vec::new());
-    linear(gate, x, m, scratch, &mut g)?;
-    linear(up, x, m, scratch, &mut u)?;
-    ops::gated_activation(cfg.ffn_act, &mut g, &u);
-    linear(down, &g, m, scratch, &mut out)?;
-    Ok(out)
 }

@@ -43,9 +43,9 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
         bail!("--repetitions must be at least 1");
     }
     let threads = global.threads()?;
-    let (engine, _) = load(global, &args.model)?;
+    let (engine, _, cuda) = load(global, &args.model)?;
     let path = global.model(None)?;
-    crate::on_device!(global, engine, |engine| run_on(&engine, threads, args, &path))
+    crate::on_device!(global, engine, cuda, |engine| run_on(&engine, threads, args, &path))
 }
 
 fn run_on<B: ts_model::Backend>(
@@ -64,7 +64,7 @@ fn run_on<B: ts_model::Backend>(
 
     let mut results = Vec::new();
     let mut cache_lines = Vec::new();
-    let snapshot = || engine.model.experts.stats();
+    let snapshot = || engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats());
     if args.n_prompt > 0 {
         let mut tps = Vec::new();
         let mut before = snapshot();

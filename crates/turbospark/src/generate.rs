@@ -145,14 +145,19 @@ pub struct PerplexityArgs {
     model: ModelArgs,
 }
 
-/// Where routed experts go, from the flags (and, for `auto`, from the memory available).
-fn placement(args: &ModelArgs, model: &std::path::Path, n_ctx: Option<usize>) -> Result<ExpertPlacement> {
-    let policy = match args.expert_policy.as_str() {
+/// The eviction policy `--expert-policy` names.
+fn policy(name: &str) -> Result<EvictionPolicy> {
+    Ok(match name {
         "decay" => EvictionPolicy::DecayedFrequency { half_life: 256.0 },
         "lru" => EvictionPolicy::Lru,
         "lfu" => EvictionPolicy::Lfu,
         other => bail!("--expert-policy {other}: expected `decay`, `lru` or `lfu`"),
-    };
+    })
+}
+
+/// Where routed experts go, from the flags (and, for `auto`, from the memory available).
+fn placement(args: &ModelArgs, model: &std::path::Path, n_ctx: Option<usize>) -> Result<ExpertPlacement> {
+    let policy = policy(&args.expert_policy)?;
     if args.expert_readers == 0 {
         bail!("--expert-readers must be at least 1");
     }
@@ -211,7 +216,27 @@ fn kv_bytes_estimate(model: &std::path::Path, n_ctx: Option<usize>) -> Result<u6
     Ok(ts_model::SeqState::bytes_for(&cfg, n_ctx, 512) as u64)
 }
 
-pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)> {
+/// GPU placement from the flags: `--expert-cache` is the VRAM for experts, over a
+/// pinned copy of every expert in host RAM when that fits in available memory,
+/// else over the mapped file (the OS reads it from disk).
+fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::CudaOptions> {
+    let mut opts = ts_cuda::CudaOptions { policy: policy(&args.expert_policy)?, ..Default::default() };
+    if let Some(size) = &args.expert_cache {
+        let bytes = parse_size(size).with_context(|| format!("--expert-cache {size}"))?;
+        let (experts, dense) = expert_and_dense_bytes(model)?;
+        opts.expert_cache = Some(bytes);
+        opts.pinned_host = available_memory().is_some_and(|a| experts + dense < a);
+        eprintln!(
+            "experts: {:.1} GiB of VRAM cache over {}",
+            bytes as f64 / (1u64 << 30) as f64,
+            if opts.pinned_host { "a pinned copy in host RAM" } else { "the mapped file (host RAM is short)" }
+        );
+    }
+    Ok(opts)
+}
+
+/// The engine on the CPU, its context size, and how to place it on a GPU if `--device` asks.
+pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, ts_cuda::CudaOptions)> {
     let model = global.model(None)?;
     if args.batch == 0 {
         bail!("--batch-size must be at least 1");
@@ -219,15 +244,29 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)>
     let experts = match global.device()? {
         crate::Device::Cpu => placement(args, &model, args.ctx)?,
         crate::Device::Cuda(_) => {
-            // Every weight goes to the GPU; the host keeps only the mapped file to upload from.
+            // Weights go to the GPU; the host keeps the mapped file to upload (or copy experts) from.
             if args.experts != "auto" && args.experts != "mapped" {
-                bail!("--experts {} is not available with --device cuda (all experts live in VRAM)", args.experts);
+                bail!(
+                    "--experts {} is not available with --device cuda: experts live in VRAM, or in a VRAM \
+                     cache of --expert-cache bytes over host RAM",
+                    args.experts
+                );
             }
-            if args.expert_cache.is_some() {
-                bail!("--expert-cache is not available with --device cuda yet (all experts live in VRAM)");
+            for (set, flag) in [
+                (args.no_direct_io, "--no-direct-io"),
+                (args.expert_prefetch, "--expert-prefetch"),
+                (args.expert_readers != 8, "--expert-readers"),
+            ] {
+                if set {
+                    bail!("{flag} applies to experts streamed by the CPU, not to --device cuda");
+                }
             }
             ExpertPlacement::Mapped
         }
+    };
+    let cuda = match global.device()? {
+        crate::Device::Cuda(_) => cuda_options(args, &model)?,
+        crate::Device::Cpu => ts_cuda::CudaOptions::default(),
     };
     let opts = LoadOptions { threads: global.threads()?, experts };
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
@@ -243,7 +282,7 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize)>
     if n_ctx == 0 {
         bail!("--ctx-size must be at least 1");
     }
-    Ok((engine, n_ctx))
+    Ok((engine, n_ctx, cuda))
 }
 
 fn report(stats: &GenerationStats) {
@@ -264,8 +303,8 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
         (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
         (None, None) => bail!("no prompt given: pass -p TEXT or -f FILE"),
     };
-    let (engine, n_ctx) = load(global, &args.model)?;
-    crate::on_device!(global, engine, |engine| run_on(&engine, n_ctx, args, prompt))
+    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    crate::on_device!(global, engine, cuda, |engine| run_on(&engine, n_ctx, args, prompt))
 }
 
 fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: String) -> Result<()> {
@@ -282,7 +321,7 @@ fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: 
     report(&stats);
     eprintln!("seed {}", sampler.seed);
     if args.stats {
-        match engine.model.experts.stats() {
+        match engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats()) {
             Some(s) => eprint!("{}", crate::stats::table(&s, stats.prompt_tokens + stats.generated_tokens)),
             None => {
                 eprintln!("experts {}: no cache counters (they count only when streamed)", engine.model.experts.kind())
@@ -293,8 +332,8 @@ fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: 
 }
 
 pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
-    let (engine, n_ctx) = load(global, &args.model)?;
-    crate::on_device!(global, engine, |engine| chat_on(&engine, n_ctx, args))
+    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    crate::on_device!(global, engine, cuda, |engine| chat_on(&engine, n_ctx, args))
 }
 
 fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Result<()> {
@@ -379,8 +418,8 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
 }
 
 pub fn logits(global: &GlobalOptions, args: &LogitsArgs) -> Result<()> {
-    let (engine, n_ctx) = load(global, &args.model)?;
-    crate::on_device!(global, engine, |engine| logits_on(&engine, n_ctx, args))
+    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    crate::on_device!(global, engine, cuda, |engine| logits_on(&engine, n_ctx, args))
 }
 
 fn logits_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &LogitsArgs) -> Result<()> {
@@ -395,8 +434,8 @@ fn logits_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &LogitsArgs) ->
 }
 
 pub fn perplexity(global: &GlobalOptions, args: &PerplexityArgs) -> Result<()> {
-    let (engine, n_ctx) = load(global, &args.model)?;
-    crate::on_device!(global, engine, |engine| perplexity_on(&engine, n_ctx, args))
+    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    crate::on_device!(global, engine, cuda, |engine| perplexity_on(&engine, n_ctx, args))
 }
 
 fn perplexity_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &PerplexityArgs) -> Result<()> {

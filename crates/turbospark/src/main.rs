@@ -68,7 +68,7 @@ enum Command {
 /// device `--device` names: the body is compiled once per backend.
 #[macro_export]
 macro_rules! on_device {
-    ($global:expr, $loaded:expr, |$engine:ident| $body:expr) => {{
+    ($global:expr, $loaded:expr, $cuda:expr, |$engine:ident| $body:expr) => {{
         match $global.device()? {
             $crate::Device::Cpu => {
                 let $engine = $loaded;
@@ -77,7 +77,7 @@ macro_rules! on_device {
             $crate::Device::Cuda(ordinal) => {
                 let $engine = $loaded
                     .into_backend(|m| {
-                        let cuda = ts_cuda::Cuda::new(ordinal, m)?;
+                        let cuda = ts_cuda::Cuda::with_options(ordinal, m, &$cuda)?;
                         eprintln!("cuda:{ordinal}: {}", cuda.describe());
                         Ok(cuda)
                     })
