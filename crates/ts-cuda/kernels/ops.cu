@@ -322,3 +322,8 @@ extern "C" __global__ void f32_to_f16(const float* x, unsigned short* out, long 
         out[i] = h;
     }
 }
+
+extern "C" __global__ void fill(float* x, float v, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = v;
+}

@@ -77,7 +77,8 @@ impl Gpu {
             )));
         }
         let (ctx, funcs) = loaded(ordinal)?;
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream()?;
         let arch = ctx.compute_capability()?;
         let name = ctx.name()?;
         Ok(Gpu { ctx, stream, funcs, name, arch })

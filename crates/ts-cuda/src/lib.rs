@@ -70,10 +70,13 @@ enum ExpertSource {
     Slots { bases: [u64; 3], stride: usize, slot_ids: CudaSlice<i32> },
 }
 
-/// `[m][width]` f32 on the device.
+/// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or
+/// a piece of the step arena (decode steps, so that a captured graph's
+/// addresses hold on replay).
 pub struct Act {
-    buf: CudaSlice<f32>,
+    ptr: u64,
     len: usize,
+    _own: Option<CudaSlice<f32>>,
 }
 
 /// One sequence's caches on the device: per layer, keys `[slots][kv_dim]`,
@@ -82,13 +85,44 @@ pub struct GpuKv {
     layers: Vec<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
 }
 
-/// Per forward step: each row's position, and per layer each row's cache
-/// (`RowKv` of ops.cu: k pointer, v pointer, slots | pos << 32).
+/// Per forward step, in buffers that keep their addresses from step to step:
+/// each row's token and position, and per layer each row's cache (`RowKv` of
+/// ops.cu: k pointer, v pointer, slots | pos << 32).
 struct Step {
     m: usize,
+    tokens_host: Vec<u32>,
+    tokens: CudaSlice<i32>,
     pos: CudaSlice<i32>,
     kv: CudaSlice<u64>,
 }
+
+/// Bytes of the arena single-row steps allocate their activations from.
+const ARENA_BYTES: usize = 256 << 20;
+
+/// How launches are treated during a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Launched as they come.
+    Direct,
+    /// Recorded into a CUDA graph (the first single-row step).
+    Capture,
+    /// Skipped: the graph recorded earlier runs them all at the end of the step.
+    Replay,
+}
+
+/// A decode step recorded once and replayed: one launch instead of hundreds.
+struct Graphs {
+    mode: Mode,
+    arena: CudaSlice<u8>,
+    arena_used: usize,
+    arena_on: bool,
+    decode: Option<SendGraph>,
+}
+
+struct SendGraph(cudarc::driver::CudaGraph);
+// SAFETY: used only under the `Graphs` mutex, on the backend's one stream.
+unsafe impl Send for SendGraph {}
+unsafe impl Sync for SendGraph {}
 
 /// Buffers reused across steps.
 #[derive(Default)]
@@ -107,6 +141,9 @@ pub struct Cuda {
     ropes: Vec<CudaSlice<f32>>,
     windows: Vec<i32>,
     step: Mutex<Option<Step>>,
+    graphs: Mutex<Graphs>,
+    /// Replay single-row steps from a CUDA graph (off when the expert tier needs the host mid-step).
+    pub use_graphs: bool,
     blas: Option<CudaBlas>,
     /// f16 staging for cuBLAS: a dequantized weight and the activations.
     half: Mutex<(CudaSlice<u16>, CudaSlice<u16>)>,
@@ -162,6 +199,7 @@ impl Cuda {
     pub fn open(ordinal: usize) -> Result<Cuda, ModelError> {
         let gpu = Gpu::open(ordinal).map_err(err)?;
         let blas = device::guard("loading cuBLAS", || CudaBlas::new(gpu.stream.clone())).ok().and_then(|r| r.ok());
+        let arena = gpu.alloc(ARENA_BYTES).map_err(err)?;
         Ok(Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
             gpu,
@@ -170,6 +208,8 @@ impl Cuda {
             ropes: Vec::new(),
             windows: Vec::new(),
             step: Mutex::new(None),
+            graphs: Mutex::new(Graphs { mode: Mode::Direct, arena, arena_used: 0, arena_on: false, decode: None }),
+            use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
             blas,
             weight_bytes: 0,
             tier: None,
@@ -308,16 +348,51 @@ impl Cuda {
         Ok(self.gpu.ptr(buf))
     }
 
+    /// `len` 4-byte elements: from the step arena when it is on, else a new allocation.
     fn act(&self, len: usize) -> Result<Act, ModelError> {
-        Ok(Act { buf: self.gpu.alloc(len).map_err(err)?, len })
+        let mut g = self.graphs.lock().expect("graph lock");
+        if g.arena_on {
+            let bytes = (len * 4).div_ceil(256) * 256;
+            if g.arena_used + bytes > ARENA_BYTES {
+                return Err(ModelError::Compute(format!(
+                    "cuda: a one-row step needs more than the {} MiB activation arena",
+                    ARENA_BYTES >> 20
+                )));
+            }
+            let ptr = self.gpu.ptr(&g.arena) + g.arena_used as u64;
+            g.arena_used += bytes;
+            return Ok(Act { ptr, len, _own: None });
+        }
+        drop(g);
+        let buf = self.gpu.alloc::<f32>(len).map_err(err)?;
+        Ok(Act { ptr: self.gpu.ptr(&buf), len, _own: Some(buf) })
     }
 
     fn zeros(&self, len: usize) -> Result<Act, ModelError> {
-        Ok(Act { buf: self.gpu.zeros(len).map_err(err)?, len })
+        let a = self.act(len)?;
+        self.launch_1d("fill", len, &[Arg::Ptr(a.ptr), Arg::F32(0.0), Arg::I64(len as i64)])?;
+        Ok(a)
     }
 
     fn p(&self, a: &Act) -> u64 {
-        self.gpu.ptr(&a.buf)
+        a.ptr
+    }
+
+    /// `n` elements at device address `ptr`, after everything queued so far.
+    fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        ptr: u64,
+        n: usize,
+    ) -> Result<Vec<T>, ModelError> {
+        let mut out = vec![T::default(); n];
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, ptr, self.gpu.stream.cu_stream()) }
+            .map_err(|e| err(e.into()))?;
+        self.gpu.sync().map_err(err)?;
+        Ok(out)
+    }
+
+    fn replaying(&self) -> bool {
+        self.graphs.lock().expect("graph lock").mode == Mode::Replay
     }
 
     fn launch(
@@ -327,11 +402,25 @@ impl Cuda {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<(), ModelError> {
+        if self.replaying() {
+            return Ok(());
+        }
         self.gpu.launch(name, grid, block, 0, args).map_err(err)
     }
 
     fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
+        if self.replaying() {
+            return Ok(());
+        }
         self.gpu.launch_1d(name, n, args).map_err(err)
+    }
+
+    /// Ends a capture a failed step left open, dropping what it recorded.
+    fn abandon_capture(&self, g: &mut Graphs) {
+        if g.mode == Mode::Capture {
+            let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        }
+        g.mode = Mode::Direct;
     }
 
     /// `y[m][n_out] = x[m][k] · Wᵀ` for `n_out` rows of type `ty` at device address `w`.
@@ -439,7 +528,7 @@ impl Cuda {
         x: &Act,
         m: usize,
         k: usize,
-        ids: &CudaSlice<i32>,
+        ids: &Act,
         wts: &Act,
         act: GatedActivation,
         src: &ExpertSource,
@@ -447,7 +536,7 @@ impl Cuda {
         let e = w.gate_exps.row_len();
         let f = w.gate_exps.n_rows();
         let slots = m * k;
-        let ids_p = self.gpu.ptr(ids);
+        let ids_p = ids.ptr;
         let mm = |proj: usize, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
             let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
             let (base, stride, index) = match src {
@@ -531,7 +620,7 @@ impl Cuda {
         x: &Act,
         m: usize,
         k: usize,
-        ids: &CudaSlice<i32>,
+        ids: &Act,
         wts: &Act,
         act: GatedActivation,
         exact: bool,
@@ -539,8 +628,8 @@ impl Cuda {
         let e = w.gate_exps.row_len();
         let f = w.gate_exps.n_rows();
         let n_expert = w.gate_exps.dims[2];
-        let ids_h = self.gpu.download(ids, m * k).map_err(err)?;
-        let wts_h = self.gpu.download(&wts.buf, m * k).map_err(err)?;
+        let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
+        let wts_h: Vec<f32> = self.download(wts.ptr, m * k)?;
         let mut rows_of: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_expert];
         for (s, (&ex, &wt)) in ids_h.iter().zip(&wts_h).enumerate() {
             let ex = usize::try_from(ex)
@@ -662,9 +751,9 @@ impl Cuda {
     }
 
     /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
-    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(CudaSlice<i32>, Act), ModelError> {
+    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Act, Act), ModelError> {
         let k = moe.n_expert_used;
-        let ids = self.gpu.alloc::<i32>(m * k).map_err(err)?;
+        let ids = self.act(m * k)?;
         let wts = self.act(m * k)?;
         self.launch(
             "route",
@@ -679,7 +768,7 @@ impl Cuda {
                     Gating::SoftmaxOverTopK => 1,
                 }),
                 Arg::I32(moe.renormalize as i32),
-                Arg::Ptr(self.gpu.ptr(&ids)),
+                Arg::Ptr(ids.ptr),
                 Arg::Ptr(self.p(&wts)),
             ],
         )?;
@@ -690,7 +779,7 @@ impl Cuda {
     pub fn route_rows(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Vec<i32>, Vec<f32>), ModelError> {
         let (ids, wts) = self.route(logits, m, moe)?;
         let k = moe.n_expert_used;
-        Ok((self.gpu.download(&ids, m * k).map_err(err)?, self.gpu.download(&wts.buf, m * k).map_err(err)?))
+        Ok((self.download(ids.ptr, m * k)?, self.download(wts.ptr, m * k)?))
     }
 
     /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
@@ -702,7 +791,8 @@ impl Cuda {
 
     /// Uploads host f32 values as an activation (tests).
     pub fn act_from_host(&self, v: &[f32]) -> Result<Act, ModelError> {
-        Ok(Act { buf: self.gpu.upload(v).map_err(err)?, len: v.len() })
+        let buf = self.gpu.upload(v).map_err(err)?;
+        Ok(Act { ptr: self.gpu.ptr(&buf), len: v.len(), _own: Some(buf) })
     }
 }
 
@@ -726,25 +816,99 @@ impl Backend for Cuda {
     }
 
     fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuKv>]) -> Result<(), ModelError> {
+        let mut g = self.graphs.lock().expect("graph lock");
+        self.abandon_capture(&mut g);
+        let m = rows.len();
         let n_layer = seqs.first().map_or(0, |s| s.kv.layers.len());
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
-        let mut kv = Vec::with_capacity(n_layer * rows.len() * 3);
+        let mut kv = Vec::with_capacity(n_layer * m * 3);
         for il in 0..n_layer {
             for r in rows {
                 let (k, v, slots) = &seqs[r.seq].kv.layers[il];
                 kv.extend([self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]);
             }
         }
-        let step =
-            Step { m: rows.len(), pos: self.gpu.upload(&pos).map_err(err)?, kv: self.gpu.upload(&kv).map_err(err)? };
-        *self.step.lock().expect("step lock") = Some(step);
+        let mut step = self.step.lock().expect("step lock");
+        // The buffers keep their addresses while they are large enough; a graph
+        // recorded against older ones is dropped when they move.
+        let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
+        if !fits {
+            let cap = m.max(8);
+            *step = Some(Step {
+                m,
+                tokens_host: Vec::new(),
+                tokens: self.gpu.alloc(cap).map_err(err)?,
+                pos: self.gpu.alloc(cap).map_err(err)?,
+                kv: self.gpu.alloc((n_layer * cap * 3).max(1)).map_err(err)?,
+            });
+            g.decode = None;
+        }
+        let st = step.as_mut().expect("step buffers");
+        st.m = m;
+        st.tokens_host = tokens.clone();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let stream = self.gpu.stream.cu_stream();
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.tokens), &ids, stream)
+                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.pos), &pos, stream))
+                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.kv), &kv, stream))
+        }
+        .map_err(|e| err(e.into()))?;
+        // Pageable copies return once the bytes are staged; the kernels after them see them in order.
+        g.arena_used = 0;
+        g.arena_on = m == 1;
+        if self.use_graphs && m == 1 && self.tier.is_none() {
+            if g.decode.is_some() {
+                g.mode = Mode::Replay;
+            } else {
+                self.gpu
+                    .stream
+                    .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| err(e.into()))?;
+                g.mode = Mode::Capture;
+            }
+        }
+        Ok(())
+    }
+
+    fn end_step(&self) -> Result<(), ModelError> {
+        let mut g = self.graphs.lock().expect("graph lock");
+        match g.mode {
+            Mode::Capture => {
+                g.mode = Mode::Direct;
+                let graph = self
+                    .gpu
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                    .map_err(|e| err(e.into()))?
+                    .ok_or_else(|| ModelError::Compute("cuda: the decode step recorded no work".into()))?;
+                graph.launch().map_err(|e| err(e.into()))?;
+                g.decode = Some(SendGraph(graph));
+            }
+            Mode::Replay => {
+                g.mode = Mode::Direct;
+                let graph = g.decode.as_ref().expect("replay has a graph");
+                graph.0.launch().map_err(|e| err(e.into()))?;
+            }
+            Mode::Direct => {}
+        }
+        g.arena_on = false;
         Ok(())
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Act, ModelError> {
         let e = table.row_len();
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids = self.gpu.upload(&ids).map_err(err)?;
+        let step = self.step.lock().expect("step lock");
+        let (ids_ptr, _own) = match step.as_ref().filter(|s| s.tokens_host == tokens) {
+            Some(s) => (self.gpu.ptr(&s.tokens), None),
+            None => {
+                let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+                let buf = self.gpu.upload(&ids).map_err(err)?;
+                (self.gpu.ptr(&buf), Some(buf))
+            }
+        };
+        drop(step);
         let out = self.act(tokens.len() * e)?;
         let sfx = type_suffix(table.ty).expect("checked at upload");
         self.launch_1d(
@@ -752,7 +916,7 @@ impl Backend for Cuda {
             tokens.len() * e / 32,
             &[
                 Arg::Ptr(self.wptr(table)?),
-                Arg::Ptr(self.gpu.ptr(&ids)),
+                Arg::Ptr(ids_ptr),
                 Arg::Ptr(self.p(&out)),
                 Arg::I32(tokens.len() as i32),
                 Arg::I32(e as i32),
@@ -939,7 +1103,7 @@ impl Backend for Cuda {
             Some(tier) if m <= DEVICE_MOE_ROWS => {
                 // Routes come back to the host (this waits for the layer so far), the
                 // cache takes in what is missing, and the slots replace expert ids.
-                let ids_h = self.gpu.download(&ids, m * k).map_err(err)?;
+                let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
                 let mut uniq: Vec<usize> = ids_h.iter().map(|&e| e as usize).collect();
                 uniq.sort_unstable();
                 uniq.dedup();
@@ -995,7 +1159,7 @@ impl Backend for Cuda {
     }
 
     fn to_host(&self, x: &Act) -> Result<Vec<f32>, ModelError> {
-        self.gpu.download(&x.buf, x.len).map_err(err)
+        self.download(x.ptr, x.len)
     }
 
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {

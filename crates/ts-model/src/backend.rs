@@ -45,6 +45,12 @@ pub trait Backend: Sized + Send + Sync {
         Ok(())
     }
 
+    /// Called once at the end of each forward step, after its last op and before
+    /// its logits are read.
+    fn end_step(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
+
     /// Rows `tokens` of the embedding table `table` `[n_vocab][n_embd]`.
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Self::Act, ModelError>;
     /// `x[m][k] · wᵀ` for `w` of ggml shape `[k, n_out]`; returns `[m][n_out]`.

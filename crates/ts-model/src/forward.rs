@@ -211,7 +211,12 @@ impl<B: Backend> Model<B> {
             let s = &mut seqs[r.seq];
             s.n_past = s.n_past.max(r.pos + 1);
         }
-        self.output(rows, &x, scratch)
+        let logits = self.output(rows, &x, scratch)?;
+        be.end_step()?;
+        match logits {
+            None => Ok(Vec::new()),
+            Some(l) => Ok(be.to_host(&l)?.chunks_exact(cfg.n_vocab).map(<[f32]>::to_vec).collect()),
+        }
     }
 
     /// `down(act(gate · x) * (up · x))` for `m` rows.
@@ -277,12 +282,12 @@ impl<B: Backend> Model<B> {
         be.attention(il, &shape, &q, &k, &v, rows, seqs)
     }
 
-    /// Final norm and output head for the rows that want logits.
-    fn output(&self, rows: &[Row], x: &B::Act, scratch: &mut B::Scratch) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// Final norm and output head for the rows that want logits, `[wanted][n_vocab]`.
+    fn output(&self, rows: &[Row], x: &B::Act, scratch: &mut B::Scratch) -> Result<Option<B::Act>, ModelError> {
         let be = &self.backend;
         let wanted: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, _)| i).collect();
         if wanted.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let selected;
         let x = if wanted.len() == rows.len() {
@@ -299,6 +304,6 @@ impl<B: Backend> Model<B> {
         if let Some(c) = self.cfg.final_softcap {
             be.softcap(&mut logits, c)?;
         }
-        Ok(be.to_host(&logits)?.chunks_exact(self.cfg.n_vocab).map(<[f32]>::to_vec).collect())
+        Ok(Some(logits))
     }
 }
