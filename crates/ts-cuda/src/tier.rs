@@ -32,8 +32,9 @@ pub struct ExpertTier {
     slot_bytes: usize,
     /// Offsets of gate, up and down inside a slot.
     proj_offset: [usize; 3],
-    /// Bytes of one expert's gate, up and down matrices.
-    proj_bytes: [usize; 3],
+    /// Per layer, bytes of one expert's gate, up and down matrices (types may
+    /// differ between layers, as in Q4_K_M files); slots fit the largest.
+    proj_bytes: Vec<[usize; 3]>,
     table: HashMap<(usize, usize), usize>,
     owner: Vec<Option<(usize, usize)>>,
     scores: SlotScores,
@@ -79,18 +80,20 @@ impl ExpertTier {
     ) -> Result<ExpertTier, ModelError> {
         let err = |e: CudaError| ModelError::Compute(format!("cuda: expert cache: {e}"));
         let layers = moe_layers(model);
-        let Some((_, first)) = layers.first() else {
+        if layers.is_empty() {
             return Err(ModelError::Compute("--expert-cache: this model has no routed experts".into()));
         };
         let per = |w: &Weight| w.row_bytes() * w.n_rows();
-        let proj_bytes = [per(&first.gate_exps), per(&first.up_exps), per(&first.down_exps)];
+        let mut proj_bytes = vec![[0usize; 3]; model.weights.layers.len()];
+        let mut largest = [0usize; 3];
         for (il, m) in &layers {
-            if [per(&m.gate_exps), per(&m.up_exps), per(&m.down_exps)] != proj_bytes {
-                return Err(ModelError::Compute(format!("cuda: layer {il}'s experts differ in size from the first's")));
+            proj_bytes[*il] = [per(&m.gate_exps), per(&m.up_exps), per(&m.down_exps)];
+            for p in 0..3 {
+                largest[p] = largest[p].max(proj_bytes[*il][p]);
             }
         }
-        let proj_offset = [0, round_up(proj_bytes[0]), round_up(proj_bytes[0]) + round_up(proj_bytes[1])];
-        let slot_bytes = proj_offset[2] + round_up(proj_bytes[2]);
+        let proj_offset = [0, round_up(largest[0]), round_up(largest[0]) + round_up(largest[1])];
+        let slot_bytes = proj_offset[2] + round_up(largest[2]);
         let n_used = model.cfg.moe.as_ref().map_or(1, |m| m.n_expert_used);
         let n_slots = (vram_bytes / slot_bytes as u64) as usize;
         if n_slots < n_used {
@@ -101,7 +104,8 @@ impl ExpertTier {
         }
         let arena = gpu.alloc::<u8>(n_slots * slot_bytes).map_err(err)?;
         let host = if pinned_ok {
-            let total: usize = layers.iter().map(|(_, m)| m.gate_exps.dims[2] * proj_bytes.iter().sum::<usize>()).sum();
+            let total: usize =
+                layers.iter().map(|(il, m)| m.gate_exps.dims[2] * proj_bytes[*il].iter().sum::<usize>()).sum();
             let mut buf = unsafe { gpu.ctx.alloc_pinned::<u8>(total) }.map_err(|e| err(e.into()))?;
             let dst = buf.as_mut_slice().map_err(|e| err(e.into()))?;
             let mut offset = HashMap::new();
@@ -204,7 +208,7 @@ impl ExpertTier {
                         self.table.remove(&old);
                     }
                     self.copy_in(gpu, il, w, e, s)?;
-                    copied += self.proj_bytes.iter().sum::<usize>() as u64;
+                    copied += self.proj_bytes[il].iter().sum::<usize>() as u64;
                     self.owner[s] = Some((il, e));
                     self.table.insert((il, e), s);
                     self.scores.reset(s);
@@ -250,8 +254,9 @@ impl ExpertTier {
             let src: &[u8] = match (&self.host, host_at.as_mut()) {
                 (HostTier::Pinned { buf, .. }, Some(at)) => {
                     let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
-                    let s = &all[*at..*at + self.proj_bytes[p]];
-                    *at += self.proj_bytes[p];
+                    let n = self.proj_bytes[il][p];
+                    let s = &all[*at..*at + n];
+                    *at += n;
                     s
                 }
                 _ => expert_matrix(m, e),

@@ -406,10 +406,16 @@ fn expert_cache_gives_identical_logits() {
     if gpu().is_none() {
         return;
     }
-    for family in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"] {
+    for (family, variant) in [
+        ("mixtral", "q8_0"),
+        ("qwen2_moe", "q8_0"),
+        ("qwen3_moe", "q4_k_m"),
+        ("olmoe", "q4_k_m"),
+        ("gpt_oss", "mxfp4"),
+    ] {
         let dir = fixtures_dir().join(family);
-        let path = dir.join("model-q8_0.gguf");
-        let golden = Golden::read(&dir.join("golden-q8_0.bin")).unwrap();
+        let path = dir.join(format!("model-{variant}.gguf"));
+        let golden = Golden::read(&dir.join(format!("golden-{variant}.bin"))).unwrap();
         let open = |opts: Option<ts_cuda::CudaOptions>| {
             Model::open(&path, ExpertPlacement::Mapped)
                 .unwrap()
@@ -431,8 +437,26 @@ fn expert_cache_gives_identical_logits() {
                 _ => None,
             })
             .unwrap();
-        let expert_bytes: usize =
-            [&w.gate_exps, &w.up_exps, &w.down_exps].iter().map(|t| t.row_bytes() * t.n_rows() + 256).sum();
+        // Slots fit each projection's largest (Q4_K_M mixes types between layers).
+        let moe_layers: Vec<&ts_model::tensors::MoeWeights> = resident
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                ts_model::tensors::Ffn::Moe(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        let expert_bytes: usize = (0..3)
+            .map(|p| {
+                let t = |m: &ts_model::tensors::MoeWeights| {
+                    let t = [&m.gate_exps, &m.up_exps, &m.down_exps][p];
+                    t.row_bytes() * t.n_rows()
+                };
+                moe_layers.iter().map(|m| t(m)).max().unwrap().div_ceil(256) * 256
+            })
+            .sum();
+        let _ = w;
         drop(resident);
         for pinned_host in [true, false] {
             let opts = ts_cuda::CudaOptions {
@@ -444,7 +468,7 @@ fn expert_cache_gives_identical_logits() {
             let (decode, prefill) = run_tokens(&tiered, &golden.tokens);
             let st = tiered.backend.expert_stats().unwrap().total();
             println!(
-                "{family} pinned {pinned_host}: {} slots, hits {} misses {} ({:.1}% hit), {:.1} MiB copied",
+                "{family}/{variant} pinned {pinned_host}: {} slots, hits {} misses {} ({:.1}% hit), {:.1} MiB copied",
                 moe.n_expert_used + 1,
                 st.hits,
                 st.misses,
