@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .devbin
-cargo build --release -p turbospark -p ts-cuda --examples
+cargo build --release -p turbospark
+cargo build --release -p ts-cuda --examples
 cp target/release/turbospark target/release/examples/bandwidth .devbin/
 test_bin=$(cargo test --release -p ts-cuda --test gpu --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
