@@ -316,28 +316,12 @@ fn fixtures_match_transformers_on_the_gpu() {
     if gpu().is_none() {
         return;
     }
-    let dir = fixtures_dir();
-    let mut families: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_dir())
-        .map(|e| e.path())
-        .collect();
-    families.sort();
     let mut failures = Vec::new();
     let mut checked = 0;
-    for fam in families {
-        let mut models: Vec<_> = std::fs::read_dir(&fam)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
-            .collect();
-        models.sort();
-        for path in models {
-            let variant = path.file_stem().unwrap().to_string_lossy().trim_start_matches("model-").to_string();
-            let golden = Golden::read(&fam.join(format!("golden-{variant}.bin"))).unwrap();
-            let family = fam.file_name().unwrap().to_string_lossy().to_string();
-            let model = Model::open(&path, ExpertPlacement::Mapped)
+    for f in ts_testkit::fixtures() {
+        let (path, golden, family, variant) = (&f.model, &f.golden, &f.family, &f.variant);
+        {
+            let model = Model::open(path, ExpertPlacement::Mapped)
                 .unwrap()
                 .into_backend(|m| Cuda::new(0, m))
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -406,13 +390,9 @@ fn expert_cache_gives_identical_logits() {
     if gpu().is_none() {
         return;
     }
-    for (family, variant) in [
-        ("mixtral", "q8_0"),
-        ("qwen2_moe", "q8_0"),
-        ("qwen3_moe", "q4_k_m"),
-        ("olmoe", "q4_k_m"),
-        ("gpt_oss", "mxfp4"),
-    ] {
+    for (family, variant) in
+        [("mixtral", "q8_0"), ("qwen2_moe", "q8_0"), ("qwen3_moe", "q4_k_m"), ("olmoe", "q4_k_m"), ("gpt_oss", "mxfp4")]
+    {
         let dir = fixtures_dir().join(family);
         let path = dir.join(format!("model-{variant}.gguf"));
         let golden = Golden::read(&dir.join(format!("golden-{variant}.bin"))).unwrap();

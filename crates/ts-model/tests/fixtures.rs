@@ -22,7 +22,7 @@
 //!   only (llama.cpp itself agrees on 59-64 of 64 rows here: tests/fixtures/README.md).
 
 use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
-use ts_testkit::{Golden, fixtures_dir};
+use ts_testkit::Golden;
 
 fn run_fixture(path: &std::path::Path, golden: &Golden, chunk: usize, exact: bool) -> Vec<Vec<f32>> {
     let model = Model::open(path, ExpertPlacement::Mapped).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -40,30 +40,14 @@ fn run_fixture(path: &std::path::Path, golden: &Golden, chunk: usize, exact: boo
 
 #[test]
 fn fixtures_match_transformers() {
-    let dir = fixtures_dir();
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        eprintln!("skipped: no fixtures in {}", dir.display());
-        return;
-    };
-    let mut families: Vec<_> = entries.filter_map(|e| e.ok()).filter(|e| e.path().is_dir()).map(|e| e.path()).collect();
-    families.sort();
     let mut failures = Vec::new();
     let mut checked = 0;
-    for fam in families {
-        let mut models: Vec<_> = std::fs::read_dir(&fam)
-            .unwrap()
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
-            .collect();
-        models.sort();
-        for path in models {
-            let stem = path.file_stem().unwrap().to_string_lossy().to_string();
-            let variant = stem.trim_start_matches("model-").to_string();
-            let golden = Golden::read(&fam.join(format!("golden-{variant}.bin"))).unwrap();
-            let family = fam.file_name().unwrap().to_string_lossy().to_string();
+    for f in ts_testkit::fixtures() {
+        let (path, golden, family, variant) = (&f.model, &f.golden, &f.family, &f.variant);
+        {
             // Whole sequence at once, and in chunks of 7 (exercises the cache across steps).
             for chunk in [golden.tokens.len(), 7] {
-                let c = golden.compare(&run_fixture(&path, &golden, chunk, true));
+                let c = golden.compare(&run_fixture(path, golden, chunk, true));
                 let name = format!("{family}/{variant} exact (chunk {chunk})");
                 println!("{name:<36} {c}");
                 if c.max_rel_err() > 1e-4 || c.argmax_agreement() < 0.99 {
@@ -71,7 +55,7 @@ fn fixtures_match_transformers() {
                 }
                 checked += 1;
             }
-            let c = golden.compare(&run_fixture(&path, &golden, 16, false));
+            let c = golden.compare(&run_fixture(path, golden, 16, false));
             let median = c.median_rel_err();
             let decisive = golden.argmax_agreement_where_gap_exceeds(&c, 2.0 * median);
             let name = format!("{family}/{variant} default");

@@ -36,6 +36,41 @@ pub fn fixtures_dir() -> PathBuf {
     repo_root().join("tests/fixtures")
 }
 
+/// One committed fixture model: its family, type variant, GGUF and golden logits.
+pub struct Fixture {
+    pub family: String,
+    pub variant: String,
+    pub model: PathBuf,
+    pub golden: Golden,
+}
+
+/// Every fixture under [`fixtures_dir`], sorted by family then variant (empty,
+/// after printing why, when the directory is missing).
+pub fn fixtures() -> Vec<Fixture> {
+    let dir = fixtures_dir();
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        eprintln!("skipped: no fixtures in {}", dir.display());
+        return Vec::new();
+    };
+    let mut families: Vec<PathBuf> = entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    families.sort();
+    let mut out = Vec::new();
+    for fam in families {
+        let mut models: Vec<PathBuf> =
+            std::fs::read_dir(&fam).map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default();
+        models.retain(|p| p.extension().is_some_and(|x| x == "gguf"));
+        models.sort();
+        for model in models {
+            let variant = model.file_stem().unwrap().to_string_lossy().trim_start_matches("model-").to_string();
+            let golden_path = fam.join(format!("golden-{variant}.bin"));
+            let golden = Golden::read(&golden_path).unwrap_or_else(|e| panic!("{}: {e}", golden_path.display()));
+            let family = fam.file_name().unwrap().to_string_lossy().to_string();
+            out.push(Fixture { family, variant, model, golden });
+        }
+    }
+    out
+}
+
 /// A tensor to write with [`rewrite_gguf`]: name, type, ggml-order dims, bytes.
 pub type TensorEntry = (String, ts_gguf::GgmlType, Vec<u64>, Vec<u8>);
 
