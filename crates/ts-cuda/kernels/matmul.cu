@@ -15,10 +15,14 @@
 //
 // Matvec layout: four lanes share a 32-element chunk (dequant8's split), so a warp reads x in
 // 64-byte runs, and the block's 128 threads walk the chunks of its 4 rows together: each thread
-// loads its x elements once and uses them for all 4 rows. Decode is memory-bound on the
-// weights; reading x per lane or per row would make it bound by L1 instead.
+// loads its x elements once and uses them for all 4 rows (one lane per chunk, or x read again
+// per row, made decode bound by L1 rather than by reading the weights). Rows past n_out repeat
+// the last row instead of branching, so that the loads of all 4 rows are in flight together.
 
-#define TS_MATVEC_MAX_ROWS 8
+// Chunks per thread per trip of the matvec loop: more loads in flight.
+#ifndef TS_MATVEC_UNROLL
+#define TS_MATVEC_UNROLL 2
+#endif
 
 __device__ __forceinline__ float ts_warp_sum(float v) {
     TS_UNROLL
@@ -33,8 +37,33 @@ __device__ __forceinline__ float ts_dot4(const float* w, float4 x, float acc) {
     return fmaf(w[3], x.w, acc);
 }
 
+// Adds chunk c's dot products with the block's rows to acc: x elements loaded once, used for
+// every weight row.
+template <int M, void (*DQ)(const ts_u8*, int, int, float*)>
+__device__ __forceinline__ void ts_matvec_chunk(const ts_u8* __restrict__ w, ts_u64 row_bytes, int rows,
+                                                const float* __restrict__ x, int k, int c, int s,
+                                                float (&acc)[4][M]) {
+    float4 xa[M], xb[M];
+    TS_UNROLL
+    for (int r = 0; r < M; r++) {
+        const float* xr = x + (ts_u64)r * k + 32 * c + 4 * s;
+        xa[r] = __ldg(reinterpret_cast<const float4*>(xr));
+        xb[r] = __ldg(reinterpret_cast<const float4*>(xr + 16));
+    }
+    TS_UNROLL
+    for (int i = 0; i < 4; i++) {
+        // Rows past the end repeat the last one (never written): no branch between the rows'
+        // loads, so all of them can be in flight at once.
+        float v[8];
+        DQ(w + min(i, rows - 1) * row_bytes, c, s, v);
+        TS_UNROLL
+        for (int r = 0; r < M; r++) acc[i][r] = ts_dot4(v + 4, xb[r], ts_dot4(v, xa[r], acc[i][r]));
+    }
+}
+
 // The block's `rows` (1..4) weight rows from `w` (row stride row_bytes) against M rows of x
 // (stride k): y[r * y_stride + i] for row i. Call with all 128 threads of a (32, 4) block.
+// Each thread takes chunks tid/4 + 32j, TS_MATVEC_UNROLL per trip.
 template <int M, void (*DQ)(const ts_u8*, int, int, float*)>
 __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_u64 row_bytes, int rows,
                                                 const float* __restrict__ x, float* __restrict__ y, int y_stride,
@@ -49,24 +78,12 @@ __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_
         TS_UNROLL
         for (int r = 0; r < M; r++) acc[i][r] = 0.0f;
     }
-    for (int c = tid >> 2; c < n_chunks; c += 32) {
-        float4 xa[M], xb[M];
+    int c = tid >> 2;
+    for (; c + 32 * (TS_MATVEC_UNROLL - 1) < n_chunks; c += 32 * TS_MATVEC_UNROLL) {
         TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            const float* xr = x + (ts_u64)r * k + 32 * c + 4 * s;
-            xa[r] = __ldg(reinterpret_cast<const float4*>(xr));
-            xb[r] = __ldg(reinterpret_cast<const float4*>(xr + 16));
-        }
-        TS_UNROLL
-        for (int i = 0; i < 4; i++) {
-            if (i < rows) {
-                float v[8];
-                DQ(w + i * row_bytes, c, s, v);
-                TS_UNROLL
-                for (int r = 0; r < M; r++) acc[i][r] = ts_dot4(v + 4, xb[r], ts_dot4(v, xa[r], acc[i][r]));
-            }
-        }
+        for (int u = 0; u < TS_MATVEC_UNROLL; u++) ts_matvec_chunk<M, DQ>(w, row_bytes, rows, x, k, c + 32 * u, s, acc);
     }
+    for (; c < n_chunks; c += 32) ts_matvec_chunk<M, DQ>(w, row_bytes, rows, x, k, c, s, acc);
     TS_UNROLL
     for (int i = 0; i < 4; i++) {
         TS_UNROLL
@@ -80,22 +97,21 @@ __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_
         const int i = tid / M, r = tid % M;
         if (i < rows) y[(ts_u64)r * y_stride + i] = (partial[0][tid] + partial[1][tid]) + (partial[2][tid] + partial[3][tid]);
     }
+    __syncthreads();  // partial is reused by the next call
 }
 
+// m rows of x in passes of at most two, so that registers (and occupancy) suit m = 1; later
+// passes find the block's weight rows in L2.
 template <void (*DQ)(const ts_u8*, int, int, float*)>
 __device__ __forceinline__ void ts_matvec(const ts_u8* __restrict__ w, ts_u64 row_bytes, int rows,
                                           const float* __restrict__ x, float* __restrict__ y, int n_out, int k,
                                           int m) {
-    switch (m) {
-        case 1: ts_matvec_block<1, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 2: ts_matvec_block<2, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 3: ts_matvec_block<3, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 4: ts_matvec_block<4, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 5: ts_matvec_block<5, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 6: ts_matvec_block<6, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 7: ts_matvec_block<7, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        case 8: ts_matvec_block<8, DQ>(w, row_bytes, rows, x, y, n_out, k); break;
-        default: break;
+    for (int r = 0; r < m; r += 2) {
+        if (m - r >= 2) {
+            ts_matvec_block<2, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k);
+        } else {
+            ts_matvec_block<1, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k);
+        }
     }
 }
 
@@ -103,7 +119,7 @@ __device__ __forceinline__ void ts_matvec(const ts_u8* __restrict__ w, ts_u64 ro
 __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)ts_f2h(a) | ((ts_u32)ts_f2h(b) << 16); }
 
 #define TS_DEFINE_KERNELS(t, block, bytes)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
         matvec_##t(const ts_u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n_out,     \
                    int k, int m) {                                                                                  \
         const int o = blockIdx.x * 4;                                                                               \
@@ -112,7 +128,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
         ts_matvec<dequant8_##t>(w + o * rb, rb, min(4, n_out - o), x, y + o, n_out, k, m);                         \
     }                                                                                                               \
                                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128)                                                              \
+    extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
         moe_matvec_##t(const ts_u8* __restrict__ w, long long expert_stride, const int* __restrict__ ids,           \
                        const float* __restrict__ x, int x_group, float* __restrict__ y, int n_out, int k) {         \
         const int o = blockIdx.x * 4;                                                                               \

@@ -254,8 +254,20 @@ __device__ __forceinline__ ts_u16 ts_f2h(float f) {
 __device__ __forceinline__ ts_u32 ts_ldu32(const ts_u8* p) {
     const int mis = (int)(ts_addr(p) & 3);
     const ts_u8* a = p - mis;
+#ifdef TS_HOST
     const ts_u32 lo = ts_ld32(a);
     const ts_u32 hi = mis ? ts_ld32(a + 4) : 0u;
+#else
+    // The second word as a predicated load, not a branch, so loads can be scheduled early.
+    ts_u32 lo, hi;
+    asm("{\n\t.reg .pred p;\n\t"
+        "setp.ne.s32 p, %3, 0;\n\t"
+        "mov.b32 %1, 0;\n\t"
+        "ld.global.nc.L1::no_allocate.u32 %0, [%2];\n\t"
+        "@p ld.global.nc.L1::no_allocate.u32 %1, [%2+4];\n\t}"
+        : "=r"(lo), "=r"(hi)
+        : "l"(a), "r"(mis));
+#endif
     return ts_funnel(lo, hi, 8 * mis);
 }
 
@@ -264,25 +276,62 @@ __device__ __forceinline__ ts_u32 ts_ldu8(const ts_u8* p) {
     return (ts_ld32(p - mis) >> (8 * mis)) & 0xff;
 }
 
-// 8 bytes at p: one 8-byte load when aligned (the usual case), else word loads.
-__device__ __forceinline__ void ts_ld_8(const ts_u8* p, ts_u32* w) {
-    if ((ts_addr(p) & 7) == 0) {
-        ts_ld64(p, w);
+// 8 or 16 bytes at p: one wide load when p is aligned for it (the usual case), else the
+// aligned words holding them, shifted. On the device both are predicated loads in straight-line
+// code, so that the loads of several rows can be in flight together.
+template <int N>
+__device__ __forceinline__ void ts_ld_wide(const ts_u8* p, ts_u32* w) {
+    constexpr int W = N / 4;
+#ifdef TS_HOST
+    if ((ts_addr(p) & (N - 1)) == 0) {
+        if (N == 16) {
+            ts_ld128(p, w);
+        } else {
+            ts_ld64(p, w);
+        }
     } else {
-        w[0] = ts_ldu32(p);
-        w[1] = ts_ldu32(p + 4);
+        for (int i = 0; i < W; i++) w[i] = ts_ldu32(p + 4 * i);
     }
+#else
+    const ts_u64 a = ts_addr(p);
+    const int mis = (int)(a & 3);
+    const ts_u8* base = p - mis;
+    ts_u32 v[W], r[W + 1];
+    if (N == 16) {
+        asm("{\n\t.reg .pred al, un, sh;\n\t.reg .b64 t;\n\t"
+            "and.b64 t, %9, 15;\n\tsetp.eq.u64 al, t, 0;\n\tsetp.ne.u64 un, t, 0;\n\t"
+            "setp.ne.s32 sh, %11, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+            "mov.b32 %4, 0;\n\tmov.b32 %5, 0;\n\tmov.b32 %6, 0;\n\tmov.b32 %7, 0;\n\tmov.b32 %8, 0;\n\t"
+            "@al ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%9];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %4, [%10];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %5, [%10+4];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %6, [%10+8];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %7, [%10+12];\n\t"
+            "@sh ld.global.nc.L1::no_allocate.u32 %8, [%10+16];\n\t}"
+            : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]), "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]),
+              "=r"(r[4])
+            : "l"(p), "l"(base), "r"(mis));
+    } else {
+        asm("{\n\t.reg .pred al, un, sh;\n\t.reg .b64 t;\n\t"
+            "and.b64 t, %5, 7;\n\tsetp.eq.u64 al, t, 0;\n\tsetp.ne.u64 un, t, 0;\n\t"
+            "setp.ne.s32 sh, %7, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\tmov.b32 %4, 0;\n\t"
+            "@al ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%5];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %2, [%6];\n\t"
+            "@un ld.global.nc.L1::no_allocate.u32 %3, [%6+4];\n\t"
+            "@sh ld.global.nc.L1::no_allocate.u32 %4, [%6+8];\n\t}"
+            : "=r"(v[0]), "=r"(v[1]), "=r"(r[0]), "=r"(r[1]), "=r"(r[2])
+            : "l"(p), "l"(base), "r"(mis));
+    }
+    const bool aligned = (a & (N - 1)) == 0;
+    TS_UNROLL
+    for (int i = 0; i < W; i++) w[i] = aligned ? v[i] : ts_funnel(r[i], r[i + 1], 8 * mis);
+#endif
 }
 
-// 16 bytes at p: one 16-byte load when aligned (the usual case), else word loads.
-__device__ __forceinline__ void ts_ld_16(const ts_u8* p, ts_u32* w) {
-    if ((ts_addr(p) & 15) == 0) {
-        ts_ld128(p, w);
-    } else {
-        TS_UNROLL
-        for (int i = 0; i < 4; i++) w[i] = ts_ldu32(p + 4 * i);
-    }
-}
+__device__ __forceinline__ void ts_ld_8(const ts_u8* p, ts_u32* w) { ts_ld_wide<8>(p, w); }
+__device__ __forceinline__ void ts_ld_16(const ts_u8* p, ts_u32* w) { ts_ld_wide<16>(p, w); }
 
 // ---- element conversion ----
 
