@@ -128,7 +128,13 @@ impl<B: Backend> Engine<B> {
         self.tokenizer.as_ref().ok_or_else(|| EngineError::NoTokenizer("none".into()))
     }
 
-    fn scratch(&self) -> B::Scratch {
+    /// Runs `f` on the engine's thread pool (the forward pass's threads).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// Fresh per-step buffers for [`Model::forward`].
+    pub fn scratch(&self) -> B::Scratch {
         self.model.backend.scratch(self.exact_activations)
     }
 

@@ -216,6 +216,13 @@ fn kv_bytes_estimate(model: &std::path::Path, n_ctx: Option<usize>) -> Result<u6
     Ok(ts_model::SeqState::bytes_for(&cfg, n_ctx, 512) as u64)
 }
 
+impl ModelArgs {
+    /// Whether `-c` was given.
+    pub fn ctx_given(&self) -> bool {
+        self.ctx.is_some()
+    }
+}
+
 /// GPU placement from the flags: `--expert-cache` is the VRAM for experts, over a
 /// pinned copy of every expert in host RAM when that fits in available memory,
 /// else over the mapped file (the OS reads it from disk).

@@ -3,6 +3,7 @@
 mod bench;
 mod generate;
 mod inspect;
+mod serve;
 mod stats;
 mod synth;
 mod tokenize;
@@ -58,6 +59,8 @@ enum Command {
     Logits(generate::LogitsArgs),
     /// Perplexity of a text file, as llama-perplexity computes it.
     Perplexity(generate::PerplexityArgs),
+    /// An OpenAI-compatible HTTP server (chat and text completions, batched decoding).
+    Serve(serve::ServeArgs),
     /// Prompt-processing and generation speed, llama-bench style, with peak memory.
     Bench(bench::BenchArgs),
     /// Write a GGUF with a real model's shapes, types and metadata and random weights, for benchmarks.
@@ -134,6 +137,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(args) => generate::chat(global, &args),
         Command::Logits(args) => generate::logits(global, &args),
         Command::Perplexity(args) => generate::perplexity(global, &args),
+        Command::Serve(args) => serve::run(global, &args),
         Command::Bench(args) => bench::run(global, &args),
         Command::Synth(args) => synth::run(global, &args),
     }

@@ -1,0 +1,563 @@
+//! The OpenAI-compatible endpoints: request validation, prompt rendering and
+//! tokenization, and the answers (whole, or as server-sent events).
+
+use crate::scheduler::{Event, Finish, Job};
+use crate::{AppState, ServeOptions};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+use ts_engine::chat::ChatMessage;
+use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
+use ts_engine::sampler::{SamplerConfig, random_seed};
+use ts_model::Backend;
+
+/// An error answered the OpenAI way: a status and `{"error": {...}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn status(status: StatusCode, message: impl Into<String>) -> ApiError {
+        let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
+        ApiError { status, message: message.into(), kind, param: None, code: None }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body =
+            json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
+        (self.status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The request body as JSON, or the error a client should see.
+fn parse_body(body: Result<Bytes, BytesRejection>, opts: &ServeOptions) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::status(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is over {} bytes", opts.max_body))
+        } else {
+            ApiError::bad(format!("could not read the body: {e}"), None)
+        }
+    })?;
+    let v: Value =
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+/// `name` of `v`, `None` when absent or null.
+fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
+    v.get(name).filter(|x| !x.is_null())
+}
+
+fn opt_number(v: &Value, name: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match field(v, name) {
+        None => Ok(None),
+        Some(x) => match x.as_f64() {
+            Some(f) if (lo..=hi).contains(&f) => Ok(Some(f)),
+            Some(f) => Err(ApiError::bad(format!("'{name}' is {f}; it must be between {lo} and {hi}"), Some(name))),
+            None => Err(ApiError::bad(format!("'{name}' must be a number, not {x}"), Some(name))),
+        },
+    }
+}
+
+fn opt_count(v: &Value, name: &'static str) -> Result<Option<u64>, ApiError> {
+    match field(v, name) {
+        None => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("'{name}' must be a non-negative integer, not {x}"), Some(name))),
+    }
+}
+
+fn opt_bool(v: &Value, name: &'static str) -> Result<bool, ApiError> {
+    match field(v, name) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(ApiError::bad(format!("'{name}' must be true or false, not {x}"), Some(name))),
+    }
+}
+
+/// What every generation request shares, validated.
+struct Common {
+    max_tokens: Option<u64>,
+    sampler: SamplerConfig,
+    stop: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
+    if let Some(m) = field(v, "model") {
+        let m = m.as_str().ok_or_else(|| ApiError::bad("'model' must be a string", Some("model")))?;
+        if m != model_id {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!("the model '{m}' does not exist; this server serves '{model_id}'"),
+                kind: "invalid_request_error",
+                param: Some("model"),
+                code: Some("model_not_found"),
+            });
+        }
+    }
+    if let Some(n) = opt_count(v, "n")?
+        && n != 1
+    {
+        return Err(ApiError::bad(format!("'n' is {n}; only 1 choice per request is supported"), Some("n")));
+    }
+    let max_tokens = match opt_count(v, "max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => opt_count(v, "max_tokens")?,
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::bad("'max_tokens' must be at least 1", Some("max_tokens")));
+    }
+    let temperature = opt_number(v, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
+    let top_p = opt_number(v, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
+    let presence = opt_number(v, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let frequency = opt_number(v, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let seed = match field(v, "seed") {
+        None => random_seed(),
+        Some(x) => x
+            .as_i64()
+            .map(|s| s as u64)
+            .or_else(|| x.as_u64())
+            .ok_or_else(|| ApiError::bad(format!("'seed' must be an integer, not {x}"), Some("seed")))?,
+    };
+    let stop = match field(v, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            if a.len() > 4 {
+                return Err(ApiError::bad("'stop' has more than 4 sequences", Some("stop")));
+            }
+            a.iter()
+                .map(|s| s.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| ApiError::bad("'stop' must be a string or an array of strings", Some("stop")))?
+        }
+        Some(x) => {
+            return Err(ApiError::bad(format!("'stop' must be a string or an array of strings, not {x}"), Some("stop")));
+        }
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad("'stop' sequences must not be empty", Some("stop")));
+    }
+    let stream = opt_bool(v, "stream")?;
+    let include_usage = match field(v, "stream_options") {
+        None => false,
+        Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
+        Some(x) => {
+            return Err(ApiError::bad(format!("'stream_options' must be an object, not {x}"), Some("stream_options")));
+        }
+    };
+    let sampler = SamplerConfig {
+        temperature,
+        top_p,
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        repeat_last_n: if presence != 0.0 || frequency != 0.0 { 64 } else { 0 },
+        top_k: 0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        seed,
+    };
+    Ok(Common { max_tokens, sampler, stop, stream, include_usage })
+}
+
+/// Queues a job for `prompt` and returns the receiver of its events.
+fn submit<B: Backend>(
+    st: &AppState<B>,
+    prompt: Vec<u32>,
+    c: &Common,
+    special: bool,
+) -> Result<(String, UnboundedReceiver<Event>, usize), ApiError> {
+    let n_ctx = st.opts.slot_ctx;
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", None));
+    }
+    if prompt.len() >= n_ctx {
+        return Err(ApiError::bad(
+            format!("the prompt has {} tokens; this server's context per request is {n_ctx}", prompt.len()),
+            None,
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = n_ctx - prompt.len();
+    let max_tokens = match c.max_tokens {
+        None => room,
+        Some(n) if n as usize <= room => n as usize,
+        Some(n) => {
+            return Err(ApiError::bad(
+                format!("'max_tokens' is {n}, more than the {room} tokens left in the context after the prompt"),
+                Some("max_tokens"),
+            )
+            .with_code("context_length_exceeded"));
+        }
+    };
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let id = format!("{:x}{:06x}", now_secs(), st.next_id.fetch_add(1, Relaxed));
+    let prompt_tokens = prompt.len();
+    let job = Job {
+        id: id.clone(),
+        prompt,
+        max_tokens,
+        sampler: c.sampler.clone(),
+        stop: c.stop.clone(),
+        special,
+        events: tx,
+        received: Instant::now(),
+    };
+    st.metrics.queued.fetch_add(1, Relaxed);
+    st.jobs
+        .lock()
+        .expect("job queue lock")
+        .send(job)
+        .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
+    Ok((id, rx, prompt_tokens))
+}
+
+/// Splits generated text into the reply's content and its reasoning (gpt-oss's
+/// harmony channels; other models' text is all content).
+enum ReplyFilter {
+    Plain,
+    Harmony(Box<HarmonyParser>, Channel),
+}
+
+impl ReplyFilter {
+    fn feed(&mut self, text: &str) -> (String, String) {
+        match self {
+            ReplyFilter::Plain => (text.to_string(), String::new()),
+            ReplyFilter::Harmony(p, channel) => {
+                let (mut content, mut reasoning) = (String::new(), String::new());
+                for ev in p.feed(text) {
+                    match ev {
+                        HarmonyEvent::MessageStart(h) => *channel = h.channel,
+                        HarmonyEvent::Content(t) if *channel == Channel::Final => content += &t,
+                        HarmonyEvent::Content(t) => reasoning += &t,
+                        _ => {}
+                    }
+                }
+                (content, reasoning)
+            }
+        }
+    }
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// `POST /v1/chat/completions`
+pub async fn chat<B: Backend + 'static>(
+    State(st): State<Arc<AppState<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    st.metrics.requests.fetch_add(1, Relaxed);
+    match chat_inner(&st, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.rejected.fetch_add(1, Relaxed);
+            tracing::info!(status = e.status.as_u16(), "chat request refused: {}", e.message);
+            e.into_response()
+        }
+    }
+}
+
+async fn chat_inner<B: Backend + 'static>(
+    st: &Arc<AppState<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = parse_body(body, &st.opts)?;
+    let c = common(&v, &st.opts.model_id)?;
+    let messages = field(&v, "messages").ok_or_else(|| ApiError::bad("'messages' is required", Some("messages")))?;
+    let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
+        ApiError::bad(format!("'messages' must be an array of {{role, content}}: {e}"), Some("messages"))
+    })?;
+    if messages.is_empty() {
+        return Err(ApiError::bad("'messages' is empty", Some("messages")));
+    }
+    let engine = &st.engine;
+    let rendered = match &engine.template {
+        Some(t) => t.render(&messages, true),
+        None => ts_engine::chat::ChatTemplate::chatml().render(&messages, true),
+    }
+    .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
+    let tokenizer =
+        engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let prompt = tokenizer
+        .encode(&rendered, false, true)
+        .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("messages")))?;
+    let harmony = engine.model.cfg.arch == ts_model::Arch::GptOss;
+    let (id, rx, prompt_tokens) = submit(st, prompt, &c, harmony)?;
+    let id = format!("chatcmpl-{id}");
+    let filter = if harmony {
+        ReplyFilter::Harmony(Box::new(HarmonyParser::new()), Channel::Unspecified)
+    } else {
+        ReplyFilter::Plain
+    };
+    let model = st.opts.model_id.clone();
+    if c.stream {
+        return Ok(sse(stream_chat(id, model, rx, filter, c.include_usage, prompt_tokens)));
+    }
+    let (content, reasoning, finish, completion) = collect(rx, filter).await?;
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = json!(reasoning);
+    }
+    let body = json!({
+        "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": null}],
+        "usage": usage(prompt_tokens, completion),
+    });
+    Ok(Json(body).into_response())
+}
+
+/// Waits for a whole generation: content, reasoning, why it ended, tokens generated.
+async fn collect(
+    mut rx: UnboundedReceiver<Event>,
+    mut filter: ReplyFilter,
+) -> Result<(String, String, Finish, usize), ApiError> {
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => {
+                let (c, r) = filter.feed(&t);
+                content += &c;
+                reasoning += &r;
+            }
+            Event::Done { finish, completion_tokens, .. } => {
+                return Ok((content, reasoning, finish, completion_tokens));
+            }
+            Event::Error(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e)),
+        }
+    }
+    Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "the generation ended without a result"))
+}
+
+struct Json(Value);
+
+impl IntoResponse for Json {
+    fn into_response(self) -> Response {
+        ([(header::CONTENT_TYPE, "application/json")], self.0.to_string()).into_response()
+    }
+}
+
+/// A response of server-sent events from a stream of `data:` payloads.
+fn sse(events: impl futures_util::Stream<Item = String> + Send + 'static) -> Response {
+    use futures_util::StreamExt;
+    let body = events.map(|data| Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {data}\n\n"))));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .expect("valid response")
+}
+
+/// Chat chunks: the role first, content deltas, the finish reason, usage if asked, `[DONE]`.
+fn stream_chat(
+    id: String,
+    model: String,
+    rx: UnboundedReceiver<Event>,
+    filter: ReplyFilter,
+    include_usage: bool,
+    prompt_tokens: usize,
+) -> impl futures_util::Stream<Item = String> + Send + 'static {
+    let created = now_secs();
+    let chunk = move |delta: Value, finish: Option<&str>| {
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+    };
+    let first = chunk(json!({"role": "assistant", "content": ""}), None).to_string();
+    struct S<F> {
+        rx: UnboundedReceiver<Event>,
+        filter: ReplyFilter,
+        chunk: F,
+        queue: std::collections::VecDeque<String>,
+        done: bool,
+    }
+    let s = S { rx, filter, chunk, queue: [first].into(), done: false };
+    futures_util::stream::unfold(s, move |mut s| async move {
+        loop {
+            if let Some(x) = s.queue.pop_front() {
+                return Some((x, s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.rx.recv().await {
+                Some(Event::Text(t)) => {
+                    let (content, reasoning) = s.filter.feed(&t);
+                    if !content.is_empty() {
+                        s.queue.push_back((s.chunk)(json!({"content": content}), None).to_string());
+                    }
+                    if !reasoning.is_empty() {
+                        s.queue.push_back((s.chunk)(json!({"reasoning_content": reasoning}), None).to_string());
+                    }
+                }
+                Some(Event::Done { finish, completion_tokens, .. }) => {
+                    let mut last = (s.chunk)(json!({}), Some(finish.as_str()));
+                    if include_usage {
+                        s.queue.push_back(last.to_string());
+                        last["choices"] = json!([]);
+                        last["usage"] = usage(prompt_tokens, completion_tokens);
+                    }
+                    s.queue.push_back(last.to_string());
+                    s.queue.push_back("[DONE]".into());
+                    s.done = true;
+                }
+                Some(Event::Error(e)) => {
+                    s.queue.push_back(json!({"error": {"message": e, "type": "server_error"}}).to_string());
+                    s.done = true;
+                }
+                None => return None,
+            }
+        }
+    })
+}
+
+/// `POST /v1/completions`
+pub async fn completions<B: Backend + 'static>(
+    State(st): State<Arc<AppState<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    st.metrics.requests.fetch_add(1, Relaxed);
+    match completions_inner(&st, body).await {
+        Ok(r) => r,
+        Err(e) => {
+            st.metrics.rejected.fetch_add(1, Relaxed);
+            tracing::info!(status = e.status.as_u16(), "completion request refused: {}", e.message);
+            e.into_response()
+        }
+    }
+}
+
+async fn completions_inner<B: Backend + 'static>(
+    st: &Arc<AppState<B>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = parse_body(body, &st.opts)?;
+    let c = common(&v, &st.opts.model_id)?;
+    let prompt = match field(&v, "prompt") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad("'prompt' as an array must hold exactly one string", Some("prompt")));
+        }
+        Some(x) => return Err(ApiError::bad(format!("'prompt' must be a string, not {x}"), Some("prompt"))),
+        None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
+    };
+    let tokenizer =
+        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let tokens = tokenizer
+        .encode(&prompt, true, true)
+        .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("prompt")))?;
+    let (id, rx, prompt_tokens) = submit(st, tokens, &c, false)?;
+    let id = format!("cmpl-{id}");
+    let model = st.opts.model_id.clone();
+    let created = now_secs();
+    if c.stream {
+        let include_usage = c.include_usage;
+        let s = futures_util::stream::unfold((rx, false), move |(mut rx, done)| {
+            let (id, model) = (id.clone(), model.clone());
+            async move {
+                if done {
+                    return None;
+                }
+                let chunk = |text: &str, finish: Option<&str>| {
+                    json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
+                };
+                match rx.recv().await {
+                    Some(Event::Text(t)) => Some((chunk(&t, None).to_string(), (rx, false))),
+                    Some(Event::Done { finish, completion_tokens, .. }) => {
+                        let mut last = chunk("", Some(finish.as_str()));
+                        if include_usage {
+                            last["usage"] = usage(prompt_tokens, completion_tokens);
+                        }
+                        Some((format!("{last}\n\ndata: [DONE]"), (rx, true)))
+                    }
+                    Some(Event::Error(e)) => {
+                        Some((json!({"error": {"message": e, "type": "server_error"}}).to_string(), (rx, true)))
+                    }
+                    None => None,
+                }
+            }
+        });
+        return Ok(sse(s));
+    }
+    let (text, _, finish, completion) = collect(rx, ReplyFilter::Plain).await?;
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}],
+        "usage": usage(prompt_tokens, completion),
+    }))
+    .into_response())
+}
+
+/// `GET /v1/models`
+pub async fn models<B: Backend + 'static>(State(st): State<Arc<AppState<B>>>) -> Response {
+    Json(json!({"object": "list", "data": [{"id": st.opts.model_id, "object": "model", "created": st.started, "owned_by": "turbospark"}]}))
+        .into_response()
+}
+
+/// `GET /health`
+pub async fn health() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// `GET /metrics`
+pub async fn metrics<B: Backend + 'static>(State(st): State<Arc<AppState<B>>>) -> Response {
+    let experts = st.engine.model.backend.expert_stats().or_else(|| st.engine.model.experts.stats()).map(|s| {
+        let t = s.total();
+        (t.hits, t.misses, t.bytes_read)
+    });
+    let busy = st.metrics.busy.load(Relaxed);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(experts, st.opts.parallel, busy))
+        .into_response()
+}
+
+/// Any other path.
+pub async fn not_found(uri: axum::http::Uri) -> Response {
+    ApiError::status(StatusCode::NOT_FOUND, format!("no such endpoint: {}", uri.path())).into_response()
+}
+
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    ApiError::status(StatusCode::METHOD_NOT_ALLOWED, format!("{method} is not allowed on {}", uri.path()))
+        .into_response()
+}

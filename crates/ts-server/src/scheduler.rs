@@ -1,0 +1,333 @@
+//! The batching loop: one thread owns the sequences. Each iteration admits
+//! waiting requests into free slots (prefilling their prompts), then runs one
+//! forward step with a row for every active sequence, so each weight (and
+//! each expert) a step needs is read once for all of them.
+
+use crate::metrics::Metrics;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+use ts_engine::sampler::{Sampler, SamplerConfig};
+use ts_engine::session::Engine;
+use ts_model::{Backend, Row, SeqState};
+
+/// Why a generation ended, as OpenAI names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens`, or the slot's context is full.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What the scheduler tells a request's handler.
+#[derive(Debug)]
+pub enum Event {
+    /// More generated text.
+    Text(String),
+    Done {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(String),
+}
+
+/// A request, validated and tokenized by its handler.
+pub struct Job {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Decode control tokens as text (gpt-oss's harmony markers).
+    pub special: bool,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+/// A request being generated.
+struct Active<'a> {
+    job: Job,
+    slot: usize,
+    sampler: Sampler,
+    decoder: ts_tokenizer::StreamDecoder<'a>,
+    /// The token to run next.
+    next: u32,
+    generated: usize,
+    /// Text decoded but held back: it could be the start of a stop sequence.
+    held: String,
+    prefill_time: Duration,
+    started: Instant,
+}
+
+/// Runs until the job channel closes.
+pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_ctx: usize, metrics: Arc<Metrics>) {
+    let mut seqs: Vec<SeqState<B::Kv>> = Vec::with_capacity(slots);
+    for _ in 0..slots {
+        match engine.new_sequence(n_ctx) {
+            Ok(s) => seqs.push(s),
+            Err(e) => {
+                tracing::error!("cannot allocate the KV cache of slot {}: {e}", seqs.len());
+                break;
+            }
+        }
+    }
+    let slots = seqs.len();
+    let mut free: Vec<usize> = (0..slots).rev().collect();
+    let mut active: Vec<Active<'_>> = Vec::new();
+    let mut scratch = engine.scratch();
+    let tokenizer = match engine.tokenizer() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!("{e}");
+            return;
+        }
+    };
+    loop {
+        // Admit waiting jobs while slots are free; block only when idle.
+        while let Some(slot) = free.last().copied() {
+            let job = if active.is_empty() {
+                match jobs.recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(j) => j,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            };
+            metrics.queued.fetch_sub(1, Relaxed);
+            if job.events.is_closed() {
+                continue;
+            }
+            free.pop();
+            match admit(engine, tokenizer, job, slot, &mut seqs[slot], &metrics) {
+                Some(a) => {
+                    metrics.busy.fetch_add(1, Relaxed);
+                    active.push(a)
+                }
+                None => free.push(slot),
+            }
+        }
+        active.retain_mut(|a| {
+            let keep = !a.job.events.is_closed();
+            if !keep {
+                metrics.cancelled.fetch_add(1, Relaxed);
+                metrics.busy.fetch_sub(1, Relaxed);
+                tracing::info!(id = %a.job.id, generated = a.generated, "client went away; slot freed");
+                free.push(a.slot);
+            }
+            keep
+        });
+        if active.is_empty() {
+            continue;
+        }
+
+        // One decode step for every active sequence.
+        let t = Instant::now();
+        let rows: Vec<Row> = active
+            .iter()
+            .enumerate()
+            .map(|(i, a)| Row { token: a.next, pos: seqs[a.slot].n_past, seq: i, logits: true })
+            .collect();
+        let result = {
+            let mut by_slot: Vec<Option<&mut SeqState<B::Kv>>> = seqs.iter_mut().map(Some).collect();
+            let mut step: Vec<&mut SeqState<B::Kv>> =
+                active.iter().map(|a| by_slot[a.slot].take().expect("one sequence per slot")).collect();
+            engine.install(|| engine.model.forward(&rows, &mut step, &mut scratch))
+        };
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // A failed step leaves the caches suspect: end every request in it.
+                for a in active.drain(..) {
+                    let _ = a.job.events.send(Event::Error(format!("generation failed: {e}")));
+                    free.push(a.slot);
+                    metrics.busy.fetch_sub(1, Relaxed);
+                }
+                metrics.errors.fetch_add(1, Relaxed);
+                continue;
+            }
+        };
+        metrics.record_step(rows.len(), t.elapsed());
+        let mut finished = Vec::new();
+        for (i, a) in active.iter_mut().enumerate() {
+            if let Some(f) = step_one(a, &logits[i], tokenizer, &seqs[a.slot], n_ctx, &metrics) {
+                finished.push((i, f));
+            }
+        }
+        // Highest index first, so the indices still to remove stay valid.
+        for (i, finish) in finished.into_iter().rev() {
+            let a = active.remove(i);
+            finish_job(a.job, finish, a.generated, a.prefill_time, a.started, &metrics);
+            free.push(a.slot);
+            metrics.busy.fetch_sub(1, Relaxed);
+        }
+    }
+}
+
+/// Prefills `job`'s prompt into `seq` and samples its first token.
+fn admit<'a, B: Backend>(
+    engine: &Engine<B>,
+    tokenizer: &'a ts_tokenizer::Tokenizer,
+    job: Job,
+    slot: usize,
+    seq: &mut SeqState<B::Kv>,
+    metrics: &Metrics,
+) -> Option<Active<'a>> {
+    let started = Instant::now();
+    let mut sampler = match Sampler::new(job.sampler.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = job.events.send(Event::Error(e.to_string()));
+            return None;
+        }
+    };
+    seq.clear();
+    let logits = match engine.prefill(seq, &job.prompt, false) {
+        Ok(mut l) => l.pop(),
+        Err(e) => {
+            let _ = job.events.send(Event::Error(e.to_string()));
+            metrics.errors.fetch_add(1, Relaxed);
+            return None;
+        }
+    };
+    let Some(logits) = logits else {
+        let _ = job.events.send(Event::Error("empty prompt".into()));
+        return None;
+    };
+    metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Relaxed);
+    for &t in &job.prompt {
+        sampler.accept(t);
+    }
+    let prefill_time = started.elapsed();
+    let mut a = Active {
+        decoder: tokenizer.stream_decoder(job.special),
+        job,
+        slot,
+        sampler,
+        next: 0,
+        generated: 0,
+        held: String::new(),
+        prefill_time,
+        started,
+    };
+    let n_ctx = seq.n_ctx;
+    match step_one(&mut a, &logits, tokenizer, seq, n_ctx, metrics) {
+        None => Some(a),
+        Some(finish) => {
+            finish_job(a.job, finish, a.generated, a.prefill_time, a.started, metrics);
+            None
+        }
+    }
+}
+
+/// Samples `a`'s next token from `logits` and sends its text; `Some` when the
+/// request is finished.
+fn step_one(
+    a: &mut Active<'_>,
+    logits: &[f32],
+    tokenizer: &ts_tokenizer::Tokenizer,
+    seq: &SeqState<impl Send + Sync>,
+    n_ctx: usize,
+    metrics: &Metrics,
+) -> Option<Finish> {
+    let token = match a.sampler.try_sample(logits) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = a.job.events.send(Event::Error(e.to_string()));
+            return Some(Finish::Stop);
+        }
+    };
+    a.sampler.accept(token);
+    if tokenizer.is_eog(token) {
+        flush(a);
+        return Some(Finish::Stop);
+    }
+    a.generated += 1;
+    metrics.completion_tokens.fetch_add(1, Relaxed);
+    a.next = token;
+    let text = a.decoder.push(token).unwrap_or_default();
+    a.held.push_str(&text);
+    // A stop sequence ends the text before it.
+    if let Some(cut) = a.job.stop.iter().filter_map(|s| a.held.find(s.as_str())).min() {
+        a.held.truncate(cut);
+        flush(a);
+        return Some(Finish::Stop);
+    }
+    // Hold back a tail that could still grow into a stop sequence.
+    let keep = a.job.stop.iter().map(|s| longest_prefix_suffix(&a.held, s)).max().unwrap_or(0);
+    let cut = a.held.len() - keep;
+    if cut > 0 {
+        let out: String = a.held.drain(..cut).collect();
+        if a.job.events.send(Event::Text(out)).is_err() {
+            return Some(Finish::Stop);
+        }
+    }
+    if a.generated >= a.job.max_tokens || seq.n_past + 1 >= n_ctx {
+        a.held.push_str(&a.decoder.finish());
+        flush(a);
+        return Some(Finish::Length);
+    }
+    None
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`, on a char boundary.
+fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    let max = stop.len().saturating_sub(1).min(text.len());
+    (1..=max)
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+fn flush(a: &mut Active<'_>) {
+    if !a.held.is_empty() {
+        let _ = a.job.events.send(Event::Text(std::mem::take(&mut a.held)));
+    }
+}
+
+fn finish_job(job: Job, finish: Finish, generated: usize, prefill: Duration, started: Instant, metrics: &Metrics) {
+    let decode = started.elapsed().saturating_sub(prefill);
+    let queue = started.duration_since(job.received);
+    tracing::info!(
+        id = %job.id,
+        prompt_tokens = job.prompt.len(),
+        completion_tokens = generated,
+        queue_ms = queue.as_millis() as u64,
+        prefill_ms = prefill.as_millis() as u64,
+        decode_tps = format!("{:.1}", generated as f64 / decode.as_secs_f64().max(1e-9)),
+        finish = finish.as_str(),
+        "request done"
+    );
+    metrics.requests_done.fetch_add(1, Relaxed);
+    let _ = job.events.send(Event::Done { finish, prompt_tokens: job.prompt.len(), completion_tokens: generated });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::longest_prefix_suffix;
+
+    #[test]
+    fn held_back_tail() {
+        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
+        assert_eq!(longest_prefix_suffix("hello", "xyz"), 0);
+        assert_eq!(longest_prefix_suffix("ab", "abc"), 2);
+        assert_eq!(longest_prefix_suffix("abc", "abc"), 0);
+        assert_eq!(longest_prefix_suffix("xaba", "abab"), 3);
+    }
+}
