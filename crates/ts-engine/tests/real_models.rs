@@ -117,3 +117,46 @@ fn greedy_continuations_match_llama_cpp() {
     println!("{identical} of {runs} continuations identical; the others part at a near-tie");
     assert!(failures.is_empty(), "parted from llama.cpp where it was not a near-tie:\n{}", failures.join("\n"));
 }
+
+/// Several sequences in one forward step (the server's batched decoding) give
+/// each row the logits it gets alone: to summation order with f32 activations;
+/// with 8-bit activations (the default) several rows go through the panel
+/// kernels, whose activation format differs from one row's, so rows differ by
+/// that quantization's noise (llama.cpp's results depend on batch size too).
+#[test]
+fn batched_rows_match_single_rows() {
+    let Some(path) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let engine = Engine::load(&path, &LoadOptions { threads: 2, experts: ts_model::ExpertPlacement::Mapped }).unwrap();
+    let tok = engine.tokenizer().unwrap();
+    let prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):"];
+    let next = [12u32, 7, 300, 1000];
+    for (exact, bound) in [(true, 1e-5f32), (false, 6e-2)] {
+        let scratch = || if exact { ts_model::Scratch::exact() } else { ts_model::Scratch::default() };
+        let prefill = |p: &str| {
+            let mut seq = engine.new_sequence(64).unwrap();
+            let ids = tok.encode(p, true, false).unwrap();
+            engine.prefill(&mut seq, &ids, false).unwrap();
+            seq
+        };
+        let mut alone = Vec::new();
+        for (p, &t) in prompts.iter().zip(&next) {
+            let mut seq = prefill(p);
+            let row = ts_model::Row { token: t, pos: seq.n_past, seq: 0, logits: true };
+            alone.push(engine.model.forward(&[row], &mut [&mut seq], &mut scratch()).unwrap().remove(0));
+        }
+        let mut seqs: Vec<_> = prompts.iter().map(|p| prefill(p)).collect();
+        let rows: Vec<_> = next
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| ts_model::Row { token: t, pos: seqs[i].n_past, seq: i, logits: true })
+            .collect();
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let together = engine.install(|| engine.model.forward(&rows, &mut refs, &mut scratch())).unwrap();
+        for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+            let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let s = a.iter().map(|x| x.abs()).fold(0f32, f32::max);
+            println!("exact {exact} row {i}: max |Δ|/max|logit| {:.2e}", d / s);
+            assert!(d / s < bound, "exact {exact} row {i}: {:.2e} > {bound:e}", d / s);
+        }
+    }
+}

@@ -172,7 +172,10 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
                 .ok_or_else(|| ApiError::bad("'stop' must be a string or an array of strings", Some("stop")))?
         }
         Some(x) => {
-            return Err(ApiError::bad(format!("'stop' must be a string or an array of strings, not {x}"), Some("stop")));
+            return Err(ApiError::bad(
+                format!("'stop' must be a string or an array of strings, not {x}"),
+                Some("stop"),
+            ));
         }
     };
     if stop.iter().any(String::is_empty) {

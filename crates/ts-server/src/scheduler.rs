@@ -20,6 +20,8 @@ pub enum Finish {
     Stop,
     /// `max_tokens`, or the slot's context is full.
     Length,
+    /// The client went away: nobody to tell.
+    Gone,
 }
 
 impl Finish {
@@ -27,6 +29,7 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::Gone => "gone",
         }
     }
 }
@@ -275,7 +278,7 @@ fn step_one(
     if cut > 0 {
         let out: String = a.held.drain(..cut).collect();
         if a.job.events.send(Event::Text(out)).is_err() {
-            return Some(Finish::Stop);
+            return Some(Finish::Gone);
         }
     }
     if a.generated >= a.job.max_tokens || seq.n_past + 1 >= n_ctx {
@@ -302,6 +305,11 @@ fn flush(a: &mut Active<'_>) {
 }
 
 fn finish_job(job: Job, finish: Finish, generated: usize, prefill: Duration, started: Instant, metrics: &Metrics) {
+    if finish == Finish::Gone {
+        metrics.cancelled.fetch_add(1, Relaxed);
+        tracing::info!(id = %job.id, generated, "client went away; slot freed");
+        return;
+    }
     let decode = started.elapsed().saturating_sub(prefill);
     let queue = started.duration_since(job.received);
     tracing::info!(

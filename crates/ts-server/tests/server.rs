@@ -1,0 +1,238 @@
+//! The server end to end over real sockets with a real model (SmolLM2 from
+//! tools/fetch-models.sh): the endpoints, batched decoding against one request
+//! at a time, stop sequences, seeds, hostile requests, and a client that
+//! vanishes mid-stream. The official `openai` Python client is driven by
+//! tools/server-test/openai_e2e.py (test `openai_python_client`).
+
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+use ts_engine::session::{Engine, LoadOptions};
+use ts_model::ExpertPlacement;
+use ts_server::{Running, ServeOptions};
+
+const MODEL: &str = "smollm2-135m-instruct-q4_1.gguf";
+const ID: &str = "smollm2";
+
+fn start(slot_ctx: usize) -> Option<Running> {
+    let path = ts_testkit::real_model(MODEL)?;
+    let engine = Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20 };
+    Some(ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap())
+}
+
+/// Status, headers and body of one HTTP/1.0 exchange (the server closes after it).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let head = format!(
+        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, head.to_string(), body.to_string())
+}
+
+fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let (status, _, body) = http(addr, "POST", path, body.to_string().as_bytes());
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
+}
+
+fn chat(addr: SocketAddr, prompt: &str, extra: Value) -> Value {
+    let mut req = json!({"model": ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24});
+    for (k, v) in extra.as_object().unwrap() {
+        req[k] = v.clone();
+    }
+    let (status, v) = post(addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+fn content(v: &Value) -> String {
+    v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn endpoints_batching_stops_and_seeds() {
+    let Some(server) = start(1024) else { return };
+    let addr = server.addr;
+
+    let (status, _, body) = http(addr, "GET", "/health", b"");
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, _, body) = http(addr, "GET", "/v1/models", b"");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, v["data"][0]["id"].as_str()), (200, Some(ID)));
+
+    // Greedy replies, one at a time, then all at once (decoded in shared steps): identical.
+    let prompts = ["What is 2 + 2?", "Name a color.", "Say hello in French.", "Write a haiku about rain."];
+    let alone: Vec<Value> = prompts.iter().map(|p| chat(addr, p, json!({"temperature": 0}))).collect();
+    for v in &alone {
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(
+            v["usage"]["completion_tokens"].as_u64().unwrap() + v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            v["usage"]["total_tokens"].as_u64().unwrap()
+        );
+        assert!(!content(v).is_empty());
+    }
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            prompts.iter().map(|p| s.spawn(move || chat(addr, p, json!({"temperature": 0})))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The first token comes from each request's own prefill; later ones from shared steps, whose
+    // kernels (weight panels for several rows) sum in another order than one row's, so a near-tie
+    // may later go the other way (ts-model's test `batched_rows_match_single_rows` bounds the
+    // logits). The start of every reply must agree.
+    for (a, b) in alone.iter().zip(&together) {
+        let first = |v: &Value| content(v).split_whitespace().next().unwrap_or_default().to_string();
+        assert_eq!(first(a), first(b), "{} / {}", content(a), content(b));
+        assert!(b["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    }
+
+    // Seeds: the same seed gives the same sample; some other seed gives another.
+    let sample = |seed: u64| content(&chat(addr, "Tell me a story.", json!({"temperature": 1.0, "seed": seed})));
+    let first = sample(42);
+    assert_eq!(first, sample(42));
+    assert!((1..6).any(|s| sample(s) != first), "five other seeds all gave the same text");
+
+    // Stop sequences end the text before them, with finish_reason "stop".
+    let req = json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0});
+    let (_, plain) = post(addr, "/v1/completions", &req);
+    let text = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    let stop = text.split_whitespace().nth(1).expect("two words").to_string();
+    let mut with_stop = req.clone();
+    with_stop["stop"] = json!([stop.clone()]);
+    let (_, cut) = post(addr, "/v1/completions", &with_stop);
+    let cut_text = cut["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    assert_eq!(cut_text, &text[..text.find(&stop).unwrap()], "stop {stop:?} in {text:?}");
+
+    // Streaming: chunks in order, then [DONE]; their text equals the whole answer.
+    let req = json!({"model": ID, "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 24,
+                     "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+    let (status, head, body) = http(addr, "POST", "/v1/chat/completions", req.to_string().as_bytes());
+    assert_eq!(status, 200);
+    assert!(head.to_ascii_lowercase().contains("text/event-stream"), "{head}");
+    let events: Vec<&str> = body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String =
+        chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str()).collect::<Vec<_>>().concat();
+    assert_eq!(streamed, content(&alone[0]));
+    let finish = &alone[0]["choices"][0]["finish_reason"];
+    assert!(chunks.iter().any(|c| c["choices"].get(0).is_some_and(|ch| &ch["finish_reason"] == finish)));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], alone[0]["usage"]["completion_tokens"]);
+
+    let (_, _, metrics) = http(addr, "GET", "/metrics", b"");
+    assert!(metrics.contains("turbospark_requests_total "), "{metrics}");
+    let count = |name: &str| -> f64 {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("turbospark_{name} "))).unwrap().parse().unwrap()
+    };
+    assert!(count("requests_done_total") >= 13.0);
+    assert!(count("completion_tokens_total") > 100.0);
+    assert_eq!(count("queue_depth"), 0.0);
+    server.stop().unwrap();
+}
+
+#[test]
+fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
+    let Some(server) = start(256) else { return };
+    let addr = server.addr;
+    let ok = json!({"model": ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let with = |k: &str, v: Value| {
+        let mut r = ok.clone();
+        r[k] = v;
+        r.to_string().into_bytes()
+    };
+    let long_prompt = "word ".repeat(400);
+    let cases: Vec<(&str, &str, &str, Vec<u8>, u16)> = vec![
+        ("malformed JSON", "POST", "/v1/chat/completions", br#"{"messages": ["#.to_vec(), 400),
+        ("not an object", "POST", "/v1/chat/completions", b"[1, 2, 3]".to_vec(), 400),
+        ("not UTF-8", "POST", "/v1/chat/completions", vec![0xff, 0xfe, 0x00, 0x80], 400),
+        ("empty body", "POST", "/v1/chat/completions", Vec::new(), 400),
+        ("messages missing", "POST", "/v1/chat/completions", br#"{"max_tokens": 4}"#.to_vec(), 400),
+        ("messages a string", "POST", "/v1/chat/completions", with("messages", json!("hi")), 400),
+        ("messages empty", "POST", "/v1/chat/completions", with("messages", json!([])), 400),
+        (
+            "content a number",
+            "POST",
+            "/v1/chat/completions",
+            with("messages", json!([{"role": "user", "content": 7}])),
+            400,
+        ),
+        ("temperature a string", "POST", "/v1/chat/completions", with("temperature", json!("hot")), 400),
+        ("temperature 5", "POST", "/v1/chat/completions", with("temperature", json!(5)), 400),
+        ("max_tokens negative", "POST", "/v1/chat/completions", with("max_tokens", json!(-3)), 400),
+        ("max_tokens over the context", "POST", "/v1/chat/completions", with("max_tokens", json!(1_000_000)), 400),
+        ("n = 2", "POST", "/v1/chat/completions", with("n", json!(2)), 400),
+        ("unknown model", "POST", "/v1/chat/completions", with("model", json!("gpt-9")), 404),
+        ("stop a number", "POST", "/v1/chat/completions", with("stop", json!(5)), 400),
+        ("seed a string", "POST", "/v1/chat/completions", with("seed", json!("42")), 400),
+        (
+            "prompt over the context",
+            "POST",
+            "/v1/completions",
+            json!({"prompt": long_prompt}).to_string().into_bytes(),
+            400,
+        ),
+        (
+            "prompt of two strings",
+            "POST",
+            "/v1/completions",
+            json!({"prompt": ["a", "b"]}).to_string().into_bytes(),
+            400,
+        ),
+        ("10 MB body", "POST", "/v1/chat/completions", vec![b' '; 10 << 20], 413),
+        ("unknown endpoint", "GET", "/v1/engines", Vec::new(), 404),
+        ("wrong method", "GET", "/v1/chat/completions", Vec::new(), 405),
+    ];
+    for (name, method, path, body, want) in &cases {
+        let (status, _, reply) = http(addr, method, path, body);
+        assert_eq!(status, *want, "{name}: {reply}");
+        let v: Value = serde_json::from_str(&reply).unwrap_or_else(|_| panic!("{name}: not JSON: {reply}"));
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{name}: no error message: {v}"));
+        assert!(!msg.is_empty() && v["error"]["type"].is_string(), "{name}: {v}");
+        println!("{name:<28} {status} {msg}");
+    }
+
+    // Garbage that is not HTTP: the connection is dropped, nothing else happens.
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(b"\x16\x03\x01\x02\x00 not http at all\r\n\r\n").unwrap();
+    let mut sink = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = s.read_to_end(&mut sink);
+
+    // A client that vanishes mid-stream: its sequence is freed.
+    // (Counting goes on for the whole budget, so the reply cannot end by itself first.)
+    let req = json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 200, "temperature": 0, "stream": true});
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = req.to_string();
+    write!(s, "POST /v1/completions HTTP/1.0\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut first = [0u8; 512];
+    let n = s.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).contains("200"));
+    drop(s);
+    let cancelled = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        let (_, _, m) = http(addr, "GET", "/metrics", b"");
+        m.lines().any(|l| l == "turbospark_requests_cancelled_total 1")
+            && m.lines().any(|l| l == "turbospark_slots_busy 0")
+    });
+    assert!(cancelled, "the vanished client's sequence was not freed");
+
+    // Still serving, and correctly.
+    let (status, v) = post(addr, "/v1/chat/completions", &ok);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let (_, _, m) = http(addr, "GET", "/metrics", b"");
+    assert!(m.lines().any(|l| l == format!("turbospark_requests_rejected_total {}", cases.len() - 2)), "{m}");
+    server.stop().unwrap();
+}
