@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/fetch-models.sh
 if [ -x tools/fetch-vocab-corpus.sh ]; then tools/fetch-vocab-corpus.sh; fi
+# The official openai client, for the server's end-to-end test.
+TURBOSPARK_OPENAI_PYTHON=$(tools/server-test/setup.sh)
+export TURBOSPARK_OPENAI_PYTHON
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
 cargo test --release --workspace

@@ -236,3 +236,25 @@ fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
     assert!(m.lines().any(|l| l == format!("turbospark_requests_rejected_total {}", cases.len() - 2)), "{m}");
     server.stop().unwrap();
 }
+
+/// The official `openai` Python client against the server (tools/server-test/openai_e2e.py):
+/// chat whole and streamed, completions, stop sequences, seeds, usage, errors as the client's
+/// exception types. `tools/test.sh` makes the environment and sets `TURBOSPARK_OPENAI_PYTHON`.
+#[test]
+fn openai_python_client() {
+    let Some(python) = std::env::var_os("TURBOSPARK_OPENAI_PYTHON") else {
+        eprintln!("skipped: TURBOSPARK_OPENAI_PYTHON is not set (tools/server-test/setup.sh makes one)");
+        return;
+    };
+    let Some(server) = start(1024) else { return };
+    let script = ts_testkit::repo_root().join("tools/server-test/openai_e2e.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", server.addr))
+        .arg(ID)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    server.stop().unwrap();
+}
