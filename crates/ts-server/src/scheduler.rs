@@ -1,7 +1,9 @@
 //! The batching loop: one thread owns the sequences. Each iteration admits
-//! waiting requests into free slots (prefilling their prompts), then runs one
-//! forward step with a row for every active sequence, so each weight (and
-//! each expert) a step needs is read once for all of them.
+//! waiting requests into free slots, then runs one forward step holding a row
+//! for every sequence that is generating and, up to a budget of rows, the
+//! next pieces of prompts still being read, so each weight (and each expert)
+//! a step needs is read once for all of them and a new prompt does not stall
+//! the replies already streaming.
 
 use crate::metrics::Metrics;
 use std::sync::Arc;
@@ -66,7 +68,9 @@ struct Active<'a> {
     slot: usize,
     sampler: Sampler,
     decoder: ts_tokenizer::StreamDecoder<'a>,
-    /// The token to run next.
+    /// Prompt tokens already in the cache; generation starts once all are.
+    prompt_done: usize,
+    /// The token to run next (once generating).
     next: u32,
     generated: usize,
     /// Text decoded but held back: it could be the start of a stop sequence.
@@ -74,6 +78,10 @@ struct Active<'a> {
     prefill_time: Duration,
     started: Instant,
 }
+
+/// Rows one forward step takes at most (decode rows first, then prompt pieces);
+/// also the chunk the sequences' sliding-window rings are sized for.
+const STEP_ROWS: usize = 512;
 
 /// Runs until the job channel closes.
 pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_ctx: usize, metrics: Arc<Metrics>) {
@@ -115,16 +123,35 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
             };
             metrics.queued.fetch_sub(1, Relaxed);
             if job.events.is_closed() {
+                metrics.cancelled.fetch_add(1, Relaxed);
+                tracing::info!(id = %job.id, "client went away before its turn");
                 continue;
             }
-            free.pop();
-            match admit(engine, tokenizer, job, slot, &mut seqs[slot], &metrics) {
-                Some(a) => {
-                    metrics.busy.fetch_add(1, Relaxed);
-                    active.push(a)
+            let mut sampler = match Sampler::new(job.sampler.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = job.events.send(Event::Error(e.to_string()));
+                    continue;
                 }
-                None => free.push(slot),
+            };
+            for &t in &job.prompt {
+                sampler.accept(t);
             }
+            free.pop();
+            seqs[slot].clear();
+            metrics.busy.fetch_add(1, Relaxed);
+            active.push(Active {
+                decoder: tokenizer.stream_decoder(job.special),
+                job,
+                slot,
+                sampler,
+                prompt_done: 0,
+                next: 0,
+                generated: 0,
+                held: String::new(),
+                prefill_time: Duration::ZERO,
+                started: Instant::now(),
+            });
         }
         active.retain_mut(|a| {
             let keep = !a.job.events.is_closed();
@@ -140,13 +167,37 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
             continue;
         }
 
-        // One decode step for every active sequence.
+        // One step: a row for each generating sequence, then prompt pieces up to the budget.
         let t = Instant::now();
-        let rows: Vec<Row> = active
-            .iter()
-            .enumerate()
-            .map(|(i, a)| Row { token: a.next, pos: seqs[a.slot].n_past, seq: i, logits: true })
-            .collect();
+        let mut rows: Vec<Row> = Vec::new();
+        let mut wants: Vec<usize> = Vec::new();
+        for (i, a) in active.iter().enumerate() {
+            if a.prompt_done == a.job.prompt.len() {
+                rows.push(Row { token: a.next, pos: seqs[a.slot].n_past, seq: i, logits: true });
+                wants.push(i);
+            }
+        }
+        let decode_rows = rows.len();
+        let mut budget = STEP_ROWS.saturating_sub(rows.len()).max(1);
+        let mut prompt_rows = 0;
+        for (i, a) in active.iter_mut().enumerate() {
+            let left = a.job.prompt.len() - a.prompt_done;
+            if left == 0 || budget == 0 {
+                continue;
+            }
+            let n = left.min(budget);
+            for j in 0..n {
+                let last = j + 1 == n && n == left;
+                let pos = a.prompt_done + j;
+                rows.push(Row { token: a.job.prompt[pos], pos, seq: i, logits: last });
+                if last {
+                    wants.push(i);
+                }
+            }
+            a.prompt_done += n;
+            budget -= n;
+            prompt_rows += n;
+        }
         let result = {
             let mut by_slot: Vec<Option<&mut SeqState<B::Kv>>> = seqs.iter_mut().map(Some).collect();
             let mut step: Vec<&mut SeqState<B::Kv>> =
@@ -166,75 +217,27 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
                 continue;
             }
         };
-        metrics.record_step(rows.len(), t.elapsed());
+        metrics.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
+        if decode_rows > 0 {
+            metrics.record_step(decode_rows, t.elapsed());
+        }
         let mut finished = Vec::new();
-        for (i, a) in active.iter_mut().enumerate() {
-            if let Some(f) = step_one(a, &logits[i], tokenizer, &seqs[a.slot], n_ctx, &metrics) {
+        for (&i, l) in wants.iter().zip(&logits) {
+            let a = &mut active[i];
+            if a.generated == 0 && a.prefill_time.is_zero() {
+                a.prefill_time = a.started.elapsed();
+            }
+            if let Some(f) = step_one(a, l, tokenizer, &seqs[a.slot], n_ctx, &metrics) {
                 finished.push((i, f));
             }
         }
         // Highest index first, so the indices still to remove stay valid.
-        for (i, finish) in finished.into_iter().rev() {
+        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (i, finish) in finished {
             let a = active.remove(i);
             finish_job(a.job, finish, a.generated, a.prefill_time, a.started, &metrics);
             free.push(a.slot);
             metrics.busy.fetch_sub(1, Relaxed);
-        }
-    }
-}
-
-/// Prefills `job`'s prompt into `seq` and samples its first token.
-fn admit<'a, B: Backend>(
-    engine: &Engine<B>,
-    tokenizer: &'a ts_tokenizer::Tokenizer,
-    job: Job,
-    slot: usize,
-    seq: &mut SeqState<B::Kv>,
-    metrics: &Metrics,
-) -> Option<Active<'a>> {
-    let started = Instant::now();
-    let mut sampler = match Sampler::new(job.sampler.clone()) {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = job.events.send(Event::Error(e.to_string()));
-            return None;
-        }
-    };
-    seq.clear();
-    let logits = match engine.prefill(seq, &job.prompt, false) {
-        Ok(mut l) => l.pop(),
-        Err(e) => {
-            let _ = job.events.send(Event::Error(e.to_string()));
-            metrics.errors.fetch_add(1, Relaxed);
-            return None;
-        }
-    };
-    let Some(logits) = logits else {
-        let _ = job.events.send(Event::Error("empty prompt".into()));
-        return None;
-    };
-    metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Relaxed);
-    for &t in &job.prompt {
-        sampler.accept(t);
-    }
-    let prefill_time = started.elapsed();
-    let mut a = Active {
-        decoder: tokenizer.stream_decoder(job.special),
-        job,
-        slot,
-        sampler,
-        next: 0,
-        generated: 0,
-        held: String::new(),
-        prefill_time,
-        started,
-    };
-    let n_ctx = seq.n_ctx;
-    match step_one(&mut a, &logits, tokenizer, seq, n_ctx, metrics) {
-        None => Some(a),
-        Some(finish) => {
-            finish_job(a.job, finish, a.generated, a.prefill_time, a.started, metrics);
-            None
         }
     }
 }
