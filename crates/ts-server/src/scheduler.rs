@@ -6,6 +6,7 @@
 //! the replies already streaming.
 
 use crate::metrics::Metrics;
+use rayon::prelude::*;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -221,18 +222,29 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
         if decode_rows > 0 {
             metrics.record_step(decode_rows, t.elapsed());
         }
-        let mut finished = Vec::new();
+        // Sample every row that has logits, in parallel (each touches only its own sequence).
+        let mut row_of: Vec<Option<&Vec<f32>>> = vec![None; active.len()];
         for (&i, l) in wants.iter().zip(&logits) {
-            let a = &mut active[i];
-            if a.generated == 0 && a.prefill_time.is_zero() {
-                a.prefill_time = a.started.elapsed();
-            }
-            if let Some(f) = step_one(a, l, tokenizer, &seqs[a.slot], n_ctx, &metrics) {
-                finished.push((i, f));
-            }
+            row_of[i] = Some(l);
         }
+        let seqs_ref = &seqs;
+        let metrics_ref = &metrics;
+        let mut finished: Vec<(usize, Finish)> = engine.install(|| {
+            active
+                .par_iter_mut()
+                .zip(row_of.par_iter())
+                .enumerate()
+                .filter_map(|(i, (a, l))| {
+                    let l = (*l)?;
+                    if a.generated == 0 && a.prefill_time.is_zero() {
+                        a.prefill_time = a.started.elapsed();
+                    }
+                    step_one(a, l, tokenizer, &seqs_ref[a.slot], n_ctx, metrics_ref).map(|f| (i, f))
+                })
+                .collect()
+        });
         // Highest index first, so the indices still to remove stay valid.
-        finished.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in finished {
             let a = active.remove(i);
             finish_job(a.job, finish, a.generated, a.prefill_time, a.started, &metrics);
