@@ -292,14 +292,16 @@ pub async fn chat<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     st.metrics.requests.fetch_add(1, Relaxed);
-    match chat_inner(&st, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.metrics.rejected.fetch_add(1, Relaxed);
-            tracing::info!(status = e.status.as_u16(), "chat request refused: {}", e.message);
-            e.into_response()
-        }
-    }
+    answer(&st, "chat", chat_inner(&st, body).await)
+}
+
+/// The response, or the error's, counted and logged.
+fn answer<B: Backend>(st: &AppState<B>, what: &str, r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(|e| {
+        st.metrics.rejected.fetch_add(1, Relaxed);
+        tracing::info!(status = e.status.as_u16(), "{what} request refused: {}", e.message);
+        e.into_response()
+    })
 }
 
 async fn chat_inner<B: Backend + 'static>(
@@ -460,14 +462,7 @@ pub async fn completions<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     st.metrics.requests.fetch_add(1, Relaxed);
-    match completions_inner(&st, body).await {
-        Ok(r) => r,
-        Err(e) => {
-            st.metrics.rejected.fetch_add(1, Relaxed);
-            tracing::info!(status = e.status.as_u16(), "completion request refused: {}", e.message);
-            e.into_response()
-        }
-    }
+    answer(&st, "completion", completions_inner(&st, body).await)
 }
 
 async fn completions_inner<B: Backend + 'static>(
