@@ -60,6 +60,15 @@ fn bad_input_gets_one_line_errors() {
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.starts_with("error: ") && stderr.contains(expected), "{args:?}: {stderr}");
     }
-    let out = turbospark(&["--device", "cuda:0", "inspect", "x.gguf"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--device cuda:0"));
+    let out = turbospark(&["--device", "tpu", "inspect", "x.gguf"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--device tpu: expected `cpu`, `cuda` or `cuda:N`"));
+    // Without a CUDA driver (CI), asking a computing command for the GPU is one line naming what is missing.
+    if let Some(model) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") {
+        let out = turbospark(&["--device", "cuda:0", "run", "-m", model.to_str().unwrap(), "-p", "hi", "-n", "1"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            assert_eq!(stderr.lines().count(), 1, "{stderr}");
+            assert!(stderr.starts_with("error: --device cuda:0: ") && stderr.contains("CUDA"), "{stderr}");
+        }
+    }
 }
