@@ -116,7 +116,11 @@ struct Graphs {
     arena: CudaSlice<u8>,
     arena_used: usize,
     arena_on: bool,
-    decode: Option<SendGraph>,
+    /// One recording per kind of one-row step: without logits (a prompt's
+    /// last-but-one token, say) and with them; they launch different kernels.
+    decode: [Option<SendGraph>; 2],
+    /// Which recording the current step uses.
+    kind: usize,
 }
 
 struct SendGraph(cudarc::driver::CudaGraph);
@@ -208,7 +212,14 @@ impl Cuda {
             ropes: Vec::new(),
             windows: Vec::new(),
             step: Mutex::new(None),
-            graphs: Mutex::new(Graphs { mode: Mode::Direct, arena, arena_used: 0, arena_on: false, decode: None }),
+            graphs: Mutex::new(Graphs {
+                mode: Mode::Direct,
+                arena,
+                arena_used: 0,
+                arena_on: false,
+                decode: [None, None],
+                kind: 0,
+            }),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
             blas,
             weight_bytes: 0,
@@ -842,7 +853,7 @@ impl Backend for Cuda {
                 pos: self.gpu.alloc(cap).map_err(err)?,
                 kv: self.gpu.alloc((n_layer * cap * 3).max(1)).map_err(err)?,
             });
-            g.decode = None;
+            g.decode = [None, None];
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
@@ -859,7 +870,8 @@ impl Backend for Cuda {
         g.arena_used = 0;
         g.arena_on = m == 1;
         if self.use_graphs && m == 1 && self.tier.is_none() {
-            if g.decode.is_some() {
+            g.kind = rows[0].logits as usize;
+            if g.decode[g.kind].is_some() {
                 g.mode = Mode::Replay;
             } else {
                 self.gpu
@@ -884,11 +896,12 @@ impl Backend for Cuda {
                     .map_err(|e| err(e.into()))?
                     .ok_or_else(|| ModelError::Compute("cuda: the decode step recorded no work".into()))?;
                 graph.launch().map_err(|e| err(e.into()))?;
-                g.decode = Some(SendGraph(graph));
+                let kind = g.kind;
+                g.decode[kind] = Some(SendGraph(graph));
             }
             Mode::Replay => {
                 g.mode = Mode::Direct;
-                let graph = g.decode.as_ref().expect("replay has a graph");
+                let graph = g.decode[g.kind].as_ref().expect("replay has a graph");
                 graph.0.launch().map_err(|e| err(e.into()))?;
             }
             Mode::Direct => {}
