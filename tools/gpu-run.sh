@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real]
+# (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU.)
 set -u
 what=${1:-all}
 export TURBOSPARK_ROOT=$PWD
@@ -11,6 +12,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $what == tests || $what == all ]]; then
     "$B"/gpu-tests --test-threads=1 --nocapture 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^test .* ok$"
+fi
+if [[ $what == real ]]; then
+    "$B"/gpu-tests --test-threads=1 --nocapture real_models 2>&1 | tee "$OUT/gpu-real.log"
 fi
 if [[ $what == bench || $what == all ]]; then
     "$B"/bandwidth 2>&1 | tee "$OUT/bandwidth.log"
