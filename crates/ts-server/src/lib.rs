@@ -29,6 +29,8 @@ pub struct ServeOptions {
     pub slot_ctx: usize,
     /// Largest request body accepted, bytes.
     pub max_body: usize,
+    /// Reuse a free slot's cached prompt prefix (see `scheduler::run`).
+    pub prompt_cache: bool,
 }
 
 /// What every handler shares.
@@ -96,10 +98,10 @@ pub fn spawn<B: Backend + 'static>(engine: Engine<B>, opts: ServeOptions, addr: 
     let (tx, rx) = std::sync::mpsc::channel();
     {
         let (engine, metrics) = (engine.clone(), metrics.clone());
-        let (slots, ctx) = (opts.parallel, opts.slot_ctx);
+        let (slots, ctx, cache) = (opts.parallel, opts.slot_ctx, opts.prompt_cache);
         std::thread::Builder::new()
             .name("scheduler".into())
-            .spawn(move || scheduler::run(&engine, rx, slots, ctx, metrics))
+            .spawn(move || scheduler::run(&engine, rx, slots, ctx, cache, metrics))
             .map_err(|e| format!("starting the scheduler: {e}"))?;
     }
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

@@ -12,6 +12,8 @@ pub struct Metrics {
     pub cancelled: AtomicU64,
     pub errors: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens found already in a slot's cache (not read again).
+    pub prompt_tokens_cached: AtomicU64,
     pub completion_tokens: AtomicU64,
     /// Jobs waiting for a slot.
     pub queued: AtomicU64,
@@ -66,6 +68,12 @@ impl Metrics {
         );
         metric("errors_total", "counter", "Generations that failed.", g(&self.errors));
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", g(&self.prompt_tokens));
+        metric(
+            "prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens reused from a slot's cache.",
+            g(&self.prompt_tokens_cached),
+        );
         metric("completion_tokens_total", "counter", "Tokens generated.", g(&self.completion_tokens));
         metric("queue_depth", "gauge", "Requests waiting for a slot.", g(&self.queued));
         metric("slots", "gauge", "Sequences decoded together at most.", slots.to_string());

@@ -85,7 +85,16 @@ struct Active<'a> {
 const STEP_ROWS: usize = 512;
 
 /// Runs until the job channel closes.
-pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_ctx: usize, metrics: Arc<Metrics>) {
+/// With `prompt_cache`, a request whose prompt starts like what a free slot's
+/// cache holds reuses those positions instead of reading them again.
+pub fn run<B: Backend>(
+    engine: &Engine<B>,
+    jobs: Receiver<Job>,
+    slots: usize,
+    n_ctx: usize,
+    prompt_cache: bool,
+    metrics: Arc<Metrics>,
+) {
     let mut seqs: Vec<SeqState<B::Kv>> = Vec::with_capacity(slots);
     for _ in 0..slots {
         match engine.new_sequence(n_ctx) {
@@ -98,6 +107,15 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
     }
     let slots = seqs.len();
     let mut free: Vec<usize> = (0..slots).rev().collect();
+    // Per slot, the tokens whose keys and values its cache holds (positions 0..n_past): with
+    // --prompt-cache a request whose prompt starts the same way reuses them (a chat's earlier
+    // turns, a shared system prompt). Off by default: 8-bit activations make the reused
+    // positions' numbers depend on how they were batched, so the same seed could sample
+    // differently depending on what a slot held.
+    let mut history: Vec<Vec<u32>> = vec![Vec::new(); slots];
+    // A sliding-window layer's ring keeps only the last window + 511 positions: rewinding further
+    // than that past its newest could leave old positions overwritten, so such models reuse less.
+    let sliding = engine.model.cfg.layers.iter().any(|l| l.sliding_window.is_some());
     let mut active: Vec<Active<'_>> = Vec::new();
     let mut scratch = engine.scratch();
     let tokenizer = match engine.tokenizer() {
@@ -109,7 +127,7 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
     };
     loop {
         // Admit waiting jobs while slots are free; block only when idle.
-        while let Some(slot) = free.last().copied() {
+        while !free.is_empty() {
             let job = if active.is_empty() {
                 match jobs.recv() {
                     Ok(j) => j,
@@ -138,15 +156,34 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
             for &t in &job.prompt {
                 sampler.accept(t);
             }
-            free.pop();
+            // The free slot whose cache shares the longest start with this prompt (at least
+            // one prompt token is run, for its logits).
+            let (pick, reuse) = free
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| {
+                    let h = &history[s];
+                    let mut n = h.iter().zip(&job.prompt).take_while(|(a, b)| a == b).count();
+                    n = n.min(job.prompt.len() - 1);
+                    if !prompt_cache || (sliding && h.len() - n > 256) {
+                        n = 0;
+                    }
+                    (i, n)
+                })
+                .max_by_key(|&(i, n)| (n, i))
+                .expect("a free slot");
+            let slot = free.remove(pick);
+            history[slot].truncate(reuse);
             seqs[slot].clear();
+            seqs[slot].n_past = reuse;
+            metrics.prompt_tokens_cached.fetch_add(reuse as u64, Relaxed);
             metrics.busy.fetch_add(1, Relaxed);
             active.push(Active {
                 decoder: tokenizer.stream_decoder(job.special),
                 job,
                 slot,
                 sampler,
-                prompt_done: 0,
+                prompt_done: reuse,
                 next: 0,
                 generated: 0,
                 held: String::new(),
@@ -211,6 +248,7 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
                 // A failed step leaves the caches suspect: end every request in it.
                 for a in active.drain(..) {
                     let _ = a.job.events.send(Event::Error(format!("generation failed: {e}")));
+                    history[a.slot].clear();
                     free.push(a.slot);
                     metrics.busy.fetch_sub(1, Relaxed);
                 }
@@ -218,6 +256,9 @@ pub fn run<B: Backend>(engine: &Engine<B>, jobs: Receiver<Job>, slots: usize, n_
                 continue;
             }
         };
+        for r in &rows {
+            history[active[r.seq].slot].push(r.token);
+        }
         metrics.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
         if decode_rows > 0 {
             metrics.record_step(decode_rows, t.elapsed());

@@ -16,9 +16,13 @@ const MODEL: &str = "smollm2-135m-instruct-q4_1.gguf";
 const ID: &str = "smollm2";
 
 fn start(slot_ctx: usize) -> Option<Running> {
+    start_with(slot_ctx, false)
+}
+
+fn start_with(slot_ctx: usize, prompt_cache: bool) -> Option<Running> {
     let path = ts_testkit::real_model(MODEL)?;
     let engine = Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
-    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20 };
+    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20, prompt_cache };
     Some(ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap())
 }
 
@@ -53,6 +57,11 @@ fn chat(addr: SocketAddr, prompt: &str, extra: Value) -> Value {
     let (status, v) = post(addr, "/v1/chat/completions", &req);
     assert_eq!(status, 200, "{v}");
     v
+}
+
+fn cached_tokens(addr: SocketAddr) -> f64 {
+    let (_, _, m) = http(addr, "GET", "/metrics", b"");
+    m.lines().find_map(|l| l.strip_prefix("turbospark_prompt_tokens_cached_total ")).unwrap().parse().unwrap()
 }
 
 fn content(v: &Value) -> String {
@@ -258,5 +267,27 @@ fn openai_python_client() {
         .unwrap();
     print!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    server.stop().unwrap();
+}
+
+/// With --prompt-cache, a second chat turn reads only what the first did not leave in a slot.
+#[test]
+fn second_turn_reuses_the_cached_first_turn() {
+    let Some(server) = start_with(1024, true) else { return };
+    let addr = server.addr;
+    let first_turn = chat(addr, "Name a fruit.", json!({"temperature": 0}));
+    let reply = content(&first_turn);
+    let req = json!({"model": ID, "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And a vegetable?"}]});
+    let cached_before = cached_tokens(addr);
+    let (status, second) = post(addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{second}");
+    let reused = cached_tokens(addr) - cached_before;
+    let first_prompt = first_turn["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert!(reused >= first_prompt - 1.0, "reused {reused} of the first turn's {first_prompt} prompt tokens");
+
+    assert!(!content(&second).is_empty());
     server.stop().unwrap();
 }

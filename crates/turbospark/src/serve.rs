@@ -24,6 +24,11 @@ pub struct ServeArgs {
     /// Largest request body accepted, e.g. `1MiB`.
     #[arg(long, default_value = "1MiB")]
     max_body: String,
+    /// Reuse the cached start of a previous prompt (a chat's earlier turns, a shared system
+    /// prompt) instead of reading it again. Off by default: with 8-bit activations the reused
+    /// positions' values depend on how they were batched, so a seed's sample can change.
+    #[arg(long)]
+    prompt_cache: bool,
 }
 
 pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
@@ -47,7 +52,13 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     let addr: std::net::SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| anyhow::anyhow!("--host {} --port {}: {e}", args.host, args.port))?;
-    let opts = ts_server::ServeOptions { model_id, parallel: args.parallel, slot_ctx, max_body: max_body as usize };
+    let opts = ts_server::ServeOptions {
+        model_id,
+        parallel: args.parallel,
+        slot_ctx,
+        max_body: max_body as usize,
+        prompt_cache: args.prompt_cache,
+    };
     crate::on_device!(global, engine, cuda, |engine| {
         let running = ts_server::spawn(engine, opts.clone(), addr).map_err(anyhow::Error::msg)?;
         eprintln!(
