@@ -240,7 +240,15 @@ pub fn run<B: Backend>(
             let mut by_slot: Vec<Option<&mut SeqState<B::Kv>>> = seqs.iter_mut().map(Some).collect();
             let mut step: Vec<&mut SeqState<B::Kv>> =
                 active.iter().map(|a| by_slot[a.slot].take().expect("one sequence per slot")).collect();
-            engine.install(|| engine.model.forward(&rows, &mut step, &mut scratch))
+            // A panic in a step (a bug) ends the requests in it, not the server.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.install(|| engine.model.forward(&rows, &mut step, &mut scratch))
+            }))
+            .unwrap_or_else(|p| {
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())))
+            })
         };
         let logits = match result {
             Ok(l) => l,
