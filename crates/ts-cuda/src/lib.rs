@@ -163,7 +163,8 @@ pub struct CudaOptions {
     /// VRAM for routed experts; `None`: every expert on the device.
     pub expert_cache: Option<u64>,
     pub policy: ts_experts::EvictionPolicy,
-    /// Keep a page-locked copy of every expert in host RAM (else copy from the mapped file).
+    /// Keep a page-locked copy of every expert in host RAM (else copy from the model's expert
+    /// store: mapped, or streamed from disk into a RAM cache).
     pub pinned_host: bool,
 }
 
@@ -635,6 +636,7 @@ impl Cuda {
         wts: &Act,
         act: GatedActivation,
         exact: bool,
+        store: &dyn ts_experts::ExpertStore,
     ) -> Result<Act, ModelError> {
         let e = w.gate_exps.row_len();
         let f = w.gate_exps.n_rows();
@@ -671,7 +673,7 @@ impl Cuda {
                     if gi > 0 {
                         self.gpu.sync().map_err(err)?;
                     }
-                    let slots = t.ensure(&self.gpu, il, w, group)?;
+                    let slots = t.ensure(&self.gpu, il, w, group, store)?;
                     slots
                         .iter()
                         .map(|&s| {
@@ -1124,7 +1126,7 @@ impl Backend for Cuda {
                     return Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {}", moe.n_expert)));
                 }
                 let mut t = tier.lock().expect("expert tier lock");
-                let slots = t.ensure(&self.gpu, il, w, &uniq)?;
+                let slots = t.ensure(&self.gpu, il, w, &uniq, model.experts.as_ref())?;
                 let slot_of: Vec<i32> =
                     ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();
                 let src = ExpertSource::Slots {
@@ -1135,7 +1137,7 @@ impl Backend for Cuda {
                 drop(t);
                 self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &src)?
             }
-            _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact)?,
+            _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact, model.experts.as_ref())?,
         };
         if let Some(sh) = &w.shared {
             let mut y = model.dense_ffn(&sh.gate, &sh.up, &sh.down, x, m, s)?;

@@ -1,8 +1,10 @@
 //! Routed experts tiered VRAM <- host RAM <- disk: a VRAM cache of slots, each
 //! holding one expert's gate, up and down matrices; a miss copies the expert
-//! from a pinned host copy (or, when host RAM is short, from the mapped file,
-//! which the OS pages in from disk) on a copy stream that compute waits on.
-//! The same policies and statistics as the CPU's streamed experts.
+//! from a pinned host copy of every expert or, when host RAM is short, from
+//! the model's CPU expert store (streamed: a RAM cache of its own filled from
+//! disk with O_DIRECT reads; mapped: the OS pages), on a copy stream that
+//! compute waits on. The same policies and statistics as the CPU's streamed
+//! experts.
 
 use crate::device::{CudaError, Gpu};
 use cudarc::driver::{CudaEvent, sys};
@@ -10,7 +12,7 @@ use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use ts_experts::{EvictionPolicy, LayerStats, SlotScores, StatsSnapshot};
+use ts_experts::{EvictionPolicy, ExpertStore, LayerStats, SlotScores, StatsSnapshot};
 use ts_model::tensors::{Ffn, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Model, ModelError};
@@ -22,8 +24,8 @@ const ALIGN: usize = 256;
 enum HostTier {
     /// Every expert in page-locked memory: copies run at full PCIe speed.
     Pinned { buf: PinnedHostSlice<u8>, offset: HashMap<(usize, usize), usize> },
-    /// The mapped file: pages come from the page cache or the disk.
-    Mapped,
+    /// The model's expert store (streamed from disk or mapped), asked per miss.
+    Store,
 }
 
 pub struct ExpertTier {
@@ -70,7 +72,7 @@ fn expert_matrix(w: &Weight, e: usize) -> &[u8] {
 
 impl ExpertTier {
     /// A VRAM cache of `vram_bytes` for `model`'s experts; the host tier is
-    /// pinned when `pinned_ok`, else the mapped file.
+    /// pinned when `pinned_ok`, else the model's expert store.
     pub fn new(
         gpu: &Gpu,
         model: &Model,
@@ -122,7 +124,7 @@ impl ExpertTier {
             }
             HostTier::Pinned { buf, offset }
         } else {
-            HostTier::Mapped
+            HostTier::Store
         };
         Ok(ExpertTier {
             arena,
@@ -152,7 +154,7 @@ impl ExpertTier {
     pub fn host_tier(&self) -> &'static str {
         match self.host {
             HostTier::Pinned { .. } => "pinned RAM",
-            HostTier::Mapped => "mapped file",
+            HostTier::Store => "the expert store",
         }
     }
 
@@ -172,6 +174,7 @@ impl ExpertTier {
         il: usize,
         w: &MoeWeights,
         experts: &[usize],
+        store: &dyn ExpertStore,
     ) -> Result<Vec<usize>, ModelError> {
         if experts.len() > self.n_slots {
             return Err(ModelError::Compute(format!(
@@ -186,6 +189,7 @@ impl ExpertTier {
         let start = gpu.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
         start.record(&self.copy).map_err(cerr)?;
         let mut slots = Vec::with_capacity(experts.len());
+        let mut misses: Vec<(usize, usize)> = Vec::new();
         let mut copied = 0u64;
         for &e in experts {
             let slot = match self.table.get(&(il, e)).copied() {
@@ -207,7 +211,7 @@ impl ExpertTier {
                     if let Some(old) = self.owner[s].take() {
                         self.table.remove(&old);
                     }
-                    self.copy_in(gpu, il, w, e, s)?;
+                    misses.push((e, s));
                     copied += self.proj_bytes[il].iter().sum::<usize>() as u64;
                     self.owner[s] = Some((il, e));
                     self.table.insert((il, e), s);
@@ -218,6 +222,7 @@ impl ExpertTier {
             self.scores.touch(slot);
             slots.push(slot);
         }
+        self.copy_misses(gpu, il, w, &misses, store)?;
         if copied > 0 {
             let done = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
             gpu.stream.wait(&done).map_err(cerr)?;
@@ -242,28 +247,46 @@ impl ExpertTier {
         self.timing = pending;
     }
 
-    /// Queues the copy of expert `e` of layer `il` into slot `s` on the copy stream.
-    fn copy_in(&self, gpu: &Gpu, il: usize, w: &MoeWeights, e: usize, s: usize) -> Result<(), ModelError> {
-        let base = gpu.ptr(&self.arena) + (s * self.slot_bytes) as u64;
-        let mut host_at = match &self.host {
-            HostTier::Pinned { offset, .. } => Some(offset[&(il, e)]),
-            HostTier::Mapped => None,
+    /// Queues the copies of `(expert, slot)` pairs of layer `il` on the copy stream.
+    fn copy_misses(
+        &self,
+        gpu: &Gpu,
+        il: usize,
+        w: &MoeWeights,
+        misses: &[(usize, usize)],
+        store: &dyn ExpertStore,
+    ) -> Result<(), ModelError> {
+        let copy = |dst: u64, src: &[u8], e: usize| {
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }
+                .map_err(|err| ModelError::Compute(format!("cuda: copying expert {e} of layer {il}: {err}")))
         };
-        for (p, m) in [&w.gate_exps, &w.up_exps, &w.down_exps].into_iter().enumerate() {
-            let dst = base + self.proj_offset[p] as u64;
-            let src: &[u8] = match (&self.host, host_at.as_mut()) {
-                (HostTier::Pinned { buf, .. }, Some(at)) => {
-                    let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
-                    let n = self.proj_bytes[il][p];
-                    let s = &all[*at..*at + n];
-                    *at += n;
-                    s
+        let base = |s: usize, p: usize| gpu.ptr(&self.arena) + (s * self.slot_bytes + self.proj_offset[p]) as u64;
+        match &self.host {
+            HostTier::Pinned { buf, offset } => {
+                let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
+                for &(e, s) in misses {
+                    let mut at = offset[&(il, e)];
+                    for p in 0..3 {
+                        let n = self.proj_bytes[il][p];
+                        copy(base(s, p), &all[at..at + n], e)?;
+                        at += n;
+                    }
                 }
-                _ => expert_matrix(m, e),
-            };
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(dst, src, self.copy.cu_stream())
-                    .map_err(|err| ModelError::Compute(format!("cuda: copying expert {e} of layer {il}: {err}")))?;
+            }
+            HostTier::Store => {
+                // The store reads what it lacks (in parallel) and holds it while the copies are
+                // queued; copies from its pageable memory are staged before they return.
+                let _ = w;
+                for group in misses.chunks(store.capacity().max(1)) {
+                    let ids: Vec<usize> = group.iter().map(|&(e, _)| e).collect();
+                    let set = store.ensure(il, &ids)?;
+                    for (i, &(e, s)) in group.iter().enumerate() {
+                        let bytes = set.get(i)?;
+                        for (p, src) in [bytes.gate, bytes.up, bytes.down].into_iter().enumerate() {
+                            copy(base(s, p), src, e)?;
+                        }
+                    }
+                }
             }
         }
         Ok(())

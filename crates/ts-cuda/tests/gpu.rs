@@ -383,8 +383,8 @@ fn run_tokens<B: Backend>(model: &Model<B>, tokens: &[u32]) -> (Vec<Vec<f32>>, V
 }
 
 /// A VRAM cache far smaller than the experts (misses every few tokens), over
-/// pinned RAM and over the mapped file: the same logits, bit for bit, as with
-/// every expert on the device.
+/// pinned RAM and over the CPU's streamed store (disk -> RAM cache -> VRAM):
+/// the same logits, bit for bit, as with every expert on the device.
 #[test]
 fn expert_cache_gives_identical_logits() {
     if gpu().is_none() {
@@ -396,8 +396,8 @@ fn expert_cache_gives_identical_logits() {
         let dir = fixtures_dir().join(family);
         let path = dir.join(format!("model-{variant}.gguf"));
         let golden = Golden::read(&dir.join(format!("golden-{variant}.bin"))).unwrap();
-        let open = |opts: Option<ts_cuda::CudaOptions>| {
-            Model::open(&path, ExpertPlacement::Mapped)
+        let open = |opts: Option<ts_cuda::CudaOptions>, host: ExpertPlacement| {
+            Model::open(&path, host)
                 .unwrap()
                 .into_backend(|m| match &opts {
                     None => Cuda::new(0, m),
@@ -405,7 +405,7 @@ fn expert_cache_gives_identical_logits() {
                 })
                 .unwrap()
         };
-        let resident = open(None);
+        let resident = open(None, ExpertPlacement::Mapped);
         let (want_decode, want_prefill) = run_tokens(&resident, &golden.tokens);
         let moe = resident.cfg.moe.clone().unwrap();
         let w = resident
@@ -444,7 +444,17 @@ fn expert_cache_gives_identical_logits() {
                 pinned_host,
                 ..Default::default()
             };
-            let tiered = open(Some(opts));
+            // Without the pinned copy the VRAM cache sits over the CPU's streamed store: a
+            // RAM cache of its own (a few slots) filled from disk.
+            let host = if pinned_host {
+                ExpertPlacement::Mapped
+            } else {
+                ExpertPlacement::Stream(ts_model::StreamOptions {
+                    cache_bytes: (3 * moe.n_expert_used * expert_bytes) as u64,
+                    ..Default::default()
+                })
+            };
+            let tiered = open(Some(opts), host);
             let (decode, prefill) = run_tokens(&tiered, &golden.tokens);
             let st = tiered.backend.expert_stats().unwrap().total();
             println!(

@@ -236,7 +236,11 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
         eprintln!(
             "experts: {:.1} GiB of VRAM cache over {}",
             bytes as f64 / (1u64 << 30) as f64,
-            if opts.pinned_host { "a pinned copy in host RAM" } else { "the mapped file (host RAM is short)" }
+            if opts.pinned_host {
+                "a pinned copy in host RAM"
+            } else {
+                "the CPU's expert store (host RAM is short: streamed from disk into a RAM cache)"
+            }
         );
     }
     Ok(opts)
@@ -248,32 +252,38 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     if args.batch == 0 {
         bail!("--batch-size must be at least 1");
     }
-    let experts = match global.device()? {
-        crate::Device::Cpu => placement(args, &model, args.ctx)?,
-        crate::Device::Cuda(_) => {
-            // Weights go to the GPU; the host keeps the mapped file to upload (or copy experts) from.
-            if args.experts != "auto" && args.experts != "mapped" {
-                bail!(
-                    "--experts {} is not available with --device cuda: experts live in VRAM, or in a VRAM \
-                     cache of --expert-cache bytes over host RAM",
-                    args.experts
-                );
-            }
-            for (set, flag) in [
-                (args.no_direct_io, "--no-direct-io"),
-                (args.expert_prefetch, "--expert-prefetch"),
-                (args.expert_readers != 8, "--expert-readers"),
-            ] {
-                if set {
-                    bail!("{flag} applies to experts streamed by the CPU, not to --device cuda");
-                }
-            }
-            ExpertPlacement::Mapped
-        }
-    };
     let cuda = match global.device()? {
         crate::Device::Cuda(_) => cuda_options(args, &model)?,
         crate::Device::Cpu => ts_cuda::CudaOptions::default(),
+    };
+    let experts = match global.device()? {
+        crate::Device::Cpu => placement(args, &model, args.ctx)?,
+        crate::Device::Cuda(_) => {
+            if cuda.expert_cache.is_some() && !cuda.pinned_host {
+                // Host RAM is short: the VRAM cache sits over the CPU's own expert placement
+                // (streamed from disk into a RAM cache, by default).
+                placement(args, &model, args.ctx)?
+            } else {
+                // Weights go to the GPU; the host keeps the mapped file to upload (or copy experts) from.
+                if args.experts != "auto" && args.experts != "mapped" {
+                    bail!(
+                        "--experts {} is not available with --device cuda here: experts live in VRAM, or in a \
+                         VRAM cache of --expert-cache bytes over a pinned copy in host RAM",
+                        args.experts
+                    );
+                }
+                for (set, flag) in [
+                    (args.no_direct_io, "--no-direct-io"),
+                    (args.expert_prefetch, "--expert-prefetch"),
+                    (args.expert_readers != 8, "--expert-readers"),
+                ] {
+                    if set {
+                        bail!("{flag} applies to experts streamed by the CPU, not to --device cuda here");
+                    }
+                }
+                ExpertPlacement::Mapped
+            }
+        }
     };
     let opts = LoadOptions { threads: global.threads()?, experts };
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
