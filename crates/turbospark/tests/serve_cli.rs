@@ -24,6 +24,7 @@ fn serve_starts_prints_its_address_and_answers() {
     let mut reply = String::new();
     s.read_to_string(&mut reply).unwrap();
     let _ = child.kill();
+    let _ = child.wait();
     assert!(reply.starts_with("HTTP/1.0 200"), "{reply}");
     assert!(reply.contains(r#""text":" Paris."#), "{reply}");
     // One log line per request.
