@@ -291,3 +291,76 @@ fn second_turn_reuses_the_cached_first_turn() {
     assert!(!content(&second).is_empty());
     server.stop().unwrap();
 }
+
+/// Random bodies made from a valid request by replacing, deleting or adding fields with values
+/// of every JSON type: each gets a status below 500 with a JSON body, and the server answers a
+/// plain request correctly afterwards.
+#[test]
+fn randomly_mangled_requests_never_break_the_server() {
+    let Some(server) = start(48) else { return };
+    let addr = server.addr;
+    let mut rng = ts_testkit::Rng::new(2026);
+    let values = |rng: &mut ts_testkit::Rng| -> Value {
+        match rng.next_u64() % 12 {
+            0 => Value::Null,
+            1 => json!(true),
+            2 => json!(-1),
+            3 => json!(1e300),
+            4 => json!(0.5),
+            5 => json!("x".repeat((rng.next_u64() % 40) as usize)),
+            6 => json!([]),
+            7 => json!([1, "a", null]),
+            8 => json!({}),
+            9 => json!([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
+            10 => json!([{"role": 5}]),
+            _ => json!(u64::MAX),
+        }
+    };
+    let fields = [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "n",
+        "stream",
+        "stream_options",
+        "presence_penalty",
+        "frequency_penalty",
+        "extra",
+    ];
+    let mut statuses = std::collections::BTreeMap::new();
+    for i in 0..120 {
+        let path = if i.is_multiple_of(3) { "/v1/completions" } else { "/v1/chat/completions" };
+        let mut req = json!({"model": ID, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
+                             "max_tokens": 2});
+        for _ in 0..1 + rng.next_u64() % 3 {
+            let f = fields[(rng.next_u64() % fields.len() as u64) as usize];
+            if rng.next_u64().is_multiple_of(4) {
+                req.as_object_mut().unwrap().remove(f);
+            } else {
+                req[f] = values(&mut rng);
+            }
+        }
+        let (status, head, body) = http(addr, "POST", path, req.to_string().as_bytes());
+        assert!((200..500).contains(&status), "{req} -> {status}: {body}");
+        if !head.to_ascii_lowercase().contains("text/event-stream") {
+            let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{req}: not JSON: {body}"));
+            assert!(status == 200 || v["error"]["message"].is_string(), "{req} -> {status}: {v}");
+        }
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    println!("statuses: {statuses:?}");
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["text"].as_str().unwrap().starts_with(" Paris."), "{v}");
+    server.stop().unwrap();
+}
