@@ -334,7 +334,7 @@ fn randomly_mangled_requests_never_break_the_server() {
         "extra",
     ];
     let mut statuses = std::collections::BTreeMap::new();
-    for i in 0..120 {
+    for i in 0..120u32 {
         let path = if i.is_multiple_of(3) { "/v1/completions" } else { "/v1/chat/completions" };
         let mut req = json!({"model": ID, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
                              "max_tokens": 2});
