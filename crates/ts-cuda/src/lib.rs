@@ -101,18 +101,18 @@ const ARENA_BYTES: usize = 256 << 20;
 
 /// How launches are treated during a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 enum Mode {
     /// Launched as they come.
-    Direct,
+    Direct = 0,
     /// Recorded into a CUDA graph (the first single-row step).
-    Capture,
+    Capture = 1,
     /// Skipped: the graph recorded earlier runs them all at the end of the step.
-    Replay,
+    Replay = 2,
 }
 
 /// A decode step recorded once and replayed: one launch instead of hundreds.
 struct Graphs {
-    mode: Mode,
     arena: CudaSlice<u8>,
     arena_used: usize,
     arena_on: bool,
@@ -146,6 +146,8 @@ pub struct Cuda {
     windows: Vec<i32>,
     step: Mutex<Option<Step>>,
     graphs: Mutex<Graphs>,
+    /// The current step's `Mode`, read on every launch (no lock on that path).
+    mode: std::sync::atomic::AtomicU8,
     /// Replay single-row steps from a CUDA graph (off when the expert tier needs the host mid-step).
     pub use_graphs: bool,
     blas: Option<CudaBlas>,
@@ -213,14 +215,8 @@ impl Cuda {
             ropes: Vec::new(),
             windows: Vec::new(),
             step: Mutex::new(None),
-            graphs: Mutex::new(Graphs {
-                mode: Mode::Direct,
-                arena,
-                arena_used: 0,
-                arena_on: false,
-                decode: [None, None],
-                kind: 0,
-            }),
+            graphs: Mutex::new(Graphs { arena, arena_used: 0, arena_on: false, decode: [None, None], kind: 0 }),
+            mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
             blas,
             weight_bytes: 0,
@@ -403,8 +399,20 @@ impl Cuda {
         Ok(out)
     }
 
+    fn mode(&self) -> Mode {
+        match self.mode.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => Mode::Capture,
+            2 => Mode::Replay,
+            _ => Mode::Direct,
+        }
+    }
+
+    fn set_mode(&self, m: Mode) {
+        self.mode.store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn replaying(&self) -> bool {
-        self.graphs.lock().expect("graph lock").mode == Mode::Replay
+        self.mode() == Mode::Replay
     }
 
     fn launch(
@@ -428,11 +436,11 @@ impl Cuda {
     }
 
     /// Ends a capture a failed step left open, dropping what it recorded.
-    fn abandon_capture(&self, g: &mut Graphs) {
-        if g.mode == Mode::Capture {
+    fn abandon_capture(&self) {
+        if self.mode() == Mode::Capture {
             let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         }
-        g.mode = Mode::Direct;
+        self.set_mode(Mode::Direct);
     }
 
     /// `y[m][n_out] = x[m][k] · Wᵀ` for `n_out` rows of type `ty` at device address `w`.
@@ -673,7 +681,7 @@ impl Cuda {
                     if gi > 0 {
                         self.gpu.sync().map_err(err)?;
                     }
-                    let slots = t.ensure(&self.gpu, il, w, group, store)?;
+                    let slots = t.ensure(&self.gpu, il, group, store)?;
                     slots
                         .iter()
                         .map(|&s| {
@@ -830,7 +838,7 @@ impl Backend for Cuda {
 
     fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuKv>]) -> Result<(), ModelError> {
         let mut g = self.graphs.lock().expect("graph lock");
-        self.abandon_capture(&mut g);
+        self.abandon_capture();
         let m = rows.len();
         let n_layer = seqs.first().map_or(0, |s| s.kv.layers.len());
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
@@ -874,13 +882,13 @@ impl Backend for Cuda {
         if self.use_graphs && m == 1 && self.tier.is_none() {
             g.kind = rows[0].logits as usize;
             if g.decode[g.kind].is_some() {
-                g.mode = Mode::Replay;
+                self.set_mode(Mode::Replay);
             } else {
                 self.gpu
                     .stream
                     .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(|e| err(e.into()))?;
-                g.mode = Mode::Capture;
+                self.set_mode(Mode::Capture);
             }
         }
         Ok(())
@@ -888,9 +896,10 @@ impl Backend for Cuda {
 
     fn end_step(&self) -> Result<(), ModelError> {
         let mut g = self.graphs.lock().expect("graph lock");
-        match g.mode {
+        let mode = self.mode();
+        self.set_mode(Mode::Direct);
+        match mode {
             Mode::Capture => {
-                g.mode = Mode::Direct;
                 let graph = self
                     .gpu
                     .stream
@@ -902,7 +911,6 @@ impl Backend for Cuda {
                 g.decode[kind] = Some(SendGraph(graph));
             }
             Mode::Replay => {
-                g.mode = Mode::Direct;
                 let graph = g.decode[g.kind].as_ref().expect("replay has a graph");
                 graph.0.launch().map_err(|e| err(e.into()))?;
             }
@@ -1111,7 +1119,7 @@ impl Backend for Cuda {
             self.add_bias(&mut logits, b)?;
         }
         let (ids, wts) = self.route(&logits, m, moe)?;
-        let mut out = match &self.tier {
+        let out = match &self.tier {
             None if m <= DEVICE_MOE_ROWS => {
                 self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &ExpertSource::Resident)?
             }
@@ -1126,7 +1134,7 @@ impl Backend for Cuda {
                     return Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {}", moe.n_expert)));
                 }
                 let mut t = tier.lock().expect("expert tier lock");
-                let slots = t.ensure(&self.gpu, il, w, &uniq, model.experts.as_ref())?;
+                let slots = t.ensure(&self.gpu, il, &uniq, model.experts.as_ref())?;
                 let slot_of: Vec<i32> =
                     ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();
                 let src = ExpertSource::Slots {
@@ -1139,25 +1147,17 @@ impl Backend for Cuda {
             }
             _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact, model.experts.as_ref())?,
         };
-        if let Some(sh) = &w.shared {
-            let mut y = model.dense_ffn(&sh.gate, &sh.up, &sh.down, x, m, s)?;
-            if let Some(gate_inp) = &sh.gate_inp {
-                self.launch(
-                    "sigmoid_gate_rows",
-                    (m as u32, 1, 1),
-                    (256, 1, 1),
-                    &[
-                        Arg::Ptr(self.p(&y)),
-                        Arg::Ptr(self.p(x)),
-                        Arg::Ptr(self.vptr(gate_inp)?),
-                        Arg::I32(cfg.n_embd as i32),
-                    ],
-                )?;
-            }
-            self.add(&mut out, &y)?;
-            y.len = 0;
-        }
         Ok(out)
+    }
+
+    fn sigmoid_gate(&self, y: &mut Act, x: &Act, gate: &[f32]) -> Result<(), ModelError> {
+        let width = gate.len();
+        self.launch(
+            "sigmoid_gate_rows",
+            ((y.len / width) as u32, 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(self.p(y)), Arg::Ptr(self.p(x)), Arg::Ptr(self.vptr(gate)?), Arg::I32(width as i32)],
+        )
     }
 
     fn select_rows(&self, x: &Act, width: usize, rows: &[usize]) -> Result<Act, ModelError> {

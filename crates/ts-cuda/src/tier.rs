@@ -66,10 +66,6 @@ fn moe_layers(model: &Model) -> Vec<(usize, &MoeWeights)> {
         .collect()
 }
 
-fn expert_matrix(w: &Weight, e: usize) -> &[u8] {
-    w.matrix_bytes(e)
-}
-
 impl ExpertTier {
     /// A VRAM cache of `vram_bytes` for `model`'s experts; the host tier is
     /// pinned when `pinned_ok`, else the model's expert store.
@@ -116,7 +112,7 @@ impl ExpertTier {
                 for e in 0..m.gate_exps.dims[2] {
                     offset.insert((*il, e), at);
                     for w in [&m.gate_exps, &m.up_exps, &m.down_exps] {
-                        let src = expert_matrix(w, e);
+                        let src = w.matrix_bytes(e);
                         dst[at..at + src.len()].copy_from_slice(src);
                         at += src.len();
                     }
@@ -172,7 +168,6 @@ impl ExpertTier {
         &mut self,
         gpu: &Gpu,
         il: usize,
-        w: &MoeWeights,
         experts: &[usize],
         store: &dyn ExpertStore,
     ) -> Result<Vec<usize>, ModelError> {
@@ -222,7 +217,7 @@ impl ExpertTier {
             self.scores.touch(slot);
             slots.push(slot);
         }
-        self.copy_misses(gpu, il, w, &misses, store)?;
+        self.copy_misses(gpu, il, &misses, store)?;
         if copied > 0 {
             let done = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
             gpu.stream.wait(&done).map_err(cerr)?;
@@ -252,7 +247,6 @@ impl ExpertTier {
         &self,
         gpu: &Gpu,
         il: usize,
-        w: &MoeWeights,
         misses: &[(usize, usize)],
         store: &dyn ExpertStore,
     ) -> Result<(), ModelError> {
@@ -276,7 +270,6 @@ impl ExpertTier {
             HostTier::Store => {
                 // The store reads what it lacks (in parallel) and holds it while the copies are
                 // queued; copies from its pageable memory are staged before they return.
-                let _ = w;
                 for group in misses.chunks(store.capacity().max(1)) {
                     let ids: Vec<usize> = group.iter().map(|&(e, _)| e).collect();
                     let set = store.ensure(il, &ids)?;

@@ -84,7 +84,9 @@ pub trait Backend: Sized + Send + Sync {
         rows: &[Row],
         seqs: &mut [&mut SeqState<Self::Kv>],
     ) -> Result<Self::Act, ModelError>;
-    /// The routed (and shared) experts of MoE layer `il` on the normed input `x` `[m][n_embd]`.
+    /// `y[r] *= sigmoid(gate · x[r])` for rows of `gate.len()` (a sigmoid-gated shared expert).
+    fn sigmoid_gate(&self, y: &mut Self::Act, x: &Self::Act, gate: &[f32]) -> Result<(), ModelError>;
+    /// The routed experts of MoE layer `il` on the normed input `x` `[m][n_embd]`.
     fn moe(
         &self,
         model: &Model<Self>,
@@ -225,6 +227,15 @@ impl Backend for Cpu {
             );
         });
         Ok(out)
+    }
+
+    fn sigmoid_gate(&self, y: &mut Vec<f32>, x: &Vec<f32>, gate: &[f32]) -> Result<(), ModelError> {
+        let e = gate.len();
+        for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
+            let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
+            ops::scale_inplace(yr, ops::sigmoid(dot));
+        }
+        Ok(())
     }
 
     fn moe(

@@ -200,7 +200,17 @@ impl<B: Backend> Model<B> {
             let normed = be.rms_norm_to(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let mut ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
-                Ffn::Moe(w) => be.moe(self, il, w, &normed, m, scratch)?,
+                Ffn::Moe(w) => {
+                    let mut out = be.moe(self, il, w, &normed, m, scratch)?;
+                    if let Some(sh) = &w.shared {
+                        let mut y = self.dense_ffn(&sh.gate, &sh.up, &sh.down, &normed, m, scratch)?;
+                        if let Some(gate) = &sh.gate_inp {
+                            be.sigmoid_gate(&mut y, &normed, gate)?;
+                        }
+                        be.add(&mut out, &y)?;
+                    }
+                    out
+                }
             };
             if let Some(w) = &layer.ffn_post_norm {
                 be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;

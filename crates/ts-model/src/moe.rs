@@ -1,6 +1,6 @@
-//! The MoE FFN: route each row to its top-k experts, run each selected expert
-//! once on all the rows that chose it, and sum the weighted outputs (plus the
-//! shared expert where the family has one).
+//! The routed half of the MoE FFN on the CPU: route each row to its top-k
+//! experts, run each selected expert once on all the rows that chose it, and
+//! sum the weighted outputs. (Shared experts are dense FFNs: forward.rs.)
 
 use crate::ModelError;
 use crate::config::{ArchConfig, Gating, MoeConfig};
@@ -50,7 +50,7 @@ pub fn route(moe: &MoeConfig, logits: &[f32]) -> Route {
     Route { experts, weights }
 }
 
-/// Output `[m][n_embd]` of the MoE FFN for the normed input `x` `[m][n_embd]`.
+/// Output `[m][n_embd]` of the routed experts for the normed input `x` `[m][n_embd]`.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_ffn(
     cfg: &ArchConfig,
@@ -111,16 +111,6 @@ pub fn moe_ffn(
         }
     }
 
-    if let Some(sh) = &w.shared {
-        let mut s = dense_ffn(cfg, &sh.gate, &sh.up, &sh.down, x, m, scratch)?;
-        if let Some(gate_inp) = &sh.gate_inp {
-            for (row, srow) in s.chunks_exact_mut(e).enumerate() {
-                let dot: f32 = gate_inp.iter().zip(&x[row * e..(row + 1) * e]).map(|(a, b)| a * b).sum();
-                ops::scale_inplace(srow, ops::sigmoid(dot));
-            }
-        }
-        ops::add_inplace(&mut out, &s);
-    }
     Ok(out)
 }
 
@@ -162,24 +152,6 @@ fn expert_ffn(
         o.iter_mut().zip(&d[j * e..(j + 1) * e]).for_each(|(o, &v)| *o += wt * v);
     }
     Ok(())
-}
-
-/// `down(act(gate · x) * (up · x))` for `m` rows on the CPU.
-fn dense_ffn(
-    cfg: &ArchConfig,
-    gate: &crate::weights::Weight,
-    up: &crate::weights::Weight,
-    down: &crate::weights::Weight,
-    x: &[f32],
-    m: usize,
-    scratch: &mut Scratch,
-) -> Result<Vec<f32>, ModelError> {
-    let (mut g, mut u, mut out) = (Vec::new(), Vec::new(), Vec::new());
-    linear(gate, x, m, scratch, &mut g)?;
-    linear(up, x, m, scratch, &mut u)?;
-    ops::gated_activation(cfg.ffn_act, &mut g, &u);
-    linear(down, &g, m, scratch, &mut out)?;
-    Ok(out)
 }
 
 #[cfg(test)]

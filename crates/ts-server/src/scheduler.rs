@@ -288,7 +288,7 @@ pub fn run<B: Backend>(
                     if a.generated == 0 && a.prefill_time.is_zero() {
                         a.prefill_time = a.started.elapsed();
                     }
-                    step_one(a, l, tokenizer, &seqs_ref[a.slot], n_ctx, metrics_ref).map(|f| (i, f))
+                    step_one(a, l, tokenizer, &seqs_ref[a.slot], metrics_ref).map(|f| (i, f))
                 })
                 .collect()
         });
@@ -310,7 +310,6 @@ fn step_one(
     logits: &[f32],
     tokenizer: &ts_tokenizer::Tokenizer,
     seq: &SeqState<impl Send + Sync>,
-    n_ctx: usize,
     metrics: &Metrics,
 ) -> Option<Finish> {
     let token = match a.sampler.try_sample(logits) {
@@ -345,7 +344,7 @@ fn step_one(
             return Some(Finish::Gone);
         }
     }
-    if a.generated >= a.job.max_tokens || seq.n_past + 1 >= n_ctx {
+    if a.generated >= a.job.max_tokens || seq.n_past + 1 >= seq.n_ctx {
         a.held.push_str(&a.decoder.finish());
         flush(a);
         return Some(Finish::Length);

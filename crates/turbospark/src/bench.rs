@@ -111,6 +111,7 @@ fn run_on<B: ts_model::Backend>(
     let cfg = &engine.model.cfg;
     let file_size = ts_gguf::GgufFile::open(path)?.header.tensor_bytes_total();
     let rss = peak_rss_bytes().unwrap_or(0);
+    let per_token = engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used));
     let model_name = path.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
     if args.json {
         let tests: Vec<_> = results
@@ -132,7 +133,7 @@ fn run_on<B: ts_model::Backend>(
             "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
             "backend": engine.model.backend.name(), "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
             "tests": tests, "peak_rss_bytes": rss,
-            "weight_bytes_per_token": engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used)),
+            "weight_bytes_per_token": per_token,
         });
         return crate::write_stdout(format!("{out}\n").as_bytes());
     }
@@ -149,7 +150,6 @@ fn run_on<B: ts_model::Backend>(
         );
     }
     s += &format!("\npeak RSS {:.1} MiB\n", rss as f64 / (1 << 20) as f64);
-    let per_token = engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used));
     s += &format!("weights read per generated token: {:.1} MiB\n", per_token as f64 / (1 << 20) as f64);
     for (test, st, n) in &cache_lines {
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
