@@ -1,50 +1,64 @@
 #!/usr/bin/env bash
-# Splits the real models into pieces small enough to ride along with device
-# calls (a call carries at most 64 MiB together with the working tree, about
-# 45 MB here), into .devstage/ (git-ignored). The GPU machine keeps its files
-# only while it stays warm (30 s after a call), so the pieces must go in
-# back-to-back calls, each carrying one folder:
+# Moves the real models to the GPU machine in pieces: it reaches no network and
+# one call carries at most 64 MiB together with the working tree (34 MB, of
+# which the test fixtures are 30 MB). The machine keeps its files only while it
+# stays warm (30 s after a call), so the pieces go in back-to-back calls.
 #
-#   tools/gpu-stage.sh [MODEL.gguf ...]        # here: writes .devstage/NN/ folders, prints the plan
-#   device run, carry [".devstage/NN"], command:
-#       mkdir -p /root/stage && cp .devstage/NN/* /root/stage/
-#   last call, carry [".devbin"], command:
-#       tools/gpu-stage.sh --assemble /root/stage && \
-#       TURBOSPARK_MODELS=/root/stage tools/gpu-run.sh real
+#   tools/gpu-stage.sh [MODEL.gguf ...]   # here: one tar of the models, cut into .devstage/NNN/
+#
+# The plan it prints: the first call carries .devbin and piece 000 with the
+# whole tree (it can run the GPU tests too); before the middle calls the
+# fixtures are moved out of the tree here (`--hide`), so each carries one
+# 61 MB piece; the last carries .devbin and the last piece and runs
+#   tools/gpu-stage.sh --assemble /root/stage && TURBOSPARK_MODELS=/root/stage tools/gpu-run.sh real
+# and `--unhide` puts the fixtures back here. Each call's command starts with
+#   mkdir -p /root/stage && cp .devstage/NNN/* /root/stage/
 set -euo pipefail
 cd "$(dirname "$0")/.."
-piece=${TURBOSPARK_STAGE_PIECE_MB:-17}
-if [[ ${1:-} == --assemble ]]; then
+hold=/tmp/turbospark-fixtures-hidden
+case ${1:-} in
+--assemble)
     dir=$2
-    for sha in "$dir"/*.sha256; do
-        name=$(basename "$sha" .sha256)
-        cat "$dir/$name".part.* > "$dir/$name"
-        (cd "$dir" && sha256sum -c "$name.sha256")
-        rm -f "$dir/$name".part.*
-    done
+    cat "$dir"/piece.* | tar -xf - -C "$dir"
+    rm -f "$dir"/piece.*
+    (cd "$dir" && sha256sum -c models.sha256)
     exit 0
-fi
+    ;;
+--hide)
+    mkdir -p "$hold" && mv tests/fixtures "$hold/" && echo "fixtures moved to $hold"
+    exit 0
+    ;;
+--unhide)
+    mv "$hold/fixtures" tests/ && echo "fixtures back"
+    exit 0
+    ;;
+esac
 models=("$@")
 if [[ ${#models[@]} -eq 0 ]]; then
-    # SmolLM2 alone is 6 calls; all three real models are about 50.
-    models=(models/smollm2-135m-instruct-q4_1.gguf)
+    models=(models/*.gguf)
 fi
+first=${TURBOSPARK_STAGE_FIRST:-16000000}
+piece=${TURBOSPARK_STAGE_PIECE:-61000000}
 grep -qx '/.devstage/' .git/info/exclude || echo '/.devstage/' >> .git/info/exclude
 rm -rf .devstage
-mkdir -p .devstage/all
-for m in "${models[@]}"; do
-    name=$(basename "$m")
-    split -b "${piece}M" -d -a 3 "$m" ".devstage/all/$name.part."
-    (cd "$(dirname "$m")" && sha256sum "$name") > ".devstage/all/$name.sha256"
-done
-# One folder per call: pieces (and checksums) up to the piece size each.
+mkdir -p .devstage/tmp
+names=()
+for m in "${models[@]}"; do names+=("$(basename "$m")"); done
+(cd models && sha256sum "${names[@]}") > .devstage/tmp/models.sha256
+tar -cf .devstage/tmp/all.tar -C models "${names[@]}" -C ../.devstage/tmp models.sha256
+size=$(stat -c %s .devstage/tmp/all.tar)
+at=0
 n=0
-for f in .devstage/all/*; do
+while ((at < size)); do
+    len=$piece
+    if ((n == 0)); then len=$first; fi
     d=$(printf ".devstage/%03d" "$n")
     mkdir -p "$d"
-    mv "$f" "$d/"
-    if [[ $f != *.sha256 ]]; then n=$((n + 1)); fi
+    dd if=.devstage/tmp/all.tar of="$d/piece.$(printf %03d "$n")" bs=1M iflag=skip_bytes,count_bytes \
+        skip="$at" count="$len" status=none
+    at=$((at + len))
+    n=$((n + 1))
 done
-rmdir .devstage/all
-echo "$(ls -d .devstage/[0-9]* | wc -l) calls, one folder each:"
+rm -rf .devstage/tmp
+echo "$n calls, one folder each (the last one's piece: $(stat -c %s "$d"/piece.*) bytes):"
 ls -d .devstage/[0-9]*
