@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU.)
 set -u
 what=${1:-all}
@@ -24,10 +24,26 @@ if [[ $what == bench || $what == all ]]; then
         start=$SECONDS
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee "$OUT/bench-$like.log"
         echo "load + bench: $((SECONDS - start)) s"
-        # A quarter of the expert bytes in VRAM, the rest in pinned host RAM.
+        # A quarter of the expert bytes in VRAM, the rest in pinned host RAM (prefetch on).
         quarter=$("$B"/turbospark inspect --json "$f" | python3 -c 'import json,sys
 d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in t["name"]) // 4)')
         "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$quarter" -p 512 -n 128 -r 2 2>&1 \
             | tee "$OUT/bench-$like-tier.log"
+        # The same without copying the next layer's guessed experts early (on by default here).
+        "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$quarter" --expert-prefetch off -p 0 -n 128 -r 2 \
+            2>&1 | tee "$OUT/bench-$like-no-prefetch.log"
+    done
+fi
+if [[ $what == profile ]]; then
+    # Time per kernel of a few decode steps (Nsight Compute, clocks left alone).
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for like in gpt-oss-20b qwen3-30b-a3b; do
+        f=/tmp/$like.gguf
+        [[ -f $f ]] || "$B"/turbospark synth --like "$like" -o "$f" 2>&1 | tail -1
+        "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c 1500 \
+            "$B"/turbospark bench -m "$f" --device cuda -p 0 -n 8 -r 1 > "$OUT/profile-$like.log" 2>&1
+        echo "== $like: time per kernel over the first 1500 launches of 8 decode steps"
+        python3 tools/ncu-summary.py "$OUT/profile-$like.log" | tee "$OUT/profile-$like.txt"
+        rm -f "$OUT/profile-$like.log"
     done
 fi

@@ -4,11 +4,16 @@
 // one set per type <t> of TS_QUANT_TYPES. Weight pointers need the row alignment quant.cuh
 // states (2 bytes at most); float and half buffers (x, y, out) must be 16-byte aligned.
 //
-//   matvec_<t>(w, x, y, n_out, k, m)      y[r][o] = sum_i x[r][i] * W[o][i], r < m, 1 <= m <= 8.
+//   matvec_<t>(w, x, y, n_out, k, m, bias)  y[r][o] = sum_i x[r][i] * W[o][i] (+ bias[o] if not null),
+//       r < m, 1 <= m <= 8.
 //       block (32, 4), grid (ceil(n_out/4)): block b computes rows 4b..4b+3.
 //   moe_matvec_<t>(w, expert_stride, ids, x, x_group, y, n_out, k)
 //       slot s = blockIdx.y uses expert ids[s] (W at w + ids[s]*expert_stride bytes), input
 //       x + (s / x_group)*k, output y + s*n_out; m = 1. block (32, 4), grid (ceil(n_out/4), n_slots).
+//   moe_gate_up_<t>(w_gate, w_up, expert_stride, index, ids, x, x_group, h, n_out, k, gate_bias, up_bias,
+//                   kind, alpha, limit)
+//       h[s][o] = act(gate_s[o] . x + gate_bias[ids[s]][o], up_s[o] . x + up_bias[ids[s]][o]) with the
+//       weights of slot s at w_* + index[s]*expert_stride (biases may be null); same grid as moe_matvec.
 //   dequant_f16_<t>(w, out, n_rows, k)    out[r][i] = half bits of W[r][i] (round to nearest even).
 //   get_rows_<t>(w, ids, out, n, k)       out[r][i] = W[ids[r]][i].
 //       Both grid-stride over quarter chunks: any 1-D launch.
@@ -62,12 +67,13 @@ __device__ __forceinline__ void ts_matvec_chunk(const ts_u8* __restrict__ w, ts_
 }
 
 // The block's `rows` (1..4) weight rows from `w` (row stride row_bytes) against M rows of x
-// (stride k): y[r * y_stride + i] for row i. Call with all 128 threads of a (32, 4) block.
+// (stride k): y[r * y_stride + i] for row i, plus bias[i] when bias is not null. Call with all
+// 128 threads of a (32, 4) block.
 // Each thread takes chunks tid/4 + 32j, TS_MATVEC_UNROLL per trip.
 template <int M, void (*DQ)(const ts_u8*, int, int, float*)>
 __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_u64 row_bytes, int rows,
                                                 const float* __restrict__ x, float* __restrict__ y, int y_stride,
-                                                int k) {
+                                                int k, const float* __restrict__ bias) {
     __shared__ float partial[4][4 * M];
     const int tid = threadIdx.y * 32 + threadIdx.x;
     const int s = tid & 3;
@@ -95,7 +101,11 @@ __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_
     __syncthreads();
     if (tid < 4 * M) {
         const int i = tid / M, r = tid % M;
-        if (i < rows) y[(ts_u64)r * y_stride + i] = (partial[0][tid] + partial[1][tid]) + (partial[2][tid] + partial[3][tid]);
+        if (i < rows) {
+            float v = (partial[0][tid] + partial[1][tid]) + (partial[2][tid] + partial[3][tid]);
+            if (bias) v += bias[i];
+            y[(ts_u64)r * y_stride + i] = v;
+        }
     }
     __syncthreads();  // partial is reused by the next call
 }
@@ -105,12 +115,12 @@ __device__ __forceinline__ void ts_matvec_block(const ts_u8* __restrict__ w, ts_
 template <void (*DQ)(const ts_u8*, int, int, float*)>
 __device__ __forceinline__ void ts_matvec(const ts_u8* __restrict__ w, ts_u64 row_bytes, int rows,
                                           const float* __restrict__ x, float* __restrict__ y, int n_out, int k,
-                                          int m) {
+                                          int m, const float* __restrict__ bias) {
     for (int r = 0; r < m; r += 2) {
         if (m - r >= 2) {
-            ts_matvec_block<2, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k);
+            ts_matvec_block<2, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k, bias);
         } else {
-            ts_matvec_block<1, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k);
+            ts_matvec_block<1, DQ>(w, row_bytes, rows, x + (ts_u64)r * k, y + (ts_u64)r * n_out, n_out, k, bias);
         }
     }
 }
@@ -121,11 +131,11 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
 #define TS_DEFINE_KERNELS(t, block, bytes)                                                                         \
     extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
         matvec_##t(const ts_u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n_out,     \
-                   int k, int m) {                                                                                  \
+                   int k, int m, const float* __restrict__ bias) {                                                  \
         const int o = blockIdx.x * 4;                                                                               \
         if (o >= n_out) return;                                                                                     \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
-        ts_matvec<dequant8_##t>(w + o * rb, rb, min(4, n_out - o), x, y + o, n_out, k, m);                         \
+        ts_matvec<dequant8_##t>(w + o * rb, rb, min(4, n_out - o), x, y + o, n_out, k, m, bias ? bias + o : bias); \
     }                                                                                                               \
                                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
@@ -137,7 +147,29 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
         const ts_u8* wr = w + (long long)ids[s] * expert_stride + o * rb;                                           \
         ts_matvec_block<1, dequant8_##t>(wr, rb, min(4, n_out - o), x + (ts_u64)(s / x_group) * k,                 \
-                                         y + (ts_u64)s * n_out + o, 0, k);                                          \
+                                         y + (ts_u64)s * n_out + o, 0, k, nullptr);                                 \
+    }                                                                                                               \
+                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##t(                                          \
+        const ts_u8* __restrict__ wg, const ts_u8* __restrict__ wu, long long expert_stride,                       \
+        const int* __restrict__ index, const int* __restrict__ ids, const float* __restrict__ x, int x_group,      \
+        float* __restrict__ h, int n_out, int k, const float* __restrict__ bias_g, const float* __restrict__ bias_u, \
+        int kind, float alpha, float limit) {                                                                       \
+        __shared__ float gv[4], uv[4];                                                                              \
+        const int o = blockIdx.x * 4;                                                                               \
+        if (o >= n_out) return;                                                                                     \
+        const int s = blockIdx.y, rows = min(4, n_out - o);                                                         \
+        const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
+        const long long at = (long long)index[s] * expert_stride + o * rb;                                          \
+        const float* xs = x + (ts_u64)(s / x_group) * k;                                                            \
+        ts_matvec_block<1, dequant8_##t>(wg + at, rb, rows, xs, gv, 0, k, nullptr);                                 \
+        ts_matvec_block<1, dequant8_##t>(wu + at, rb, rows, xs, uv, 0, k, nullptr);                                 \
+        const int i = threadIdx.y * 32 + threadIdx.x;                                                               \
+        if (i < rows) {                                                                                             \
+            const long long b = (long long)ids[s] * n_out + o + i;                                                  \
+            const float g = bias_g ? gv[i] + bias_g[b] : gv[i], u = bias_u ? uv[i] + bias_u[b] : uv[i];            \
+            h[(ts_u64)s * n_out + o + i] = ts_gated(kind, g, u, alpha, limit);                                      \
+        }                                                                                                           \
     }                                                                                                               \
                                                                                                                     \
     extern "C" __global__ void dequant_f16_##t(const ts_u8* __restrict__ w, unsigned short* __restrict__ out,       \

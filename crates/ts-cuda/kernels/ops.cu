@@ -36,15 +36,30 @@ __device__ float block_sum(float v) {
 }
 
 // out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces).
-// w may be null (scale 1). out may alias x.
+// w may be null (scale 1). out may alias x. Each thread keeps its first
+// RMS_HELD elements in registers between the two passes (all of them when
+// blockDim.x >= width / RMS_HELD), so the loads of both passes are issued at once.
+#define RMS_HELD 4
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int width, float eps) {
     const float* xp = x + (long long)blockIdx.x * width;
     float* op = out + (long long)blockIdx.x * width;
+    float held[RMS_HELD];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xp[i] * xp[i];
+#pragma unroll
+    for (int j = 0; j < RMS_HELD; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        held[j] = i < width ? xp[i] : 0.0f;
+        ss += held[j] * held[j];
+    }
+    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) ss += xp[i] * xp[i];
     ss = block_sum(ss);
     float scale = rsqrtf(ss / width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) op[i] = xp[i] * scale * (w ? w[i] : 1.0f);
+#pragma unroll
+    for (int j = 0; j < RMS_HELD; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < width) op[i] = held[j] * scale * (w ? w[i] : 1.0f);
+    }
+    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) op[i] = xp[i] * scale * (w ? w[i] : 1.0f);
 }
 
 // x[i] += y[i]
@@ -75,23 +90,10 @@ extern "C" __global__ void softcap(float* x, float c, long long n) {
         x[i] = c * tanhf(x[i] / c);
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// gate = act(gate, up): kind 0 SwiGLU, 1 GeGLU (tanh approximation), 2 gpt-oss's clamped SwiGLU.
+// gate = act(gate, up) (activation.cuh's kinds).
 extern "C" __global__ void gated(float* gate, const float* up, long long n, int kind, float alpha, float limit) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float g = gate[i], u = up[i];
-        if (kind == 0) {
-            gate[i] = g * sigmoidf(g) * u;
-        } else if (kind == 1) {
-            float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
-            gate[i] = 0.5f * g * (1.0f + t) * u;
-        } else {
-            float x = fminf(g, limit);
-            float v = fminf(fmaxf(u, -limit), limit);
-            gate[i] = x * sigmoidf(alpha * x) * (v + 1.0f);
-        }
-    }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        gate[i] = ts_gated(kind, gate[i], up[i], alpha, limit);
 }
 
 // Rotary embedding of every head of `x` [m][n_heads * head_dim] in place.
@@ -224,12 +226,14 @@ extern "C" __global__ void scatter_add_weighted(float* out, const int* rows, con
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] += wt * src[i];
 }
 
-// out[r] = sum_j w[r*k + j] * y[r*k + j] for rows of `width`: a token's k expert outputs. grid.x = m.
+// out[r] = sum_j w[r*k + j] * y[r*k + j] for rows of `width`: a token's k expert outputs.
+// grid = (any, m): blocks of a row share its width.
 extern "C" __global__ void moe_combine(const float* y, const float* w, float* out, int k, int width) {
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    const int r = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < k; j++) acc += w[blockIdx.x * k + j] * y[((long long)blockIdx.x * k + j) * width + i];
-        out[(long long)blockIdx.x * width + i] = acc;
+        for (int j = 0; j < k; j++) acc += w[r * k + j] * y[((long long)r * k + j) * width + i];
+        out[(long long)r * width + i] = acc;
     }
 }
 

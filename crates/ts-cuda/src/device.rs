@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Kernel sources, compiled together: `quant.cuh` is included by `matmul.cu`.
+/// Kernel sources, compiled together: `quant.cuh` is included by `matmul.cu`;
+/// `activation.cuh` comes first, for both.
+const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
 const OPS_CU: &str = include_str!("../kernels/ops.cu");
@@ -189,7 +191,7 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
 /// The whole kernel source: quant.cuh inlined where matmul.cu includes it.
 pub fn kernel_source() -> String {
     let matmul = MATMUL_CU.replace("#include \"quant.cuh\"", QUANT_CUH);
-    format!("{matmul}\n{OPS_CU}\n")
+    format!("{ACTIVATION_CUH}\n{matmul}\n{OPS_CU}\n")
 }
 
 /// NVRTC for the device's architecture (`sm_XY`).

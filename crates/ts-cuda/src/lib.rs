@@ -443,7 +443,8 @@ impl Cuda {
         self.set_mode(Mode::Direct);
     }
 
-    /// `y[m][n_out] = x[m][k] · Wᵀ` for `n_out` rows of type `ty` at device address `w`.
+    /// `y[m][n_out] = x[m][k] · Wᵀ (+ bias)` for `n_out` rows of type `ty` at device address
+    /// `w`; `bias` is the device address of `[n_out]` floats, or 0 for none.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -454,6 +455,7 @@ impl Cuda {
         x: u64,
         m: usize,
         y: u64,
+        bias: u64,
         exact: bool,
     ) -> Result<(), ModelError> {
         let sfx = type_suffix(ty).ok_or_else(|| ModelError::Compute(format!("cuda: type {ty} unsupported")))?;
@@ -461,7 +463,15 @@ impl Cuda {
             && !exact
             && let Some(blas) = &self.blas
         {
-            return self.gemm_f16(blas, sfx, w, n_out, k, x, m, y);
+            self.gemm_f16(blas, sfx, w, n_out, k, x, m, y)?;
+            if bias != 0 {
+                self.launch_1d(
+                    "add_bias",
+                    m * n_out,
+                    &[Arg::Ptr(y), Arg::Ptr(bias), Arg::I32(n_out as i32), Arg::I64((m * n_out) as i64)],
+                )?;
+            }
+            return Ok(());
         }
         let grid = (n_out.div_ceil(4) as u32, 1, 1);
         for r0 in (0..m).step_by(MATVEC_ROWS) {
@@ -477,6 +487,7 @@ impl Cuda {
                     Arg::I32(n_out as i32),
                     Arg::I32(k as i32),
                     Arg::I32(mc as i32),
+                    Arg::Ptr(bias),
                 ],
             )?;
         }
@@ -582,24 +593,67 @@ impl Cuda {
             )?;
             Ok(out)
         };
-        let mut g = mm(0, x, k, f, e)?;
-        let u = mm(1, x, k, f, e)?;
-        for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-            if let Some(b) = b {
-                self.launch_1d(
-                    "add_bias_indexed",
-                    slots * f,
-                    &[
-                        Arg::Ptr(self.p(t)),
-                        Arg::Ptr(self.vptr(b)?),
-                        Arg::Ptr(ids_p),
-                        Arg::I32(f as i32),
-                        Arg::I64((slots * f) as i64),
-                    ],
-                )?;
+        let g = if w.gate_exps.ty == w.up_exps.ty {
+            // Gate, up, their biases and the activation in one kernel.
+            let (base_g, base_u, stride, index) = match src {
+                ExpertSource::Resident => (
+                    self.wptr(&w.gate_exps)?,
+                    self.wptr(&w.up_exps)?,
+                    w.gate_exps.row_bytes() * w.gate_exps.n_rows(),
+                    ids_p,
+                ),
+                ExpertSource::Slots { bases, stride, slot_ids } => {
+                    (bases[0], bases[1], *stride, self.gpu.ptr(slot_ids))
+                }
+            };
+            let (kind, alpha, limit) = activation_args(act);
+            let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
+            let h = self.act(slots * f)?;
+            let sfx = type_suffix(w.gate_exps.ty).expect("checked at upload");
+            self.launch(
+                &format!("moe_gate_up_{sfx}"),
+                (f.div_ceil(4) as u32, slots as u32, 1),
+                (32, 4, 1),
+                &[
+                    Arg::Ptr(base_g),
+                    Arg::Ptr(base_u),
+                    Arg::I64(stride as i64),
+                    Arg::Ptr(index),
+                    Arg::Ptr(ids_p),
+                    Arg::Ptr(self.p(x)),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(self.p(&h)),
+                    Arg::I32(f as i32),
+                    Arg::I32(e as i32),
+                    Arg::Ptr(bias(&w.gate_bias)?),
+                    Arg::Ptr(bias(&w.up_bias)?),
+                    Arg::I32(kind),
+                    Arg::F32(alpha),
+                    Arg::F32(limit),
+                ],
+            )?;
+            h
+        } else {
+            let mut g = mm(0, x, k, f, e)?;
+            let u = mm(1, x, k, f, e)?;
+            for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+                if let Some(b) = b {
+                    self.launch_1d(
+                        "add_bias_indexed",
+                        slots * f,
+                        &[
+                            Arg::Ptr(self.p(t)),
+                            Arg::Ptr(self.vptr(b)?),
+                            Arg::Ptr(ids_p),
+                            Arg::I32(f as i32),
+                            Arg::I64((slots * f) as i64),
+                        ],
+                    )?;
+                }
             }
-        }
-        self.gated(act, &mut g, &u)?;
+            self.gated(act, &mut g, &u)?;
+            g
+        };
         let d = mm(2, &g, 1, e, f)?;
         if let Some(b) = &w.down_bias {
             self.launch_1d(
@@ -617,7 +671,7 @@ impl Cuda {
         let out = self.act(m * e)?;
         self.launch(
             "moe_combine",
-            (m as u32, 1, 1),
+            (e.div_ceil(256) as u32, m as u32, 1),
             (256, 1, 1),
             &[
                 Arg::Ptr(self.p(&d)),
@@ -706,7 +760,7 @@ impl Cuda {
                 let expert = |proj: usize, xin: &Act, n_out: usize, kk: usize| -> Result<Act, ModelError> {
                     let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
                     let y = self.act(me * n_out)?;
-                    self.matmul(t.ty, base[proj], n_out, kk, self.p(xin), me, self.p(&y), exact)?;
+                    self.matmul(t.ty, base[proj], n_out, kk, self.p(xin), me, self.p(&y), 0, exact)?;
                     Ok(y)
                 };
                 let mut g = expert(0, &xs, f, e)?;
@@ -814,6 +868,32 @@ impl Cuda {
     pub fn act_from_host(&self, v: &[f32]) -> Result<Act, ModelError> {
         let buf = self.gpu.upload(v).map_err(err)?;
         Ok(Act { ptr: self.gpu.ptr(&buf), len: v.len(), _own: Some(buf) })
+    }
+}
+
+/// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
+fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
+    match act {
+        GatedActivation::SwiGlu => (0, 0.0, 0.0),
+        GatedActivation::GeGlu => (1, 0.0, 0.0),
+        GatedActivation::SwiGluClamped { alpha, limit } => (2, alpha, limit),
+    }
+}
+
+/// Threads of an `rms_norm` block for pieces of `width`: enough that each
+/// holds its 4 elements in registers (ops.cu's RMS_HELD), 32 to 1024.
+fn norm_threads(width: usize) -> u32 {
+    width.div_ceil(4).next_power_of_two().clamp(32, 1024) as u32
+}
+
+/// The distinct experts of a layer's routes, sorted; an id out of range is an error.
+fn unique_experts(ids: &[i32], n_expert: usize) -> Result<Vec<usize>, ModelError> {
+    let mut uniq: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+    uniq.sort_unstable();
+    uniq.dedup();
+    match uniq.iter().find(|&&e| e >= n_expert) {
+        Some(bad) => Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {n_expert}"))),
+        None => Ok(uniq),
     }
 }
 
@@ -948,15 +1028,19 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn linear(&self, w: &Weight, x: &Act, m: usize, s: &mut GpuScratch) -> Result<Act, ModelError> {
+    fn linear(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Act,
+        m: usize,
+        s: &mut GpuScratch,
+    ) -> Result<Act, ModelError> {
         let n_out = w.n_rows();
         let y = self.act(m * n_out)?;
-        self.matmul(w.ty, self.wptr(w)?, n_out, w.row_len(), self.p(x), m, self.p(&y), s.exact)?;
+        let bias = bias.map_or(Ok(0), |b| self.vptr(b))?;
+        self.matmul(w.ty, self.wptr(w)?, n_out, w.row_len(), self.p(x), m, self.p(&y), bias, s.exact)?;
         Ok(y)
-    }
-
-    fn add_bias(&self, x: &mut Act, bias: &[f32]) -> Result<(), ModelError> {
-        self.bias_at(x, self.vptr(bias)?, bias.len())
     }
 
     fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
@@ -968,7 +1052,7 @@ impl Backend for Cuda {
         self.launch(
             "rms_norm",
             ((x.len / piece) as u32, 1, 1),
-            (256, 1, 1),
+            (norm_threads(piece), 1, 1),
             &[Arg::Ptr(xp), Arg::Ptr(wp), Arg::Ptr(xp), Arg::I32(piece as i32), Arg::F32(eps)],
         )
     }
@@ -978,7 +1062,7 @@ impl Backend for Cuda {
         self.launch(
             "rms_norm",
             ((x.len / w.len()) as u32, 1, 1),
-            (256, 1, 1),
+            (norm_threads(w.len()), 1, 1),
             &[
                 Arg::Ptr(self.p(x)),
                 Arg::Ptr(self.vptr(w)?),
@@ -1003,11 +1087,7 @@ impl Backend for Cuda {
     }
 
     fn gated(&self, act: GatedActivation, gate: &mut Act, up: &Act) -> Result<(), ModelError> {
-        let (kind, alpha, limit) = match act {
-            GatedActivation::SwiGlu => (0, 0.0, 0.0),
-            GatedActivation::GeGlu => (1, 0.0, 0.0),
-            GatedActivation::SwiGluClamped { alpha, limit } => (2, alpha, limit),
-        };
+        let (kind, alpha, limit) = activation_args(act);
         self.launch_1d(
             "gated",
             gate.len,
@@ -1114,27 +1194,34 @@ impl Backend for Cuda {
         let cfg = &model.cfg;
         let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
         let k = moe.n_expert_used;
-        let mut logits = self.linear(&w.router, x, m, s)?;
-        if let Some(b) = &w.router_bias {
-            self.add_bias(&mut logits, b)?;
-        }
+        let logits = self.linear(&w.router, w.router_bias.as_deref(), x, m, s)?;
         let (ids, wts) = self.route(&logits, m, moe)?;
         let out = match &self.tier {
             None if m <= DEVICE_MOE_ROWS => {
                 self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &ExpertSource::Resident)?
             }
             Some(tier) if m <= DEVICE_MOE_ROWS => {
+                // With prefetch, the next MoE layer's router applied to this layer's
+                // input guesses its experts (as on the CPU); queued before the wait below.
+                let guess = match model.prefetch_experts.then(|| model.next_moe_layer(il)).flatten() {
+                    Some((next, nw)) => {
+                        let logits = self.linear(&nw.router, nw.router_bias.as_deref(), x, m, s)?;
+                        Some((next, self.route(&logits, m, moe)?.0))
+                    }
+                    None => None,
+                };
                 // Routes come back to the host (this waits for the layer so far), the
                 // cache takes in what is missing, and the slots replace expert ids.
                 let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
-                let mut uniq: Vec<usize> = ids_h.iter().map(|&e| e as usize).collect();
-                uniq.sort_unstable();
-                uniq.dedup();
-                if let Some(&bad) = uniq.iter().find(|&&e| e >= moe.n_expert) {
-                    return Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {}", moe.n_expert)));
-                }
+                let uniq = unique_experts(&ids_h, moe.n_expert)?;
                 let mut t = tier.lock().expect("expert tier lock");
                 let slots = t.ensure(&self.gpu, il, &uniq, model.experts.as_ref())?;
+                if let Some((next, guess_ids)) = guess {
+                    // Their copies queue behind this layer's and overlap with its compute
+                    // and the next layer's attention.
+                    let guess_h: Vec<i32> = self.download(guess_ids.ptr, m * k)?;
+                    t.prefetch(&self.gpu, next, &unique_experts(&guess_h, moe.n_expert)?, &slots, model.experts.as_ref())?;
+                }
                 let slot_of: Vec<i32> =
                     ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();
                 let src = ExpertSource::Slots {

@@ -46,6 +46,8 @@ pub struct ExpertTier {
     policy: EvictionPolicy,
     /// Copies still to be timed: layer, start and end events on the copy stream.
     timing: Vec<(usize, CudaEvent, CudaEvent)>,
+    /// Per slot: filled by a prefetch that compute has not yet waited for.
+    in_flight: Vec<bool>,
 }
 
 fn round_up(n: usize) -> usize {
@@ -102,8 +104,9 @@ impl ExpertTier {
         }
         let arena = gpu.alloc::<u8>(n_slots * slot_bytes).map_err(err)?;
         let host = if pinned_ok {
-            let total: usize =
-                layers.iter().map(|(il, m)| m.gate_exps.dims[2] * proj_bytes[*il].iter().sum::<usize>()).sum();
+            // Each expert laid out as in a slot, so that one copy moves it.
+            let span = |il: usize| proj_offset[2] + proj_bytes[il][2];
+            let total: usize = layers.iter().map(|(il, m)| m.gate_exps.dims[2] * round_up(span(*il))).sum();
             let mut buf = unsafe { gpu.ctx.alloc_pinned::<u8>(total) }.map_err(|e| err(e.into()))?;
             let dst = buf.as_mut_slice().map_err(|e| err(e.into()))?;
             let mut offset = HashMap::new();
@@ -111,11 +114,11 @@ impl ExpertTier {
             for (il, m) in &layers {
                 for e in 0..m.gate_exps.dims[2] {
                     offset.insert((*il, e), at);
-                    for w in [&m.gate_exps, &m.up_exps, &m.down_exps] {
+                    for (p, w) in [&m.gate_exps, &m.up_exps, &m.down_exps].into_iter().enumerate() {
                         let src = w.matrix_bytes(e);
-                        dst[at..at + src.len()].copy_from_slice(src);
-                        at += src.len();
+                        dst[at + proj_offset[p]..at + proj_offset[p] + src.len()].copy_from_slice(src);
                     }
+                    at += round_up(span(*il));
                 }
             }
             HostTier::Pinned { buf, offset }
@@ -136,6 +139,7 @@ impl ExpertTier {
             layers: vec![LayerStats::default(); model.weights.layers.len()],
             policy,
             timing: Vec::new(),
+            in_flight: vec![false; n_slots],
         })
     }
 
@@ -163,7 +167,8 @@ impl ExpertTier {
     /// Slots holding `experts` of layer `il`, copying in the missing ones.
     /// Everything the compute stream queued before must be finished with the
     /// slots this may evict (the caller synchronised on reading the routes).
-    /// On return the compute stream waits for the copies.
+    /// On return the compute stream waits for the copies, and for earlier
+    /// prefetches into the slots it will read.
     pub fn ensure(
         &mut self,
         gpu: &Gpu,
@@ -180,51 +185,87 @@ impl ExpertTier {
         }
         self.scores.clock += 1;
         self.settle_timing();
-        let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
-        let start = gpu.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
-        start.record(&self.copy).map_err(cerr)?;
-        let mut slots = Vec::with_capacity(experts.len());
-        let mut misses: Vec<(usize, usize)> = Vec::new();
-        let mut copied = 0u64;
-        for &e in experts {
-            let slot = match self.table.get(&(il, e)).copied() {
-                Some(s) => {
-                    self.layers[il].hits += 1;
-                    s
-                }
-                None => {
-                    self.layers[il].misses += 1;
-                    let busy = &slots;
-                    let free = (0..self.n_slots).find(|&s| self.owner[s].is_none());
-                    let s = match free {
-                        Some(s) => s,
-                        None => self
-                            .scores
-                            .victim((0..self.n_slots).filter(|s| !busy.contains(s)))
-                            .expect("more slots than experts asked"),
-                    };
-                    if let Some(old) = self.owner[s].take() {
-                        self.table.remove(&old);
-                    }
-                    misses.push((e, s));
-                    copied += self.proj_bytes[il].iter().sum::<usize>() as u64;
-                    self.owner[s] = Some((il, e));
-                    self.table.insert((il, e), s);
-                    self.scores.reset(s);
-                    s
-                }
-            };
-            self.scores.touch(slot);
-            slots.push(slot);
+        // Hits first, so that no miss evicts an expert this layer reads.
+        let mut slots: Vec<Option<usize>> = experts.iter().map(|&e| self.table.get(&(il, e)).copied()).collect();
+        let mut wait_prefetch = false;
+        for s in slots.iter().flatten() {
+            self.layers[il].hits += 1;
+            wait_prefetch |= self.in_flight[*s];
         }
-        self.copy_misses(gpu, il, &misses, store)?;
-        if copied > 0 {
+        let mut misses: Vec<(usize, usize)> = Vec::new();
+        for i in 0..experts.len() {
+            if slots[i].is_none() {
+                self.layers[il].misses += 1;
+                let busy: Vec<usize> = slots.iter().flatten().copied().collect();
+                let s = self.claim(il, experts[i], &busy).expect("more slots than experts asked");
+                misses.push((experts[i], s));
+                slots[i] = Some(s);
+            }
+        }
+        let slots: Vec<usize> = slots.into_iter().map(|s| s.expect("every expert placed")).collect();
+        for &s in &slots {
+            self.scores.touch(s);
+        }
+        let copied = self.copy_misses(gpu, il, &misses, store)?;
+        if copied > 0 || wait_prefetch {
+            let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
+            // The copy stream runs in order: this event follows every copy queued so far.
             let done = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
             gpu.stream.wait(&done).map_err(cerr)?;
-            self.layers[il].bytes_read += copied;
-            self.timing.push((il, start, done));
+            self.in_flight.iter_mut().for_each(|f| *f = false);
         }
         Ok(slots)
+    }
+
+    /// Starts copying `guess`, the experts layer `il` will probably ask for,
+    /// into slots other than `keep` (those the current layer reads), without
+    /// making compute wait; `ensure` waits for them if they are used. Over
+    /// the CPU's expert store the store reads them ahead into its RAM cache.
+    pub fn prefetch(
+        &mut self,
+        gpu: &Gpu,
+        il: usize,
+        guess: &[usize],
+        keep: &[usize],
+        store: &dyn ExpertStore,
+    ) -> Result<(), ModelError> {
+        let wanted: Vec<usize> = guess.iter().copied().filter(|&e| !self.table.contains_key(&(il, e))).collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        if let HostTier::Store = self.host {
+            // Counted as asked: the store skips what its RAM cache already holds.
+            self.layers[il].prefetched += wanted.len() as u64;
+            store.prefetch(il, &wanted);
+            return Ok(());
+        }
+        let mut busy = keep.to_vec();
+        let mut copies = Vec::new();
+        for e in wanted.into_iter().take(self.n_slots.saturating_sub(keep.len())) {
+            let Some(s) = self.claim(il, e, &busy) else { break };
+            busy.push(s);
+            copies.push((e, s));
+            self.in_flight[s] = true;
+        }
+        self.layers[il].prefetched += copies.len() as u64;
+        self.copy_misses(gpu, il, &copies, store)?;
+        Ok(())
+    }
+
+    /// A slot for expert `e` of layer `il` (free, or the policy's victim among
+    /// slots not in `busy`), entered in the table.
+    fn claim(&mut self, il: usize, e: usize, busy: &[usize]) -> Option<usize> {
+        let s = match (0..self.n_slots).find(|&s| self.owner[s].is_none()) {
+            Some(s) => s,
+            None => self.scores.victim((0..self.n_slots).filter(|s| !busy.contains(s)))?,
+        };
+        if let Some(old) = self.owner[s].take() {
+            self.table.remove(&old);
+        }
+        self.owner[s] = Some((il, e));
+        self.table.insert((il, e), s);
+        self.scores.reset(s);
+        Some(s)
     }
 
     /// Adds the copy time of finished copies to their layers' read time.
@@ -242,29 +283,34 @@ impl ExpertTier {
         self.timing = pending;
     }
 
-    /// Queues the copies of `(expert, slot)` pairs of layer `il` on the copy stream.
+    /// Queues the copies of `(expert, slot)` pairs of layer `il` on the copy
+    /// stream, timed by a pair of events; returns the bytes queued.
     fn copy_misses(
-        &self,
+        &mut self,
         gpu: &Gpu,
         il: usize,
         misses: &[(usize, usize)],
         store: &dyn ExpertStore,
-    ) -> Result<(), ModelError> {
+    ) -> Result<u64, ModelError> {
+        if misses.is_empty() {
+            return Ok(0);
+        }
+        let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
+        let start = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
         let copy = |dst: u64, src: &[u8], e: usize| {
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }
                 .map_err(|err| ModelError::Compute(format!("cuda: copying expert {e} of layer {il}: {err}")))
         };
         let base = |s: usize, p: usize| gpu.ptr(&self.arena) + (s * self.slot_bytes + self.proj_offset[p]) as u64;
+        let mut bytes = 0;
         match &self.host {
             HostTier::Pinned { buf, offset } => {
                 let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
+                let span = self.proj_offset[2] + self.proj_bytes[il][2];
                 for &(e, s) in misses {
-                    let mut at = offset[&(il, e)];
-                    for p in 0..3 {
-                        let n = self.proj_bytes[il][p];
-                        copy(base(s, p), &all[at..at + n], e)?;
-                        at += n;
-                    }
+                    let at = offset[&(il, e)];
+                    copy(base(s, 0), &all[at..at + span], e)?;
+                    bytes += span as u64;
                 }
             }
             HostTier::Store => {
@@ -274,15 +320,19 @@ impl ExpertTier {
                     let ids: Vec<usize> = group.iter().map(|&(e, _)| e).collect();
                     let set = store.ensure(il, &ids)?;
                     for (i, &(e, s)) in group.iter().enumerate() {
-                        let bytes = set.get(i)?;
-                        for (p, src) in [bytes.gate, bytes.up, bytes.down].into_iter().enumerate() {
+                        let expert = set.get(i)?;
+                        for (p, src) in [expert.gate, expert.up, expert.down].into_iter().enumerate() {
                             copy(base(s, p), src, e)?;
+                            bytes += src.len() as u64;
                         }
                     }
                 }
             }
         }
-        Ok(())
+        let end = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
+        self.timing.push((il, start, end));
+        self.layers[il].bytes_read += bytes;
+        Ok(bytes)
     }
 
     /// Counters since the tier was made, in the CPU store's shape.

@@ -82,16 +82,26 @@ fn matmul_every_type_matches_the_cpu() {
     let mut failures = Vec::new();
     // The device copies are found by host address: keep every weight alive.
     let mut alive = Vec::new();
+    // m = 1, 5, 13 and 48 (f16 tensor cores) add a bias.
     println!("{:<6} {:>5} {:>5}  m=1      m=5      m=8      m=13     m=48 f16 m=48 exact", "type", "n_out", "k");
     for (ty, n_out, k) in cases {
         let (w, wf) = random_weight(&mut rng, ty, n_out, k);
         cuda.upload_weight(&w).unwrap();
+        let bias = rng.normals(n_out, 1.0, 0.0);
+        cuda.upload_vec(&bias).unwrap();
         let mut line = format!("{:<6} {n_out:>5} {k:>5}", ty.to_string());
         for (m, exact) in [(1, false), (5, false), (8, false), (13, false), (48, false), (48, true)] {
             let x = rng.normals(m * k, 1.0, 0.0);
             let xd = cuda.act_from_host(&x).unwrap();
-            let y = cuda.linear(&w, &xd, m, &mut cuda.scratch(exact)).unwrap();
-            let err = rel_err(&cuda.to_host(&y).unwrap(), &reference_matmul(&wf, &x, n_out, k, m));
+            // Every other case with a bias, so both kernel paths run with and without one.
+            let with_bias = m != 8 && !exact;
+            let b = with_bias.then_some(bias.as_slice());
+            let y = cuda.linear(&w, b, &xd, m, &mut cuda.scratch(exact)).unwrap();
+            let mut want = reference_matmul(&wf, &x, n_out, k, m);
+            if with_bias {
+                want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % n_out]);
+            }
+            let err = rel_err(&cuda.to_host(&y).unwrap(), &want);
             // f32 accumulation of dequantized weights: summation order only. The
             // tensor-core path rounds weights and activations to f16 (2^-11 relative).
             let bound = if m >= 32 && !exact { 4e-3 } else { 2e-5 };
@@ -101,7 +111,7 @@ fn matmul_every_type_matches_the_cpu() {
             }
         }
         println!("{line}");
-        alive.push(w);
+        alive.push((w, bias));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -153,10 +163,6 @@ fn elementwise_ops_match_the_cpu() {
     cpu.add(&mut a, &y).unwrap();
     cuda.add(&mut b, &up(&y)).unwrap();
     check("add", cuda.to_host(&b).unwrap(), &a, 0.0);
-    let (mut a, mut b) = (x.clone(), up(&x));
-    cpu.add_bias(&mut a, &w).unwrap();
-    cuda.add_bias(&mut b, &w).unwrap();
-    check("add_bias", cuda.to_host(&b).unwrap(), &a, 0.0);
     let (mut a, mut b) = (x.clone(), up(&x));
     cpu.scale(&mut a, 0.125).unwrap();
     cuda.scale(&mut b, 0.125).unwrap();
@@ -383,8 +389,9 @@ fn run_tokens<B: Backend>(model: &Model<B>, tokens: &[u32]) -> (Vec<Vec<f32>>, V
 }
 
 /// A VRAM cache far smaller than the experts (misses every few tokens), over
-/// pinned RAM and over the CPU's streamed store (disk -> RAM cache -> VRAM):
-/// the same logits, bit for bit, as with every expert on the device.
+/// pinned RAM and over the CPU's streamed store (disk -> RAM cache -> VRAM),
+/// with and without prefetch: the same logits, bit for bit, as with every
+/// expert on the device.
 #[test]
 fn expert_cache_gives_identical_logits() {
     if gpu().is_none() {
@@ -408,15 +415,6 @@ fn expert_cache_gives_identical_logits() {
         let resident = open(None, ExpertPlacement::Mapped);
         let (want_decode, want_prefill) = run_tokens(&resident, &golden.tokens);
         let moe = resident.cfg.moe.clone().unwrap();
-        let w = resident
-            .weights
-            .layers
-            .iter()
-            .find_map(|l| match &l.ffn {
-                ts_model::tensors::Ffn::Moe(m) => Some(m),
-                _ => None,
-            })
-            .unwrap();
         // Slots fit each projection's largest (Q4_K_M mixes types between layers).
         let moe_layers: Vec<&ts_model::tensors::MoeWeights> = resident
             .weights
@@ -436,11 +434,12 @@ fn expert_cache_gives_identical_logits() {
                 moe_layers.iter().map(|m| t(m)).max().unwrap().div_ceil(256) * 256
             })
             .sum();
-        let _ = w;
         drop(resident);
-        for pinned_host in [true, false] {
+        for (pinned_host, prefetch) in [(true, false), (true, true), (false, false), (false, true)] {
+            // Prefetch gets room for a guessed layer beside the current one.
+            let n_slots = if prefetch { 2 * moe.n_expert_used + 1 } else { moe.n_expert_used + 1 };
             let opts = ts_cuda::CudaOptions {
-                expert_cache: Some(((moe.n_expert_used + 1) * expert_bytes) as u64),
+                expert_cache: Some((n_slots * expert_bytes) as u64),
                 pinned_host,
                 ..Default::default()
             };
@@ -454,18 +453,21 @@ fn expert_cache_gives_identical_logits() {
                     ..Default::default()
                 })
             };
-            let tiered = open(Some(opts), host);
+            let mut tiered = open(Some(opts), host);
+            tiered.prefetch_experts = prefetch;
             let (decode, prefill) = run_tokens(&tiered, &golden.tokens);
             let st = tiered.backend.expert_stats().unwrap().total();
             println!(
-                "{family}/{variant} pinned {pinned_host}: {} slots, hits {} misses {} ({:.1}% hit), {:.1} MiB copied",
-                moe.n_expert_used + 1,
+                "{family}/{variant} pinned {pinned_host} prefetch {prefetch}: {n_slots} slots, hits {} misses {} \
+                 ({:.1}% hit), prefetched {}, {:.1} MiB copied",
                 st.hits,
                 st.misses,
                 100.0 * st.hit_rate(),
+                st.prefetched,
                 st.bytes_read as f64 / (1 << 20) as f64
             );
             assert!(st.misses > 0 && st.hits > 0, "{family}: the cache was not exercised");
+            assert_eq!(st.prefetched > 0, prefetch, "{family}: prefetch {prefetch} but {} prefetched", st.prefetched);
             assert!(decode == want_decode, "{family}: decode logits differ with the expert cache");
             assert!(prefill == want_prefill, "{family}: prefill logits differ with the expert cache");
         }

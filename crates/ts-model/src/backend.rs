@@ -53,10 +53,16 @@ pub trait Backend: Sized + Send + Sync {
 
     /// Rows `tokens` of the embedding table `table` `[n_vocab][n_embd]`.
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Self::Act, ModelError>;
-    /// `x[m][k] · wᵀ` for `w` of ggml shape `[k, n_out]`; returns `[m][n_out]`.
-    fn linear(&self, w: &Weight, x: &Self::Act, m: usize, s: &mut Self::Scratch) -> Result<Self::Act, ModelError>;
-    /// Adds `bias` `[width]` to every row.
-    fn add_bias(&self, x: &mut Self::Act, bias: &[f32]) -> Result<(), ModelError>;
+    /// `x[m][k] · wᵀ (+ bias)` for `w` of ggml shape `[k, n_out]` and `bias`
+    /// `[n_out]` added to every row; returns `[m][n_out]`.
+    fn linear(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Self::Act,
+        m: usize,
+        s: &mut Self::Scratch,
+    ) -> Result<Self::Act, ModelError>;
     /// RMS norm of every `piece`-wide piece of `x`, times `w` `[piece]` where given.
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
     /// [`Backend::rms_norm`] into a new matrix, `x` untouched.
@@ -139,15 +145,20 @@ impl Backend for Cpu {
         Ok(x)
     }
 
-    fn linear(&self, w: &Weight, x: &Vec<f32>, m: usize, s: &mut Scratch) -> Result<Vec<f32>, ModelError> {
+    fn linear(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::new();
         linear(w, x, m, s, &mut out)?;
+        if let Some(b) = bias {
+            ops::add_bias_rows(&mut out, b);
+        }
         Ok(out)
-    }
-
-    fn add_bias(&self, x: &mut Vec<f32>, bias: &[f32]) -> Result<(), ModelError> {
-        ops::add_bias_rows(x, bias);
-        Ok(())
     }
 
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {

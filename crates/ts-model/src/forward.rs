@@ -188,10 +188,7 @@ impl<B: Backend> Model<B> {
         for (il, layer) in self.weights.layers.iter().enumerate() {
             let normed = be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?;
             let attn = self.attention(il, layer, rows, seqs, &normed, scratch)?;
-            let mut attn = be.linear(&layer.wo, &attn, m, scratch)?;
-            if let Some(b) = &layer.bo {
-                be.add_bias(&mut attn, b)?;
-            }
+            let mut attn = be.linear(&layer.wo, layer.bo.as_deref(), &attn, m, scratch)?;
             if let Some(w) = &layer.attn_post_norm {
                 be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
             }
@@ -240,10 +237,10 @@ impl<B: Backend> Model<B> {
         scratch: &mut B::Scratch,
     ) -> Result<B::Act, ModelError> {
         let be = &self.backend;
-        let mut g = be.linear(gate, x, m, scratch)?;
-        let u = be.linear(up, x, m, scratch)?;
+        let mut g = be.linear(gate, None, x, m, scratch)?;
+        let u = be.linear(up, None, x, m, scratch)?;
         be.gated(self.cfg.ffn_act, &mut g, &u)?;
-        be.linear(down, &g, m, scratch)
+        be.linear(down, None, &g, m, scratch)
     }
 
     /// Self-attention of every row; returns `[m][n_head * head_dim_v]`.
@@ -260,14 +257,9 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let m = rows.len();
         let hd = cfg.head_dim;
-        let mut q = be.linear(&layer.wq, normed, m, scratch)?;
-        let mut k = be.linear(&layer.wk, normed, m, scratch)?;
-        let mut v = be.linear(&layer.wv, normed, m, scratch)?;
-        for (t, b) in [(&mut q, &layer.bq), (&mut k, &layer.bk), (&mut v, &layer.bv)] {
-            if let Some(b) = b {
-                be.add_bias(t, b)?;
-            }
-        }
+        let mut q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
+        let mut k = be.linear(&layer.wk, layer.bk.as_deref(), normed, m, scratch)?;
+        let v = be.linear(&layer.wv, layer.bv.as_deref(), normed, m, scratch)?;
         let piece = match cfg.qk_norm {
             QkNorm::None => None,
             QkNorm::PerHead => Some((hd, hd)),
@@ -307,10 +299,8 @@ impl<B: Backend> Model<B> {
             &selected
         };
         let normed = be.rms_norm_to(x, &self.weights.output_norm, self.cfg.rms_eps)?;
-        let mut logits = be.linear(&self.weights.output, &normed, wanted.len(), scratch)?;
-        if let Some(b) = &self.weights.output_bias {
-            be.add_bias(&mut logits, b)?;
-        }
+        let mut logits =
+            be.linear(&self.weights.output, self.weights.output_bias.as_deref(), &normed, wanted.len(), scratch)?;
         if let Some(c) = self.cfg.final_softcap {
             be.softcap(&mut logits, c)?;
         }
