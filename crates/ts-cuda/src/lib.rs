@@ -1220,7 +1220,13 @@ impl Backend for Cuda {
                     // Their copies queue behind this layer's and overlap with its compute
                     // and the next layer's attention.
                     let guess_h: Vec<i32> = self.download(guess_ids.ptr, m * k)?;
-                    t.prefetch(&self.gpu, next, &unique_experts(&guess_h, moe.n_expert)?, &slots, model.experts.as_ref())?;
+                    t.prefetch(
+                        &self.gpu,
+                        next,
+                        &unique_experts(&guess_h, moe.n_expert)?,
+                        &slots,
+                        model.experts.as_ref(),
+                    )?;
                 }
                 let slot_of: Vec<i32> =
                     ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();

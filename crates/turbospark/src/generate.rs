@@ -282,16 +282,17 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
                         args.experts
                     );
                 }
-                for (set, flag) in [
-                    (args.no_direct_io, "--no-direct-io"),
-                    (args.expert_readers != 8, "--expert-readers"),
-                ] {
+                for (set, flag) in
+                    [(args.no_direct_io, "--no-direct-io"), (args.expert_readers != 8, "--expert-readers")]
+                {
                     if set {
                         bail!("{flag} applies to experts streamed by the CPU, not to --device cuda here");
                     }
                 }
                 if args.expert_prefetch == Prefetch::On && cuda.expert_cache.is_none() {
-                    bail!("--expert-prefetch needs --expert-cache with --device cuda: with every expert in VRAM nothing is fetched");
+                    bail!(
+                        "--expert-prefetch needs --expert-cache with --device cuda: with every expert in VRAM nothing is fetched"
+                    );
                 }
                 ExpertPlacement::Mapped
             }
