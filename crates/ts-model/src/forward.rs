@@ -28,7 +28,6 @@ pub struct Row {
 #[derive(Default)]
 pub struct Scratch {
     xq: QuantizedRows,
-    dequantized: Vec<f32>,
     /// Keep activations in f32 for every weight type (weights dequantized on
     /// the fly) instead of quantizing them to 8 bits as llama.cpp does: slower,
     /// and equal to a float32 reference run on the dequantized weights.
@@ -59,15 +58,56 @@ pub fn linear_bytes(
     let k = w.row_len();
     out.resize(m * n_out, 0.0);
     let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
-    let (ty, bytes) = if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
-        scratch.dequantized.resize(n_out * k, 0.0);
-        ts_quant::dequantize(w.ty, bytes, &mut scratch.dequantized).map_err(|e| err(e.to_string()))?;
-        (ts_gguf::GgmlType::F32, bytemuck::cast_slice::<f32, u8>(&scratch.dequantized))
-    } else {
-        (w.ty, bytes)
-    };
-    scratch.xq.quantize(ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    ts_cpu::matmul(ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
+    if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
+        return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
+    }
+    scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
+    ts_cpu::matmul(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
+}
+
+/// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
+const DEQUANTIZED_TILE: usize = 32 * 1024;
+
+/// [`linear_bytes`] with f32 activations for a weight stored in another type:
+/// tiles of rows are dequantized to f32 and multiplied in parallel, so the
+/// matrix is never expanded whole (that cost a pass over 4x its bytes per call).
+fn linear_dequantized(
+    w: &Weight,
+    bytes: &[u8],
+    n_out: usize,
+    x: &[f32],
+    m: usize,
+    scratch: &mut Scratch,
+    out: &mut [f32],
+) -> Result<(), String> {
+    use rayon::prelude::*;
+    let (k, row_bytes) = (w.row_len(), w.row_bytes());
+    let tile = (DEQUANTIZED_TILE / k).max(1);
+    scratch.xq.quantize(ts_gguf::GgmlType::F32, &x[..m * k], k).map_err(|e| e.to_string())?;
+    let xq = &scratch.xq;
+    let starts: Vec<usize> = (0..n_out).step_by(tile).collect();
+    // Per tile: its rows' results for each activation row, [m][rows].
+    let parts: Vec<Result<Vec<f32>, String>> = starts
+        .par_iter()
+        .map_init(Vec::new, |weights: &mut Vec<f32>, &r0| {
+            let rows = tile.min(n_out - r0);
+            weights.resize(rows * k, 0.0);
+            ts_quant::dequantize(w.ty, &bytes[r0 * row_bytes..(r0 + rows) * row_bytes], weights)
+                .map_err(|e| e.to_string())?;
+            let mut y = vec![0f32; m * rows];
+            ts_cpu::matmul(ts_gguf::GgmlType::F32, bytemuck::cast_slice(weights), rows, k, xq, &mut y)
+                .map_err(|e| e.to_string())?;
+            Ok(y)
+        })
+        .collect();
+    for (&r0, part) in starts.iter().zip(parts) {
+        let part = part?;
+        let rows = part.len() / m;
+        for i in 0..m {
+            out[i * n_out + r0..i * n_out + r0 + rows].copy_from_slice(&part[i * rows..(i + 1) * rows]);
+        }
+    }
+    Ok(())
 }
 
 /// Rotary tables for one layer's settings (frequencies with scaling folded
