@@ -568,12 +568,18 @@ impl Cuda {
         let f = w.gate_exps.n_rows();
         let slots = m * k;
         let ids_p = ids.ptr;
-        let mm = |proj: usize, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+        // Projection `proj`'s expert 0 (or slot 0), the distance between experts, and the
+        // per-row index into them.
+        let experts_at = |proj: usize| -> Result<(u64, usize, u64), ModelError> {
             let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
-            let (base, stride, index) = match src {
+            Ok(match src {
                 ExpertSource::Resident => (self.wptr(t)?, t.row_bytes() * t.n_rows(), ids_p),
                 ExpertSource::Slots { bases, stride, slot_ids } => (bases[proj], *stride, self.gpu.ptr(slot_ids)),
-            };
+            })
+        };
+        let mm = |proj: usize, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
+            let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
+            let (base, stride, index) = experts_at(proj)?;
             let out = self.act(slots * n_out)?;
             let sfx = type_suffix(t.ty).expect("checked at upload");
             self.launch(
@@ -595,17 +601,8 @@ impl Cuda {
         };
         let g = if w.gate_exps.ty == w.up_exps.ty {
             // Gate, up, their biases and the activation in one kernel.
-            let (base_g, base_u, stride, index) = match src {
-                ExpertSource::Resident => (
-                    self.wptr(&w.gate_exps)?,
-                    self.wptr(&w.up_exps)?,
-                    w.gate_exps.row_bytes() * w.gate_exps.n_rows(),
-                    ids_p,
-                ),
-                ExpertSource::Slots { bases, stride, slot_ids } => {
-                    (bases[0], bases[1], *stride, self.gpu.ptr(slot_ids))
-                }
-            };
+            // Same type, so the same distance between experts.
+            let ((base_g, stride, index), (base_u, _, _)) = (experts_at(0)?, experts_at(1)?);
             let (kind, alpha, limit) = activation_args(act);
             let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
             let h = self.act(slots * f)?;
