@@ -521,7 +521,9 @@ fn real_models_greedy_same_as_cpu() {
         let file = run["model"].as_str().unwrap();
         if current.as_ref().is_none_or(|(f, _, _)| f != file) {
             let Some(path) = ts_testkit::real_model(file) else { continue };
-            let opts = ts_engine::session::LoadOptions { threads: 4, experts: ExpertPlacement::Mapped };
+            // The CPU side (f32 activations) is the slow half: every core.
+            let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+            let opts = ts_engine::session::LoadOptions { threads, experts: ExpertPlacement::Mapped };
             let mut cpu = ts_engine::session::Engine::load(&path, &opts).unwrap();
             cpu.exact_activations = true;
             let mut gpu =
