@@ -42,10 +42,13 @@ piece=${TURBOSPARK_STAGE_PIECE:-61000000}
 grep -qx '/.devstage/' .git/info/exclude || echo '/.devstage/' >> .git/info/exclude
 rm -rf .devstage
 mkdir -p .devstage/tmp
-names=()
-for m in "${models[@]}"; do names+=("$(basename "$m")"); done
-(cd models && sha256sum "${names[@]}") > .devstage/tmp/models.sha256
-tar -cf .devstage/tmp/all.tar -C models "${names[@]}" -C ../.devstage/tmp models.sha256
+# One tar of the models (from wherever they are) and their checksums, names without folders.
+tar_args=()
+for m in "${models[@]}"; do
+    (cd "$(dirname "$m")" && sha256sum "$(basename "$m")") >> .devstage/tmp/models.sha256
+    tar_args+=(-C "$(cd "$(dirname "$m")" && pwd)" "$(basename "$m")")
+done
+tar -cf .devstage/tmp/all.tar "${tar_args[@]}" -C "$PWD/.devstage/tmp" models.sha256
 size=$(stat -c %s .devstage/tmp/all.tar)
 at=0
 n=0

@@ -5,7 +5,7 @@ import re
 import sys
 from collections import defaultdict
 
-UNIT = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6}
+UNIT = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 calls = defaultdict(int)
 total_us = defaultdict(float)
 name = None
@@ -17,7 +17,9 @@ for line in open(sys.argv[1], errors="replace"):
         continue
     metric = re.match(r"^\s+gpu__time_duration\.sum\s+(\w+)\s+([\d.,]+)\s+([\d.,]+)\s+([\d.,]+)", line)
     if metric and name:
-        avg = float(metric.group(4).replace(",", "")) * UNIT.get(metric.group(1), 1.0)
+        if metric.group(1) not in UNIT:
+            sys.exit(f"unknown time unit {metric.group(1)!r} in: {line.strip()}")
+        avg = float(metric.group(4).replace(",", "")) * UNIT[metric.group(1)]
         calls[name] += count
         total_us[name] += avg * count
         name = None

@@ -1,5 +1,8 @@
-// Activations shared by the fused MoE kernel (matmul.cu) and the element-wise
-// kernels (ops.cu); each mirrors ts-cpu's ops.rs.
+// Activations shared by the fused MoE kernel (matmul.cu, which includes this
+// file) and the element-wise kernels (ops.cu, compiled after it); each mirrors
+// ts-cpu's ops.rs.
+#ifndef TS_ACTIVATION_CUH
+#define TS_ACTIVATION_CUH
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -14,3 +17,5 @@ __device__ __forceinline__ float ts_gated(int kind, float g, float u, float alph
     float v = fminf(fmaxf(u, -limit), limit);
     return x * sigmoidf(alpha * x) * (v + 1.0f);
 }
+
+#endif

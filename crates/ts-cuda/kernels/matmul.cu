@@ -1,3 +1,4 @@
+#include "activation.cuh"
 #include "quant.cuh"
 
 // Kernels over GGUF weight rows W[o] of k elements (k a multiple of 32, of 256 for k-quants),

@@ -38,7 +38,7 @@ __device__ float block_sum(float v) {
 // out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces).
 // w may be null (scale 1). out may alias x. Each thread keeps its first
 // RMS_HELD elements in registers between the two passes (all of them when
-// blockDim.x >= width / RMS_HELD), so the loads of both passes are issued at once.
+// blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
 #define RMS_HELD 4
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int width, float eps) {
     const float* xp = x + (long long)blockIdx.x * width;

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Kernel sources, compiled together: `quant.cuh` is included by `matmul.cu`;
-/// `activation.cuh` comes first, for both.
+/// Kernel sources, compiled together: `matmul.cu` includes `activation.cuh`
+/// and `quant.cuh`; `ops.cu` follows it and uses the activations too.
 const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
@@ -188,10 +188,11 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
     Ok(l)
 }
 
-/// The whole kernel source: quant.cuh inlined where matmul.cu includes it.
+/// The whole kernel source: the headers inlined where matmul.cu includes them.
 pub fn kernel_source() -> String {
-    let matmul = MATMUL_CU.replace("#include \"quant.cuh\"", QUANT_CUH);
-    format!("{ACTIVATION_CUH}\n{matmul}\n{OPS_CU}\n")
+    let matmul =
+        MATMUL_CU.replace("#include \"activation.cuh\"", ACTIVATION_CUH).replace("#include \"quant.cuh\"", QUANT_CUH);
+    format!("{matmul}\n{OPS_CU}\n")
 }
 
 /// NVRTC for the device's architecture (`sm_XY`).

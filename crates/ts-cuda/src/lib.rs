@@ -704,10 +704,7 @@ impl Cuda {
         let wts_h: Vec<f32> = self.download(wts.ptr, m * k)?;
         let mut rows_of: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_expert];
         for (s, (&ex, &wt)) in ids_h.iter().zip(&wts_h).enumerate() {
-            let ex = usize::try_from(ex)
-                .ok()
-                .filter(|&ex| ex < n_expert)
-                .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {ex} of {n_expert}")))?;
+            let ex = checked_expert(ex, n_expert)?;
             rows_of[ex].0.push((s / k) as i32);
             rows_of[ex].1.push(wt);
         }
@@ -883,15 +880,20 @@ fn norm_threads(width: usize) -> u32 {
     width.div_ceil(4).next_power_of_two().clamp(32, 1024) as u32
 }
 
+/// A routed expert id from the device, checked to be below `n_expert`.
+fn checked_expert(e: i32, n_expert: usize) -> Result<usize, ModelError> {
+    usize::try_from(e)
+        .ok()
+        .filter(|&e| e < n_expert)
+        .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {e} of {n_expert}")))
+}
+
 /// The distinct experts of a layer's routes, sorted; an id out of range is an error.
 fn unique_experts(ids: &[i32], n_expert: usize) -> Result<Vec<usize>, ModelError> {
-    let mut uniq: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+    let mut uniq = ids.iter().map(|&e| checked_expert(e, n_expert)).collect::<Result<Vec<usize>, ModelError>>()?;
     uniq.sort_unstable();
     uniq.dedup();
-    match uniq.iter().find(|&&e| e >= n_expert) {
-        Some(bad) => Err(ModelError::Compute(format!("cuda: router chose expert {bad} of {n_expert}"))),
-        None => Ok(uniq),
-    }
+    Ok(uniq)
 }
 
 impl Backend for Cuda {
@@ -1199,7 +1201,7 @@ impl Backend for Cuda {
             }
             Some(tier) if m <= DEVICE_MOE_ROWS => {
                 // With prefetch, the next MoE layer's router applied to this layer's
-                // input guesses its experts (as on the CPU); queued before the wait below.
+                // input guesses its experts (as on the CPU); queued before the routes' download.
                 let guess = match model.prefetch_experts.then(|| model.next_moe_layer(il)).flatten() {
                     Some((next, nw)) => {
                         let logits = self.linear(&nw.router, nw.router_bias.as_deref(), x, m, s)?;
@@ -1207,23 +1209,20 @@ impl Backend for Cuda {
                     }
                     None => None,
                 };
-                // Routes come back to the host (this waits for the layer so far), the
-                // cache takes in what is missing, and the slots replace expert ids.
+                // Routes (and guesses) come back to the host (this waits for the layer so
+                // far), the cache takes in what is missing, and the slots replace expert ids.
                 let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
                 let uniq = unique_experts(&ids_h, moe.n_expert)?;
+                let guess = match guess {
+                    Some((next, g)) => Some((next, unique_experts(&self.download(g.ptr, m * k)?, moe.n_expert)?)),
+                    None => None,
+                };
                 let mut t = tier.lock().expect("expert tier lock");
                 let slots = t.ensure(&self.gpu, il, &uniq, model.experts.as_ref())?;
-                if let Some((next, guess_ids)) = guess {
+                if let Some((next, guessed)) = guess {
                     // Their copies queue behind this layer's and overlap with its compute
                     // and the next layer's attention.
-                    let guess_h: Vec<i32> = self.download(guess_ids.ptr, m * k)?;
-                    t.prefetch(
-                        &self.gpu,
-                        next,
-                        &unique_experts(&guess_h, moe.n_expert)?,
-                        &slots,
-                        model.experts.as_ref(),
-                    )?;
+                    t.prefetch(&self.gpu, next, &guessed, &slots, model.experts.as_ref())?;
                 }
                 let slot_of: Vec<i32> =
                     ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();

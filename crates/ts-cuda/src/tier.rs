@@ -48,6 +48,8 @@ pub struct ExpertTier {
     timing: Vec<(usize, CudaEvent, CudaEvent)>,
     /// Per slot: filled by a prefetch that compute has not yet waited for.
     in_flight: Vec<bool>,
+    /// Recorded after the last prefetch's copies: once complete, nothing is in flight.
+    prefetches_done: Option<CudaEvent>,
 }
 
 fn round_up(n: usize) -> usize {
@@ -140,6 +142,7 @@ impl ExpertTier {
             policy,
             timing: Vec::new(),
             in_flight: vec![false; n_slots],
+            prefetches_done: None,
         })
     }
 
@@ -164,9 +167,9 @@ impl ExpertTier {
         gpu.ptr(&self.arena) + self.proj_offset[proj] as u64
     }
 
-    /// Slots holding `experts` of layer `il`, copying in the missing ones.
-    /// Everything the compute stream queued before must be finished with the
-    /// slots this may evict (the caller synchronised on reading the routes).
+    /// Slots holding `experts` (distinct) of layer `il`, copying in the missing
+    /// ones. Everything the compute stream queued before must be finished with
+    /// the slots this may evict (the caller synchronised on reading the routes).
     /// On return the compute stream waits for the copies, and for earlier
     /// prefetches into the slots it will read.
     pub fn ensure(
@@ -183,8 +186,16 @@ impl ExpertTier {
                 self.n_slots
             )));
         }
+        debug_assert!(
+            experts.iter().enumerate().all(|(i, e)| !experts[..i].contains(e)),
+            "experts asked twice: {experts:?}"
+        );
         self.scores.clock += 1;
         self.settle_timing();
+        if self.prefetches_done.as_ref().is_some_and(|ev| ev.is_complete()) {
+            self.in_flight.iter_mut().for_each(|f| *f = false);
+            self.prefetches_done = None;
+        }
         // Hits first, so that no miss evicts an expert this layer reads.
         let mut slots: Vec<Option<usize>> = experts.iter().map(|&e| self.table.get(&(il, e)).copied()).collect();
         let mut wait_prefetch = false;
@@ -206,21 +217,23 @@ impl ExpertTier {
         for &s in &slots {
             self.scores.touch(s);
         }
-        let copied = self.copy_misses(gpu, il, &misses, store)?;
+        let copied = self.copy_misses(gpu, il, &misses, store).inspect_err(|_| self.release(il, &misses))?;
         if copied > 0 || wait_prefetch {
             let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
             // The copy stream runs in order: this event follows every copy queued so far.
             let done = self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?;
             gpu.stream.wait(&done).map_err(cerr)?;
             self.in_flight.iter_mut().for_each(|f| *f = false);
+            self.prefetches_done = None;
         }
         Ok(slots)
     }
 
     /// Starts copying `guess`, the experts layer `il` will probably ask for,
-    /// into slots other than `keep` (those the current layer reads), without
-    /// making compute wait; `ensure` waits for them if they are used. Over
-    /// the CPU's expert store the store reads them ahead into its RAM cache.
+    /// into slots other than `keep` (those the current layer reads; nothing
+    /// queued on the compute stream may read any other), without making
+    /// compute wait; `ensure` waits for them if they are used. Over the CPU's
+    /// expert store the store reads them ahead into its RAM cache.
     pub fn prefetch(
         &mut self,
         gpu: &Gpu,
@@ -239,17 +252,34 @@ impl ExpertTier {
             store.prefetch(il, &wanted);
             return Ok(());
         }
+        // Neither this layer's slots nor guesses already cached are evicted for a guess.
         let mut busy = keep.to_vec();
+        busy.extend(guess.iter().filter_map(|&e| self.table.get(&(il, e)).copied()));
         let mut copies = Vec::new();
-        for e in wanted.into_iter().take(self.n_slots.saturating_sub(keep.len())) {
+        for e in wanted.into_iter().take(self.n_slots.saturating_sub(busy.len())) {
             let Some(s) = self.claim(il, e, &busy) else { break };
             busy.push(s);
             copies.push((e, s));
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        self.copy_misses(gpu, il, &copies, store).inspect_err(|_| self.release(il, &copies))?;
+        for &(_, s) in &copies {
             self.in_flight[s] = true;
         }
         self.layers[il].prefetched += copies.len() as u64;
-        self.copy_misses(gpu, il, &copies, store)?;
+        let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
+        self.prefetches_done = Some(self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cerr)?);
         Ok(())
+    }
+
+    /// Forgets `(expert, slot)` pairs of layer `il` whose copies could not be queued.
+    fn release(&mut self, il: usize, pairs: &[(usize, usize)]) {
+        for &(e, s) in pairs {
+            self.table.remove(&(il, e));
+            self.owner[s] = None;
+        }
     }
 
     /// A slot for expert `e` of layer `il` (free, or the policy's victim among

@@ -27,7 +27,7 @@ const TYPES: [(GgmlType, &str, usize); 14] = [
     (GgmlType::MXFP4, "mxfp4", 1),
 ];
 
-const KERNELS: [&str; 4] = ["matvec", "moe_matvec", "dequant_f16", "get_rows"];
+const KERNELS: [&str; 5] = ["matvec", "moe_matvec", "moe_gate_up", "dequant_f16", "get_rows"];
 
 fn kernels_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels")

@@ -82,6 +82,19 @@ fn linear_dequantized(
 ) -> Result<(), String> {
     use rayon::prelude::*;
     let (k, row_bytes) = (w.row_len(), w.row_bytes());
+    if k == 0 || bytes.len() != n_out * row_bytes || x.len() < m * k {
+        return Err(format!(
+            "{} rows of {k} elements need {} weight bytes and {} activations; got {} and {}",
+            n_out,
+            n_out * row_bytes,
+            m * k,
+            bytes.len(),
+            x.len()
+        ));
+    }
+    if m == 0 || n_out == 0 {
+        return Ok(());
+    }
     let tile = (DEQUANTIZED_TILE / k).max(1);
     scratch.xq.quantize(ts_gguf::GgmlType::F32, &x[..m * k], k).map_err(|e| e.to_string())?;
     let xq = &scratch.xq;
@@ -102,7 +115,7 @@ fn linear_dequantized(
         .collect();
     for (&r0, part) in starts.iter().zip(parts) {
         let part = part?;
-        let rows = part.len() / m;
+        let rows = tile.min(n_out - r0);
         for i in 0..m {
             out[i * n_out + r0..i * n_out + r0 + rows].copy_from_slice(&part[i * rows..(i + 1) * rows]);
         }
@@ -345,5 +358,41 @@ impl<B: Backend> Model<B> {
             be.softcap(&mut logits, c)?;
         }
         Ok(Some(logits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ts_gguf::GgmlType;
+
+    /// f32 activations against a quantized weight whose rows do not fill the
+    /// last tile, several activation rows: the same as a float64 product with
+    /// the weight dequantized whole.
+    #[test]
+    fn exact_linear_matches_the_dequantized_product() {
+        let (n_out, k, m) = (3 * (DEQUANTIZED_TILE / 512) + 5, 512, 3);
+        let mut rng = ts_testkit::Rng::new(11);
+        let values = rng.normals(n_out * k, 0.05, 0.0);
+        let row_bytes = k / 256 * 144;
+        let mut bytes = vec![0u8; n_out * row_bytes];
+        ts_quant::quantize(GgmlType::Q4_K, &values, &mut bytes).unwrap();
+        let mut wf = vec![0f32; n_out * k];
+        ts_quant::dequantize(GgmlType::Q4_K, &bytes, &mut wf).unwrap();
+        let w = Weight::from_bytes("w", GgmlType::Q4_K, vec![k, n_out], bytes);
+        let x = rng.normals(m * k, 1.0, 0.0);
+        let mut out = Vec::new();
+        linear(&w, &x, m, &mut Scratch::exact(), &mut out).unwrap();
+        for r in 0..m {
+            for o in 0..n_out {
+                let want: f64 = (0..k).map(|i| wf[o * k + i] as f64 * x[r * k + i] as f64).sum();
+                let got = out[r * n_out + o] as f64;
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r} out {o}: {got} vs {want}");
+            }
+        }
+        // Bytes that do not hold the rows are an error, not a panic.
+        let short = Weight::from_bytes("short", GgmlType::Q4_K, vec![k, n_out], vec![0u8; row_bytes]);
+        let err = linear(&short, &x, m, &mut Scratch::exact(), &mut out).unwrap_err();
+        assert!(err.to_string().contains("short"), "{err}");
     }
 }

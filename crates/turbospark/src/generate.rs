@@ -11,7 +11,6 @@ use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
-/// Options of every command that loads a model.
 /// When to guess and fetch the next layer's experts early (`--expert-prefetch`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Prefetch {
@@ -20,6 +19,7 @@ pub enum Prefetch {
     Off,
 }
 
+/// Options of every command that loads a model.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
     /// Context size in tokens (default: the model's, capped at 4096).
