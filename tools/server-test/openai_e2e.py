@@ -1,6 +1,6 @@
 """The server through the official openai client: chat (whole and streamed),
-text completions, stop sequences, seeds, usage, and errors as the client's
-exception types. Usage: openai_e2e.py BASE_URL MODEL_ID"""
+log-probabilities, text completions, stop sequences, seeds, usage, and errors
+as the client's exception types. Usage: openai_e2e.py BASE_URL MODEL_ID"""
 
 import sys
 
@@ -35,6 +35,23 @@ def main(base_url: str, model: str) -> None:
     assert finish == whole.choices[0].finish_reason and usage.completion_tokens == u.completion_tokens
     print(f"stream: {len(pieces)} chunks, same text, finish {finish}")
 
+    # Log-probabilities: one entry per token, whole and streamed alike.
+    lp = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2
+    )
+    entries = lp.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == lp.choices[0].message.content == text, entries
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token and e.logprob <= 0 for e in entries)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    ):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed.extend(c.logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    print(f"logprobs: {len(entries)} tokens, first {entries[0].token!r} {entries[0].logprob:.3f}, streamed alike")
+
     # Stop sequences: cut at the first occurrence, finish "stop".
     words = text.split()
     if len(words) >= 2:
@@ -60,6 +77,12 @@ def main(base_url: str, model: str) -> None:
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert done.object == "text_completion" and done.choices[0].text, done
     print(f"completion: {done.choices[0].text!r}")
+    scored = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2
+    )
+    lps = scored.choices[0].logprobs
+    assert scored.choices[0].text == done.choices[0].text and "".join(lps.tokens) == scored.choices[0].text
+    assert len(lps.token_logprobs) == len(lps.tokens) and all(len(t) == 2 for t in lps.top_logprobs), lps
     assert [m.id for m in client.models.list().data] == [model]
 
     try:

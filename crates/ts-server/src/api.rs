@@ -1,7 +1,7 @@
 //! The OpenAI-compatible endpoints: request validation, prompt rendering and
 //! tokenization, and the answers (whole, or as server-sent events).
 
-use crate::scheduler::{Event, Finish, Job};
+use crate::scheduler::{Event, Finish, Job, TokenChoice, TokenLogprob};
 use crate::{AppState, ServeOptions};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -120,6 +120,8 @@ struct Common {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// Log-probabilities asked for: how many alternatives per token.
+    logprobs: Option<usize>,
 }
 
 fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
@@ -200,7 +202,75 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         repeat_penalty: 1.0,
         seed,
     };
-    Ok(Common { max_tokens, sampler, stop, stream, include_usage })
+    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None })
+}
+
+/// Chat's `logprobs` (true or false) and `top_logprobs` (0 to 20, with logprobs).
+fn chat_logprobs(v: &Value) -> Result<Option<usize>, ApiError> {
+    let top = opt_count(v, "top_logprobs")?;
+    if let Some(n) = top
+        && n > 20
+    {
+        return Err(ApiError::bad(format!("'top_logprobs' is {n}; it must be between 0 and 20"), Some("top_logprobs")));
+    }
+    match (opt_bool(v, "logprobs")?, top) {
+        (true, n) => Ok(Some(n.unwrap_or(0) as usize)),
+        (false, Some(_)) => Err(ApiError::bad("'top_logprobs' needs 'logprobs': true", Some("top_logprobs"))),
+        (false, None) => Ok(None),
+    }
+}
+
+/// A completion's `logprobs`: how many alternatives per token, 0 to 5.
+fn completion_logprobs(v: &Value) -> Result<Option<usize>, ApiError> {
+    match opt_count(v, "logprobs")? {
+        Some(n) if n > 5 => {
+            Err(ApiError::bad(format!("'logprobs' is {n}; it must be between 0 and 5"), Some("logprobs")))
+        }
+        n => Ok(n.map(|n| n as usize)),
+    }
+}
+
+/// A token's text for the client: its bytes, with invalid UTF-8 replaced.
+fn token_text(c: &TokenChoice) -> String {
+    String::from_utf8_lossy(&c.bytes).into_owned()
+}
+
+/// A log-probability JSON can hold: minus infinity (a masked token) as -9999, as OpenAI does.
+fn finite(lp: f32) -> f32 {
+    lp.max(-9999.0)
+}
+
+/// Chat's `logprobs.content` entries.
+fn chat_logprob_entries(entries: &[TokenLogprob]) -> Value {
+    let one = |c: &TokenChoice| json!({"token": token_text(c), "logprob": finite(c.logprob), "bytes": c.bytes});
+    Value::Array(
+        entries
+            .iter()
+            .map(|t| {
+                let mut e = one(&t.chosen);
+                e["top_logprobs"] = Value::Array(t.top.iter().map(one).collect());
+                e
+            })
+            .collect(),
+    )
+}
+
+/// A completion's `logprobs` object for `entries`, whose text starts `offset`
+/// characters into the reply.
+fn completion_logprob_object(entries: &[TokenLogprob], mut offset: usize) -> Value {
+    let mut text_offset = Vec::with_capacity(entries.len());
+    for t in entries {
+        text_offset.push(offset);
+        offset += token_text(&t.chosen).chars().count();
+    }
+    json!({
+        "tokens": entries.iter().map(|t| token_text(&t.chosen)).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|t| finite(t.chosen.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|t| {
+            t.top.iter().map(|c| (token_text(c), json!(finite(c.logprob)))).collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": text_offset,
+    })
 }
 
 /// Queues a job for `prompt` and returns the receiver of its events.
@@ -243,6 +313,7 @@ fn submit<B: Backend>(
         sampler: c.sampler.clone(),
         stop: c.stop.clone(),
         special,
+        logprobs: c.logprobs,
         events: tx,
         received: Instant::now(),
     };
@@ -309,7 +380,8 @@ async fn chat_inner<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let v = parse_body(body, &st.opts)?;
-    let c = common(&v, &st.opts.model_id)?;
+    let mut c = common(&v, &st.opts.model_id)?;
+    c.logprobs = chat_logprobs(&v)?;
     let messages = field(&v, "messages").ok_or_else(|| ApiError::bad("'messages' is required", Some("messages")))?;
     let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
         ApiError::bad(format!("'messages' must be an array of {{role, content}}: {e}"), Some("messages"))
@@ -329,6 +401,10 @@ async fn chat_inner<B: Backend + 'static>(
         .encode(&rendered, false, true)
         .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("messages")))?;
     let harmony = engine.model.cfg.arch == ts_model::Arch::GptOss;
+    if harmony && c.logprobs.is_some() {
+        // Its tokens mix the reply, the reasoning and channel markers: no honest per-token content list.
+        return Err(ApiError::bad("'logprobs' is not available for gpt-oss's harmony replies", Some("logprobs")));
+    }
     let (id, rx, prompt_tokens) = submit(st, prompt, &c, harmony)?;
     let id = format!("chatcmpl-{id}");
     let filter = if harmony {
@@ -340,34 +416,46 @@ async fn chat_inner<B: Backend + 'static>(
     if c.stream {
         return Ok(sse(stream_chat(id, model, rx, filter, c.include_usage, prompt_tokens)));
     }
-    let (content, reasoning, finish, completion) = collect(rx, filter).await?;
-    let mut message = json!({"role": "assistant", "content": content});
-    if !reasoning.is_empty() {
-        message["reasoning_content"] = json!(reasoning);
+    let reply = collect(rx, filter).await?;
+    let mut message = json!({"role": "assistant", "content": reply.content});
+    if !reply.reasoning.is_empty() {
+        message["reasoning_content"] = json!(reply.reasoning);
     }
+    let logprobs = match c.logprobs {
+        Some(_) => json!({"content": chat_logprob_entries(&reply.logprobs)}),
+        None => Value::Null,
+    };
     let body = json!({
         "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish.as_str(), "logprobs": null}],
-        "usage": usage(prompt_tokens, completion),
+        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish.as_str(), "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, reply.completion_tokens),
     });
     Ok(Json(body).into_response())
 }
 
-/// Waits for a whole generation: content, reasoning, why it ended, tokens generated.
-async fn collect(
-    mut rx: UnboundedReceiver<Event>,
-    mut filter: ReplyFilter,
-) -> Result<(String, String, Finish, usize), ApiError> {
-    let (mut content, mut reasoning) = (String::new(), String::new());
+/// A whole generation.
+struct Reply {
+    content: String,
+    reasoning: String,
+    /// The tokens' log-probabilities, when asked for.
+    logprobs: Vec<TokenLogprob>,
+    finish: Finish,
+    completion_tokens: usize,
+}
+
+/// Waits for a whole generation.
+async fn collect(mut rx: UnboundedReceiver<Event>, mut filter: ReplyFilter) -> Result<Reply, ApiError> {
+    let (mut content, mut reasoning, mut all) = (String::new(), String::new(), Vec::new());
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Text(t) => {
-                let (c, r) = filter.feed(&t);
+            Event::Text { text, logprobs } => {
+                let (c, r) = filter.feed(&text);
                 content += &c;
                 reasoning += &r;
+                all.extend(logprobs);
             }
             Event::Done { finish, completion_tokens, .. } => {
-                return Ok((content, reasoning, finish, completion_tokens));
+                return Ok(Reply { content, reasoning, logprobs: all, finish, completion_tokens });
             }
             Event::Error(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e)),
         }
@@ -404,11 +492,11 @@ fn stream_chat(
     prompt_tokens: usize,
 ) -> impl futures_util::Stream<Item = String> + Send + 'static {
     let created = now_secs();
-    let chunk = move |delta: Value, finish: Option<&str>| {
+    let chunk = move |delta: Value, finish: Option<&str>, logprobs: Value| {
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}]})
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
     };
-    let first = chunk(json!({"role": "assistant", "content": ""}), None).to_string();
+    let first = chunk(json!({"role": "assistant", "content": ""}), None, Value::Null).to_string();
     struct S<F> {
         rx: UnboundedReceiver<Event>,
         filter: ReplyFilter,
@@ -426,17 +514,25 @@ fn stream_chat(
                 return None;
             }
             match s.rx.recv().await {
-                Some(Event::Text(t)) => {
-                    let (content, reasoning) = s.filter.feed(&t);
-                    if !content.is_empty() {
-                        s.queue.push_back((s.chunk)(json!({"content": content}), None).to_string());
+                Some(Event::Text { text, logprobs }) => {
+                    let (content, reasoning) = s.filter.feed(&text);
+                    // Tokens whose text is still held back come with a later chunk.
+                    let lp = if logprobs.is_empty() {
+                        Value::Null
+                    } else {
+                        json!({"content": chat_logprob_entries(&logprobs)})
+                    };
+                    if !content.is_empty() || !lp.is_null() {
+                        s.queue.push_back((s.chunk)(json!({"content": content}), None, lp).to_string());
                     }
                     if !reasoning.is_empty() {
-                        s.queue.push_back((s.chunk)(json!({"reasoning_content": reasoning}), None).to_string());
+                        s.queue.push_back(
+                            (s.chunk)(json!({"reasoning_content": reasoning}), None, Value::Null).to_string(),
+                        );
                     }
                 }
                 Some(Event::Done { finish, completion_tokens, .. }) => {
-                    let mut last = (s.chunk)(json!({}), Some(finish.as_str()));
+                    let mut last = (s.chunk)(json!({}), Some(finish.as_str()), Value::Null);
                     if include_usage {
                         s.queue.push_back(last.to_string());
                         last["choices"] = json!([]);
@@ -470,7 +566,15 @@ async fn completions_inner<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let v = parse_body(body, &st.opts)?;
-    let c = common(&v, &st.opts.model_id)?;
+    let mut c = common(&v, &st.opts.model_id)?;
+    c.logprobs = completion_logprobs(&v)?;
+    let echo = opt_bool(&v, "echo")?;
+    if echo && c.logprobs.is_some() {
+        return Err(ApiError::bad(
+            "'echo' with 'logprobs' needs the prompt's log-probabilities, which this server does not compute",
+            Some("echo"),
+        ));
+    }
     let prompt = match field(&v, "prompt") {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
@@ -489,41 +593,54 @@ async fn completions_inner<B: Backend + 'static>(
     let id = format!("cmpl-{id}");
     let model = st.opts.model_id.clone();
     let created = now_secs();
+    let echoed = if echo { prompt } else { String::new() };
+    let want_logprobs = c.logprobs.is_some();
     if c.stream {
         let include_usage = c.include_usage;
-        let s = futures_util::stream::unfold((rx, false), move |(mut rx, done)| {
+        // State: events, characters of text sent so far (for text_offset), the echo still to send, done.
+        let s = futures_util::stream::unfold((rx, 0usize, echoed, false), move |(mut rx, sent, echoed, done)| {
             let (id, model) = (id.clone(), model.clone());
             async move {
                 if done {
                     return None;
                 }
-                let chunk = |text: &str, finish: Option<&str>| {
+                let chunk = |text: &str, finish: Option<&str>, logprobs: Value| {
                     json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]})
+                           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
                 };
+                if !echoed.is_empty() {
+                    return Some((chunk(&echoed, None, Value::Null).to_string(), (rx, sent, String::new(), false)));
+                }
                 match rx.recv().await {
-                    Some(Event::Text(t)) => Some((chunk(&t, None).to_string(), (rx, false))),
+                    Some(Event::Text { text, logprobs }) => {
+                        let lp = if want_logprobs { completion_logprob_object(&logprobs, sent) } else { Value::Null };
+                        let sent = sent + logprobs.iter().map(|t| token_text(&t.chosen).chars().count()).sum::<usize>();
+                        Some((chunk(&text, None, lp).to_string(), (rx, sent, echoed, false)))
+                    }
                     Some(Event::Done { finish, completion_tokens, .. }) => {
-                        let mut last = chunk("", Some(finish.as_str()));
+                        let mut last = chunk("", Some(finish.as_str()), Value::Null);
                         if include_usage {
                             last["usage"] = usage(prompt_tokens, completion_tokens);
                         }
-                        Some((format!("{last}\n\ndata: [DONE]"), (rx, true)))
+                        Some((format!("{last}\n\ndata: [DONE]"), (rx, sent, echoed, true)))
                     }
-                    Some(Event::Error(e)) => {
-                        Some((json!({"error": {"message": e, "type": "server_error"}}).to_string(), (rx, true)))
-                    }
+                    Some(Event::Error(e)) => Some((
+                        json!({"error": {"message": e, "type": "server_error"}}).to_string(),
+                        (rx, sent, echoed, true),
+                    )),
                     None => None,
                 }
             }
         });
         return Ok(sse(s));
     }
-    let (text, _, finish, completion) = collect(rx, ReplyFilter::Plain).await?;
+    let reply = collect(rx, ReplyFilter::Plain).await?;
+    let logprobs = if want_logprobs { completion_logprob_object(&reply.logprobs, 0) } else { Value::Null };
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}],
-        "usage": usage(prompt_tokens, completion),
+        "choices": [{"index": 0, "text": echoed + &reply.content, "finish_reason": reply.finish.as_str(),
+                     "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, reply.completion_tokens),
     }))
     .into_response())
 }

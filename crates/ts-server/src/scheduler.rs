@@ -37,11 +37,33 @@ impl Finish {
     }
 }
 
+/// A token, its bytes and its log-probability under the model at one step
+/// (the log-softmax of the logits, before temperature, top-p and penalties).
+#[derive(Clone, Debug)]
+pub struct TokenChoice {
+    pub id: u32,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// A generated token and the most likely tokens at its step, most likely first.
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub chosen: TokenChoice,
+    pub top: Vec<TokenChoice>,
+}
+
 /// What the scheduler tells a request's handler.
 #[derive(Debug)]
 pub enum Event {
-    /// More generated text.
-    Text(String),
+    /// More generated text, and the log-probabilities of the tokens that made
+    /// it when they were asked for (a token's text can come in a later event
+    /// than the token: an incomplete character or a possible stop sequence is
+    /// held back).
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     Done {
         finish: Finish,
         prompt_tokens: usize,
@@ -59,6 +81,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Decode control tokens as text (gpt-oss's harmony markers).
     pub special: bool,
+    /// Report each generated token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -76,6 +100,8 @@ struct Active<'a> {
     generated: usize,
     /// Text decoded but held back: it could be the start of a stop sequence.
     held: String,
+    /// Log-probabilities of tokens whose text has not been sent yet.
+    pending: Vec<TokenLogprob>,
     prefill_time: Duration,
     started: Instant,
 }
@@ -187,6 +213,7 @@ pub fn run<B: Backend>(
                 next: 0,
                 generated: 0,
                 held: String::new(),
+                pending: Vec::new(),
                 prefill_time: Duration::ZERO,
                 started: Instant::now(),
             });
@@ -324,6 +351,10 @@ fn step_one(
         flush(a);
         return Some(Finish::Stop);
     }
+    if let Some(top) = a.job.logprobs {
+        let piece = |id: u32| tokenizer.token_to_piece(id, true).map(|p| p.into_owned()).unwrap_or_default();
+        a.pending.push(token_logprob(logits, token, top, piece));
+    }
     a.generated += 1;
     metrics.completion_tokens.fetch_add(1, Relaxed);
     a.next = token;
@@ -339,8 +370,8 @@ fn step_one(
     let keep = a.job.stop.iter().map(|s| longest_prefix_suffix(&a.held, s)).max().unwrap_or(0);
     let cut = a.held.len() - keep;
     if cut > 0 {
-        let out: String = a.held.drain(..cut).collect();
-        if a.job.events.send(Event::Text(out)).is_err() {
+        let text: String = a.held.drain(..cut).collect();
+        if a.job.events.send(Event::Text { text, logprobs: std::mem::take(&mut a.pending) }).is_err() {
             return Some(Finish::Gone);
         }
     }
@@ -362,9 +393,28 @@ fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
 }
 
 fn flush(a: &mut Active<'_>) {
-    if !a.held.is_empty() {
-        let _ = a.job.events.send(Event::Text(std::mem::take(&mut a.held)));
+    if !a.held.is_empty() || !a.pending.is_empty() {
+        let (text, logprobs) = (std::mem::take(&mut a.held), std::mem::take(&mut a.pending));
+        let _ = a.job.events.send(Event::Text { text, logprobs });
     }
+}
+
+/// `token`'s log-softmax in `logits` and the `top` largest, most likely first
+/// (ties to the lower id); `piece` gives a token's bytes.
+fn token_logprob(logits: &[f32], token: u32, top: usize, piece: impl Fn(u32) -> Vec<u8>) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let choice = |id: u32| TokenChoice { id, bytes: piece(id), logprob: (logits[id as usize] as f64 - log_z) as f32 };
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = top.min(ids.len());
+    if top > 0 && top < ids.len() {
+        ids.select_nth_unstable_by(top - 1, by_logit);
+    }
+    ids.truncate(top);
+    ids.sort_unstable_by(by_logit);
+    TokenLogprob { chosen: choice(token), top: ids.into_iter().map(choice).collect() }
 }
 
 fn finish_job(job: Job, finish: Finish, generated: usize, prefill: Duration, started: Instant, metrics: &Metrics) {
@@ -391,7 +441,22 @@ fn finish_job(job: Job, finish: Finish, generated: usize, prefill: Duration, sta
 
 #[cfg(test)]
 mod tests {
-    use super::longest_prefix_suffix;
+    use super::{longest_prefix_suffix, token_logprob};
+
+    #[test]
+    fn logprobs_are_a_log_softmax() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let piece = |id: u32| vec![b'a' + id as u8];
+        let t = token_logprob(&logits, 4, 3, piece);
+        assert!((t.chosen.logprob as f64 - (0.5 - z.ln())).abs() < 1e-6);
+        assert_eq!(t.chosen.bytes, b"e");
+        let ids: Vec<u32> = t.top.iter().map(|c| c.id).collect();
+        assert_eq!(ids, [1, 3, 0], "most likely first, ties to the lower id");
+        assert!((t.top[0].logprob as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(token_logprob(&logits, 0, 0, piece).top.len(), 0);
+        assert_eq!(token_logprob(&logits, 0, 9, piece).top.len(), 5);
+    }
 
     #[test]
     fn held_back_tail() {

@@ -364,3 +364,90 @@ fn randomly_mangled_requests_never_break_the_server() {
     assert!(v["choices"][0]["text"].as_str().unwrap().starts_with(" Paris."), "{v}");
     server.stop().unwrap();
 }
+
+/// Log-probabilities of `/v1/completions` against llama.cpp's greedy runs of the
+/// same model (tests/data/llama-cpp/greedy.json): the same tokens, and the gap
+/// between the two most likely (a difference of log-probabilities is one of
+/// logits) close to llama.cpp's, up to its first near-tie; then the shape of
+/// chat's logprobs, and the requests that must be refused.
+#[test]
+fn logprobs_match_llama_cpp_and_bad_requests_are_refused() {
+    let Some(server) = start(1024) else { return };
+    let addr = server.addr;
+    let tokenizer = ts_tokenizer::Tokenizer::from_gguf(ts_testkit::real_model(MODEL).unwrap()).unwrap();
+    let piece = |id: u64| String::from_utf8_lossy(&tokenizer.token_to_piece(id as u32, true).unwrap()).into_owned();
+    let path = ts_testkit::repo_root().join("tests/data/llama-cpp/greedy.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut checked = 0;
+    for run in reference["runs"].as_array().unwrap().iter().filter(|r| r["model"] == MODEL) {
+        let margins: Vec<f64> = run["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
+        let steps = margins.iter().position(|&m| m < 0.5).unwrap_or(margins.len());
+        if steps == 0 {
+            continue;
+        }
+        let req = json!({"model": ID, "prompt": run["prompt"], "max_tokens": steps, "temperature": 0, "logprobs": 2});
+        let (status, v) = post(addr, "/v1/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        for (i, token) in tokens.iter().enumerate().take(steps) {
+            assert_eq!(token.as_str().unwrap(), piece(run["generated"][i].as_u64().unwrap()), "step {i}: {v}");
+            let top: Vec<f64> =
+                lp["top_logprobs"][i].as_object().unwrap().values().map(|x| x.as_f64().unwrap()).collect();
+            assert_eq!(top.len(), 2, "{v}");
+            let (hi, lo) = (top[0].max(top[1]), top[0].min(top[1]));
+            assert!((lp["token_logprobs"][i].as_f64().unwrap() - hi).abs() < 1e-6, "greedy takes the top token");
+            assert!(hi <= 0.0 && hi.exp() + lo.exp() <= 1.0 + 1e-5);
+            // 8-bit activations on both sides, in other summation orders: the logits of the two
+            // engines differ by up to ~0.3 here (hence the greedy tests' near-tie bound of 0.5).
+            assert!((hi - lo - margins[i]).abs() < 0.35, "step {i}: gap {} vs llama.cpp {}", hi - lo, margins[i]);
+            checked += 1;
+        }
+        let offsets: Vec<u64> = lp["text_offset"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+    }
+    assert!(checked >= 5, "only {checked} steps compared");
+
+    // Chat: one entry per generated token, its text the reply's, with the alternatives asked for.
+    let v = chat(addr, "Name a color.", json!({"temperature": 0, "logprobs": true, "top_logprobs": 3}));
+    let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    let joined: String = entries.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    assert_eq!(joined, content(&v));
+    for e in entries {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], e["token"], "greedy takes the top token");
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0 && e["bytes"].is_array());
+    }
+    let plain = chat(addr, "Name a color.", json!({"temperature": 0}));
+    assert!(plain["choices"][0]["logprobs"].is_null());
+
+    // Echo prepends the prompt.
+    let (status, v) =
+        post(addr, "/v1/completions", &json!({"prompt": "One, two,", "max_tokens": 4, "temperature": 0, "echo": true}));
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["text"].as_str().unwrap().starts_with("One, two,"));
+
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}), "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 6}), "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": true}), "logprobs"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 1, "echo": true}), "echo"),
+    ] {
+        let (status, v) = post(addr, path, &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+    }
+}
