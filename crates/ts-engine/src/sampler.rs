@@ -40,6 +40,9 @@ pub struct SamplerConfig {
     pub presence_penalty: f32,
     /// Subtracted from a seen token's logit once per occurrence in the window.
     pub frequency_penalty: f32,
+    /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`;
+    /// ids past the vocabulary are ignored, -inf bans a token).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the random generator.
     pub seed: u64,
 }
@@ -66,6 +69,7 @@ impl Default for SamplerConfig {
             repeat_last_n: 64,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: SamplerConfig::DEFAULT_SEED,
         }
     }
@@ -223,6 +227,11 @@ impl Sampler {
                 .enumerate()
                 .map(|(i, &l)| Candidate { token: i as u32, logit: if l.is_nan() { f32::NEG_INFINITY } else { l } }),
         );
+        for &(token, bias) in &self.cfg.logit_bias {
+            if let Some(c) = self.candidates.get_mut(token as usize) {
+                c.logit += bias;
+            }
+        }
         if self.penalties_active() {
             for (&token, &count) in &self.counts {
                 let Some(c) = self.candidates.get_mut(token as usize) else { continue };
@@ -376,6 +385,9 @@ fn validate(cfg: &SamplerConfig) -> Result<(), SamplerError> {
     )?;
     check("presence_penalty", cfg.presence_penalty, cfg.presence_penalty.is_finite(), "a finite number")?;
     check("frequency_penalty", cfg.frequency_penalty, cfg.frequency_penalty.is_finite(), "a finite number")?;
+    for &(_, b) in &cfg.logit_bias {
+        check("logit_bias", b, !b.is_nan() && b != f32::INFINITY, "a number, or -inf to ban the token")?;
+    }
     Ok(())
 }
 

@@ -88,6 +88,8 @@ fn invalid_settings_are_errors_naming_the_field() {
         ("repeat_penalty", SamplerConfig { repeat_penalty: 1e-40, ..plain() }),
         ("presence_penalty", SamplerConfig { presence_penalty: f32::NAN, ..plain() }),
         ("frequency_penalty", SamplerConfig { frequency_penalty: f32::NEG_INFINITY, ..plain() }),
+        ("logit_bias", SamplerConfig { logit_bias: vec![(1, f32::NAN)], ..plain() }),
+        ("logit_bias", SamplerConfig { logit_bias: vec![(1, f32::INFINITY)], ..plain() }),
     ];
     for (field, cfg) in cases {
         match Sampler::new(cfg.clone()) {
@@ -393,4 +395,24 @@ fn a_single_candidate_is_always_chosen() {
     for _ in 0..100 {
         assert_eq!(sampler.sample(&logits), 1);
     }
+}
+
+#[test]
+fn logit_bias_shifts_logits_and_minus_infinity_bans() {
+    let logits = [1.0f32, 3.0, 2.0, 0.5];
+    let greedy = |bias: Vec<(u32, f32)>| {
+        Sampler::new(SamplerConfig { logit_bias: bias, ..SamplerConfig::greedy() })
+            .unwrap()
+            .try_sample(&logits)
+            .unwrap()
+    };
+    assert_eq!(greedy(vec![]), 1);
+    assert_eq!(greedy(vec![(3, 2.6)]), 3, "0.5 + 2.6 passes 3.0");
+    assert_eq!(greedy(vec![(1, f32::NEG_INFINITY)]), 2);
+    assert_eq!(greedy(vec![(99, 100.0), (1, -1.5)]), 2, "ids past the vocabulary are ignored");
+    // The biased distribution: the same as sampling from the shifted logits.
+    let mut a = Sampler::new(SamplerConfig { logit_bias: vec![(0, 1.0)], ..plain() }).unwrap();
+    let mut b = Sampler::new(plain()).unwrap();
+    let shifted = [2.0f32, 3.0, 2.0, 0.5];
+    assert_eq!(a.distribution(&logits).unwrap(), b.distribution(&shifted).unwrap());
 }

@@ -149,6 +149,7 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
     if max_tokens == Some(0) {
         return Err(ApiError::bad("'max_tokens' must be at least 1", Some("max_tokens")));
     }
+    refuse_unsupported(v)?;
     let temperature = opt_number(v, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
     let top_p = opt_number(v, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
     let presence = opt_number(v, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
@@ -191,18 +192,76 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
             return Err(ApiError::bad(format!("'stream_options' must be an object, not {x}"), Some("stream_options")));
         }
     };
+    // llama-server's extensions, off unless given.
+    let top_k = opt_count(v, "top_k")?.unwrap_or(0) as usize;
+    let min_p = opt_number(v, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    let repeat_penalty = opt_number(v, "repeat_penalty", 1e-3, 1e3)?.unwrap_or(1.0) as f32;
+    let logit_bias = match field(v, "logit_bias") {
+        None => Vec::new(),
+        Some(Value::Object(m)) => m
+            .iter()
+            .map(|(k, b)| {
+                let id = k.parse::<u32>().map_err(|_| {
+                    ApiError::bad(format!("'logit_bias' keys are token ids; '{k}' is not one"), Some("logit_bias"))
+                })?;
+                match b.as_f64() {
+                    Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                    _ => Err(ApiError::bad(
+                        format!("'logit_bias' of token {id} is {b}; it must be a number between -100 and 100"),
+                        Some("logit_bias"),
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>, ApiError>>()?,
+        Some(x) => {
+            return Err(ApiError::bad(format!("'logit_bias' must be an object, not {x}"), Some("logit_bias")));
+        }
+    };
+    let penalized = presence != 0.0 || frequency != 0.0 || repeat_penalty != 1.0;
     let sampler = SamplerConfig {
         temperature,
         top_p,
         presence_penalty: presence,
         frequency_penalty: frequency,
-        repeat_last_n: if presence != 0.0 || frequency != 0.0 { 64 } else { 0 },
-        top_k: 0,
-        min_p: 0.0,
-        repeat_penalty: 1.0,
+        repeat_last_n: if penalized { 64 } else { 0 },
+        top_k,
+        min_p,
+        repeat_penalty,
+        logit_bias,
         seed,
     };
     Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None })
+}
+
+/// OpenAI parameters this server cannot honour, refused by name rather than
+/// ignored (their defaults pass).
+fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
+    let unsupported = |name: &'static str, why: &str| {
+        Err(ApiError::bad(format!("'{name}' is not supported by this server: {why}"), Some(name)))
+    };
+    if field(v, "tools").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty())) {
+        return unsupported("tools", "no tool calling");
+    }
+    if field(v, "tool_choice").is_some_and(|t| t != "none") {
+        return unsupported("tool_choice", "no tool calling");
+    }
+    for name in ["functions", "function_call"] {
+        if field(v, name).is_some() {
+            return unsupported(name, "no function calling");
+        }
+    }
+    if let Some(f) = field(v, "response_format")
+        && f.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return unsupported("response_format", "replies are plain text (no JSON mode or schema)");
+    }
+    if field(v, "suffix").is_some_and(|s| s.as_str() != Some("")) {
+        return unsupported("suffix", "no insertion");
+    }
+    if field(v, "best_of").is_some_and(|b| b.as_u64() != Some(1)) {
+        return unsupported("best_of", "one candidate per request");
+    }
+    Ok(())
 }
 
 /// Chat's `logprobs` (true or false) and `top_logprobs` (0 to 20, with logprobs).
@@ -283,6 +342,13 @@ fn submit<B: Backend>(
     let n_ctx = st.opts.slot_ctx;
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", None));
+    }
+    let n_vocab = st.engine.tokenizer().map_or(0, |t| t.vocab_size());
+    if let Some(&(id, _)) = c.sampler.logit_bias.iter().find(|&&(id, _)| id as usize >= n_vocab) {
+        return Err(ApiError::bad(
+            format!("'logit_bias' names token {id}; the vocabulary has {n_vocab}"),
+            Some("logit_bias"),
+        ));
     }
     if prompt.len() >= n_ctx {
         return Err(ApiError::bad(

@@ -369,9 +369,9 @@ fn randomly_mangled_requests_never_break_the_server() {
 /// same model (tests/data/llama-cpp/greedy.json): the same tokens, and the gap
 /// between the two most likely (a difference of log-probabilities is one of
 /// logits) close to llama.cpp's, up to its first near-tie; then the shape of
-/// chat's logprobs, and the requests that must be refused.
+/// chat's logprobs, logit_bias, echo, and the requests that must be refused.
 #[test]
-fn logprobs_match_llama_cpp_and_bad_requests_are_refused() {
+fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
     let Some(server) = start(1024) else { return };
     let addr = server.addr;
     let tokenizer = ts_tokenizer::Tokenizer::from_gguf(ts_testkit::real_model(MODEL).unwrap()).unwrap();
@@ -424,6 +424,18 @@ fn logprobs_match_llama_cpp_and_bad_requests_are_refused() {
     let plain = chat(addr, "Name a color.", json!({"temperature": 0}));
     assert!(plain["choices"][0]["logprobs"].is_null());
 
+    // logit_bias: +100 on a token makes greedy decoding take it; -100 on the greedy choice moves off it.
+    let banana = tokenizer.encode(" banana", false, false).unwrap()[0];
+    let req = |bias: Value| json!({"prompt": "My favourite fruit is", "max_tokens": 1, "temperature": 0, "logprobs": 0, "logit_bias": bias});
+    let first = |v: &Value| v["choices"][0]["logprobs"]["tokens"][0].as_str().unwrap().to_string();
+    let (_, plain) = post(addr, "/v1/completions", &req(json!({})));
+    let (status, forced) = post(addr, "/v1/completions", &req(json!({banana.to_string(): 100})));
+    assert_eq!(status, 200, "{forced}");
+    assert_eq!(first(&forced), piece(banana as u64));
+    let greedy = tokenizer.encode(&first(&plain), false, false).unwrap()[0];
+    let (_, moved) = post(addr, "/v1/completions", &req(json!({greedy.to_string(): -100})));
+    assert_ne!(first(&moved), first(&plain));
+
     // Echo prepends the prompt.
     let (status, v) =
         post(addr, "/v1/completions", &json!({"prompt": "One, two,", "max_tokens": 4, "temperature": 0, "echo": true}));
@@ -445,6 +457,23 @@ fn logprobs_match_llama_cpp_and_bad_requests_are_refused() {
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 6}), "logprobs"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": true}), "logprobs"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 1, "echo": true}), "echo"),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"99999999": 1}}), "logit_bias"),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": [1]}), "logit_bias"),
+        ("/v1/completions", json!({"prompt": "hi", "suffix": "end"}), "suffix"),
+        ("/v1/completions", json!({"prompt": "hi", "best_of": 3}), "best_of"),
+        ("/v1/completions", json!({"prompt": "hi", "min_p": 2}), "min_p"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
     ] {
         let (status, v) = post(addr, path, &body);
         assert_eq!(status, 400, "{body}: {v}");

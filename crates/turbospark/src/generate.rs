@@ -92,6 +92,7 @@ impl SamplingArgs {
             repeat_last_n: self.repeat_last_n,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            logit_bias: Vec::new(),
             seed: self.seed.unwrap_or_else(random_seed),
         }
     }
