@@ -115,6 +115,7 @@ fn opt_bool(v: &Value, name: &'static str) -> Result<bool, ApiError> {
 
 /// What every generation request shares, validated.
 struct Common {
+    /// As asked; 0 only for a completion that echoes and scores its prompt.
     max_tokens: Option<u64>,
     sampler: SamplerConfig,
     stop: Vec<String>,
@@ -122,6 +123,17 @@ struct Common {
     include_usage: bool,
     /// Log-probabilities asked for: how many alternatives per token.
     logprobs: Option<usize>,
+    /// Score the prompt too (a completion with `echo` and `logprobs`).
+    score_prompt: bool,
+}
+
+impl Common {
+    fn require_max_tokens(&self) -> Result<(), ApiError> {
+        if self.max_tokens == Some(0) {
+            return Err(ApiError::bad("'max_tokens' must be at least 1", Some("max_tokens")));
+        }
+        Ok(())
+    }
 }
 
 fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
@@ -146,9 +158,6 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         Some(n) => Some(n),
         None => opt_count(v, "max_tokens")?,
     };
-    if max_tokens == Some(0) {
-        return Err(ApiError::bad("'max_tokens' must be at least 1", Some("max_tokens")));
-    }
     refuse_unsupported(v)?;
     let temperature = opt_number(v, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
     let top_p = opt_number(v, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
@@ -230,7 +239,7 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         logit_bias,
         seed,
     };
-    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None })
+    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None, score_prompt: false })
 }
 
 /// OpenAI parameters this server cannot honour, refused by name rather than
@@ -315,21 +324,26 @@ fn chat_logprob_entries(entries: &[TokenLogprob]) -> Value {
 }
 
 /// A completion's `logprobs` object for `entries`, whose text starts `offset`
-/// characters into the reply.
-fn completion_logprob_object(entries: &[TokenLogprob], mut offset: usize) -> Value {
-    let mut text_offset = Vec::with_capacity(entries.len());
-    for t in entries {
+/// characters into the reply, after `lead`: a scored prompt's first token,
+/// which has no log-probability (null, as OpenAI gives it).
+fn completion_logprob_object(lead: Option<String>, entries: &[TokenLogprob], mut offset: usize) -> Value {
+    let (mut tokens, mut logprobs, mut top, mut text_offset) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    if let Some(t) = lead {
         text_offset.push(offset);
-        offset += token_text(&t.chosen).chars().count();
+        offset += t.chars().count();
+        tokens.push(t);
+        logprobs.push(Value::Null);
+        top.push(Value::Null);
     }
-    json!({
-        "tokens": entries.iter().map(|t| token_text(&t.chosen)).collect::<Vec<_>>(),
-        "token_logprobs": entries.iter().map(|t| finite(t.chosen.logprob)).collect::<Vec<_>>(),
-        "top_logprobs": entries.iter().map(|t| {
-            t.top.iter().map(|c| (token_text(c), json!(finite(c.logprob)))).collect::<serde_json::Map<_, _>>()
-        }).collect::<Vec<_>>(),
-        "text_offset": text_offset,
-    })
+    for t in entries {
+        let text = token_text(&t.chosen);
+        text_offset.push(offset);
+        offset += text.chars().count();
+        tokens.push(text);
+        logprobs.push(json!(finite(t.chosen.logprob)));
+        top.push(Value::Object(t.top.iter().map(|c| (token_text(c), json!(finite(c.logprob)))).collect()));
+    }
+    json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": text_offset})
 }
 
 /// Queues a job for `prompt` and returns the receiver of its events.
@@ -380,6 +394,7 @@ fn submit<B: Backend>(
         stop: c.stop.clone(),
         special,
         logprobs: c.logprobs,
+        score_prompt: c.score_prompt,
         events: tx,
         received: Instant::now(),
     };
@@ -447,6 +462,7 @@ async fn chat_inner<B: Backend + 'static>(
 ) -> Result<Response, ApiError> {
     let v = parse_body(body, &st.opts)?;
     let mut c = common(&v, &st.opts.model_id)?;
+    c.require_max_tokens()?;
     c.logprobs = chat_logprobs(&v)?;
     let messages = field(&v, "messages").ok_or_else(|| ApiError::bad("'messages' is required", Some("messages")))?;
     let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
@@ -505,15 +521,18 @@ struct Reply {
     reasoning: String,
     /// The tokens' log-probabilities, when asked for.
     logprobs: Vec<TokenLogprob>,
+    /// The prompt's, after its first token, when it was scored.
+    prompt_logprobs: Vec<TokenLogprob>,
     finish: Finish,
     completion_tokens: usize,
 }
 
 /// Waits for a whole generation.
 async fn collect(mut rx: UnboundedReceiver<Event>, mut filter: ReplyFilter) -> Result<Reply, ApiError> {
-    let (mut content, mut reasoning, mut all) = (String::new(), String::new(), Vec::new());
+    let (mut content, mut reasoning, mut all, mut prompt) = (String::new(), String::new(), Vec::new(), Vec::new());
     while let Some(ev) = rx.recv().await {
         match ev {
+            Event::Prompt(entries) => prompt.extend(entries),
             Event::Text { text, logprobs } => {
                 let (c, r) = filter.feed(&text);
                 content += &c;
@@ -521,7 +540,14 @@ async fn collect(mut rx: UnboundedReceiver<Event>, mut filter: ReplyFilter) -> R
                 all.extend(logprobs);
             }
             Event::Done { finish, completion_tokens, .. } => {
-                return Ok(Reply { content, reasoning, logprobs: all, finish, completion_tokens });
+                return Ok(Reply {
+                    content,
+                    reasoning,
+                    logprobs: all,
+                    prompt_logprobs: prompt,
+                    finish,
+                    completion_tokens,
+                });
             }
             Event::Error(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e)),
         }
@@ -597,6 +623,7 @@ fn stream_chat(
                         );
                     }
                 }
+                Some(Event::Prompt(_)) => {}
                 Some(Event::Done { finish, completion_tokens, .. }) => {
                     let mut last = (s.chunk)(json!({}), Some(finish.as_str()), Value::Null);
                     if include_usage {
@@ -635,26 +662,55 @@ async fn completions_inner<B: Backend + 'static>(
     let mut c = common(&v, &st.opts.model_id)?;
     c.logprobs = completion_logprobs(&v)?;
     let echo = opt_bool(&v, "echo")?;
-    if echo && c.logprobs.is_some() {
-        return Err(ApiError::bad(
-            "'echo' with 'logprobs' needs the prompt's log-probabilities, which this server does not compute",
-            Some("echo"),
-        ));
+    // `echo` with `logprobs` scores the prompt (how evaluation harnesses ask for a text's
+    // log-likelihood, usually with max_tokens 0).
+    c.score_prompt = echo && c.logprobs.is_some();
+    if !echo {
+        c.require_max_tokens()?;
     }
-    let prompt = match field(&v, "prompt") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
-        Some(Value::Array(_)) => {
-            return Err(ApiError::bad("'prompt' as an array must hold exactly one string", Some("prompt")));
-        }
-        Some(x) => return Err(ApiError::bad(format!("'prompt' must be a string, not {x}"), Some("prompt"))),
-        None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
-    };
+    if c.score_prompt && c.stream {
+        return Err(ApiError::bad("'echo' with 'logprobs' is answered whole: ask without 'stream'", Some("stream")));
+    }
     let tokenizer =
         st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    let tokens = tokenizer
-        .encode(&prompt, true, true)
-        .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("prompt")))?;
+    let encode = |text: &str| {
+        tokenizer
+            .encode(text, true, true)
+            .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("prompt")))
+    };
+    let (prompt, tokens) = match field(&v, "prompt") {
+        Some(Value::String(s)) => (s.clone(), encode(s)?),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            let s = a[0].as_str().unwrap_or_default().to_string();
+            let tokens = encode(&s)?;
+            (s, tokens)
+        }
+        // Token ids, taken as they are (no BOS added).
+        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+            let n_vocab = tokenizer.vocab_size();
+            let ids = a
+                .iter()
+                .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    ApiError::bad(format!("'prompt' holds a token id past the vocabulary of {n_vocab}"), Some("prompt"))
+                })?;
+            let text = tokenizer
+                .decode(&ids)
+                .map_err(|e| ApiError::bad(format!("'prompt' ids do not decode: {e}"), Some("prompt")))?;
+            (text, ids)
+        }
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("'prompt' must be a string, one string in an array, or an array of token ids, not {x}"),
+                Some("prompt"),
+            ));
+        }
+        None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
+    };
+    let first_piece = c
+        .score_prompt
+        .then(|| String::from_utf8_lossy(&tokenizer.token_to_piece(tokens[0], true).unwrap_or_default()).into_owned());
     let (id, rx, prompt_tokens) = submit(st, tokens, &c, false)?;
     let id = format!("cmpl-{id}");
     let model = st.opts.model_id.clone();
@@ -677,9 +733,15 @@ async fn completions_inner<B: Backend + 'static>(
                 if !echoed.is_empty() {
                     return Some((chunk(&echoed, None, Value::Null).to_string(), (rx, sent, String::new(), false)));
                 }
-                match rx.recv().await {
+                let mut ev = rx.recv().await;
+                // Prompt scores are not asked for when streaming (refused above).
+                while let Some(Event::Prompt(_)) = ev {
+                    ev = rx.recv().await;
+                }
+                match ev {
                     Some(Event::Text { text, logprobs }) => {
-                        let lp = if want_logprobs { completion_logprob_object(&logprobs, sent) } else { Value::Null };
+                        let lp =
+                            if want_logprobs { completion_logprob_object(None, &logprobs, sent) } else { Value::Null };
                         let sent = sent + logprobs.iter().map(|t| token_text(&t.chosen).chars().count()).sum::<usize>();
                         Some((chunk(&text, None, lp).to_string(), (rx, sent, echoed, false)))
                     }
@@ -694,14 +756,20 @@ async fn completions_inner<B: Backend + 'static>(
                         json!({"error": {"message": e, "type": "server_error"}}).to_string(),
                         (rx, sent, echoed, true),
                     )),
-                    None => None,
+                    None | Some(Event::Prompt(_)) => None,
                 }
             }
         });
         return Ok(sse(s));
     }
     let reply = collect(rx, ReplyFilter::Plain).await?;
-    let logprobs = if want_logprobs { completion_logprob_object(&reply.logprobs, 0) } else { Value::Null };
+    let logprobs = if want_logprobs {
+        let mut entries = reply.prompt_logprobs;
+        entries.extend(reply.logprobs);
+        completion_logprob_object(first_piece, &entries, 0)
+    } else {
+        Value::Null
+    };
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": echoed + &reply.content, "finish_reason": reply.finish.as_str(),

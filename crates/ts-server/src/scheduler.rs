@@ -64,6 +64,9 @@ pub enum Event {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
+    /// Log-probabilities of prompt tokens after the first, in order, when the
+    /// request scores its prompt (sent as the prompt is read, before any text).
+    Prompt(Vec<TokenLogprob>),
     Done {
         finish: Finish,
         prompt_tokens: usize,
@@ -83,6 +86,9 @@ pub struct Job {
     pub special: bool,
     /// Report each generated token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Report the prompt tokens' log-probabilities too (with `logprobs`
+    /// alternatives): every prompt row is run with logits, none reused.
+    pub score_prompt: bool,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
 }
@@ -191,7 +197,7 @@ pub fn run<B: Backend>(
                     let h = &history[s];
                     let mut n = h.iter().zip(&job.prompt).take_while(|(a, b)| a == b).count();
                     n = n.min(job.prompt.len() - 1);
-                    if !prompt_cache || (sliding && h.len() - n > 256) {
+                    if !prompt_cache || job.score_prompt || (sliding && h.len() - n > 256) {
                         n = 0;
                     }
                     (i, n)
@@ -235,11 +241,13 @@ pub fn run<B: Backend>(
         // One step: a row for each generating sequence, then prompt pieces up to the budget.
         let t = Instant::now();
         let mut rows: Vec<Row> = Vec::new();
-        let mut wants: Vec<usize> = Vec::new();
+        // Per row with logits: its request, and the prompt position it scores (a prompt row
+        // before the last, for a request scoring its prompt) or None (the row to sample from).
+        let mut wants: Vec<(usize, Option<usize>)> = Vec::new();
         for (i, a) in active.iter().enumerate() {
             if a.prompt_done == a.job.prompt.len() {
                 rows.push(Row { token: a.next, pos: seqs[a.slot].n_past, seq: i, logits: true });
-                wants.push(i);
+                wants.push((i, None));
             }
         }
         let decode_rows = rows.len();
@@ -254,9 +262,12 @@ pub fn run<B: Backend>(
             for j in 0..n {
                 let last = j + 1 == n && n == left;
                 let pos = a.prompt_done + j;
-                rows.push(Row { token: a.job.prompt[pos], pos, seq: i, logits: last });
+                let score = a.job.score_prompt && !last;
+                rows.push(Row { token: a.job.prompt[pos], pos, seq: i, logits: last || score });
                 if last {
-                    wants.push(i);
+                    wants.push((i, None));
+                } else if score {
+                    wants.push((i, Some(pos)));
                 }
             }
             a.prompt_done += n;
@@ -298,10 +309,29 @@ pub fn run<B: Backend>(
         if decode_rows > 0 {
             metrics.record_step(decode_rows, t.elapsed());
         }
+        // Prompt rows scored: the log-probability of the token after each, sent in order.
+        let scored: Vec<(usize, TokenLogprob)> = engine.install(|| {
+            wants
+                .par_iter()
+                .zip(&logits)
+                .filter_map(|(&(i, pos), l)| {
+                    let (job, pos) = (&active[i].job, pos?);
+                    let piece =
+                        |id: u32| tokenizer.token_to_piece(id, true).map(|p| p.into_owned()).unwrap_or_default();
+                    Some((i, token_logprob(l, job.prompt[pos + 1], job.logprobs.unwrap_or(0), piece)))
+                })
+                .collect()
+        });
+        for group in scored.chunk_by(|a, b| a.0 == b.0) {
+            let entries = group.iter().map(|(_, t)| t.clone()).collect();
+            let _ = active[group[0].0].job.events.send(Event::Prompt(entries));
+        }
         // Sample every row that has logits, in parallel (each touches only its own sequence).
         let mut row_of: Vec<Option<&Vec<f32>>> = vec![None; active.len()];
-        for (&i, l) in wants.iter().zip(&logits) {
-            row_of[i] = Some(l);
+        for (&(i, pos), l) in wants.iter().zip(&logits) {
+            if pos.is_none() {
+                row_of[i] = Some(l);
+            }
         }
         let seqs_ref = &seqs;
         let metrics_ref = &metrics;
@@ -339,6 +369,10 @@ fn step_one(
     seq: &SeqState<impl Send + Sync>,
     metrics: &Metrics,
 ) -> Option<Finish> {
+    if a.job.max_tokens == 0 {
+        // A prompt scored, nothing to generate.
+        return Some(Finish::Length);
+    }
     let token = match a.sampler.try_sample(logits) {
         Ok(t) => t,
         Err(e) => {

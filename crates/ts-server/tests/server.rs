@@ -409,6 +409,42 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
     }
     assert!(checked >= 5, "only {checked} steps compared");
 
+    // Scoring a prompt (echo + logprobs, max_tokens 0, the prompt as token ids): llama.cpp's
+    // prompt and its greedy continuation; each continuation token is the most likely at its
+    // position, with the same gap to the second, up to the first near-tie.
+    let mut scored = 0;
+    for run in reference["runs"].as_array().unwrap().iter().filter(|r| r["model"] == MODEL) {
+        let margins: Vec<f64> = run["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
+        let steps = margins.iter().position(|&m| m < 0.5).unwrap_or(margins.len());
+        let prompt: Vec<u64> = run["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let generated: Vec<u64> = run["generated"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let ids: Vec<u64> = prompt.iter().chain(&generated[..steps]).copied().collect();
+        let req = json!({"prompt": ids, "max_tokens": 0, "echo": true, "logprobs": 2, "temperature": 0});
+        let (status, v) = post(addr, "/v1/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 0, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), ids.len(), "{v}");
+        assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+        for (j, &want) in generated[..steps].iter().enumerate() {
+            let i = prompt.len() + j;
+            assert_eq!(lp["tokens"][i].as_str().unwrap(), piece(want));
+            let top: Vec<(String, f64)> = lp["top_logprobs"][i]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(t, x)| (t.clone(), x.as_f64().unwrap()))
+                .collect();
+            let best = top.iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+            assert_eq!(best.0, piece(want), "position {i}: {top:?}");
+            assert!((lp["token_logprobs"][i].as_f64().unwrap() - best.1).abs() < 1e-6);
+            let gap = best.1 - top.iter().map(|t| t.1).filter(|&x| x < best.1).fold(f64::NEG_INFINITY, f64::max);
+            assert!((gap - margins[j]).abs() < 0.35, "position {i}: gap {gap} vs llama.cpp {}", margins[j]);
+            scored += 1;
+        }
+    }
+    assert!(scored >= 5, "only {scored} prompt positions compared");
+
     // Chat: one entry per generated token, its text the reply's, with the alternatives asked for.
     let v = chat(addr, "Name a color.", json!({"temperature": 0, "logprobs": true, "top_logprobs": 3}));
     let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
@@ -456,7 +492,10 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}), "logprobs"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 6}), "logprobs"),
         ("/v1/completions", json!({"prompt": "hi", "logprobs": true}), "logprobs"),
-        ("/v1/completions", json!({"prompt": "hi", "logprobs": 1, "echo": true}), "echo"),
+        ("/v1/completions", json!({"prompt": "hi", "logprobs": 1, "echo": true, "stream": true}), "stream"),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
+        ("/v1/completions", json!({"prompt": [1, 99999999]}), "prompt"),
+        ("/v1/completions", json!({"prompt": [1, -2]}), "prompt"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"99999999": 1}}), "logit_bias"),
