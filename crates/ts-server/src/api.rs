@@ -779,10 +779,82 @@ async fn completions_inner<B: Backend + 'static>(
     .into_response())
 }
 
-/// `GET /v1/models`
+/// `GET /v1/models`; `max_model_len` is a request's context (as vLLM reports it).
 pub async fn models<B: Backend + 'static>(State(st): State<Arc<AppState<B>>>) -> Response {
-    Json(json!({"object": "list", "data": [{"id": st.opts.model_id, "object": "model", "created": st.started, "owned_by": "turbospark"}]}))
-        .into_response()
+    Json(json!({"object": "list", "data": [{"id": st.opts.model_id, "object": "model", "created": st.started,
+        "owned_by": "turbospark", "max_model_len": st.opts.slot_ctx}]}))
+    .into_response()
+}
+
+/// `POST /tokenize`: the text of `content` (llama-server's name) or `prompt` (vLLM's) as token
+/// ids, with special tokens added when `add_special` / `add_special_tokens` is true (the default)
+/// and their markers in the text parsed; `with_pieces` adds each token's text.
+pub async fn tokenize<B: Backend + 'static>(
+    State(st): State<Arc<AppState<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    st.metrics.requests.fetch_add(1, Relaxed);
+    answer(&st, "tokenize", tokenize_inner(&st, body))
+}
+
+fn tokenize_inner<B: Backend + 'static>(
+    st: &AppState<B>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = parse_body(body, &st.opts)?;
+    let (name, text) = match (field(&v, "content"), field(&v, "prompt")) {
+        (Some(t), _) => ("content", t),
+        (None, Some(t)) => ("prompt", t),
+        (None, None) => return Err(ApiError::bad("'content' (or 'prompt') is required", Some("content"))),
+    };
+    let text = text.as_str().ok_or_else(|| ApiError::bad(format!("'{name}' must be a string"), Some("content")))?;
+    let add_special = match (field(&v, "add_special"), field(&v, "add_special_tokens")) {
+        (None, None) => true,
+        (Some(_), _) => opt_bool(&v, "add_special")?,
+        (None, Some(_)) => opt_bool(&v, "add_special_tokens")?,
+    };
+    let tokenizer =
+        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let tokens = tokenizer
+        .encode(text, add_special, true)
+        .map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some("content")))?;
+    let mut body = json!({"tokens": tokens, "count": tokens.len(), "max_model_len": st.opts.slot_ctx});
+    if opt_bool(&v, "with_pieces")? {
+        let piece = |&id: &u32| {
+            let bytes = tokenizer.token_to_piece(id, true).unwrap_or_default();
+            json!({"id": id, "piece": String::from_utf8_lossy(&bytes)})
+        };
+        body["tokens"] = Value::Array(tokens.iter().map(piece).collect());
+    }
+    Ok(Json(body).into_response())
+}
+
+/// `POST /detokenize`: `tokens` (ids) as text.
+pub async fn detokenize<B: Backend + 'static>(
+    State(st): State<Arc<AppState<B>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    st.metrics.requests.fetch_add(1, Relaxed);
+    answer(&st, "detokenize", detokenize_inner(&st, body))
+}
+
+fn detokenize_inner<B: Backend + 'static>(
+    st: &AppState<B>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = parse_body(body, &st.opts)?;
+    let tokenizer =
+        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let n_vocab = tokenizer.vocab_size();
+    let ids = field(&v, "tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids", Some("tokens")))?
+        .iter()
+        .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::bad(format!("'tokens' must hold token ids below {n_vocab}"), Some("tokens")))?;
+    let text = tokenizer.decode(&ids).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;
+    Ok(Json(json!({"content": text, "prompt": text})).into_response())
 }
 
 /// `GET /health`

@@ -80,6 +80,8 @@ pub fn router<B: Backend + 'static>(state: Arc<AppState<B>>) -> Router {
         .route("/v1/chat/completions", post(api::chat::<B>))
         .route("/v1/completions", post(api::completions::<B>))
         .route("/v1/models", get(api::models::<B>))
+        .route("/tokenize", post(api::tokenize::<B>))
+        .route("/detokenize", post(api::detokenize::<B>))
         .route("/health", get(api::health))
         .route("/metrics", get(api::metrics::<B>))
         .fallback(api::not_found)

@@ -519,3 +519,40 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         assert_eq!(v["error"]["param"], param, "{body}: {v}");
     }
 }
+
+/// `/tokenize` gives llama.cpp's ids for the reference prompts (tests/data/llama-cpp/greedy.json);
+/// `/detokenize` gives the text back; `/v1/models` says the context per request.
+#[test]
+fn tokenize_and_detokenize_match_llama_cpp() {
+    let Some(server) = start(1024) else { return };
+    let addr = server.addr;
+    let path = ts_testkit::repo_root().join("tests/data/llama-cpp/greedy.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for run in reference["runs"].as_array().unwrap().iter().filter(|r| r["model"] == MODEL) {
+        let (status, v) = post(addr, "/tokenize", &json!({"content": run["prompt"]}));
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["tokens"], run["prompt_ids"], "{}", run["prompt"]);
+        assert_eq!(v["count"].as_u64().unwrap() as usize, run["prompt_ids"].as_array().unwrap().len());
+        let (_, plain) = post(addr, "/tokenize", &json!({"prompt": run["prompt"], "add_special_tokens": false}));
+        let (status, back) = post(addr, "/detokenize", &json!({"tokens": plain["tokens"]}));
+        assert_eq!(status, 200, "{back}");
+        assert_eq!(back["content"], run["prompt"]);
+    }
+    let (_, pieces) = post(addr, "/tokenize", &json!({"content": "Hello world", "with_pieces": true}));
+    let joined: String = pieces["tokens"].as_array().unwrap().iter().map(|t| t["piece"].as_str().unwrap()).collect();
+    assert!(joined.ends_with("Hello world"), "{pieces}");
+    for (path, body) in [
+        ("/tokenize", json!({})),
+        ("/tokenize", json!({"content": 5})),
+        ("/tokenize", json!({"content": "x", "add_special": "yes"})),
+        ("/detokenize", json!({"tokens": "1 2"})),
+        ("/detokenize", json!({"tokens": [1, 99999999]})),
+    ] {
+        let (status, v) = post(addr, path, &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert!(v["error"]["message"].is_string());
+    }
+    let (_, _, body) = http(addr, "GET", "/v1/models", b"");
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 1024, "the context of one request");
+}
