@@ -74,6 +74,10 @@ def main(base_url: str, model: str) -> None:
     assert others != {a.choices[0].message.content}, "three other seeds all gave the same text"
     print("seed: reproducible, and other seeds differ")
 
+    two = client.chat.completions.create(model=model, messages=story, max_tokens=16, temperature=1.0, seed=5, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and all(c.message.content for c in two.choices), two
+    print("n=2: two choices")
+
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert done.object == "text_completion" and done.choices[0].text, done
     print(f"completion: {done.choices[0].text!r}")

@@ -125,7 +125,12 @@ struct Common {
     logprobs: Option<usize>,
     /// Score the prompt too (a completion with `echo` and `logprobs`).
     score_prompt: bool,
+    /// Choices to generate, each its own sequence (seeds `seed`, `seed + 1`, ...).
+    n: usize,
 }
+
+/// The most choices one request may ask for (`n`).
+const MAX_CHOICES: usize = 16;
 
 impl Common {
     fn require_max_tokens(&self) -> Result<(), ApiError> {
@@ -149,11 +154,13 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
             });
         }
     }
-    if let Some(n) = opt_count(v, "n")?
-        && n != 1
-    {
-        return Err(ApiError::bad(format!("'n' is {n}; only 1 choice per request is supported"), Some("n")));
-    }
+    let n = match opt_count(v, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::bad(format!("'n' is {n}; it must be between 1 and {MAX_CHOICES}"), Some("n")));
+        }
+    };
     let max_tokens = match opt_count(v, "max_completion_tokens")? {
         Some(n) => Some(n),
         None => opt_count(v, "max_tokens")?,
@@ -239,7 +246,7 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         logit_bias,
         seed,
     };
-    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None, score_prompt: false })
+    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None, score_prompt: false, n })
 }
 
 /// OpenAI parameters this server cannot honour, refused by name rather than
@@ -346,13 +353,14 @@ fn completion_logprob_object(lead: Option<String>, entries: &[TokenLogprob], mut
     json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": text_offset})
 }
 
-/// Queues a job for `prompt` and returns the receiver of its events.
+/// Queues a job per choice for `prompt`: the request's id, the receivers of
+/// the choices' events, and the prompt's length.
 fn submit<B: Backend>(
     st: &AppState<B>,
     prompt: Vec<u32>,
     c: &Common,
     special: bool,
-) -> Result<(String, UnboundedReceiver<Event>, usize), ApiError> {
+) -> Result<(String, Vec<UnboundedReceiver<Event>>, usize), ApiError> {
     let n_ctx = st.opts.slot_ctx;
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", None));
@@ -383,28 +391,34 @@ fn submit<B: Backend>(
             .with_code("context_length_exceeded"));
         }
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let id = format!("{:x}{:06x}", now_secs(), st.next_id.fetch_add(1, Relaxed));
     let prompt_tokens = prompt.len();
-    let job = Job {
-        id: id.clone(),
-        prompt,
-        max_tokens,
-        sampler: c.sampler.clone(),
-        stop: c.stop.clone(),
-        special,
-        logprobs: c.logprobs,
-        score_prompt: c.score_prompt,
-        events: tx,
-        received: Instant::now(),
-    };
-    st.metrics.queued.fetch_add(1, Relaxed);
-    st.jobs
-        .lock()
-        .expect("job queue lock")
-        .send(job)
-        .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
-    Ok((id, rx, prompt_tokens))
+    let mut receivers = Vec::with_capacity(c.n);
+    for choice in 0..c.n {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut sampler = c.sampler.clone();
+        sampler.seed = sampler.seed.wrapping_add(choice as u64);
+        let job = Job {
+            id: if c.n == 1 { id.clone() } else { format!("{id}.{choice}") },
+            prompt: prompt.clone(),
+            max_tokens,
+            sampler,
+            stop: c.stop.clone(),
+            special,
+            logprobs: c.logprobs,
+            score_prompt: c.score_prompt,
+            events: tx,
+            received: Instant::now(),
+        };
+        st.metrics.queued.fetch_add(1, Relaxed);
+        st.jobs
+            .lock()
+            .expect("job queue lock")
+            .send(job)
+            .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
+        receivers.push(rx);
+    }
+    Ok((id, receivers, prompt_tokens))
 }
 
 /// Splits generated text into the reply's content and its reasoning (gpt-oss's
@@ -487,32 +501,87 @@ async fn chat_inner<B: Backend + 'static>(
         // Its tokens mix the reply, the reasoning and channel markers: no honest per-token content list.
         return Err(ApiError::bad("'logprobs' is not available for gpt-oss's harmony replies", Some("logprobs")));
     }
-    let (id, rx, prompt_tokens) = submit(st, prompt, &c, harmony)?;
+    let (id, receivers, prompt_tokens) = submit(st, prompt, &c, harmony)?;
     let id = format!("chatcmpl-{id}");
-    let filter = if harmony {
-        ReplyFilter::Harmony(Box::new(HarmonyParser::new()), Channel::Unspecified)
-    } else {
-        ReplyFilter::Plain
+    let filter = || {
+        if harmony {
+            ReplyFilter::Harmony(Box::new(HarmonyParser::new()), Channel::Unspecified)
+        } else {
+            ReplyFilter::Plain
+        }
     };
     let model = st.opts.model_id.clone();
+    let created = now_secs();
     if c.stream {
-        return Ok(sse(stream_chat(id, model, rx, filter, c.include_usage, prompt_tokens)));
+        let completion = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let choices: Vec<_> = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, rx)| {
+                let meta = ChunkMeta { id: id.clone(), model: model.clone(), created, index };
+                Box::pin(stream_chat(meta, rx, filter(), completion.clone()))
+            })
+            .collect();
+        let tail = stream_tail(id, model, created, "chat.completion.chunk", c.include_usage, prompt_tokens, completion);
+        return Ok(sse(futures_util::StreamExt::chain(futures_util::stream::select_all(choices), tail)));
     }
-    let reply = collect(rx, filter).await?;
-    let mut message = json!({"role": "assistant", "content": reply.content});
-    if !reply.reasoning.is_empty() {
-        message["reasoning_content"] = json!(reply.reasoning);
+    let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, filter()))).await;
+    let mut choices = Vec::with_capacity(replies.len());
+    let mut completion = 0;
+    for (index, reply) in replies.into_iter().enumerate() {
+        let reply = reply?;
+        let mut message = json!({"role": "assistant", "content": reply.content});
+        if !reply.reasoning.is_empty() {
+            message["reasoning_content"] = json!(reply.reasoning);
+        }
+        let logprobs = match c.logprobs {
+            Some(_) => json!({"content": chat_logprob_entries(&reply.logprobs)}),
+            None => Value::Null,
+        };
+        completion += reply.completion_tokens;
+        choices.push(
+            json!({"index": index, "message": message, "finish_reason": reply.finish.as_str(), "logprobs": logprobs}),
+        );
     }
-    let logprobs = match c.logprobs {
-        Some(_) => json!({"content": chat_logprob_entries(&reply.logprobs)}),
-        None => Value::Null,
-    };
     let body = json!({
-        "id": id, "object": "chat.completion", "created": now_secs(), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish.as_str(), "logprobs": logprobs}],
-        "usage": usage(prompt_tokens, reply.completion_tokens),
+        "id": id, "object": "chat.completion", "created": created, "model": model,
+        "choices": choices, "usage": usage(prompt_tokens, completion),
     });
     Ok(Json(body).into_response())
+}
+
+/// What every chunk of one choice's stream carries.
+struct ChunkMeta {
+    id: String,
+    model: String,
+    created: u64,
+    index: usize,
+}
+
+/// The end of a streamed answer, once every choice's stream has ended: the
+/// usage chunk if asked for, then `[DONE]`.
+fn stream_tail(
+    id: String,
+    model: String,
+    created: u64,
+    object: &'static str,
+    include_usage: bool,
+    prompt_tokens: usize,
+    completion: Arc<std::sync::atomic::AtomicUsize>,
+) -> impl futures_util::Stream<Item = String> + Send + 'static {
+    let end = futures_util::stream::once(async move {
+        let mut out = Vec::new();
+        if include_usage {
+            let u = usage(prompt_tokens, completion.load(Relaxed));
+            out.push(
+                json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": u})
+                    .to_string(),
+            );
+        }
+        out.push("[DONE]".to_string());
+        futures_util::stream::iter(out)
+    });
+    futures_util::StreamExt::flatten(end)
 }
 
 /// A whole generation.
@@ -574,19 +643,17 @@ fn sse(events: impl futures_util::Stream<Item = String> + Send + 'static) -> Res
         .expect("valid response")
 }
 
-/// Chat chunks: the role first, content deltas, the finish reason, usage if asked, `[DONE]`.
+/// One choice's chat chunks: the role first, content deltas, the finish reason;
+/// its generated tokens are added to `completion` at the end.
 fn stream_chat(
-    id: String,
-    model: String,
+    meta: ChunkMeta,
     rx: UnboundedReceiver<Event>,
     filter: ReplyFilter,
-    include_usage: bool,
-    prompt_tokens: usize,
+    completion: Arc<std::sync::atomic::AtomicUsize>,
 ) -> impl futures_util::Stream<Item = String> + Send + 'static {
-    let created = now_secs();
     let chunk = move |delta: Value, finish: Option<&str>, logprobs: Value| {
-        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+        json!({"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+               "choices": [{"index": meta.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
     };
     let first = chunk(json!({"role": "assistant", "content": ""}), None, Value::Null).to_string();
     struct S<F> {
@@ -595,8 +662,9 @@ fn stream_chat(
         chunk: F,
         queue: std::collections::VecDeque<String>,
         done: bool,
+        completion: Arc<std::sync::atomic::AtomicUsize>,
     }
-    let s = S { rx, filter, chunk, queue: [first].into(), done: false };
+    let s = S { rx, filter, chunk, queue: [first].into(), done: false, completion };
     futures_util::stream::unfold(s, move |mut s| async move {
         loop {
             if let Some(x) = s.queue.pop_front() {
@@ -625,14 +693,8 @@ fn stream_chat(
                 }
                 Some(Event::Prompt(_)) => {}
                 Some(Event::Done { finish, completion_tokens, .. }) => {
-                    let mut last = (s.chunk)(json!({}), Some(finish.as_str()), Value::Null);
-                    if include_usage {
-                        s.queue.push_back(last.to_string());
-                        last["choices"] = json!([]);
-                        last["usage"] = usage(prompt_tokens, completion_tokens);
-                    }
-                    s.queue.push_back(last.to_string());
-                    s.queue.push_back("[DONE]".into());
+                    s.completion.fetch_add(completion_tokens, Relaxed);
+                    s.queue.push_back((s.chunk)(json!({}), Some(finish.as_str()), Value::Null).to_string());
                     s.done = true;
                 }
                 Some(Event::Error(e)) => {
@@ -711,72 +773,95 @@ async fn completions_inner<B: Backend + 'static>(
     let first_piece = c
         .score_prompt
         .then(|| String::from_utf8_lossy(&tokenizer.token_to_piece(tokens[0], true).unwrap_or_default()).into_owned());
-    let (id, rx, prompt_tokens) = submit(st, tokens, &c, false)?;
+    let (id, receivers, prompt_tokens) = submit(st, tokens, &c, false)?;
     let id = format!("cmpl-{id}");
     let model = st.opts.model_id.clone();
     let created = now_secs();
     let echoed = if echo { prompt } else { String::new() };
     let want_logprobs = c.logprobs.is_some();
     if c.stream {
-        let include_usage = c.include_usage;
-        // State: events, characters of text sent so far (for text_offset), the echo still to send, done.
-        let s = futures_util::stream::unfold((rx, 0usize, echoed, false), move |(mut rx, sent, echoed, done)| {
-            let (id, model) = (id.clone(), model.clone());
-            async move {
-                if done {
-                    return None;
-                }
-                let chunk = |text: &str, finish: Option<&str>, logprobs: Value| {
-                    json!({"id": id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
-                };
-                if !echoed.is_empty() {
-                    return Some((chunk(&echoed, None, Value::Null).to_string(), (rx, sent, String::new(), false)));
-                }
-                let mut ev = rx.recv().await;
-                // Prompt scores are not asked for when streaming (refused above).
-                while let Some(Event::Prompt(_)) = ev {
-                    ev = rx.recv().await;
-                }
-                match ev {
-                    Some(Event::Text { text, logprobs }) => {
-                        let lp =
-                            if want_logprobs { completion_logprob_object(None, &logprobs, sent) } else { Value::Null };
-                        let sent = sent + logprobs.iter().map(|t| token_text(&t.chosen).chars().count()).sum::<usize>();
-                        Some((chunk(&text, None, lp).to_string(), (rx, sent, echoed, false)))
-                    }
-                    Some(Event::Done { finish, completion_tokens, .. }) => {
-                        let mut last = chunk("", Some(finish.as_str()), Value::Null);
-                        if include_usage {
-                            last["usage"] = usage(prompt_tokens, completion_tokens);
-                        }
-                        Some((format!("{last}\n\ndata: [DONE]"), (rx, sent, echoed, true)))
-                    }
-                    Some(Event::Error(e)) => Some((
-                        json!({"error": {"message": e, "type": "server_error"}}).to_string(),
-                        (rx, sent, echoed, true),
-                    )),
-                    None | Some(Event::Prompt(_)) => None,
-                }
-            }
-        });
-        return Ok(sse(s));
+        let completion = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let choices: Vec<_> = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, rx)| {
+                let meta = ChunkMeta { id: id.clone(), model: model.clone(), created, index };
+                Box::pin(stream_completion(meta, rx, echoed.clone(), want_logprobs, completion.clone()))
+            })
+            .collect();
+        let tail = stream_tail(id, model, created, "text_completion", c.include_usage, prompt_tokens, completion);
+        return Ok(sse(futures_util::StreamExt::chain(futures_util::stream::select_all(choices), tail)));
     }
-    let reply = collect(rx, ReplyFilter::Plain).await?;
-    let logprobs = if want_logprobs {
-        let mut entries = reply.prompt_logprobs;
-        entries.extend(reply.logprobs);
-        completion_logprob_object(first_piece, &entries, 0)
-    } else {
-        Value::Null
-    };
+    let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, ReplyFilter::Plain))).await;
+    let mut choices = Vec::with_capacity(replies.len());
+    let mut completion = 0;
+    for (index, reply) in replies.into_iter().enumerate() {
+        let reply = reply?;
+        let logprobs = if want_logprobs {
+            let mut entries = reply.prompt_logprobs;
+            entries.extend(reply.logprobs);
+            completion_logprob_object(first_piece.clone(), &entries, 0)
+        } else {
+            Value::Null
+        };
+        completion += reply.completion_tokens;
+        choices.push(json!({"index": index, "text": echoed.clone() + &reply.content,
+                            "finish_reason": reply.finish.as_str(), "logprobs": logprobs}));
+    }
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": echoed + &reply.content, "finish_reason": reply.finish.as_str(),
-                     "logprobs": logprobs}],
-        "usage": usage(prompt_tokens, reply.completion_tokens),
+        "choices": choices, "usage": usage(prompt_tokens, completion),
     }))
     .into_response())
+}
+
+/// One choice's completion chunks: the echoed prompt if any, text deltas, the
+/// finish reason; its generated tokens are added to `completion` at the end.
+fn stream_completion(
+    meta: ChunkMeta,
+    rx: UnboundedReceiver<Event>,
+    echoed: String,
+    want_logprobs: bool,
+    completion: Arc<std::sync::atomic::AtomicUsize>,
+) -> impl futures_util::Stream<Item = String> + Send + 'static {
+    let meta = Arc::new(meta);
+    // State: events, characters of text sent so far (for text_offset), the echo still to send, done.
+    futures_util::stream::unfold((rx, 0usize, echoed, false), move |(mut rx, sent, echoed, done)| {
+        let (meta, completion) = (meta.clone(), completion.clone());
+        async move {
+            if done {
+                return None;
+            }
+            let chunk = |text: &str, finish: Option<&str>, logprobs: Value| {
+                json!({"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                       "choices": [{"index": meta.index, "text": text, "finish_reason": finish, "logprobs": logprobs}]})
+            };
+            if !echoed.is_empty() {
+                return Some((chunk(&echoed, None, Value::Null).to_string(), (rx, sent, String::new(), false)));
+            }
+            let mut ev = rx.recv().await;
+            // Prompt scores are not asked for when streaming (refused by the handler).
+            while let Some(Event::Prompt(_)) = ev {
+                ev = rx.recv().await;
+            }
+            match ev {
+                Some(Event::Text { text, logprobs }) => {
+                    let lp = if want_logprobs { completion_logprob_object(None, &logprobs, sent) } else { Value::Null };
+                    let sent = sent + logprobs.iter().map(|t| token_text(&t.chosen).chars().count()).sum::<usize>();
+                    Some((chunk(&text, None, lp).to_string(), (rx, sent, echoed, false)))
+                }
+                Some(Event::Done { finish, completion_tokens, .. }) => {
+                    completion.fetch_add(completion_tokens, Relaxed);
+                    Some((chunk("", Some(finish.as_str()), Value::Null).to_string(), (rx, sent, echoed, true)))
+                }
+                Some(Event::Error(e)) => Some((
+                    json!({"error": {"message": e, "type": "server_error"}}).to_string(),
+                    (rx, sent, echoed, true),
+                )),
+                None | Some(Event::Prompt(_)) => None,
+            }
+        }
+    })
 }
 
 /// `GET /v1/models`; `max_model_len` is a request's context (as vLLM reports it).

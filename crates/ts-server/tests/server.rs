@@ -140,6 +140,27 @@ fn endpoints_batching_stops_and_seeds() {
     assert!(chunks.iter().any(|c| c["choices"].get(0).is_some_and(|ch| &ch["finish_reason"] == finish)));
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], alone[0]["usage"]["completion_tokens"]);
 
+    // n choices: one sequence each; whole, then streamed (chunks of both choices, one [DONE]).
+    let three = chat(addr, prompts[1], json!({"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 8}));
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert!(choices.iter().all(|c| !c["message"]["content"].as_str().unwrap().is_empty()));
+    assert!(three["usage"]["completion_tokens"].as_u64().unwrap() >= 3);
+    let req = json!({"model": ID, "messages": [{"role": "user", "content": prompts[1]}], "max_tokens": 8, "n": 2,
+                     "stream": true, "stream_options": {"include_usage": true}});
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", req.to_string().as_bytes());
+    assert_eq!(status, 200);
+    let events: Vec<&str> = body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.iter().filter(|e| **e == "[DONE]").count(), 1);
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    for index in 0..2 {
+        let of = |c: &&Value| c["choices"].get(0).is_some_and(|ch| ch["index"] == index);
+        assert_eq!(chunks.iter().filter(of).filter(|c| c["choices"][0]["finish_reason"].is_string()).count(), 1);
+    }
+    let streamed_usage = &chunks.last().unwrap()["usage"];
+    assert!(streamed_usage["completion_tokens"].as_u64().unwrap() >= 2, "{streamed_usage}");
+
     let (_, _, metrics) = http(addr, "GET", "/metrics", b"");
     assert!(metrics.contains("turbospark_requests_total "), "{metrics}");
     let count = |name: &str| -> f64 {
@@ -181,7 +202,8 @@ fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
         ("temperature 5", "POST", "/v1/chat/completions", with("temperature", json!(5)), 400),
         ("max_tokens negative", "POST", "/v1/chat/completions", with("max_tokens", json!(-3)), 400),
         ("max_tokens over the context", "POST", "/v1/chat/completions", with("max_tokens", json!(1_000_000)), 400),
-        ("n = 2", "POST", "/v1/chat/completions", with("n", json!(2)), 400),
+        ("n = 0", "POST", "/v1/chat/completions", with("n", json!(0)), 400),
+        ("n = 17", "POST", "/v1/chat/completions", with("n", json!(17)), 400),
         ("unknown model", "POST", "/v1/chat/completions", with("model", json!("gpt-9")), 404),
         ("stop a number", "POST", "/v1/chat/completions", with("stop", json!(5)), 400),
         ("seed a string", "POST", "/v1/chat/completions", with("seed", json!("42")), 400),
@@ -329,6 +351,12 @@ fn randomly_mangled_requests_never_break_the_server() {
         "n",
         "stream",
         "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "echo",
+        "logit_bias",
+        "response_format",
+        "tools",
         "presence_penalty",
         "frequency_penalty",
         "extra",
