@@ -113,6 +113,19 @@ fn opt_bool(v: &Value, name: &'static str) -> Result<bool, ApiError> {
     }
 }
 
+/// The model's tokenizer, or a server error.
+fn tokenizer_of<B: Backend>(st: &AppState<B>) -> Result<&ts_tokenizer::Tokenizer, ApiError> {
+    st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+/// `ids` as token ids of a vocabulary of `n_vocab`, or an error naming `param`.
+fn token_ids(ids: &[Value], n_vocab: usize, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::bad(format!("'{param}' must hold token ids below {n_vocab}"), Some(param)))
+}
+
 /// What every generation request shares, validated.
 struct Common {
     /// As asked; 0 only for a completion that echoes and scores its prompt.
@@ -491,8 +504,7 @@ async fn chat_inner<B: Backend + 'static>(
         None => ts_engine::chat::ChatTemplate::chatml().render(&messages, true),
     }
     .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
-    let tokenizer =
-        engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let tokenizer = tokenizer_of(st)?;
     let prompt = tokenizer
         .encode(&rendered, false, true)
         .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("messages")))?;
@@ -513,17 +525,10 @@ async fn chat_inner<B: Backend + 'static>(
     let model = st.opts.model_id.clone();
     let created = now_secs();
     if c.stream {
-        let completion = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let choices: Vec<_> = receivers
-            .into_iter()
-            .enumerate()
-            .map(|(index, rx)| {
-                let meta = ChunkMeta { id: id.clone(), model: model.clone(), created, index };
-                Box::pin(stream_chat(meta, rx, filter(), completion.clone()))
-            })
-            .collect();
-        let tail = stream_tail(id, model, created, "chat.completion.chunk", c.include_usage, prompt_tokens, completion);
-        return Ok(sse(futures_util::StreamExt::chain(futures_util::stream::select_all(choices), tail)));
+        let head = StreamHead { id, model, created, object: "chat.completion.chunk" };
+        return Ok(stream_choices(head, receivers, c.include_usage, prompt_tokens, |meta, rx, completion| {
+            stream_chat(meta, rx, filter(), completion)
+        }));
     }
     let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, filter()))).await;
     let mut choices = Vec::with_capacity(replies.len());
@@ -558,21 +563,38 @@ struct ChunkMeta {
     index: usize,
 }
 
-/// The end of a streamed answer, once every choice's stream has ended: the
-/// usage chunk if asked for, then `[DONE]`.
-fn stream_tail(
+/// What every chunk of a streamed answer carries.
+struct StreamHead {
     id: String,
     model: String,
     created: u64,
     object: &'static str,
+}
+
+/// A streamed answer: every choice's chunks as they come (`choice` makes one
+/// choice's stream, which adds its generated tokens to the counter), then,
+/// once all have ended, the usage chunk if asked for and `[DONE]`.
+fn stream_choices<S: futures_util::Stream<Item = String> + Send + 'static>(
+    head: StreamHead,
+    receivers: Vec<UnboundedReceiver<Event>>,
     include_usage: bool,
     prompt_tokens: usize,
-    completion: Arc<std::sync::atomic::AtomicUsize>,
-) -> impl futures_util::Stream<Item = String> + Send + 'static {
+    choice: impl Fn(ChunkMeta, UnboundedReceiver<Event>, Arc<std::sync::atomic::AtomicUsize>) -> S,
+) -> Response {
+    let completion = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let choices: Vec<_> = receivers
+        .into_iter()
+        .enumerate()
+        .map(|(index, rx)| {
+            let meta = ChunkMeta { id: head.id.clone(), model: head.model.clone(), created: head.created, index };
+            Box::pin(choice(meta, rx, completion.clone()))
+        })
+        .collect();
     let end = futures_util::stream::once(async move {
         let mut out = Vec::new();
         if include_usage {
             let u = usage(prompt_tokens, completion.load(Relaxed));
+            let StreamHead { id, model, created, object } = head;
             out.push(
                 json!({"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": u})
                     .to_string(),
@@ -581,7 +603,8 @@ fn stream_tail(
         out.push("[DONE]".to_string());
         futures_util::stream::iter(out)
     });
-    futures_util::StreamExt::flatten(end)
+    use futures_util::StreamExt;
+    sse(futures_util::stream::select_all(choices).chain(end.flatten()))
 }
 
 /// A whole generation.
@@ -733,8 +756,7 @@ async fn completions_inner<B: Backend + 'static>(
     if c.score_prompt && c.stream {
         return Err(ApiError::bad("'echo' with 'logprobs' is answered whole: ask without 'stream'", Some("stream")));
     }
-    let tokenizer =
-        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let tokenizer = tokenizer_of(st)?;
     let encode = |text: &str| {
         tokenizer
             .encode(text, true, true)
@@ -749,14 +771,7 @@ async fn completions_inner<B: Backend + 'static>(
         }
         // Token ids, taken as they are (no BOS added).
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
-            let n_vocab = tokenizer.vocab_size();
-            let ids = a
-                .iter()
-                .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| {
-                    ApiError::bad(format!("'prompt' holds a token id past the vocabulary of {n_vocab}"), Some("prompt"))
-                })?;
+            let ids = token_ids(a, tokenizer.vocab_size(), "prompt")?;
             let text = tokenizer
                 .decode(&ids)
                 .map_err(|e| ApiError::bad(format!("'prompt' ids do not decode: {e}"), Some("prompt")))?;
@@ -780,17 +795,10 @@ async fn completions_inner<B: Backend + 'static>(
     let echoed = if echo { prompt } else { String::new() };
     let want_logprobs = c.logprobs.is_some();
     if c.stream {
-        let completion = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let choices: Vec<_> = receivers
-            .into_iter()
-            .enumerate()
-            .map(|(index, rx)| {
-                let meta = ChunkMeta { id: id.clone(), model: model.clone(), created, index };
-                Box::pin(stream_completion(meta, rx, echoed.clone(), want_logprobs, completion.clone()))
-            })
-            .collect();
-        let tail = stream_tail(id, model, created, "text_completion", c.include_usage, prompt_tokens, completion);
-        return Ok(sse(futures_util::StreamExt::chain(futures_util::stream::select_all(choices), tail)));
+        let head = StreamHead { id, model, created, object: "text_completion" };
+        return Ok(stream_choices(head, receivers, c.include_usage, prompt_tokens, |meta, rx, completion| {
+            stream_completion(meta, rx, echoed.clone(), want_logprobs, completion)
+        }));
     }
     let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, ReplyFilter::Plain))).await;
     let mut choices = Vec::with_capacity(replies.len());
@@ -878,33 +886,38 @@ pub async fn tokenize<B: Backend + 'static>(
     State(st): State<Arc<AppState<B>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    st.metrics.requests.fetch_add(1, Relaxed);
-    answer(&st, "tokenize", tokenize_inner(&st, body))
+    json_endpoint(&st, "tokenize", body, tokenize_inner)
 }
 
-fn tokenize_inner<B: Backend + 'static>(
+/// A request answered at once from its JSON body, counted and logged.
+fn json_endpoint<B: Backend>(
     st: &AppState<B>,
+    what: &str,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let v = parse_body(body, &st.opts)?;
-    let (name, text) = match (field(&v, "content"), field(&v, "prompt")) {
+    handle: fn(&AppState<B>, &Value) -> Result<Response, ApiError>,
+) -> Response {
+    st.metrics.requests.fetch_add(1, Relaxed);
+    answer(st, what, parse_body(body, &st.opts).and_then(|v| handle(st, &v)))
+}
+
+fn tokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response, ApiError> {
+    let (name, text) = match (field(v, "content"), field(v, "prompt")) {
         (Some(t), _) => ("content", t),
         (None, Some(t)) => ("prompt", t),
         (None, None) => return Err(ApiError::bad("'content' (or 'prompt') is required", Some("content"))),
     };
     let text = text.as_str().ok_or_else(|| ApiError::bad(format!("'{name}' must be a string"), Some("content")))?;
-    let add_special = match (field(&v, "add_special"), field(&v, "add_special_tokens")) {
+    let add_special = match (field(v, "add_special"), field(v, "add_special_tokens")) {
         (None, None) => true,
-        (Some(_), _) => opt_bool(&v, "add_special")?,
-        (None, Some(_)) => opt_bool(&v, "add_special_tokens")?,
+        (Some(_), _) => opt_bool(v, "add_special")?,
+        (None, Some(_)) => opt_bool(v, "add_special_tokens")?,
     };
-    let tokenizer =
-        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let tokenizer = tokenizer_of(st)?;
     let tokens = tokenizer
         .encode(text, add_special, true)
         .map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some("content")))?;
     let mut body = json!({"tokens": tokens, "count": tokens.len(), "max_model_len": st.opts.slot_ctx});
-    if opt_bool(&v, "with_pieces")? {
+    if opt_bool(v, "with_pieces")? {
         let piece = |&id: &u32| {
             let bytes = tokenizer.token_to_piece(id, true).unwrap_or_default();
             json!({"id": id, "piece": String::from_utf8_lossy(&bytes)})
@@ -919,25 +932,15 @@ pub async fn detokenize<B: Backend + 'static>(
     State(st): State<Arc<AppState<B>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    st.metrics.requests.fetch_add(1, Relaxed);
-    answer(&st, "detokenize", detokenize_inner(&st, body))
+    json_endpoint(&st, "detokenize", body, detokenize_inner)
 }
 
-fn detokenize_inner<B: Backend + 'static>(
-    st: &AppState<B>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
-    let v = parse_body(body, &st.opts)?;
-    let tokenizer =
-        st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    let n_vocab = tokenizer.vocab_size();
-    let ids = field(&v, "tokens")
+fn detokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response, ApiError> {
+    let tokenizer = tokenizer_of(st)?;
+    let ids = field(v, "tokens")
         .and_then(Value::as_array)
-        .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids", Some("tokens")))?
-        .iter()
-        .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| ApiError::bad(format!("'tokens' must hold token ids below {n_vocab}"), Some("tokens")))?;
+        .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids", Some("tokens")))?;
+    let ids = token_ids(ids, tokenizer.vocab_size(), "tokens")?;
     let text = tokenizer.decode(&ids).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;
     Ok(Json(json!({"content": text, "prompt": text})).into_response())
 }
