@@ -1,7 +1,7 @@
 //! The OpenAI-compatible endpoints: request validation, prompt rendering and
 //! tokenization, and the answers (whole, or as server-sent events).
 
-use crate::scheduler::{Event, Finish, Job, TokenChoice, TokenLogprob};
+use crate::scheduler::{Event, Finish, Job, TokenChoice, TokenLogprob, token_bytes};
 use crate::{AppState, ServeOptions};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -344,13 +344,15 @@ fn chat_logprob_entries(entries: &[TokenLogprob]) -> Value {
 }
 
 /// A completion's `logprobs` object for `entries`, whose text starts `offset`
-/// characters into the reply, after `lead`: a scored prompt's first token,
-/// which has no log-probability (null, as OpenAI gives it).
-fn completion_logprob_object(lead: Option<String>, entries: &[TokenLogprob], mut offset: usize) -> Value {
+/// characters into the reply, after `lead`: a scored prompt's first token and
+/// the characters of text it stands for; it has no log-probability (null, as
+/// OpenAI gives it). Each `top_logprobs` map holds the most likely tokens,
+/// most likely first, and the chosen one (as OpenAI's does).
+fn completion_logprob_object(lead: Option<(String, usize)>, entries: &[TokenLogprob], mut offset: usize) -> Value {
     let (mut tokens, mut logprobs, mut top, mut text_offset) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    if let Some(t) = lead {
+    if let Some((t, width)) = lead {
         text_offset.push(offset);
-        offset += t.chars().count();
+        offset += width;
         tokens.push(t);
         logprobs.push(Value::Null);
         top.push(Value::Null);
@@ -359,9 +361,12 @@ fn completion_logprob_object(lead: Option<String>, entries: &[TokenLogprob], mut
         let text = token_text(&t.chosen);
         text_offset.push(offset);
         offset += text.chars().count();
+        let mut alternatives: serde_json::Map<String, Value> =
+            t.top.iter().map(|c| (token_text(c), json!(finite(c.logprob)))).collect();
+        alternatives.entry(text.clone()).or_insert(json!(finite(t.chosen.logprob)));
         tokens.push(text);
         logprobs.push(json!(finite(t.chosen.logprob)));
-        top.push(Value::Object(t.top.iter().map(|c| (token_text(c), json!(finite(c.logprob)))).collect()));
+        top.push(Value::Object(alternatives));
     }
     json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": text_offset})
 }
@@ -419,7 +424,8 @@ fn submit<B: Backend>(
             stop: c.stop.clone(),
             special,
             logprobs: c.logprobs,
-            score_prompt: c.score_prompt,
+            // One choice scores the prompt for all.
+            score_prompt: c.score_prompt && choice == 0,
             events: tx,
             received: Instant::now(),
         };
@@ -561,6 +567,11 @@ struct ChunkMeta {
     model: String,
     created: u64,
     index: usize,
+}
+
+/// The event a stream sends when its generation fails.
+fn error_chunk(message: &str) -> String {
+    json!({"error": {"message": message, "type": "server_error"}}).to_string()
 }
 
 /// What every chunk of a streamed answer carries.
@@ -721,7 +732,7 @@ fn stream_chat(
                     s.done = true;
                 }
                 Some(Event::Error(e)) => {
-                    s.queue.push_back(json!({"error": {"message": e, "type": "server_error"}}).to_string());
+                    s.queue.push_back(error_chunk(&e));
                     s.done = true;
                 }
                 None => return None,
@@ -762,32 +773,41 @@ async fn completions_inner<B: Backend + 'static>(
             .encode(text, true, true)
             .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("prompt")))
     };
-    let (prompt, tokens) = match field(&v, "prompt") {
-        Some(Value::String(s)) => (s.clone(), encode(s)?),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            let s = a[0].as_str().unwrap_or_default().to_string();
-            let tokens = encode(&s)?;
-            (s, tokens)
+    // Token ids are taken as they are (no BOS added); their text is their pieces, control
+    // tokens' markers included. A one-element array holds the prompt (as batching clients send).
+    let prompt = match field(&v, "prompt") {
+        Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
+        p => p.unwrap_or(&Value::Null),
+    };
+    let (prompt, tokens, bos_added) = match prompt {
+        Value::String(s) => {
+            let tokens = encode(s)?;
+            let bos_added = tokenizer.add_bos() && tokens.first() == tokenizer.bos().as_ref();
+            (s.clone(), tokens, bos_added)
         }
-        // Token ids, taken as they are (no BOS added).
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
+        Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => {
             let ids = token_ids(a, tokenizer.vocab_size(), "prompt")?;
-            let text = tokenizer
-                .decode(&ids)
-                .map_err(|e| ApiError::bad(format!("'prompt' ids do not decode: {e}"), Some("prompt")))?;
-            (text, ids)
+            let text = ids.iter().map(|&id| String::from_utf8_lossy(&token_bytes(tokenizer, id, true)).into_owned());
+            (text.collect(), ids, false)
         }
-        Some(x) => {
+        Value::Null => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
+        x => {
             return Err(ApiError::bad(
                 format!("'prompt' must be a string, one string in an array, or an array of token ids, not {x}"),
                 Some("prompt"),
             ));
         }
-        None => return Err(ApiError::bad("'prompt' is required", Some("prompt"))),
     };
-    let first_piece = c
-        .score_prompt
-        .then(|| String::from_utf8_lossy(&tokenizer.token_to_piece(tokens[0], true).unwrap_or_default()).into_owned());
+    if tokens.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+    }
+    // A scored prompt's first token has no log-probability; a BOS the tokenizer added
+    // stands for no text of the prompt.
+    let lead = c.score_prompt.then(|| {
+        let text = String::from_utf8_lossy(&token_bytes(tokenizer, tokens[0], true)).into_owned();
+        let width = if bos_added { 0 } else { text.chars().count() };
+        (text, width)
+    });
     let (id, receivers, prompt_tokens) = submit(st, tokens, &c, false)?;
     let id = format!("cmpl-{id}");
     let model = st.opts.model_id.clone();
@@ -803,12 +823,16 @@ async fn completions_inner<B: Backend + 'static>(
     let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, ReplyFilter::Plain))).await;
     let mut choices = Vec::with_capacity(replies.len());
     let mut completion = 0;
+    // Only the first choice scores the prompt (the same for all).
+    let mut prompt_logprobs = Vec::new();
     for (index, reply) in replies.into_iter().enumerate() {
         let reply = reply?;
+        if index == 0 {
+            prompt_logprobs = reply.prompt_logprobs;
+        }
         let logprobs = if want_logprobs {
-            let mut entries = reply.prompt_logprobs;
-            entries.extend(reply.logprobs);
-            completion_logprob_object(first_piece.clone(), &entries, 0)
+            let entries: Vec<TokenLogprob> = prompt_logprobs.iter().chain(&reply.logprobs).cloned().collect();
+            completion_logprob_object(lead.clone(), &entries, 0)
         } else {
             Value::Null
         };
@@ -862,10 +886,7 @@ fn stream_completion(
                     completion.fetch_add(completion_tokens, Relaxed);
                     Some((chunk("", Some(finish.as_str()), Value::Null).to_string(), (rx, sent, echoed, true)))
                 }
-                Some(Event::Error(e)) => Some((
-                    json!({"error": {"message": e, "type": "server_error"}}).to_string(),
-                    (rx, sent, echoed, true),
-                )),
+                Some(Event::Error(e)) => Some((error_chunk(&e), (rx, sent, echoed, true))),
                 None | Some(Event::Prompt(_)) => None,
             }
         }
@@ -906,22 +927,18 @@ fn tokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response, A
         (None, Some(t)) => ("prompt", t),
         (None, None) => return Err(ApiError::bad("'content' (or 'prompt') is required", Some("content"))),
     };
-    let text = text.as_str().ok_or_else(|| ApiError::bad(format!("'{name}' must be a string"), Some("content")))?;
+    let text = text.as_str().ok_or_else(|| ApiError::bad(format!("'{name}' must be a string"), Some(name)))?;
     let add_special = match (field(v, "add_special"), field(v, "add_special_tokens")) {
         (None, None) => true,
         (Some(_), _) => opt_bool(v, "add_special")?,
         (None, Some(_)) => opt_bool(v, "add_special_tokens")?,
     };
     let tokenizer = tokenizer_of(st)?;
-    let tokens = tokenizer
-        .encode(text, add_special, true)
-        .map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some("content")))?;
+    let tokens =
+        tokenizer.encode(text, add_special, true).map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some(name)))?;
     let mut body = json!({"tokens": tokens, "count": tokens.len(), "max_model_len": st.opts.slot_ctx});
     if opt_bool(v, "with_pieces")? {
-        let piece = |&id: &u32| {
-            let bytes = tokenizer.token_to_piece(id, true).unwrap_or_default();
-            json!({"id": id, "piece": String::from_utf8_lossy(&bytes)})
-        };
+        let piece = |&id: &u32| json!({"id": id, "piece": String::from_utf8_lossy(&token_bytes(tokenizer, id, true))});
         body["tokens"] = Value::Array(tokens.iter().map(piece).collect());
     }
     Ok(Json(body).into_response())
@@ -941,7 +958,10 @@ fn detokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response,
         .and_then(Value::as_array)
         .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids", Some("tokens")))?;
     let ids = token_ids(ids, tokenizer.vocab_size(), "tokens")?;
-    let text = tokenizer.decode(&ids).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;
+    // Control tokens as their markers, as llama-server gives them (and /tokenize parses them).
+    let bytes =
+        tokenizer.detokenize(&ids, false, true).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;
+    let text = String::from_utf8_lossy(&bytes);
     Ok(Json(json!({"content": text, "prompt": text})).into_response())
 }
 

@@ -116,6 +116,10 @@ struct Active<'a> {
 /// also the chunk the sequences' sliding-window rings are sized for.
 const STEP_ROWS: usize = 512;
 
+/// Prompt rows per step of a request that scores its prompt (each row's logits
+/// are a vocabulary of floats: 64 rows of Gemma's 262k are 67 MB).
+const SCORED_ROWS: usize = 64;
+
 /// Runs until the job channel closes.
 /// With `prompt_cache`, a request whose prompt starts like what a free slot's
 /// cache holds reuses those positions instead of reading them again.
@@ -258,7 +262,8 @@ pub fn run<B: Backend>(
             if left == 0 || budget == 0 {
                 continue;
             }
-            let n = left.min(budget);
+            // A request scoring its prompt gets logits for every row: fewer rows per step.
+            let n = left.min(budget).min(if a.job.score_prompt { SCORED_ROWS } else { usize::MAX });
             for j in 0..n {
                 let last = j + 1 == n && n == left;
                 let pos = a.prompt_done + j;
@@ -316,8 +321,8 @@ pub fn run<B: Backend>(
                 .zip(&logits)
                 .filter_map(|(&(i, pos), l)| {
                     let (job, pos) = (&active[i].job, pos?);
-                    let piece =
-                        |id: u32| tokenizer.token_to_piece(id, true).map(|p| p.into_owned()).unwrap_or_default();
+                    // Prompt pieces show control tokens, as the prompt's text holds their markers.
+                    let piece = |id| token_bytes(tokenizer, id, true);
                     Some((i, token_logprob(l, job.prompt[pos + 1], job.logprobs.unwrap_or(0), piece)))
                 })
                 .collect()
@@ -386,8 +391,9 @@ fn step_one(
         return Some(Finish::Stop);
     }
     if let Some(top) = a.job.logprobs {
-        let piece = |id: u32| tokenizer.token_to_piece(id, true).map(|p| p.into_owned()).unwrap_or_default();
-        a.pending.push(token_logprob(logits, token, top, piece));
+        // Rendered as the reply's text renders them, so that offsets line up.
+        let special = a.job.special;
+        a.pending.push(token_logprob(logits, token, top, |id| token_bytes(tokenizer, id, special)));
     }
     a.generated += 1;
     metrics.completion_tokens.fetch_add(1, Relaxed);
@@ -431,6 +437,11 @@ fn flush(a: &mut Active<'_>) {
         let (text, logprobs) = (std::mem::take(&mut a.held), std::mem::take(&mut a.pending));
         let _ = a.job.events.send(Event::Text { text, logprobs });
     }
+}
+
+/// A token's bytes; control tokens' text only with `special`.
+pub fn token_bytes(tokenizer: &ts_tokenizer::Tokenizer, id: u32, special: bool) -> Vec<u8> {
+    tokenizer.token_to_piece(id, special).map(|p| p.into_owned()).unwrap_or_default()
 }
 
 /// `token`'s log-softmax in `logits` and the `top` largest, most likely first

@@ -473,6 +473,28 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
     }
     assert!(scored >= 5, "only {scored} prompt positions compared");
 
+    // A scored string prompt: each token's text stands at its offset in the echoed text (a BOS
+    // the tokenizer added stands for none); the chosen token heads its alternatives; n choices
+    // share one scoring of the prompt.
+    let req = json!({"prompt": "The capital of France is", "max_tokens": 3, "echo": true, "logprobs": 1,
+                     "temperature": 0, "n": 2});
+    let (status, v) = post(addr, "/v1/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    let text: Vec<char> = v["choices"][0]["text"].as_str().unwrap().chars().collect();
+    let lp = &v["choices"][0]["logprobs"];
+    for (i, (token, offset)) in
+        lp["tokens"].as_array().unwrap().iter().zip(lp["text_offset"].as_array().unwrap()).enumerate()
+    {
+        let (token, offset) = (token.as_str().unwrap(), offset.as_u64().unwrap() as usize);
+        let at: String = text[offset.min(text.len())..].iter().collect();
+        assert!(at.starts_with(token) || (i == 0 && offset == 0), "token {i} {token:?} at {offset} of {text:?}");
+        if i > 0 {
+            let first = lp["top_logprobs"][i].as_object().unwrap().iter().next().unwrap();
+            assert!(first.1.as_f64().unwrap() >= lp["token_logprobs"][i].as_f64().unwrap() - 1e-6);
+        }
+    }
+    assert_eq!(v["choices"][1]["logprobs"]["token_logprobs"], lp["token_logprobs"], "greedy choices alike");
+
     // Chat: one entry per generated token, its text the reply's, with the alternatives asked for.
     let v = chat(addr, "Name a color.", json!({"temperature": 0, "logprobs": true, "top_logprobs": 3}));
     let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
@@ -523,6 +545,8 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         ("/v1/completions", json!({"prompt": "hi", "logprobs": 1, "echo": true, "stream": true}), "stream"),
         ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}), "max_tokens"),
         ("/v1/completions", json!({"prompt": [1, 99999999]}), "prompt"),
+        ("/v1/completions", json!({"prompt": "", "echo": true, "logprobs": 1, "max_tokens": 0}), "prompt"),
+        ("/v1/completions", json!({"prompt": [""], "echo": true, "logprobs": 1, "max_tokens": 0}), "prompt"),
         ("/v1/completions", json!({"prompt": [1, -2]}), "prompt"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
         ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
