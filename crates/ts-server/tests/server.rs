@@ -493,7 +493,14 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
             assert!(first.1.as_f64().unwrap() >= lp["token_logprobs"][i].as_f64().unwrap() - 1e-6);
         }
     }
-    assert_eq!(v["choices"][1]["logprobs"]["token_logprobs"], lp["token_logprobs"], "greedy choices alike");
+    // The prompt's entries are one scoring, shared; generated ones come from rows of one step,
+    // summed in other orders, so only close.
+    let n_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    let other = &v["choices"][1]["logprobs"]["token_logprobs"];
+    assert_eq!(other.as_array().unwrap()[..n_prompt], lp["token_logprobs"].as_array().unwrap()[..n_prompt]);
+    for (a, b) in other.as_array().unwrap().iter().zip(lp["token_logprobs"].as_array().unwrap()).skip(n_prompt) {
+        assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-2, "{a} vs {b}");
+    }
 
     // Chat: one entry per generated token, its text the reply's, with the alternatives asked for.
     let v = chat(addr, "Name a color.", json!({"temperature": 0, "logprobs": true, "top_logprobs": 3}));
