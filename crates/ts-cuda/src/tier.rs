@@ -372,7 +372,11 @@ impl ExpertTier {
             layers: self.layers.clone(),
             slots: self.n_slots,
             slot_bytes: self.slot_bytes,
-            direct_io: false,
+            source: match self.host {
+                HostTier::Pinned { .. } => "copies from pinned RAM",
+                HostTier::Store => "copies through the CPU's expert store",
+            },
+            measures_wait: false,
             policy: self.policy.name(),
         }
     }

@@ -64,8 +64,10 @@ pub struct StatsSnapshot {
     /// Slots in the cache and bytes per slot.
     pub slots: usize,
     pub slot_bytes: usize,
-    /// Whether reads bypass the page cache (O_DIRECT).
-    pub direct_io: bool,
+    /// How misses are filled: "O_DIRECT reads", "buffered reads", "copies from pinned RAM", ...
+    pub source: &'static str,
+    /// Whether `wait_time` is measured (the GPU's cache does not see how long compute waits).
+    pub measures_wait: bool,
     pub policy: &'static str,
 }
 

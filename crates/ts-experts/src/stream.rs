@@ -620,7 +620,8 @@ impl ExpertStore for StreamingExperts {
             layers: self.shared.counters.iter().map(LayerCounters::snapshot).collect(),
             slots: self.slots(),
             slot_bytes: self.slot_bytes,
-            direct_io: self.direct_io(),
+            source: if self.direct_io() { "O_DIRECT reads" } else { "buffered reads (O_DIRECT unavailable or off)" },
+            measures_wait: true,
             policy: self.policy.name(),
         })
     }

@@ -123,7 +123,7 @@ fn run_on<B: ts_model::Backend>(
                         "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate(),
                         "bytes_read": total.bytes_read, "bytes_read_per_token": total.bytes_read as f64 / *n as f64,
                         "read_seconds": total.read_time.as_secs_f64(), "wait_seconds": total.wait_time.as_secs_f64(),
-                        "slots": st.slots, "slot_bytes": st.slot_bytes, "direct_io": st.direct_io, "policy": st.policy,
+                        "slots": st.slots, "slot_bytes": st.slot_bytes, "source": st.source, "measures_wait": st.measures_wait, "policy": st.policy,
                     })
                 });
                 json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache})

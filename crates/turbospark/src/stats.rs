@@ -12,18 +12,18 @@ pub fn summary(s: &StatsSnapshot, tokens: usize) -> String {
     let per_token =
         if tokens > 0 { format!(" ({:.2} MiB/token)", mib(t.bytes_read) / tokens as f64) } else { String::new() };
     format!(
-        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), prefetched {}, read {:.1} MiB{per_token}, read time {:.2} s, compute waited {:.2} s",
+        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), prefetched {}, read {:.1} MiB{per_token}, read time {:.2} s, compute waited {}",
         s.slots,
         mib(s.slot_bytes as u64),
         s.policy,
-        if s.direct_io { "O_DIRECT" } else { "buffered reads (O_DIRECT unavailable or off)" },
+        s.source,
         t.hits,
         t.misses,
         100.0 * t.hit_rate(),
         t.prefetched,
         mib(t.bytes_read),
         t.read_time.as_secs_f64(),
-        t.wait_time.as_secs_f64()
+        if s.measures_wait { format!("{:.2} s", t.wait_time.as_secs_f64()) } else { "(not measured)".into() }
     )
 }
 
@@ -34,14 +34,14 @@ pub fn table(s: &StatsSnapshot, tokens: usize) -> String {
         if l.hits + l.misses == 0 {
             continue;
         }
+        let wait = if s.measures_wait { format!("{:.0}", l.wait_time.as_secs_f64() * 1e3) } else { "-".into() };
         out += &format!(
-            "{i:>5} {:>7} {:>7} {:>5.1} {:>11.1} {:>8.0} {:>8.0}\n",
+            "{i:>5} {:>7} {:>7} {:>5.1} {:>11.1} {:>8.0} {wait:>8}\n",
             l.hits,
             l.misses,
             100.0 * l.hit_rate(),
             mib(l.bytes_read),
             l.read_time.as_secs_f64() * 1e3,
-            l.wait_time.as_secs_f64() * 1e3
         );
     }
     out + &summary(s, tokens) + "\n"
