@@ -383,7 +383,7 @@ fn submit<B: Backend>(
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", None));
     }
-    let n_vocab = st.engine.tokenizer().map_or(0, |t| t.vocab_size());
+    let n_vocab = tokenizer_of(st)?.vocab_size();
     if let Some(&(id, _)) = c.sampler.logit_bias.iter().find(|&&(id, _)| id as usize >= n_vocab) {
         return Err(ApiError::bad(
             format!("'logit_bias' names token {id}; the vocabulary has {n_vocab}"),

@@ -452,8 +452,9 @@ fn token_logprob(logits: &[f32], token: u32, top: usize, piece: impl Fn(u32) -> 
     let log_z = max as f64 + sum.ln();
     let choice = |id: u32| TokenChoice { id, bytes: piece(id), logprob: (logits[id as usize] as f64 - log_z) as f32 };
     let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    let top = top.min(ids.len());
+    let top = top.min(logits.len());
+    // Ranking the vocabulary only when alternatives are asked for.
+    let mut ids: Vec<u32> = if top == 0 { Vec::new() } else { (0..logits.len() as u32).collect() };
     if top > 0 && top < ids.len() {
         ids.select_nth_unstable_by(top - 1, by_logit);
     }

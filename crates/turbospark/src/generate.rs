@@ -290,11 +290,6 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
                         bail!("{flag} applies to experts streamed by the CPU, not to --device cuda here");
                     }
                 }
-                if args.expert_prefetch == Prefetch::On && cuda.expert_cache.is_none() {
-                    bail!(
-                        "--expert-prefetch needs --expert-cache with --device cuda: with every expert in VRAM nothing is fetched"
-                    );
-                }
                 ExpertPlacement::Mapped
             }
         }
