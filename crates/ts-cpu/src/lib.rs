@@ -28,6 +28,7 @@
 //! ```
 
 mod activations;
+pub mod delta_net;
 mod dispatch;
 mod floats;
 mod kquants;

@@ -76,38 +76,49 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + tanh)
 }
 
-/// The gated activation applied to `gate` and `up`, written into `gate`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum GatedActivation {
-    /// `silu(gate) * up`
-    SwiGlu,
-    /// `gelu_tanh(gate) * up`
-    GeGlu,
-    /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
-    /// `g * sigmoid(alpha * g) * (u + 1)`.
-    SwiGluClamped { alpha: f32, limit: f32 },
+/// `gate = silu(gate) * up` (SwiGLU), in parallel on the current rayon pool.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    par_gated(gate, up, Glu::Silu)
 }
 
-/// Applies `act` in place over `gate`, in parallel chunks on the current rayon pool.
-pub fn gated_activation(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
+/// `gate = gelu_tanh(gate) * up` (GeGLU).
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    par_gated(gate, up, Glu::GeluTanh)
+}
+
+/// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+/// `gate = g * sigmoid(alpha * g) * (u + 1)`.
+pub fn swiglu_clamped(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    par_gated(gate, up, Glu::SiluClamped { alpha, limit })
+}
+
+/// Which of the kernels above runs (private: the model's config names activations).
+#[derive(Clone, Copy)]
+enum Glu {
+    Silu,
+    GeluTanh,
+    SiluClamped { alpha: f32, limit: f32 },
+}
+
+fn par_gated(gate: &mut [f32], up: &[f32], glu: Glu) {
     use rayon::prelude::*;
     const CHUNK: usize = 4096;
     gate.par_chunks_mut(CHUNK).zip(up.par_chunks(CHUNK)).for_each(|(g, u)| {
         #[cfg(target_arch = "x86_64")]
         if crate::Isa::detect() != crate::Isa::Scalar {
             // SAFETY: AVX2 and FMA are available.
-            return unsafe { x86::gated(act, g, u) };
+            return unsafe { x86::gated(glu, g, u) };
         }
-        gated_plain(act, g, u)
+        gated_plain(glu, g, u)
     });
 }
 
 #[inline(always)]
-fn gated_plain(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
-    match act {
-        GatedActivation::SwiGlu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu(*g) * u),
-        GatedActivation::GeGlu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = gelu_tanh(*g) * u),
-        GatedActivation::SwiGluClamped { alpha, limit } => gate.iter_mut().zip(up).for_each(|(g, &u)| {
+fn gated_plain(glu: Glu, gate: &mut [f32], up: &[f32]) {
+    match glu {
+        Glu::Silu => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = silu(*g) * u),
+        Glu::GeluTanh => gate.iter_mut().zip(up).for_each(|(g, &u)| *g = gelu_tanh(*g) * u),
+        Glu::SiluClamped { alpha, limit } => gate.iter_mut().zip(up).for_each(|(g, &u)| {
             let x = g.min(limit);
             let u = u.clamp(-limit, limit);
             *g = x * sigmoid(alpha * x) * (u + 1.0);
@@ -146,20 +157,13 @@ pub fn softmax_inplace(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// How rotary dimensions are paired.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopeLayout {
-    /// Adjacent pairs (2i, 2i+1): llama.cpp's `NORM`, Llama.
-    Interleaved,
-    /// Halves (i, i + n_rot/2): llama.cpp's `NEOX`, most other families.
-    Halves,
-}
-
 /// Rotary embedding tables: a frequency per pair (YaRN/linear scaling folded
 /// in) and the magnitude scale applied to cos and sin.
 #[derive(Clone, Debug)]
 pub struct Rope {
-    pub layout: RopeLayout,
+    /// Pairs are adjacent dimensions (2i, 2i+1), llama.cpp's `NORM`; else halves
+    /// (i, i + n_rot/2), its `NEOX`.
+    pub interleaved: bool,
     /// Rotated dimensions per head (the first `n_rot` of `head_dim`).
     pub n_rot: usize,
     /// Angle per position for pair i: `theta = pos * inv_freq[i]`.
@@ -179,10 +183,7 @@ impl Rope {
         }
         for head in x.chunks_exact_mut(head_dim) {
             for (i, &(c, s)) in cos_sin.iter().enumerate() {
-                let (a, b) = match self.layout {
-                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                    RopeLayout::Halves => (i, i + half),
-                };
+                let (a, b) = if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
                 let (x0, x1) = (head[a], head[b]);
                 head[a] = x0 * c - x1 * s;
                 head[b] = x0 * s + x1 * c;
@@ -230,8 +231,8 @@ mod x86 {
     /// # Safety
     /// Needs AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn gated(act: super::GatedActivation, gate: &mut [f32], up: &[f32]) {
-        super::gated_plain(act, gate, up)
+    pub unsafe fn gated(glu: super::Glu, gate: &mut [f32], up: &[f32]) {
+        super::gated_plain(glu, gate, up)
     }
 
     /// # Safety
@@ -365,16 +366,16 @@ mod tests {
 
     #[test]
     fn rope_layouts_rotate_the_right_pairs() {
-        let rope = |layout| Rope { layout, n_rot: 4, inv_freq: vec![1.0, 0.5], mscale: 1.0 };
+        let rope = |interleaved| Rope { interleaved, n_rot: 4, inv_freq: vec![1.0, 0.5], mscale: 1.0 };
         let mut x = [1.0f32, 0.0, 0.0, 0.0, 7.0];
-        rope(RopeLayout::Interleaved).apply(&mut x[..4], 4, 1);
+        rope(true).apply(&mut x[..4], 4, 1);
         assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[1] - 1f32.sin()).abs() < 1e-6);
         let mut y = [1.0f32, 0.0, 0.0, 0.0];
-        rope(RopeLayout::Halves).apply(&mut y, 4, 1);
+        rope(false).apply(&mut y, 4, 1);
         assert!((y[0] - 1f32.cos()).abs() < 1e-6 && (y[2] - 1f32.sin()).abs() < 1e-6);
         // Partial rotary: dimensions past n_rot are untouched.
         let mut z = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-        rope(RopeLayout::Halves).apply(&mut z, 6, 3);
+        rope(false).apply(&mut z, 6, 3);
         assert_eq!(&z[4..], &[5.0, 6.0]);
     }
 

@@ -331,3 +331,20 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = v;
 }
+
+// Each row of x holds n_heads groups of [a | b]: into xa [m][n_heads*a] and
+// xb [m][n_heads*b]. grid.x = m * n_heads, block 128.
+extern "C" __global__ void split_heads(const float* x, float* xa, float* xb, int a, int b) {
+    long long g = blockIdx.x;
+    const float* src = x + g * (a + b);
+    for (int i = threadIdx.x; i < a + b; i += blockDim.x) {
+        if (i < a) xa[g * a + i] = src[i];
+        else xb[g * b + i - a] = src[i];
+    }
+}
+
+// x[i] *= sigmoid(gate[i])
+extern "C" __global__ void mul_sigmoid(float* x, const float* gate, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}

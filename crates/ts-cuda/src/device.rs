@@ -12,6 +12,7 @@ const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
 const OPS_CU: &str = include_str!("../kernels/ops.cu");
+const DELTA_NET_CU: &str = include_str!("../kernels/delta_net.cu");
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -192,7 +193,7 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
 pub fn kernel_source() -> String {
     let matmul =
         MATMUL_CU.replace("#include \"activation.cuh\"", ACTIVATION_CUH).replace("#include \"quant.cuh\"", QUANT_CUH);
-    format!("{matmul}\n{OPS_CU}\n")
+    format!("{matmul}\n{OPS_CU}\n{DELTA_NET_CU}\n")
 }
 
 /// NVRTC for the device's architecture (`sm_XY`).

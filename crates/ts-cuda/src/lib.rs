@@ -17,12 +17,12 @@ use device::{Arg, CudaError, Gpu};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use tier::ExpertTier;
-use ts_cpu::ops::{GatedActivation, Rope, RopeLayout};
+use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
-use ts_model::config::{Gating, MoeConfig};
-use ts_model::kv::ring_slots;
-use ts_model::tensors::{Ffn, MoeWeights};
+use ts_model::config::{GatedActivation, Gating, Mixer, MoeConfig};
+use ts_model::state::ring_slots;
+use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Backend, Model, ModelError, Row, SeqState};
 
@@ -55,6 +55,8 @@ fn err(e: CudaError) -> ModelError {
 
 /// Rows below this go through the matvec kernels, 8 at a time; from it on, cuBLAS.
 const GEMM_MIN_ROWS: usize = 32;
+/// Warps per block of the delta_rule kernel (delta_net.cu's DN_WARPS).
+const DELTA_RULE_WARPS: usize = 4;
 /// Activation rows one matvec launch serves.
 const MATVEC_ROWS: usize = 8;
 /// MoE steps of at most this many rows route and run experts on the device
@@ -79,10 +81,23 @@ pub struct Act {
     _own: Option<CudaSlice<f32>>,
 }
 
-/// One sequence's caches on the device: per layer, keys `[slots][kv_dim]`,
-/// values `[slots][v_dim]` and the ring size.
-pub struct GpuKv {
-    layers: Vec<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
+/// One layer's state of one sequence on the device, of the layer's kind.
+pub enum GpuLayerState {
+    /// Keys `[slots][kv_dim]`, values `[slots][v_dim]` and the ring size.
+    Kv { k: CudaSlice<f32>, v: CudaSlice<f32>, slots: usize },
+    /// A linear-attention layer's convolution window `[conv_kernel - 1][conv_dim]`
+    /// and recurrent matrices `[n_v_heads][d_k][d_v]`.
+    Recurrent { conv: CudaSlice<f32>, ssm: CudaSlice<f32> },
+}
+
+/// One sequence's state on the device, per layer.
+pub struct GpuState {
+    layers: Vec<GpuLayerState>,
+}
+
+/// A device copy of a sequence's recurrent layers' state.
+pub struct GpuRecurrent {
+    layers: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 /// Per forward step, in buffers that keep their addresses from step to step:
@@ -94,6 +109,11 @@ struct Step {
     tokens: CudaSlice<i32>,
     pos: CudaSlice<i32>,
     kv: CudaSlice<u64>,
+    /// For recurrent layers: the rows grouped by sequence (`run_rows`), and per
+    /// run `RunInfo` of delta_net.cu (start, len, fresh, 0); `n_runs` of them.
+    run_rows: CudaSlice<i32>,
+    runs: CudaSlice<i32>,
+    n_runs: usize,
 }
 
 /// Bytes of the arena single-row steps allocate their activations from.
@@ -141,8 +161,8 @@ pub struct Cuda {
     weights: HashMap<usize, CudaSlice<u8>>,
     /// Device copies of norm weights, biases and other f32 vectors, by host address.
     vectors: HashMap<usize, CudaSlice<f32>>,
-    /// Per layer: rotary frequencies and sliding window (0 = none).
-    ropes: Vec<CudaSlice<f32>>,
+    /// Per layer: rotary frequencies (attention layers) and sliding window (0 = none).
+    ropes: Vec<Option<CudaSlice<f32>>>,
     windows: Vec<i32>,
     step: Mutex<Option<Step>>,
     graphs: Mutex<Graphs>,
@@ -246,12 +266,24 @@ impl Cuda {
         self.upload_vec(&w.output_norm)?;
         self.upload_opt(&w.output_bias)?;
         for (il, l) in w.layers.iter().enumerate() {
-            for t in [&l.wq, &l.wk, &l.wv, &l.wo] {
+            for t in l.mixer.matrices() {
                 self.upload_weight(t)?;
+            }
+            match &l.mixer {
+                MixerWeights::Attention(a) => {
+                    for v in [&a.bq, &a.bk, &a.bv, &a.bo, &a.q_norm, &a.k_norm, &a.sinks] {
+                        self.upload_opt(v)?;
+                    }
+                }
+                MixerWeights::DeltaNet(d) => {
+                    for v in [&d.conv, &d.dt_bias, &d.a, &d.norm] {
+                        self.upload_vec(v)?;
+                    }
+                }
             }
             self.upload_vec(&l.attn_norm)?;
             self.upload_vec(&l.ffn_norm)?;
-            for v in [&l.bq, &l.bk, &l.bv, &l.bo, &l.q_norm, &l.k_norm, &l.attn_post_norm, &l.sinks, &l.ffn_post_norm] {
+            for v in [&l.attn_post_norm, &l.ffn_post_norm] {
                 self.upload_opt(v)?;
             }
             match &l.ffn {
@@ -281,10 +313,12 @@ impl Cuda {
                     }
                 }
             }
-            let rope = &model.ropes[il];
-            let table = self.gpu.upload(&rope.inv_freq).map_err(err)?;
+            let table = match &model.ropes[il] {
+                Some(rope) => Some(self.gpu.upload(&rope.inv_freq).map_err(err)?),
+                None => None,
+            };
             self.ropes.push(table);
-            self.windows.push(model.cfg.layers[il].sliding_window.unwrap_or(0) as i32);
+            self.windows.push(model.cfg.layers[il].sliding_window().unwrap_or(0) as i32);
         }
         let (hd, hdv) = (model.cfg.head_dim, model.cfg.head_dim_v);
         if hd > 256 || hdv > 256 {
@@ -794,8 +828,8 @@ impl Cuda {
         )
     }
 
-    /// Caches for `n_ctx` positions of layers with these sliding windows, filled
-    /// `max_chunk` rows at a time (a sliding layer keeps a ring, as on the CPU).
+    /// Caches for `n_ctx` positions of attention layers with these sliding windows,
+    /// filled `max_chunk` rows at a time (a sliding layer keeps a ring, as on the CPU).
     pub fn kv_for(
         &self,
         windows: &[Option<usize>],
@@ -803,20 +837,36 @@ impl Cuda {
         v_dim: usize,
         n_ctx: usize,
         max_chunk: usize,
-    ) -> Result<GpuKv, ModelError> {
-        let layers = windows
-            .iter()
-            .map(|&w| {
-                let slots = ring_slots(w, n_ctx, max_chunk);
-                let alloc = |n| {
-                    self.gpu.zeros::<f32>(n).map_err(|e| {
-                        ModelError::Compute(format!("cuda: KV cache for {n_ctx} positions does not fit: {e}"))
-                    })
-                };
-                Ok((alloc(slots * kv_dim)?, alloc(slots * v_dim)?, slots))
-            })
-            .collect::<Result<_, ModelError>>()?;
-        Ok(GpuKv { layers })
+    ) -> Result<GpuState, ModelError> {
+        let layers = windows.iter().map(|&w| self.kv_layer(w, kv_dim, v_dim, n_ctx, max_chunk));
+        Ok(GpuState { layers: layers.collect::<Result<_, _>>()? })
+    }
+
+    fn kv_layer(
+        &self,
+        window: Option<usize>,
+        kv_dim: usize,
+        v_dim: usize,
+        n_ctx: usize,
+        max_chunk: usize,
+    ) -> Result<GpuLayerState, ModelError> {
+        let slots = ring_slots(window, n_ctx, max_chunk);
+        Ok(GpuLayerState::Kv { k: self.state_zeros(slots * kv_dim)?, v: self.state_zeros(slots * v_dim)?, slots })
+    }
+
+    fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {
+        self.gpu
+            .zeros::<f32>(n.max(1))
+            .map_err(|e| ModelError::Compute(format!("cuda: the state of a sequence does not fit: {e}")))
+    }
+
+    /// Queues a copy of `n` floats from `src` to `dst`, both on the device.
+    fn copy_floats(&self, dst: u64, src: u64, n: usize) -> Result<(), ModelError> {
+        if n == 0 {
+            return Ok(());
+        }
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, n * 4, self.gpu.stream.cu_stream()) }
+            .map_err(|e| err(e.into()))
     }
 
     /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
@@ -851,9 +901,21 @@ impl Cuda {
         Ok((self.download(ids.ptr, m * k)?, self.download(wts.ptr, m * k)?))
     }
 
+    /// The current step's per-row state of layer `il` (`RowKv`s), its rows grouped
+    /// by sequence and the runs (`RunInfo`s): device addresses, and the run count.
+    fn runs_of(&self, il: usize, rows: &[Row]) -> Result<(u64, u64, u64, usize), ModelError> {
+        let step = self.step.lock().expect("step lock");
+        let st = step
+            .as_ref()
+            .filter(|s| s.m == rows.len() && s.n_runs > 0)
+            .ok_or_else(|| ModelError::Compute("cuda: a recurrent layer outside a step".into()))?;
+        let info = self.gpu.ptr(&st.kv) + (il * rows.len() * 24) as u64;
+        Ok((info, self.gpu.ptr(&st.run_rows), self.gpu.ptr(&st.runs), st.n_runs))
+    }
+
     /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
     pub fn push_rope(&mut self, inv_freq: &[f32], window: Option<usize>) -> Result<(), ModelError> {
-        self.ropes.push(self.gpu.upload(inv_freq).map_err(err)?);
+        self.ropes.push(Some(self.gpu.upload(inv_freq).map_err(err)?));
         self.windows.push(window.unwrap_or(0) as i32);
         Ok(())
     }
@@ -898,7 +960,8 @@ fn unique_experts(ids: &[i32], n_expert: usize) -> Result<Vec<usize>, ModelError
 
 impl Backend for Cuda {
     type Act = Act;
-    type Kv = GpuKv;
+    type State = GpuState;
+    type Recurrent = GpuRecurrent;
     type Scratch = GpuScratch;
 
     fn name(&self) -> &'static str {
@@ -909,24 +972,103 @@ impl Backend for Cuda {
         GpuScratch { exact: exact_activations }
     }
 
-    fn new_kv(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<GpuKv, ModelError> {
+    fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<GpuState, ModelError> {
         let cfg = &model.cfg;
-        let windows: Vec<Option<usize>> = cfg.layers.iter().map(|l| l.sliding_window).collect();
-        self.kv_for(&windows, cfg.kv_dim(), cfg.v_dim(), n_ctx, max_chunk)
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => self.kv_layer(a.sliding_window, cfg.kv_dim(), cfg.v_dim(), n_ctx, max_chunk),
+                Mixer::DeltaNet => {
+                    let d = cfg.delta_net.as_ref().expect("a delta-net config");
+                    Ok(GpuLayerState::Recurrent {
+                        conv: self.state_zeros(d.conv_state_len())?,
+                        ssm: self.state_zeros(d.ssm_state_len())?,
+                    })
+                }
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(GpuState { layers })
     }
 
-    fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuKv>]) -> Result<(), ModelError> {
+    fn save_recurrent(&self, state: &GpuState) -> Result<GpuRecurrent, ModelError> {
+        let mut layers = Vec::new();
+        for l in &state.layers {
+            if let GpuLayerState::Recurrent { conv, ssm } = l {
+                let (c, s) =
+                    (self.gpu.alloc::<f32>(conv.len()).map_err(err)?, self.gpu.alloc::<f32>(ssm.len()).map_err(err)?);
+                self.copy_floats(self.gpu.ptr(&c), self.gpu.ptr(conv), conv.len())?;
+                self.copy_floats(self.gpu.ptr(&s), self.gpu.ptr(ssm), ssm.len())?;
+                layers.push((c, s));
+            }
+        }
+        Ok(GpuRecurrent { layers })
+    }
+
+    fn restore_recurrent(&self, state: &mut GpuState, saved: &GpuRecurrent) -> Result<(), ModelError> {
+        let mut saved = saved.layers.iter();
+        for l in &state.layers {
+            if let GpuLayerState::Recurrent { conv, ssm } = l {
+                let (c, s) =
+                    saved.next().ok_or_else(|| ModelError::Compute("cuda: a snapshot of another model".into()))?;
+                self.copy_floats(self.gpu.ptr(conv), self.gpu.ptr(c), conv.len())?;
+                self.copy_floats(self.gpu.ptr(ssm), self.gpu.ptr(s), ssm.len())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_state(&self, src: &GpuState, dst: &mut GpuState, n_past: usize) -> Result<(), ModelError> {
+        for (d, s) in dst.layers.iter().zip(&src.layers) {
+            match (d, s) {
+                (GpuLayerState::Kv { k: dk, v: dv, slots: ds }, GpuLayerState::Kv { k: sk, v: sv, slots: ss }) => {
+                    // Rings of the same size hold positions in the same slots: the
+                    // first n_past slots, or all of them once the ring has wrapped.
+                    if ds != ss {
+                        return Err(ModelError::Compute("cuda: copying between sequences of other sizes".into()));
+                    }
+                    let used = n_past.min(*ss);
+                    self.copy_floats(self.gpu.ptr(dk), self.gpu.ptr(sk), sk.len() / ss * used)?;
+                    self.copy_floats(self.gpu.ptr(dv), self.gpu.ptr(sv), sv.len() / ss * used)?;
+                }
+                (GpuLayerState::Recurrent { conv: dc, ssm: dsm }, GpuLayerState::Recurrent { conv: sc, ssm: ss }) => {
+                    self.copy_floats(self.gpu.ptr(dc), self.gpu.ptr(sc), sc.len())?;
+                    self.copy_floats(self.gpu.ptr(dsm), self.gpu.ptr(ss), ss.len())?;
+                }
+                _ => return Err(ModelError::Compute("cuda: copying between states of two models".into())),
+            }
+        }
+        Ok(())
+    }
+
+    fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuState>]) -> Result<(), ModelError> {
         let mut g = self.graphs.lock().expect("graph lock");
         self.abandon_capture();
         let m = rows.len();
-        let n_layer = seqs.first().map_or(0, |s| s.kv.layers.len());
+        let n_layer = seqs.first().map_or(0, |s| s.state.layers.len());
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
         let mut kv = Vec::with_capacity(n_layer * m * 3);
         for il in 0..n_layer {
             for r in rows {
-                let (k, v, slots) = &seqs[r.seq].kv.layers[il];
-                kv.extend([self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]);
+                kv.extend(match &seqs[r.seq].state.layers[il] {
+                    GpuLayerState::Kv { k, v, slots } => {
+                        [self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]
+                    }
+                    GpuLayerState::Recurrent { conv, ssm } => {
+                        [self.gpu.ptr(conv), self.gpu.ptr(ssm), (r.pos as u64) << 32]
+                    }
+                });
+            }
+        }
+        // Recurrent layers read each sequence's rows in order, as runs.
+        let recurrent =
+            seqs.first().is_some_and(|s| s.state.layers.iter().any(|l| matches!(l, GpuLayerState::Recurrent { .. })));
+        let (mut run_rows, mut runs) = (Vec::new(), Vec::new());
+        if recurrent {
+            for run in ts_model::state::sequence_runs(rows, seqs)? {
+                runs.extend([run_rows.len() as i32, run.rows.len() as i32, run.fresh as i32, 0]);
+                run_rows.extend(run.rows.iter().map(|&i| i as i32));
             }
         }
         let mut step = self.step.lock().expect("step lock");
@@ -941,11 +1083,15 @@ impl Backend for Cuda {
                 tokens: self.gpu.alloc(cap).map_err(err)?,
                 pos: self.gpu.alloc(cap).map_err(err)?,
                 kv: self.gpu.alloc((n_layer * cap * 3).max(1)).map_err(err)?,
+                run_rows: self.gpu.alloc(cap).map_err(err)?,
+                runs: self.gpu.alloc(4 * cap).map_err(err)?,
+                n_runs: 0,
             });
             g.decode = [None, None];
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
+        st.n_runs = runs.len() / 4;
         st.tokens_host = tokens.clone();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let stream = self.gpu.stream.cu_stream();
@@ -953,6 +1099,13 @@ impl Backend for Cuda {
             cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.tokens), &ids, stream)
                 .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.pos), &pos, stream))
                 .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.kv), &kv, stream))
+                .and_then(|()| match recurrent {
+                    true => cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.run_rows), &run_rows, stream)
+                        .and_then(|()| {
+                            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.runs), &runs, stream)
+                        }),
+                    false => Ok(()),
+                })
         }
         .map_err(|e| err(e.into()))?;
         // Pageable copies return once the bytes are staged; the kernels after them see them in order.
@@ -1115,11 +1268,17 @@ impl Backend for Cuda {
             &[
                 Arg::Ptr(self.p(x)),
                 Arg::Ptr(self.gpu.ptr(&step.pos)),
-                Arg::Ptr(self.gpu.ptr(&self.ropes[il])),
+                Arg::Ptr(
+                    self.gpu.ptr(
+                        self.ropes[il]
+                            .as_ref()
+                            .ok_or_else(|| ModelError::Compute(format!("cuda: layer {il} has no rope")))?,
+                    ),
+                ),
                 Arg::I32(n_heads as i32),
                 Arg::I32(head_dim as i32),
                 Arg::I32(rope.n_rot as i32),
-                Arg::I32((rope.layout == RopeLayout::Interleaved) as i32),
+                Arg::I32(rope.interleaved as i32),
                 Arg::F32(rope.mscale),
             ],
         )
@@ -1133,7 +1292,7 @@ impl Backend for Cuda {
         k: &Act,
         v: &Act,
         rows: &[Row],
-        _seqs: &mut [&mut SeqState<GpuKv>],
+        _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
         let step = self.step.lock().expect("step lock");
         let step = step
@@ -1236,6 +1395,119 @@ impl Backend for Cuda {
             }
             _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact, model.experts.as_ref())?,
         };
+        Ok(out)
+    }
+
+    fn split_heads(&self, x: &Act, m: usize, n_heads: usize, a: usize, b: usize) -> Result<(Act, Act), ModelError> {
+        let (xa, xb) = (self.act(m * n_heads * a)?, self.act(m * n_heads * b)?);
+        self.launch(
+            "split_heads",
+            ((m * n_heads) as u32, 1, 1),
+            (128, 1, 1),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.p(&xa)),
+                Arg::Ptr(self.p(&xb)),
+                Arg::I32(a as i32),
+                Arg::I32(b as i32),
+            ],
+        )?;
+        Ok((xa, xb))
+    }
+
+    fn mul_sigmoid(&self, x: &mut Act, gate: &Act) -> Result<(), ModelError> {
+        self.launch_1d("mul_sigmoid", x.len, &[Arg::Ptr(self.p(x)), Arg::Ptr(self.p(gate)), Arg::I64(x.len as i64)])
+    }
+
+    fn conv_silu(
+        &self,
+        il: usize,
+        taps: &[f32],
+        kernel: usize,
+        x: &Act,
+        rows: &[Row],
+        _seqs: &mut [&mut SeqState<GpuState>],
+    ) -> Result<Act, ModelError> {
+        if !(2..=8).contains(&kernel) {
+            return Err(ModelError::Compute(format!("cuda: a convolution of {kernel} taps (the kernel takes 2 to 8)")));
+        }
+        let channels = taps.len() / kernel;
+        let out = self.act(x.len)?;
+        let (info, run_rows, runs, n_runs) = self.runs_of(il, rows)?;
+        self.launch(
+            "conv_silu",
+            (channels.div_ceil(256) as u32, n_runs as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.p(&out)),
+                Arg::Ptr(self.vptr(taps)?),
+                Arg::I32(channels as i32),
+                Arg::I32(kernel as i32),
+                Arg::Ptr(run_rows),
+                Arg::Ptr(runs),
+                Arg::Ptr(info),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn delta_net(
+        &self,
+        il: usize,
+        p: &ts_model::backend::DeltaNetParams,
+        qkv: &Act,
+        beta: &Act,
+        alpha: &Act,
+        rows: &[Row],
+        _seqs: &mut [&mut SeqState<GpuState>],
+    ) -> Result<Act, ModelError> {
+        let d = p.shape;
+        let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.d_k, d.d_v);
+        if dk > 256 {
+            return Err(ModelError::Compute(format!("cuda: key heads of {dk} (the kernel holds 256)")));
+        }
+        let m = rows.len();
+        let (info, run_rows, runs, n_runs) = self.runs_of(il, rows)?;
+        let qk = self.act(m * 2 * nk * dk)?;
+        self.launch(
+            "l2_norm_heads",
+            (m as u32, (2 * nk) as u32, 1),
+            (32, 1, 1),
+            &[
+                Arg::Ptr(self.p(qkv)),
+                Arg::Ptr(self.p(&qk)),
+                Arg::I32(d.conv_dim() as i32),
+                Arg::I32(nk as i32),
+                Arg::I32(dk as i32),
+                Arg::F32(p.eps),
+                Arg::F32(1.0 / (dk as f32).sqrt()),
+            ],
+        )?;
+        let out = self.act(m * nv * dv)?;
+        self.launch(
+            "delta_rule",
+            (nv as u32, n_runs as u32, dv.div_ceil(DELTA_RULE_WARPS) as u32),
+            (32 * DELTA_RULE_WARPS as u32, 1, 1),
+            &[
+                Arg::Ptr(self.p(&qk)),
+                Arg::Ptr(self.p(qkv)),
+                Arg::Ptr(self.p(beta)),
+                Arg::Ptr(self.p(alpha)),
+                Arg::Ptr(self.vptr(p.a)?),
+                Arg::Ptr(self.vptr(p.dt_bias)?),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(d.conv_dim() as i32),
+                Arg::I32(nk as i32),
+                Arg::I32(nv as i32),
+                Arg::I32(dk as i32),
+                Arg::I32(dv as i32),
+                Arg::I32((d.key_head_of == ts_model::config::KeyHeadOf::Tiled) as i32),
+                Arg::Ptr(run_rows),
+                Arg::Ptr(runs),
+                Arg::Ptr(info),
+            ],
+        )?;
         Ok(out)
     }
 

@@ -1,25 +1,22 @@
 //! The CUDA backend against the CPU reference, op by op on random inputs of
 //! real shapes, and every reference fixture on the GPU against its golden
-//! (transformers) logits. Without a CUDA device each test prints why it skips.
-//! On the device machine: tools/gpu-tests.sh.
+//! (transformers) logits. Every test is ignored (CI has no GPU); on the GPU
+//! machine tools/gpu-run.sh runs them with `--include-ignored`, and there a
+//! missing device is a failure.
 
-use ts_cpu::ops::{self, AttentionParams, GatedActivation, Rope, RopeLayout};
+use ts_cpu::ops::{self, AttentionParams, Rope};
 use ts_cuda::Cuda;
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
+use ts_model::config::GatedActivation;
 use ts_model::config::{Gating, MoeConfig};
 use ts_model::weights::Weight;
 use ts_model::{Backend, ExpertPlacement, Model, Row, SeqState};
 use ts_testkit::{Golden, Rng, fixtures_dir};
 
-fn gpu() -> Option<Cuda> {
-    match Cuda::open(0) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            eprintln!("skipping: no CUDA device here ({e})");
-            None
-        }
-    }
+/// Device 0; without one the test fails (it runs only when asked for, on the GPU machine).
+fn gpu() -> Cuda {
+    Cuda::open(0).unwrap_or_else(|e| panic!("no CUDA device ({e}): this test needs an NVIDIA GPU"))
 }
 
 /// max |a - b| / max |b|
@@ -59,8 +56,9 @@ fn reference_matmul(w: &[f32], x: &[f32], n_out: usize, k: usize, m: usize) -> V
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn matmul_every_type_matches_the_cpu() {
-    let Some(mut cuda) = gpu() else { return };
+    let mut cuda = gpu();
     let mut rng = Rng::new(7);
     // (type, n_out, k) from the real models' and synthetic models' shapes.
     let cases = [
@@ -117,8 +115,9 @@ fn matmul_every_type_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn embedding_rows_match_the_cpu() {
-    let Some(mut cuda) = gpu() else { return };
+    let mut cuda = gpu();
     let mut rng = Rng::new(8);
     let mut alive = Vec::new();
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q5_0] {
@@ -133,8 +132,9 @@ fn embedding_rows_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn elementwise_ops_match_the_cpu() {
-    let Some(mut cuda) = gpu() else { return };
+    let mut cuda = gpu();
     let cpu = ts_model::Cpu;
     let mut rng = Rng::new(9);
     let (m, e) = (5, 2880);
@@ -182,8 +182,9 @@ fn elementwise_ops_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn rope_matches_the_cpu() {
-    let Some(cuda) = gpu() else { return };
+    let cuda = gpu();
     let mut rng = Rng::new(10);
     let rows: Vec<Row> = [0usize, 1, 7, 300, 4095]
         .iter()
@@ -191,17 +192,13 @@ fn rope_matches_the_cpu() {
         .map(|(i, &pos)| Row { token: 0, pos, seq: i % 2, logits: false })
         .collect();
     // Two sequences so begin_step has caches to point at.
-    let mut kv: Vec<SeqState<ts_cuda::GpuKv>> = (0..2)
-        .map(|_| SeqState { kv: cuda.kv_for(&[None], 64, 64, 4096, 8).unwrap(), n_past: 0, n_ctx: 4096 })
+    let mut kv: Vec<SeqState<ts_cuda::GpuState>> = (0..2)
+        .map(|_| SeqState { state: cuda.kv_for(&[None], 64, 64, 4096, 8).unwrap(), n_past: 0, n_ctx: 4096 })
         .collect();
-    let mut seqs: Vec<&mut SeqState<ts_cuda::GpuKv>> = kv.iter_mut().collect();
-    for (layout, hd, n_rot, mscale) in [
-        (RopeLayout::Halves, 64, 64, 1.0),
-        (RopeLayout::Interleaved, 128, 128, 1.0),
-        (RopeLayout::Halves, 128, 32, 1.35),
-    ] {
+    let mut seqs: Vec<&mut SeqState<ts_cuda::GpuState>> = kv.iter_mut().collect();
+    for (interleaved, hd, n_rot, mscale) in [(false, 64, 64, 1.0), (true, 128, 128, 1.0), (false, 128, 32, 1.35)] {
         let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
-        let rope = Rope { layout, n_rot, inv_freq, mscale };
+        let rope = Rope { interleaved, n_rot, inv_freq, mscale };
         let mut c = Cuda::open(0).unwrap();
         c.push_rope(&rope.inv_freq, None).unwrap();
         c.begin_step(&rows, &mut seqs).unwrap();
@@ -211,14 +208,15 @@ fn rope_matches_the_cpu() {
         let mut b = c.act_from_host(&x).unwrap();
         c.rope(0, &rope, &mut b, hd, &rows).unwrap();
         let err = rel_err(&c.to_host(&b).unwrap(), &a);
-        println!("rope {layout:?} hd {hd} n_rot {n_rot} mscale {mscale}: {err:.2e}");
+        println!("rope interleaved {interleaved} hd {hd} n_rot {n_rot} mscale {mscale}: {err:.2e}");
         assert!(err < 2e-5, "{err:e}");
     }
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn router_matches_the_cpu() {
-    let Some(cuda) = gpu() else { return };
+    let cuda = gpu();
     let mut rng = Rng::new(11);
     for (n_expert, k, gating, renormalize) in [
         (32, 4, Gating::SoftmaxOverTopK, false),
@@ -242,8 +240,9 @@ fn router_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn attention_matches_the_cpu() {
-    let Some(cuda) = gpu() else { return };
+    let cuda = gpu();
     let mut rng = Rng::new(12);
     // (n_head, n_head_kv, hd, window, sinks, softcap)
     for (n_head, n_head_kv, hd, window, sinks, softcap) in [
@@ -256,7 +255,7 @@ fn attention_matches_the_cpu() {
         let chunk = 4;
         let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
         let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n, chunk).unwrap();
-        let mut seq = SeqState { kv, n_past: 0, n_ctx: n };
+        let mut seq = SeqState { state: kv, n_past: 0, n_ctx: n };
         let sink_v = rng.normals(n_head, 1.0, 0.0);
         let mut c = Cuda::open(0).unwrap();
         c.upload_vec(&sink_v).unwrap();
@@ -318,10 +317,9 @@ fn attention_matches_the_cpu() {
 /// the device), and in chunks of 64 (tensor cores, experts grouped) with and
 /// without `exact` (f32 throughout).
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn fixtures_match_transformers_on_the_gpu() {
-    if gpu().is_none() {
-        return;
-    }
+    drop(gpu()); // a clear failure first when there is no device
     let mut failures = Vec::new();
     let mut checked = 0;
     for f in ts_testkit::fixtures() {
@@ -368,6 +366,7 @@ fn fixtures_match_transformers_on_the_gpu() {
             }
         }
     }
+    assert!(checked > 0, "no fixtures in {}", fixtures_dir().display());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     println!("{checked} fixture runs on the GPU within bounds");
 }
@@ -393,10 +392,9 @@ fn run_tokens<B: Backend>(model: &Model<B>, tokens: &[u32]) -> (Vec<Vec<f32>>, V
 /// with and without prefetch: the same logits, bit for bit, as with every
 /// expert on the device.
 #[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn expert_cache_gives_identical_logits() {
-    if gpu().is_none() {
-        return;
-    }
+    drop(gpu()); // a clear failure first when there is no device
     for (family, variant) in
         [("mixtral", "q8_0"), ("qwen2_moe", "q8_0"), ("qwen3_moe", "q4_k_m"), ("olmoe", "q4_k_m"), ("gpt_oss", "mxfp4")]
     {
@@ -509,10 +507,9 @@ fn greedy<B: Backend>(
 /// summation order differs: identical, or parting only where the CPU's top-2
 /// margin is below 1e-3. Prints decode tok/s of both.
 #[test]
+#[ignore = "needs an NVIDIA GPU and the staged real models (run by tools/gpu-run.sh real)"]
 fn real_models_greedy_same_as_cpu() {
-    if gpu().is_none() {
-        return;
-    }
+    drop(gpu()); // a clear failure first when there is no device
     let path = ts_testkit::repo_root().join("tests/data/llama-cpp/greedy.json");
     let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut failures = Vec::new();
@@ -520,7 +517,8 @@ fn real_models_greedy_same_as_cpu() {
     for run in reference["runs"].as_array().unwrap() {
         let file = run["model"].as_str().unwrap();
         if current.as_ref().is_none_or(|(f, _, _)| f != file) {
-            let Some(path) = ts_testkit::real_model(file) else { continue };
+            let path = ts_testkit::models_dir().join(file);
+            assert!(path.exists(), "{} is absent (tools/gpu-stage.sh stages it)", path.display());
             // The CPU side (f32 activations) is the slow half: every core.
             let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
             let opts = ts_engine::session::LoadOptions { threads, experts: ExpertPlacement::Mapped };

@@ -1,4 +1,6 @@
 pub mod chat;
+pub mod decode;
 pub mod memory;
+pub mod reuse;
 pub mod sampler;
 pub mod session;

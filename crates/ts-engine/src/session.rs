@@ -3,10 +3,11 @@
 //! logits and perplexity.
 
 use crate::chat::ChatTemplate;
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::decode::{Decoding, Logits, Piece};
+use crate::sampler::SamplerConfig;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, Row, SeqState};
+use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState};
 use ts_tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +66,8 @@ pub enum StopReason {
     /// An end-of-generation token.
     #[default]
     EndOfGeneration,
+    /// A stop sequence.
+    Stop,
     /// The token limit.
     Length,
     /// The context is full.
@@ -146,36 +149,32 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    pub fn new_sequence(&self, n_ctx: usize) -> Result<SeqState<B::Kv>, EngineError> {
+    pub fn new_sequence(&self, n_ctx: usize) -> Result<SeqState<B::State>, EngineError> {
         Ok(self.model.new_sequence(n_ctx, self.n_batch)?)
     }
 
     /// Runs `tokens` after what `seq` holds, `n_batch` at a time. Returns the
     /// logits of every position when `all`, else of the last one only.
-    pub fn prefill(&self, seq: &mut SeqState<B::Kv>, tokens: &[u32], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+    pub fn prefill(
+        &self,
+        seq: &mut SeqState<B::State>,
+        tokens: &[u32],
+        all: bool,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         if seq.n_past + tokens.len() > seq.n_ctx {
             return Err(EngineError::PromptTooLong { tokens: seq.n_past + tokens.len(), n_ctx: seq.n_ctx });
         }
         let mut scratch = self.scratch();
         let mut out = Vec::new();
-        self.pool.install(|| -> Result<(), EngineError> {
-            for (c, chunk) in tokens.chunks(self.n_batch.max(1)).enumerate() {
-                let start = seq.n_past;
-                let last_chunk = (c + 1) * self.n_batch >= tokens.len();
-                let rows: Vec<Row> = chunk
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &token)| Row {
-                        token,
-                        pos: start + i,
-                        seq: 0,
-                        logits: all || (last_chunk && i + 1 == chunk.len()),
-                    })
-                    .collect();
-                out.extend(self.model.forward(&rows, &mut [&mut *seq], &mut scratch)?);
-            }
-            Ok(())
-        })?;
+        let n_chunks = tokens.len().div_ceil(self.n_batch.max(1));
+        for (c, chunk) in tokens.chunks(self.n_batch.max(1)).enumerate() {
+            let logits = match (all, c + 1 == n_chunks) {
+                (true, _) => Logits::All,
+                (false, true) => Logits::Last,
+                (false, false) => Logits::None,
+            };
+            out.extend(self.step(&mut [&mut *seq], &[Piece { tokens: chunk, logits }], &mut scratch)?.remove(0));
+        }
         Ok(out)
     }
 
@@ -185,59 +184,59 @@ impl<B: Backend> Engine<B> {
     /// markers, for one).
     pub fn generate(
         &self,
-        seq: &mut SeqState<B::Kv>,
+        seq: &mut SeqState<B::State>,
         prompt: &[u32],
+        max_tokens: usize,
+        sampler: &SamplerConfig,
+        special: bool,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
+        let t0 = Instant::now();
+        let logits =
+            self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
+        let prompt_time = t0.elapsed();
+        let (generated, mut stats) = self.decode(seq, logits, prompt, max_tokens, sampler, special, on_text)?;
+        stats.prompt_tokens = prompt.len();
+        stats.prompt_time = prompt_time;
+        Ok((generated, stats))
+    }
+
+    /// Generates after a sequence whose last logits are `logits` (`history`:
+    /// the tokens it holds, for the sampler's penalties), as [`Engine::generate`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &self,
+        seq: &mut SeqState<B::State>,
+        mut logits: Vec<f32>,
+        history: &[u32],
         max_tokens: usize,
         sampler: &SamplerConfig,
         special: bool,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
-        let mut sampler = Sampler::new(sampler.clone())?;
-        for &t in prompt {
-            sampler.accept(t);
-        }
-        let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
-        let t0 = Instant::now();
-        let mut logits =
-            self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
-        stats.prompt_time = t0.elapsed();
-
         let t1 = Instant::now();
-        let tokenizer = self.tokenizer()?;
-        let mut decoder = tokenizer.stream_decoder(special);
+        let mut decoding = Decoding::new(self.tokenizer()?, sampler, history, max_tokens, special, Vec::new())?;
         let mut scratch = self.scratch();
         let mut generated = Vec::new();
-        stats.stop = StopReason::Length;
-        while generated.len() < max_tokens {
-            let token = sampler.try_sample(&logits)?;
-            sampler.accept(token);
-            if tokenizer.is_eog(token) {
-                stats.stop = StopReason::EndOfGeneration;
+        let mut stats = GenerationStats::default();
+        loop {
+            let next = decoding.next(&logits, seq.n_ctx - seq.n_past)?;
+            let keep_going = next.text.is_empty() || on_text(&next.text);
+            if let Some(stop) = next.stop {
+                stats.stop = stop;
+                if stop != StopReason::EndOfGeneration {
+                    generated.extend(next.token);
+                }
                 break;
             }
+            let token = next.token.expect("a token when generation goes on");
             generated.push(token);
-            let text = decoder.push(token)?;
-            if !text.is_empty() && !on_text(&text) {
+            if !keep_going {
                 stats.stop = StopReason::Caller;
                 break;
             }
-            if generated.len() == max_tokens {
-                break;
-            }
-            if seq.n_past >= seq.n_ctx {
-                stats.stop = StopReason::ContextFull;
-                break;
-            }
-            let row = Row { token, pos: seq.n_past, seq: 0, logits: true };
-            logits = self
-                .pool
-                .install(|| self.model.forward(&[row], &mut [&mut *seq], &mut scratch))?
-                .pop()
-                .expect("one row asked for logits");
-        }
-        let rest = decoder.finish();
-        if !rest.is_empty() {
-            on_text(&rest);
+            let piece = Piece { tokens: &[token], logits: Logits::Last };
+            logits = self.step(&mut [&mut *seq], &[piece], &mut scratch)?.remove(0).remove(0);
         }
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();

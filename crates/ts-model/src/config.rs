@@ -1,62 +1,34 @@
 //! `ArchConfig`: everything about a model's shape and wiring, read once from
-//! GGUF metadata. Family defaults follow llama.cpp (docs/FAMILIES.md cites
-//! the source of each); a key the file carries overrides a default only where
+//! GGUF metadata. What each family leaves out of its metadata comes from its
+//! file in `family/`; a key the file carries overrides a default only where
 //! llama.cpp would read it too.
 
 use crate::ModelError;
-use ts_cpu::ops::GatedActivation;
+use crate::family::{ExpertWidth, LocalRope};
 use ts_gguf::{Array, Metadata, Value};
 
-/// The architectures this engine runs, by `general.architecture`.
+pub use crate::family::Arch;
+
+/// How rotary dimensions are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    /// Llama and Mistral, and Mixtral when the file has experts.
-    Llama,
-    Qwen2,
-    Qwen3,
-    Gemma3,
-    Qwen2Moe,
-    Qwen3Moe,
-    Olmoe,
-    GptOss,
+pub enum RopeLayout {
+    /// Adjacent pairs (2i, 2i+1): llama.cpp's `NORM`, Llama.
+    Interleaved,
+    /// Halves (i, i + n_rot/2): llama.cpp's `NEOX`, most other families.
+    Halves,
 }
 
-impl Arch {
-    pub const ALL: [Arch; 8] = [
-        Arch::Llama,
-        Arch::Qwen2,
-        Arch::Qwen3,
-        Arch::Gemma3,
-        Arch::Qwen2Moe,
-        Arch::Qwen3Moe,
-        Arch::Olmoe,
-        Arch::GptOss,
-    ];
-
-    /// The `general.architecture` string.
-    pub fn gguf_name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Gemma3 => "gemma3",
-            Arch::Qwen2Moe => "qwen2moe",
-            Arch::Qwen3Moe => "qwen3moe",
-            Arch::Olmoe => "olmoe",
-            Arch::GptOss => "gpt-oss",
-        }
-    }
-
-    pub fn from_gguf_name(name: &str) -> Result<Arch, ModelError> {
-        Arch::ALL.into_iter().find(|a| a.gguf_name() == name).ok_or_else(|| {
-            let known: Vec<&str> = Arch::ALL.iter().map(|a| a.gguf_name()).collect();
-            ModelError::UnknownArchitecture { name: name.into(), known: known.join(", ") }
-        })
-    }
+/// The gated activation of an FFN: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GatedActivation {
+    /// `silu(gate) * up`
+    SwiGlu,
+    /// `gelu_tanh(gate) * up`
+    GeGlu,
+    /// gpt-oss: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+    /// `g * sigmoid(alpha * g) * (u + 1)`.
+    SwiGluClamped { alpha: f32, limit: f32 },
 }
-
-/// Pairing of rotary dimensions (see `ts_cpu::ops::RopeLayout`).
-pub use ts_cpu::ops::RopeLayout;
 
 /// Frequency scaling of the rotary embedding.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -127,12 +99,93 @@ pub enum QkNorm {
     Full,
 }
 
-/// Per-layer attention settings.
+/// Settings of a softmax-attention layer.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerConfig {
+pub struct AttnLayer {
     /// A query at position p sees keys at positions in `(p - w, p]`.
     pub sliding_window: Option<usize>,
     pub rope: RopeConfig,
+}
+
+/// What mixes positions in a layer, and so what state a sequence keeps for it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mixer {
+    /// Softmax attention over the sequence's KV cache.
+    Attention(AttnLayer),
+    /// Gated DeltaNet linear attention over a recurrent state ([`ArchConfig::delta_net`]).
+    DeltaNet,
+}
+
+/// Which key head a value head reads when there are more value heads than key heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyHeadOf {
+    /// Value head h reads key head `h % n_k_heads` (qwen35moe: the converter reorders v heads).
+    Tiled,
+    /// Value head h reads key head `h / (n_v_heads / n_k_heads)` (qwen3next).
+    Grouped,
+}
+
+/// Shapes of the Gated DeltaNet layers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeltaNetConfig {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// Size of a key (and query) head, and of a value head.
+    pub d_k: usize,
+    pub d_v: usize,
+    /// Taps of the causal depthwise convolution over q, k and v.
+    pub conv_kernel: usize,
+    pub key_head_of: KeyHeadOf,
+}
+
+impl DeltaNetConfig {
+    /// Width of the convolved projection: q heads, k heads, v heads.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+    }
+
+    pub fn v_dim(&self) -> usize {
+        self.n_v_heads * self.d_v
+    }
+
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v_heads * self.d_k * self.d_v
+    }
+
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.key_head_of {
+            KeyHeadOf::Tiled => h % self.n_k_heads,
+            KeyHeadOf::Grouped => h / (self.n_v_heads / self.n_k_heads),
+        }
+    }
+}
+
+/// One layer's plan: its mixer, then a dense or MoE FFN.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerConfig {
+    pub mixer: Mixer,
+    /// The FFN is routed experts (else dense).
+    pub moe: bool,
+}
+
+impl LayerConfig {
+    /// The attention settings, for an attention layer.
+    pub fn attention(&self) -> Option<&AttnLayer> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet => None,
+        }
+    }
+
+    /// The sliding window of an attention layer.
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.attention().and_then(|a| a.sliding_window)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -163,24 +216,44 @@ pub struct ArchConfig {
     pub moe: Option<MoeConfig>,
     /// One learned logit per query head joins each attention softmax (gpt-oss).
     pub attn_sinks: bool,
+    /// Attention output multiplied by `sigmoid(gate)`, the gate a second half of
+    /// each query head's projection (qwen35moe, qwen3next).
+    pub attn_output_gate: bool,
+    /// Shapes of the linear-attention layers, when the model has any.
+    pub delta_net: Option<DeltaNetConfig>,
+    /// Multi-token-prediction layers after the main ones (`nextn_predict_layers`),
+    /// not part of the main forward pass.
+    pub n_nextn: usize,
+}
+
+impl ArchConfig {
+    /// The family's wiring.
+    pub fn family(&self) -> &'static crate::family::Family {
+        self.arch.family()
+    }
 }
 
 /// Typed access to `{arch}.key` with errors naming the key.
-struct Keys<'a> {
+pub struct Keys<'a> {
     md: &'a Metadata,
     arch: &'a str,
+    family: &'static crate::family::Family,
 }
 
 impl Keys<'_> {
-    fn name(&self, key: &str) -> String {
+    pub fn family(&self) -> &'static crate::family::Family {
+        self.family
+    }
+
+    pub fn name(&self, key: &str) -> String {
         format!("{}.{key}", self.arch)
     }
 
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub fn get(&self, key: &str) -> Option<&Value> {
         self.md.get(&self.name(key))
     }
 
-    fn usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+    pub fn usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
         match self.get(key) {
             None => Ok(None),
             // A per-layer array: layer 0 sizes the tensors (llama.cpp does the same for these families).
@@ -192,19 +265,19 @@ impl Keys<'_> {
         }
     }
 
-    fn req_usize(&self, key: &str) -> Result<usize, ModelError> {
+    pub fn req_usize(&self, key: &str) -> Result<usize, ModelError> {
         self.usize(key)?.ok_or_else(|| ModelError::MissingKey(self.name(key)))
     }
 
-    fn f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+    pub fn f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
         self.get(key).map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| self.bad(key, "a number"))).transpose()
     }
 
-    fn str(&self, key: &str) -> Result<Option<&str>, ModelError> {
+    pub fn str(&self, key: &str) -> Result<Option<&str>, ModelError> {
         self.get(key).map(|v| v.as_str().ok_or_else(|| self.bad(key, "a string"))).transpose()
     }
 
-    fn bad(&self, key: &str, expected: &str) -> ModelError {
+    pub fn bad(&self, key: &str, expected: &str) -> ModelError {
         ModelError::BadKey { key: self.name(key), problem: format!("expected {expected}") }
     }
 }
@@ -214,9 +287,15 @@ impl ArchConfig {
     pub fn from_metadata(md: &Metadata, n_vocab: usize) -> Result<ArchConfig, ModelError> {
         let arch_name = md.architecture().map_err(|_| ModelError::MissingKey("general.architecture".into()))?;
         let arch = Arch::from_gguf_name(arch_name)?;
-        let k = Keys { md, arch: arch_name };
+        let fam = arch.family();
+        let k = Keys { md, arch: arch_name, family: fam };
 
-        let n_layer = k.req_usize("block_count")?;
+        // block_count includes the multi-token-prediction layers, which the main pass skips.
+        let n_nextn = k.usize("nextn_predict_layers")?.unwrap_or(0);
+        let n_layer = k.req_usize("block_count")?.checked_sub(n_nextn).ok_or_else(|| ModelError::BadKey {
+            key: k.name("nextn_predict_layers"),
+            problem: format!("{n_nextn} is more than block_count"),
+        })?;
         let n_embd = k.req_usize("embedding_length")?;
         let n_head = k.req_usize("attention.head_count")?;
         if n_layer == 0 || n_embd == 0 || n_head == 0 {
@@ -247,52 +326,36 @@ impl ArchConfig {
         let n_ff = k.usize("feed_forward_length")?.unwrap_or(0);
 
         let rope = RopeConfig {
-            layout: if arch == Arch::Llama { RopeLayout::Interleaved } else { RopeLayout::Halves },
+            layout: fam.rope_layout,
             n_rot,
             freq_base: k.f32("rope.freq_base")?.unwrap_or(10_000.0),
-            scaling: rope_scaling(&k, arch)?,
+            scaling: rope_scaling(&k, fam.yarn_truncate)?,
             attn_factor: k.f32("rope.scaling.attn_factor")?.unwrap_or(1.0),
         };
-
-        let sliding = sliding_layers(&k, arch, n_layer)?;
-        let local_rope = match arch {
-            // Local layers: their own base, no frequency scaling.
-            Arch::Gemma3 => RopeConfig {
-                freq_base: k.f32("rope.freq_base_swa")?.unwrap_or(10_000.0),
+        let local_rope = match fam.sliding.map(|s| s.local_rope) {
+            Some(LocalRope::OwnBaseUnscaled { default_base }) => RopeConfig {
+                freq_base: k.f32("rope.freq_base_swa")?.unwrap_or(default_base),
                 scaling: RopeScaling::None,
                 ..rope.clone()
             },
-            Arch::GptOss => {
+            Some(LocalRope::OwnBase) => {
                 RopeConfig { freq_base: k.f32("rope.freq_base_swa")?.unwrap_or(rope.freq_base), ..rope.clone() }
             }
-            _ => rope.clone(),
+            None => rope.clone(),
         };
-        let layers = sliding
+        let moe = moe_config(&k, n_ff)?;
+        let layers = sliding_layers(&k, n_layer)?
             .into_iter()
             .map(|w| LayerConfig {
-                sliding_window: w,
-                rope: if w.is_some() { local_rope.clone() } else { rope.clone() },
+                mixer: Mixer::Attention(AttnLayer {
+                    sliding_window: w,
+                    rope: if w.is_some() { local_rope.clone() } else { rope.clone() },
+                }),
+                moe: moe.is_some(),
             })
             .collect();
 
-        let attn_scale = match arch {
-            // llama.cpp: 1/sqrt(n_embd/n_head) for the 62-layer 27B, else 1/sqrt(head_dim).
-            Arch::Gemma3 if n_layer == 62 => 1.0 / ((n_embd / n_head) as f32).sqrt(),
-            _ => 1.0 / (head_dim as f32).sqrt(),
-        };
-
-        let moe = moe_config(&k, arch, n_ff)?;
-        let ffn_act = match arch {
-            Arch::Gemma3 => GatedActivation::GeGlu,
-            Arch::GptOss => GatedActivation::SwiGluClamped { alpha: 1.702, limit: 7.0 },
-            _ => GatedActivation::SwiGlu,
-        };
-        let final_softcap = match arch {
-            Arch::Gemma3 => k.f32("final_logit_softcapping")?.filter(|&c| c > 0.0),
-            _ => None,
-        };
-
-        Ok(ArchConfig {
+        let mut cfg = ArchConfig {
             arch,
             n_layer,
             n_embd,
@@ -305,19 +368,23 @@ impl ArchConfig {
             n_ff,
             rms_eps,
             layers,
-            attn_scale,
-            embed_scale: (arch == Arch::Gemma3).then(|| (n_embd as f32).sqrt()),
-            final_softcap,
-            qk_norm: match arch {
-                Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 => QkNorm::PerHead,
-                Arch::Olmoe => QkNorm::Full,
-                _ => QkNorm::None,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            embed_scale: fam.scale_embeddings.then(|| (n_embd as f32).sqrt()),
+            final_softcap: match fam.final_softcap {
+                true => k.f32("final_logit_softcapping")?.filter(|&c| c > 0.0),
+                false => None,
             },
-            post_norms: arch == Arch::Gemma3,
-            ffn_act,
+            qk_norm: fam.qk_norm,
+            post_norms: fam.post_norms,
+            ffn_act: fam.ffn_act,
             moe,
-            attn_sinks: arch == Arch::GptOss,
-        })
+            attn_sinks: fam.attn_sinks,
+            attn_output_gate: false,
+            delta_net: None,
+            n_nextn,
+        };
+        (fam.finish)(&k, &mut cfg)?;
+        Ok(cfg)
     }
 
     /// Width of the concatenated query heads.
@@ -335,7 +402,7 @@ impl ArchConfig {
     }
 }
 
-fn rope_scaling(k: &Keys, arch: Arch) -> Result<RopeScaling, ModelError> {
+fn rope_scaling(k: &Keys, truncate: bool) -> Result<RopeScaling, ModelError> {
     let factor = match k.f32("rope.scaling.factor")? {
         Some(f) => Some(f),
         None => k.f32("rope.scale_linear")?,
@@ -351,12 +418,11 @@ fn rope_scaling(k: &Keys, arch: Arch) -> Result<RopeScaling, ModelError> {
                 .usize("rope.scaling.original_context_length")?
                 .or(k.usize("context_length")?)
                 .unwrap_or(0),
-            // Fixed betas, as llama.cpp uses for these families. The ramp bounds are rounded to
-            // whole dimensions except for gpt-oss, whose reference config sets `truncate: false`
-            // (llama.cpp always rounds; docs/FAMILIES.md §5.1).
+            // Fixed betas, as llama.cpp uses for these families; whether the ramp bounds are
+            // rounded is the family's (docs/FAMILIES.md §5.1).
             beta_fast: 32.0,
             beta_slow: 1.0,
-            truncate: arch != Arch::GptOss,
+            truncate,
         },
         (other, _) => {
             return Err(ModelError::BadKey {
@@ -368,16 +434,12 @@ fn rope_scaling(k: &Keys, arch: Arch) -> Result<RopeScaling, ModelError> {
 }
 
 /// The sliding window of each layer (`None` = full attention).
-fn sliding_layers(k: &Keys, arch: Arch, n_layer: usize) -> Result<Vec<Option<usize>>, ModelError> {
-    let default_period = match arch {
-        Arch::Gemma3 => 6,
-        Arch::GptOss => 2,
-        // llama.cpp applies no window for the other families, whatever the file says.
-        _ => return Ok(vec![None; n_layer]),
-    };
+fn sliding_layers(k: &Keys, n_layer: usize) -> Result<Vec<Option<usize>>, ModelError> {
+    // llama.cpp applies no window for the other families, whatever the file says.
+    let Some(sliding) = k.family().sliding else { return Ok(vec![None; n_layer]) };
     let window = match k.usize("attention.sliding_window")? {
         Some(w) if w > 0 => w,
-        _ if arch == Arch::GptOss => return Err(ModelError::MissingKey(k.name("attention.sliding_window"))),
+        _ if sliding.window_required => return Err(ModelError::MissingKey(k.name("attention.sliding_window"))),
         _ => return Ok(vec![None; n_layer]),
     };
     // The pattern is either a period n (every n-th layer is global) or one flag per layer.
@@ -396,18 +458,18 @@ fn sliding_layers(k: &Keys, arch: Arch, n_layer: usize) -> Result<Vec<Option<usi
             Ok(flags.into_iter().map(|f| f.then_some(window)).collect())
         }
         _ => {
-            let period = k.usize("attention.sliding_window_pattern")?.unwrap_or(default_period);
+            let period = k.usize("attention.sliding_window_pattern")?.unwrap_or(sliding.period);
             // llama.cpp's set_swa_pattern: layer il is local iff il % n < n - 1 (n = 0 or 1: all local... or none).
             Ok((0..n_layer).map(|il| (period > 1 && il % period < period - 1).then_some(window)).collect())
         }
     }
 }
 
-fn moe_config(k: &Keys, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>, ModelError> {
+fn moe_config(k: &Keys, n_ff: usize) -> Result<Option<MoeConfig>, ModelError> {
+    let Some(wiring) = k.family().moe else { return Ok(None) };
     let n_expert = k.usize("expert_count")?.unwrap_or(0);
-    let needs_moe = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::GptOss);
     if n_expert == 0 {
-        return if needs_moe { Err(ModelError::MissingKey(k.name("expert_count"))) } else { Ok(None) };
+        return if wiring.required { Err(ModelError::MissingKey(k.name("expert_count"))) } else { Ok(None) };
     }
     let n_expert_used = k.req_usize("expert_used_count")?;
     if n_expert_used == 0 || n_expert_used > n_expert {
@@ -416,24 +478,24 @@ fn moe_config(k: &Keys, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>, Mo
             problem: format!("{n_expert_used} must be between 1 and expert_count {n_expert}"),
         });
     }
-    let n_ff_exp = match arch {
-        Arch::Llama | Arch::Olmoe => n_ff,
-        Arch::GptOss => k.req_usize("expert_feed_forward_length")?,
-        _ => k.usize("expert_feed_forward_length")?.unwrap_or(n_ff / n_expert_used),
+    let n_ff_exp = match wiring.expert_width {
+        ExpertWidth::DenseWidth => n_ff,
+        ExpertWidth::Key => k.req_usize("expert_feed_forward_length")?,
+        ExpertWidth::KeyOrShare => k.usize("expert_feed_forward_length")?.unwrap_or(n_ff / n_expert_used),
     };
-    let shared = match arch {
-        Arch::Qwen2Moe => Some(SharedExpert {
+    let shared = match wiring.gated_shared_expert {
+        true => Some(SharedExpert {
             n_ff: k.usize("expert_shared_feed_forward_length")?.unwrap_or(n_ff),
             sigmoid_gated: true,
         }),
-        _ => None,
+        false => None,
     };
     Ok(Some(MoeConfig {
         n_expert,
         n_expert_used,
         n_ff_exp,
-        gating: if arch == Arch::GptOss { Gating::SoftmaxOverTopK } else { Gating::Softmax },
-        renormalize: matches!(arch, Arch::Llama | Arch::Qwen3Moe),
+        gating: wiring.gating,
+        renormalize: wiring.renormalize,
         shared,
     }))
 }

@@ -3,11 +3,12 @@
 //! rows (token, position, sequence) from one or several sequences; every
 //! weight matrix is read once per step for all rows.
 
+use crate::Cpu;
 use crate::ModelError;
-use crate::backend::{AttnShape, Backend, Cpu};
-use crate::config::{ArchConfig, QkNorm, RopeScaling};
-use crate::kv::SeqState;
-use crate::tensors::{Ffn, LayerWeights, ModelWeights};
+use crate::backend::{AttnShape, Backend};
+use crate::config::{ArchConfig, QkNorm, RopeLayout, RopeScaling};
+use crate::state::{SeqState, Snapshot};
+use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights};
 use crate::weights::Weight;
 use ts_cpu::QuantizedRows;
 use ts_cpu::ops::Rope;
@@ -159,7 +160,7 @@ pub fn build_rope(cfg: &crate::config::RopeConfig, freq_factors: Option<&[f32]>)
         }
     };
     Rope {
-        layout: cfg.layout,
+        interleaved: cfg.layout == RopeLayout::Interleaved,
         n_rot: n,
         inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
         mscale: (mscale * cfg.attn_factor as f64) as f32,
@@ -167,20 +168,25 @@ pub fn build_rope(cfg: &crate::config::RopeConfig, freq_factors: Option<&[f32]>)
 }
 
 /// A model ready to run on backend `B`: configuration, weights, where routed
-/// experts live, and per-layer rotary tables.
+/// experts live, and the rotary tables of each attention layer.
 pub struct Model<B: Backend = Cpu> {
     pub cfg: ArchConfig,
     pub weights: ModelWeights,
     pub experts: Box<dyn ExpertStore>,
     /// Guess the next MoE layer's experts from this layer's input and start reading them.
     pub prefetch_experts: bool,
-    pub ropes: Vec<Rope>,
+    /// Per layer, for attention layers.
+    pub ropes: Vec<Option<Rope>>,
     pub backend: B,
 }
 
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
-        let ropes = cfg.layers.iter().map(|l| build_rope(&l.rope, weights.rope_freqs.as_deref())).collect();
+        let ropes = cfg
+            .layers
+            .iter()
+            .map(|l| l.attention().map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref())))
+            .collect();
         Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu }
     }
 
@@ -205,8 +211,36 @@ impl<B: Backend> Model<B> {
     }
 
     /// A new, empty sequence of `n_ctx` positions, filled `max_chunk` rows at a time.
-    pub fn new_sequence(&self, n_ctx: usize, max_chunk: usize) -> Result<SeqState<B::Kv>, ModelError> {
-        Ok(SeqState { kv: self.backend.new_kv(self, n_ctx, max_chunk)?, n_past: 0, n_ctx })
+    pub fn new_sequence(&self, n_ctx: usize, max_chunk: usize) -> Result<SeqState<B::State>, ModelError> {
+        Ok(SeqState { state: self.backend.new_state(self, n_ctx, max_chunk)?, n_past: 0, n_ctx })
+    }
+
+    /// Whether some layer keeps a recurrent state (which cannot be rewound).
+    pub fn is_recurrent(&self) -> bool {
+        self.cfg.delta_net.is_some()
+    }
+
+    /// Where `seq` is now, to come back to with [`Model::restore`] (after its
+    /// recurrent layers have moved on; attention layers only rewind).
+    pub fn snapshot(&self, seq: &SeqState<B::State>) -> Result<Snapshot<B::Recurrent>, ModelError> {
+        Ok(Snapshot { n_past: seq.n_past, recurrent: self.backend.save_recurrent(&seq.state)? })
+    }
+
+    /// Takes `seq` back to a snapshot of its own.
+    pub fn restore(&self, seq: &mut SeqState<B::State>, snap: &Snapshot<B::Recurrent>) -> Result<(), ModelError> {
+        self.backend.restore_recurrent(&mut seq.state, &snap.recurrent)?;
+        seq.n_past = snap.n_past;
+        Ok(())
+    }
+
+    /// Makes `dst` a copy of `src` (the prompt of several choices, read once).
+    pub fn copy_sequence(&self, src: &SeqState<B::State>, dst: &mut SeqState<B::State>) -> Result<(), ModelError> {
+        if dst.n_ctx < src.n_past {
+            return Err(ModelError::ContextFull { pos: src.n_past, n_ctx: dst.n_ctx });
+        }
+        self.backend.copy_state(&src.state, &mut dst.state, src.n_past)?;
+        dst.n_past = src.n_past;
+        Ok(())
     }
 
     /// Runs `rows` through the model, updating each row's sequence cache, and
@@ -214,7 +248,7 @@ impl<B: Backend> Model<B> {
     pub fn forward(
         &self,
         rows: &[Row],
-        seqs: &mut [&mut SeqState<B::Kv>],
+        seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.cfg;
@@ -240,8 +274,10 @@ impl<B: Backend> Model<B> {
         }
         for (il, layer) in self.weights.layers.iter().enumerate() {
             let normed = be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let attn = self.attention(il, layer, rows, seqs, &normed, scratch)?;
-            let mut attn = be.linear(&layer.wo, layer.bo.as_deref(), &attn, m, scratch)?;
+            let mut attn = match &layer.mixer {
+                MixerWeights::Attention(w) => self.attention(il, w, rows, seqs, &normed, scratch)?,
+                MixerWeights::DeltaNet(w) => self.delta_net(il, w, rows, seqs, &normed, scratch)?,
+            };
             if let Some(w) = &layer.attn_post_norm {
                 be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
             }
@@ -296,13 +332,13 @@ impl<B: Backend> Model<B> {
         be.linear(down, None, &g, m, scratch)
     }
 
-    /// Self-attention of every row; returns `[m][n_head * head_dim_v]`.
+    /// Self-attention of every row, through the output projection; returns `[m][n_embd]`.
     fn attention(
         &self,
         il: usize,
-        layer: &LayerWeights,
+        layer: &AttnWeights,
         rows: &[Row],
-        seqs: &mut [&mut SeqState<B::Kv>],
+        seqs: &mut [&mut SeqState<B::State>],
         normed: &B::Act,
         scratch: &mut B::Scratch,
     ) -> Result<B::Act, ModelError> {
@@ -310,7 +346,12 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let m = rows.len();
         let hd = cfg.head_dim;
-        let mut q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
+        let q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
+        // A gated attention's query projection holds per head [q | gate].
+        let (mut q, gate) = match cfg.attn_output_gate {
+            true => be.split_heads(&q, m, cfg.n_head, hd, hd).map(|(q, g)| (q, Some(g)))?,
+            false => (q, None),
+        };
         let mut k = be.linear(&layer.wk, layer.bk.as_deref(), normed, m, scratch)?;
         let v = be.linear(&layer.wv, layer.bv.as_deref(), normed, m, scratch)?;
         let piece = match cfg.qk_norm {
@@ -322,7 +363,7 @@ impl<B: Backend> Model<B> {
             be.rms_norm(&mut q, qp, layer.q_norm.as_deref(), cfg.rms_eps)?;
             be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
         }
-        let rope = &self.ropes[il];
+        let rope = self.ropes[il].as_ref().expect("an attention layer has a rope table");
         be.rope(il, rope, &mut q, hd, rows)?;
         be.rope(il, rope, &mut k, hd, rows)?;
         let shape = AttnShape {
@@ -334,7 +375,11 @@ impl<B: Backend> Model<B> {
             softcap: None,
             sinks: layer.sinks.as_deref(),
         };
-        be.attention(il, &shape, &q, &k, &v, rows, seqs)
+        let mut out = be.attention(il, &shape, &q, &k, &v, rows, seqs)?;
+        if let Some(g) = &gate {
+            be.mul_sigmoid(&mut out, g)?;
+        }
+        be.linear(&layer.wo, layer.bo.as_deref(), &out, m, scratch)
     }
 
     /// Final norm and output head for the rows that want logits, `[wanted][n_vocab]`.

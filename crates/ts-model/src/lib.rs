@@ -4,16 +4,20 @@
 
 pub mod backend;
 pub mod config;
+pub mod cpu;
+pub mod delta_net;
+pub mod family;
 pub mod forward;
-pub mod kv;
 pub mod moe;
+pub mod state;
 pub mod tensors;
 pub mod weights;
 
-pub use backend::{AttnShape, Backend, Cpu};
+pub use backend::{AttnShape, Backend};
 pub use config::{Arch, ArchConfig};
+pub use cpu::Cpu;
 pub use forward::{Model, Row, Scratch};
-pub use kv::{CpuKv, SeqState};
+pub use state::{CpuState, SeqState, Snapshot};
 pub use ts_experts::{
     EvictionPolicy, ExpertLayout, ExpertStore, LayerLayout, MappedExperts, ProjLayout, ResidentExperts, StatsSnapshot,
     StreamOptions, StreamingExperts,

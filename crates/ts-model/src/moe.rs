@@ -142,7 +142,7 @@ fn expert_ffn(
     if let Some(b) = &w.up_bias {
         ops::add_bias_rows(u, &b[ex * f..(ex + 1) * f]);
     }
-    ops::gated_activation(cfg.ffn_act, g, u);
+    crate::cpu::gated_activation(cfg.ffn_act, g, u);
     linear_bytes(&w.down_exps, bytes.down, e, g, me, scratch, d)?;
     if let Some(b) = &w.down_bias {
         ops::add_bias_rows(d, &b[ex * e..(ex + 1) * e]);

@@ -3,7 +3,7 @@
 //! compute with, and of the right shape, or the open fails naming it.
 
 use crate::ModelError;
-use crate::config::{Arch, ArchConfig, QkNorm};
+use crate::config::{Arch, ArchConfig, Mixer, QkNorm};
 use crate::weights::Weight;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +43,23 @@ pub enum Role {
     FfnGateShexp,
     FfnUpShexp,
     FfnDownShexp,
+    /// Linear attention: q, k and v heads before the convolution, `[n_embd, conv_dim]`.
+    AttnQkv,
+    /// Linear attention's output gate z, `[n_embd, v_dim]`.
+    AttnGate,
+    /// Causal convolution taps, `[conv_kernel, conv_dim]`.
+    SsmConv1d,
+    /// Time-step bias, `[n_v_heads]` (`ssm_dt.bias`).
+    SsmDt,
+    /// `-exp(A_log)`, `[n_v_heads]`, named without a suffix.
+    SsmA,
+    SsmBeta,
+    SsmAlpha,
+    /// qwen3next: beta and alpha in one projection, grouped by key head.
+    SsmBa,
+    /// Gated RMS norm of each value head's output, `[d_v]`.
+    SsmNorm,
+    SsmOut,
 }
 
 impl Role {
@@ -74,15 +91,27 @@ impl Role {
             Role::FfnGateShexp => "ffn_gate_shexp",
             Role::FfnUpShexp => "ffn_up_shexp",
             Role::FfnDownShexp => "ffn_down_shexp",
+            Role::AttnQkv => "attn_qkv",
+            Role::AttnGate => "attn_gate",
+            Role::SsmConv1d => "ssm_conv1d",
+            Role::SsmDt => "ssm_dt",
+            Role::SsmA => "ssm_a",
+            Role::SsmBeta => "ssm_beta",
+            Role::SsmAlpha => "ssm_alpha",
+            Role::SsmBa => "ssm_ba",
+            Role::SsmNorm => "ssm_norm",
+            Role::SsmOut => "ssm_out",
         }
     }
 
-    /// `blk.{layer}.{base}.{suffix}`, or `{base}.{suffix}` for model-level tensors.
+    /// `blk.{layer}.{base}.{suffix}`, or `{base}.{suffix}` for model-level
+    /// tensors; an empty suffix leaves the name bare (`ssm_a`).
     pub fn name(self, layer: Option<usize>, suffix: &str) -> String {
-        match layer {
-            Some(l) => format!("blk.{l}.{}.{suffix}", self.base()),
-            None => format!("{}.{suffix}", self.base()),
-        }
+        let base = match layer {
+            Some(l) => format!("blk.{l}.{}", self.base()),
+            None => self.base().to_string(),
+        };
+        if suffix.is_empty() { base } else { format!("{base}.{suffix}") }
     }
 }
 
@@ -125,10 +154,8 @@ pub enum Ffn {
     Moe(MoeWeights),
 }
 
-/// One transformer block's weights. Small vectors (norms, biases, sinks) are f32.
-pub struct LayerWeights {
-    /// `[n_embd]`.
-    pub attn_norm: Vec<f32>,
+/// A softmax-attention mixer's weights. Small vectors (norms, biases, sinks) are f32.
+pub struct AttnWeights {
     /// `[n_embd, q_dim]`, `[n_embd, kv_dim]`, `[n_embd, v_dim]`, `[q_dim, n_embd]`.
     pub wq: Weight,
     pub wk: Weight,
@@ -141,10 +168,55 @@ pub struct LayerWeights {
     /// `[head_dim]` per head, or `[q_dim]`/`[kv_dim]` for full-width norms.
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    /// gemma3: `[n_embd]` norm of the attention output.
-    pub attn_post_norm: Option<Vec<f32>>,
     /// `[n_head]` attention-sink logits (gpt-oss).
     pub sinks: Option<Vec<f32>>,
+}
+
+/// A Gated DeltaNet mixer's weights (docs/FAMILIES.md §6.2).
+pub struct DeltaNetWeights {
+    /// `[n_embd, conv_dim]`: q heads, k heads, v heads, before the convolution.
+    pub qkv: Weight,
+    /// `[n_embd, v_dim]`: z, the output gate.
+    pub gate: Weight,
+    /// `[n_embd, n_v_heads]` each: the projections giving beta and the decay.
+    pub beta: Weight,
+    pub alpha: Weight,
+    /// `[conv_dim][conv_kernel]`: each channel's taps, the last one on the current input.
+    pub conv: Vec<f32>,
+    /// `[n_v_heads]`.
+    pub dt_bias: Vec<f32>,
+    /// `[n_v_heads]`: `-exp(A_log)`.
+    pub a: Vec<f32>,
+    /// `[d_v]`: the gated RMS norm's weight, shared by the heads.
+    pub norm: Vec<f32>,
+    /// `[v_dim, n_embd]`.
+    pub out: Weight,
+}
+
+/// The weights of a layer's mixer, of the layer's kind.
+#[allow(clippy::large_enum_variant)] // one per layer
+pub enum MixerWeights {
+    Attention(AttnWeights),
+    DeltaNet(DeltaNetWeights),
+}
+
+impl MixerWeights {
+    /// The weight matrices (not the small vectors).
+    pub fn matrices(&self) -> Vec<&Weight> {
+        match self {
+            MixerWeights::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            MixerWeights::DeltaNet(d) => vec![&d.qkv, &d.gate, &d.beta, &d.alpha, &d.out],
+        }
+    }
+}
+
+/// One block's weights. Small vectors (norms, biases) are f32.
+pub struct LayerWeights {
+    /// `[n_embd]`: the norm before the mixer.
+    pub attn_norm: Vec<f32>,
+    pub mixer: MixerWeights,
+    /// gemma3: `[n_embd]` norm of the mixer's output.
+    pub attn_post_norm: Option<Vec<f32>>,
     /// `[n_embd]`: the norm before the FFN.
     pub ffn_norm: Vec<f32>,
     /// gemma3: `[n_embd]` norm of the FFN output.
@@ -173,7 +245,7 @@ impl ModelWeights {
         let b = |w: &Weight| w.bytes().len() as u64;
         let mut total = self.token_embd.row_bytes() as u64 + b(&self.output);
         for l in &self.layers {
-            total += b(&l.wq) + b(&l.wk) + b(&l.wv) + b(&l.wo);
+            total += l.mixer.matrices().into_iter().map(b).sum::<u64>();
             total += match &l.ffn {
                 Ffn::Dense { gate, up, down } => b(gate) + b(up) + b(down),
                 Ffn::Moe(m) => {
@@ -280,7 +352,7 @@ impl ModelWeights {
         let token_embd = ld.matrix(Role::TokenEmbd, None, &[e, v])?;
         let output = match ld.opt_matrix(Role::Output, None, &[e, v])? {
             Some(w) => w,
-            None if matches!(cfg.arch, Arch::Qwen2Moe | Arch::Olmoe | Arch::GptOss) => {
+            None if !cfg.family().tied_output => {
                 return Err(ModelError::MissingTensor(Role::Output.name(None, "weight")));
             }
             None => token_embd.clone(),
@@ -289,7 +361,10 @@ impl ModelWeights {
         Ok(ModelWeights {
             output_norm: ld.vector(Role::OutputNorm, None, "weight", &[e])?,
             output_bias: ld.opt_vector(Role::Output, None, "bias", &[v])?,
-            rope_freqs: ld.opt_vector(Role::RopeFreqs, None, "weight", &[cfg.layers[0].rope.n_rot / 2])?,
+            rope_freqs: match cfg.layers.iter().find_map(|l| l.attention()) {
+                Some(a) => ld.opt_vector(Role::RopeFreqs, None, "weight", &[a.rope.n_rot / 2])?,
+                None => None,
+            },
             token_embd,
             output,
             layers,
@@ -298,65 +373,105 @@ impl ModelWeights {
 }
 
 fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, ModelError> {
+    let e = cfg.n_embd;
+    let il = Some(l);
+    let mixer = match &cfg.layers[l].mixer {
+        Mixer::Attention(_) => MixerWeights::Attention(load_attention(ld, cfg, l)?),
+        Mixer::DeltaNet => MixerWeights::DeltaNet(load_delta_net(ld, cfg, l)?),
+    };
+    Ok(LayerWeights {
+        attn_norm: ld.vector(Role::AttnNorm, il, "weight", &[e])?,
+        mixer,
+        attn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostAttnNorm, il, "weight", &[e])?) } else { None },
+        ffn_norm: ld.vector(cfg.family().ffn_norm, il, "weight", &[e])?,
+        ffn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostFfwNorm, il, "weight", &[e])?) } else { None },
+        ffn: load_ffn(ld, cfg, l)?,
+    })
+}
+
+fn load_attention(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<AttnWeights, ModelError> {
     let (e, q, kv, vd) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.v_dim());
     let il = Some(l);
-    let biased = matches!(cfg.arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss);
+    let fam = cfg.family();
     let (q_norm_dim, k_norm_dim) = match cfg.qk_norm {
         QkNorm::PerHead => (cfg.head_dim, cfg.head_dim),
         QkNorm::Full => (q, kv),
         QkNorm::None => (0, 0),
     };
     let has_qk_norm = cfg.qk_norm != QkNorm::None;
-    let gpt_oss = cfg.arch == Arch::GptOss;
-    Ok(LayerWeights {
-        attn_norm: ld.vector(Role::AttnNorm, il, "weight", &[e])?,
-        wq: ld.matrix(Role::AttnQ, il, &[e, q])?,
+    let bias = |role: Role, needed: bool, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
+        ld.required_if(needed, ld.opt_vector(role, il, "bias", &[width])?, role, l, "bias")
+    };
+    let norm = |role: Role, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
+        let v = ld.opt_vector(role, il, "weight", &[width])?.filter(|_| has_qk_norm);
+        ld.required_if(has_qk_norm, v, role, l, "weight")
+    };
+    // A gated attention's query projection holds per head [q | gate].
+    let q_out = if cfg.attn_output_gate { 2 * q } else { q };
+    Ok(AttnWeights {
+        wq: ld.matrix(Role::AttnQ, il, &[e, q_out])?,
         wk: ld.matrix(Role::AttnK, il, &[e, kv])?,
         wv: ld.matrix(Role::AttnV, il, &[e, vd])?,
         wo: ld.matrix(Role::AttnOut, il, &[cfg.n_head * cfg.head_dim_v, e])?,
-        bq: ld.required_if(biased, ld.opt_vector(Role::AttnQ, il, "bias", &[q])?, Role::AttnQ, l, "bias")?,
-        bk: ld.required_if(biased, ld.opt_vector(Role::AttnK, il, "bias", &[kv])?, Role::AttnK, l, "bias")?,
-        bv: ld.required_if(biased, ld.opt_vector(Role::AttnV, il, "bias", &[vd])?, Role::AttnV, l, "bias")?,
-        bo: ld.required_if(gpt_oss, ld.opt_vector(Role::AttnOut, il, "bias", &[e])?, Role::AttnOut, l, "bias")?,
-        q_norm: ld.required_if(
-            has_qk_norm,
-            ld.opt_vector(Role::AttnQNorm, il, "weight", &[q_norm_dim])?.filter(|_| has_qk_norm),
-            Role::AttnQNorm,
-            l,
-            "weight",
-        )?,
-        k_norm: ld.required_if(
-            has_qk_norm,
-            ld.opt_vector(Role::AttnKNorm, il, "weight", &[k_norm_dim])?.filter(|_| has_qk_norm),
-            Role::AttnKNorm,
-            l,
-            "weight",
-        )?,
-        attn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostAttnNorm, il, "weight", &[e])?) } else { None },
+        bq: bias(Role::AttnQ, fam.qkv_bias, q)?,
+        bk: bias(Role::AttnK, fam.qkv_bias, kv)?,
+        bv: bias(Role::AttnV, fam.qkv_bias, vd)?,
+        bo: bias(Role::AttnOut, fam.out_bias, e)?,
+        q_norm: norm(Role::AttnQNorm, q_norm_dim)?,
+        k_norm: norm(Role::AttnKNorm, k_norm_dim)?,
         sinks: if cfg.attn_sinks { Some(ld.vector(Role::AttnSinks, il, "weight", &[cfg.n_head])?) } else { None },
-        // gpt-oss names its pre-FFN norm post_attention_norm.
-        ffn_norm: ld.vector(if gpt_oss { Role::PostAttnNorm } else { Role::FfnNorm }, il, "weight", &[e])?,
-        ffn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostFfwNorm, il, "weight", &[e])?) } else { None },
-        ffn: load_ffn(ld, cfg, l)?,
+    })
+}
+
+fn load_delta_net(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<DeltaNetWeights, ModelError> {
+    let d = cfg.delta_net.as_ref().expect("a delta-net layer has its config");
+    let (e, nv, kk) = (cfg.n_embd, d.n_v_heads, d.conv_kernel);
+    let il = Some(l);
+    let (beta, alpha) = match cfg.arch {
+        // Rows of ssm_ba per key head g: its r betas, then its r alphas (src/models/qwen3next.cpp).
+        Arch::Qwen3Next => {
+            let ba = ld.matrix(Role::SsmBa, il, &[e, 2 * nv])?;
+            let r = nv / d.n_k_heads;
+            let rows =
+                |second: usize| -> Vec<usize> { (0..nv).map(|h| 2 * r * (h / r) + second * r + h % r).collect() };
+            (ba.select_rows("ssm_beta", &rows(0)), ba.select_rows("ssm_alpha", &rows(1)))
+        }
+        _ => (ld.matrix(Role::SsmBeta, il, &[e, nv])?, ld.matrix(Role::SsmAlpha, il, &[e, nv])?),
+    };
+    // ggml [conv_kernel, conv_dim]: each channel's taps are contiguous.
+    let conv = ld.vector(Role::SsmConv1d, il, "weight", &[kk, d.conv_dim()])?;
+    Ok(DeltaNetWeights {
+        qkv: ld.matrix(Role::AttnQkv, il, &[e, d.conv_dim()])?,
+        gate: ld.matrix(Role::AttnGate, il, &[e, d.v_dim()])?,
+        beta,
+        alpha,
+        conv,
+        dt_bias: ld.vector(Role::SsmDt, il, "bias", &[nv])?,
+        a: ld.vector(Role::SsmA, il, "", &[nv])?,
+        norm: ld.vector(Role::SsmNorm, il, "weight", &[d.d_v])?,
+        out: ld.matrix(Role::SsmOut, il, &[d.v_dim(), e])?,
     })
 }
 
 fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> {
     let e = cfg.n_embd;
     let il = Some(l);
-    let Some(moe) = &cfg.moe else {
-        let f = cfg.n_ff;
-        return Ok(Ffn::Dense {
-            gate: ld.matrix(Role::FfnGate, il, &[e, f])?,
-            up: ld.matrix(Role::FfnUp, il, &[e, f])?,
-            down: ld.matrix(Role::FfnDown, il, &[f, e])?,
-        });
+    let moe = match &cfg.moe {
+        Some(moe) if cfg.layers[l].moe => moe,
+        _ => {
+            let f = cfg.n_ff;
+            return Ok(Ffn::Dense {
+                gate: ld.matrix(Role::FfnGate, il, &[e, f])?,
+                up: ld.matrix(Role::FfnUp, il, &[e, f])?,
+                down: ld.matrix(Role::FfnDown, il, &[f, e])?,
+            });
+        }
     };
     let (n, f) = (moe.n_expert, moe.n_ff_exp);
-    let gpt_oss = cfg.arch == Arch::GptOss;
+    let biased = cfg.family().moe.is_some_and(|w| w.biases);
     let expert_bias = |role: Role, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
         let b = ld.opt_vector(role, il, "bias", &[width, n])?;
-        ld.required_if(gpt_oss, b, role, l, "bias")
+        ld.required_if(biased, b, role, l, "bias")
     };
     let shared = match moe.shared {
         None => None,
@@ -370,7 +485,7 @@ fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> 
     Ok(Ffn::Moe(MoeWeights {
         router: ld.matrix(Role::FfnGateInp, il, &[e, n])?,
         router_bias: ld.required_if(
-            gpt_oss,
+            biased,
             ld.opt_vector(Role::FfnGateInp, il, "bias", &[n])?,
             Role::FfnGateInp,
             l,

@@ -83,6 +83,13 @@ impl Weight {
         &self.bytes()[index * size..(index + 1) * size]
     }
 
+    /// A new matrix of rows `rows` of this one, in that order (bytes copied).
+    pub fn select_rows(&self, name: &str, rows: &[usize]) -> Weight {
+        let rb = self.row_bytes();
+        let bytes = rows.iter().flat_map(|&r| self.bytes()[r * rb..(r + 1) * rb].iter().copied()).collect();
+        Weight::from_bytes(name, self.ty, vec![self.row_len(), rows.len()], bytes)
+    }
+
     /// The whole tensor as f32 (norm weights, biases, small tables).
     pub fn to_f32(&self) -> Vec<f32> {
         let n: usize = self.dims.iter().product();

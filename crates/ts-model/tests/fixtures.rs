@@ -38,10 +38,15 @@ fn run_fixture(path: &std::path::Path, golden: &Golden, chunk: usize, exact: boo
     rows_out
 }
 
+fn is_recurrent(path: &std::path::Path) -> bool {
+    Model::open(path, ExpertPlacement::Mapped).is_ok_and(|m| m.is_recurrent())
+}
+
 #[test]
 fn fixtures_match_transformers() {
     let mut failures = Vec::new();
     let mut checked = 0;
+    let mut recurrent_checked = 0;
     for f in ts_testkit::fixtures() {
         let (path, golden, family, variant) = (&f.model, &f.golden, &f.family, &f.variant);
         {
@@ -55,12 +60,32 @@ fn fixtures_match_transformers() {
                 }
                 checked += 1;
             }
+            if variant == "f32" && is_recurrent(path) {
+                // One token at a time (the recurrence) against the whole prompt in one
+                // step (the chunked form of the delta rule): the same numbers in another
+                // order (transformers' own two forms differ by 5.3e-5 here).
+                let (one, whole) =
+                    (run_fixture(path, golden, 1, true), run_fixture(path, golden, golden.tokens.len(), true));
+                let scale = whole.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+                let diff =
+                    one.iter().flatten().zip(whole.iter().flatten()).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let rel = diff / scale;
+                println!(
+                    "{:<36} token by token vs one chunked step: max |Δ|/max|logit| {rel:.3e}",
+                    format!("{family}/{variant}")
+                );
+                if rel > 3e-5 {
+                    failures.push(format!("{family}/{variant}: recurrent vs chunked {rel:.3e} (bound 3e-5)"));
+                }
+                recurrent_checked += 1;
+            }
             let c = golden.compare(&run_fixture(path, golden, 16, false));
             let median = c.median_rel_err();
             let decisive = golden.argmax_agreement_where_gap_exceeds(&c, 2.0 * median);
             let name = format!("{family}/{variant} default");
             println!("{name:<36} {c}, median {median:.3e}, argmax on decisive rows {:.1}%", 100.0 * decisive);
-            let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"].contains(&family.as_str());
+            let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next"]
+                .contains(&family.as_str());
             let needs_argmax = (variant == "f32" || variant == "q8_0") && !moe;
             if median > 6e-2 || (needs_argmax && decisive < 0.99) {
                 failures.push(format!("{name}: median {median:.3e} (bound 6e-2), decisive argmax {decisive:.3}"));
@@ -68,6 +93,8 @@ fn fixtures_match_transformers() {
             checked += 1;
         }
     }
+    assert!(checked > 0, "no fixtures in {}", ts_testkit::fixtures_dir().display());
+    assert!(recurrent_checked >= 2, "the hybrid fixtures (qwen3_5_moe, qwen3_next) are missing");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     println!("{checked} fixture runs within bounds");
 }

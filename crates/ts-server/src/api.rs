@@ -1,7 +1,7 @@
 //! The OpenAI-compatible endpoints: request validation, prompt rendering and
 //! tokenization, and the answers (whole, or as server-sent events).
 
-use crate::scheduler::{Event, Finish, Job, TokenChoice, TokenLogprob, token_bytes};
+use crate::scheduler::{Choice, Event, Finish, Job, TokenChoice, TokenLogprob, token_bytes};
 use crate::{AppState, ServeOptions};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -378,6 +378,7 @@ fn submit<B: Backend>(
     prompt: Vec<u32>,
     c: &Common,
     special: bool,
+    checkpoint: Option<usize>,
 ) -> Result<(String, Vec<UnboundedReceiver<Event>>, usize), ApiError> {
     let n_ctx = st.opts.slot_ctx;
     if prompt.is_empty() {
@@ -412,31 +413,33 @@ fn submit<B: Backend>(
     let id = format!("{:x}{:06x}", now_secs(), st.next_id.fetch_add(1, Relaxed));
     let prompt_tokens = prompt.len();
     let mut receivers = Vec::with_capacity(c.n);
+    let mut choices = Vec::with_capacity(c.n);
     for choice in 0..c.n {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut sampler = c.sampler.clone();
         sampler.seed = sampler.seed.wrapping_add(choice as u64);
-        let job = Job {
-            id: if c.n == 1 { id.clone() } else { format!("{id}.{choice}") },
-            prompt: prompt.clone(),
-            max_tokens,
-            sampler,
-            stop: c.stop.clone(),
-            special,
-            logprobs: c.logprobs,
-            // One choice scores the prompt for all.
-            score_prompt: c.score_prompt && choice == 0,
-            events: tx,
-            received: Instant::now(),
-        };
-        st.metrics.queued.fetch_add(1, Relaxed);
-        st.jobs
-            .lock()
-            .expect("job queue lock")
-            .send(job)
-            .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
+        let id = if c.n == 1 { id.clone() } else { format!("{id}.{choice}") };
+        choices.push(Choice { id, sampler, events: tx });
         receivers.push(rx);
     }
+    let job = Job {
+        prompt,
+        max_tokens,
+        stop: c.stop.clone(),
+        special,
+        logprobs: c.logprobs,
+        // The first choice scores the prompt for all.
+        score_prompt: c.score_prompt,
+        checkpoint,
+        choices,
+        received: Instant::now(),
+    };
+    st.metrics.queued.fetch_add(1, Relaxed);
+    st.jobs
+        .lock()
+        .expect("job queue lock")
+        .send(job)
+        .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
     Ok((id, receivers, prompt_tokens))
 }
 
@@ -519,7 +522,12 @@ async fn chat_inner<B: Backend + 'static>(
         // Its tokens mix the reply, the reasoning and channel markers: no honest per-token content list.
         return Err(ApiError::bad("'logprobs' is not available for gpt-oss's harmony replies", Some("logprobs")));
     }
-    let (id, receivers, prompt_tokens) = submit(st, prompt, &c, harmony)?;
+    // A model with recurrent layers keeps a snapshot where this conversation ends, for its next turn.
+    let checkpoint = match (&engine.template, st.opts.prompt_cache && engine.model.is_recurrent()) {
+        (Some(t), true) => ts_engine::reuse::conversation_end(t, &messages, tokenizer, &prompt),
+        _ => None,
+    };
+    let (id, receivers, prompt_tokens) = submit(st, prompt, &c, harmony, checkpoint)?;
     let id = format!("chatcmpl-{id}");
     let filter = || {
         if harmony {
@@ -808,7 +816,7 @@ async fn completions_inner<B: Backend + 'static>(
         let width = if bos_added { 0 } else { text.chars().count() };
         (text, width)
     });
-    let (id, receivers, prompt_tokens) = submit(st, tokens, &c, false)?;
+    let (id, receivers, prompt_tokens) = submit(st, tokens, &c, false, None)?;
     let id = format!("cmpl-{id}");
     let model = st.opts.model_id.clone();
     let created = now_secs();

@@ -1,20 +1,24 @@
 //! The batching loop: one thread owns the sequences. Each iteration admits
-//! waiting requests into free slots, then runs one forward step holding a row
-//! for every sequence that is generating and, up to a budget of rows, the
-//! next pieces of prompts still being read, so each weight (and each expert)
-//! a step needs is read once for all of them and a new prompt does not stall
-//! the replies already streaming.
+//! waiting requests into free slots, then runs one [`Engine::step`] holding a
+//! token for every sequence that is generating and, up to a budget of rows,
+//! the next pieces of prompts still being read, so each weight (and each
+//! expert) a step needs is read once for all of them and a new prompt does
+//! not stall the replies already streaming. Each sequence's tokens and text
+//! come from a [`Decoding`], as in `run` and `chat`.
 
 use crate::metrics::Metrics;
 use rayon::prelude::*;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use ts_engine::sampler::{Sampler, SamplerConfig};
-use ts_engine::session::Engine;
-use ts_model::{Backend, Row, SeqState};
+use ts_engine::decode::{Decoding, Logits, Piece};
+use ts_engine::reuse::CachedSequence;
+use ts_engine::sampler::SamplerConfig;
+use ts_engine::session::{Engine, StopReason};
+use ts_model::{Backend, SeqState};
 
 /// Why a generation ended, as OpenAI names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,41 +79,69 @@ pub enum Event {
     Error(String),
 }
 
-/// A request, validated and tokenized by its handler.
-pub struct Job {
+/// One of a request's choices: its sampler and where its events go.
+pub struct Choice {
     pub id: String,
+    pub sampler: SamplerConfig,
+    pub events: UnboundedSender<Event>,
+}
+
+/// A request, validated and tokenized by its handler. Its choices share the
+/// prompt, which is read once and copied to each choice's sequence.
+pub struct Job {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
-    pub sampler: SamplerConfig,
     pub stop: Vec<String>,
     /// Decode control tokens as text (gpt-oss's harmony markers).
     pub special: bool,
     /// Report each generated token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
     /// Report the prompt tokens' log-probabilities too (with `logprobs`
-    /// alternatives): every prompt row is run with logits, none reused.
+    /// alternatives, to the first choice): every prompt row is run with
+    /// logits, none reused.
     pub score_prompt: bool,
-    pub events: UnboundedSender<Event>,
+    /// A prompt position to keep a snapshot at, with `--prompt-cache`, for a
+    /// model with recurrent layers: where a chat's conversation ends and its
+    /// generation prompt starts.
+    pub checkpoint: Option<usize>,
+    pub choices: Vec<Choice>,
     pub received: Instant,
 }
 
-/// A request being generated.
+impl Job {
+    fn all_gone(&self) -> bool {
+        self.choices.iter().all(|c| c.events.is_closed())
+    }
+}
+
+/// One choice being generated, in a slot.
 struct Active<'a> {
-    job: Job,
+    job: Arc<Job>,
+    /// Index into `job.choices`.
+    choice: usize,
     slot: usize,
-    sampler: Sampler,
-    decoder: ts_tokenizer::StreamDecoder<'a>,
+    decoding: Decoding<'a>,
     /// Prompt tokens already in the cache; generation starts once all are.
     prompt_done: usize,
+    /// Slots reserved for the job's other choices: they get a copy of this
+    /// sequence once its prompt is read.
+    siblings: Vec<(usize, usize)>,
     /// The token to run next (once generating).
     next: u32,
-    generated: usize,
-    /// Text decoded but held back: it could be the start of a stop sequence.
-    held: String,
     /// Log-probabilities of tokens whose text has not been sent yet.
     pending: Vec<TokenLogprob>,
     prefill_time: Duration,
     started: Instant,
+}
+
+impl Active<'_> {
+    fn events(&self) -> &UnboundedSender<Event> {
+        &self.job.choices[self.choice].events
+    }
+
+    fn generating(&self) -> bool {
+        self.prompt_done == self.job.prompt.len()
+    }
 }
 
 /// Rows one forward step takes at most (decode rows first, then prompt pieces);
@@ -121,38 +153,33 @@ const STEP_ROWS: usize = 512;
 const SCORED_ROWS: usize = 64;
 
 /// Runs until the job channel closes.
-/// With `prompt_cache`, a request whose prompt starts like what a free slot's
-/// cache holds reuses those positions instead of reading them again.
+/// With `prompt_cache`, a request whose prompt starts like what a free slot
+/// holds reuses those positions instead of reading them again: an attention
+/// layer rewinds to any position; a model with recurrent layers goes back to
+/// the end of the slot's last prompt (kept as a snapshot), or continues the
+/// slot's state when the prompt extends everything it holds.
 pub fn run<B: Backend>(
     engine: &Engine<B>,
     jobs: Receiver<Job>,
-    slots: usize,
+    n_slots: usize,
     n_ctx: usize,
     prompt_cache: bool,
     metrics: Arc<Metrics>,
 ) {
-    let mut seqs: Vec<SeqState<B::Kv>> = Vec::with_capacity(slots);
-    for _ in 0..slots {
+    let mut slots: Vec<CachedSequence<B>> = Vec::with_capacity(n_slots);
+    for _ in 0..n_slots {
         match engine.new_sequence(n_ctx) {
-            Ok(s) => seqs.push(s),
+            Ok(seq) => slots.push(CachedSequence::new(seq)),
             Err(e) => {
-                tracing::error!("cannot allocate the KV cache of slot {}: {e}", seqs.len());
+                tracing::error!("cannot allocate the state of slot {}: {e}", slots.len());
                 break;
             }
         }
     }
-    let slots = seqs.len();
-    let mut free: Vec<usize> = (0..slots).rev().collect();
-    // Per slot, the tokens whose keys and values its cache holds (positions 0..n_past): with
-    // --prompt-cache a request whose prompt starts the same way reuses them (a chat's earlier
-    // turns, a shared system prompt). Off by default: 8-bit activations make the reused
-    // positions' numbers depend on how they were batched, so the same seed could sample
-    // differently depending on what a slot held.
-    let mut history: Vec<Vec<u32>> = vec![Vec::new(); slots];
-    // A sliding-window layer's ring keeps only the last window + 511 positions: rewinding further
-    // than that past its newest could leave old positions overwritten, so such models reuse less.
-    let sliding = engine.model.cfg.layers.iter().any(|l| l.sliding_window.is_some());
+    let mut free: Vec<usize> = (0..slots.len()).rev().collect();
+    let model = &engine.model;
     let mut active: Vec<Active<'_>> = Vec::new();
+    let mut waiting: VecDeque<Job> = VecDeque::new();
     let mut scratch = engine.scratch();
     let tokenizer = match engine.tokenizer() {
         Ok(t) => t,
@@ -162,9 +189,9 @@ pub fn run<B: Backend>(
         }
     };
     loop {
-        // Admit waiting jobs while slots are free; block only when idle.
-        while !free.is_empty() {
-            let job = if active.is_empty() {
+        // Take in new jobs; block only when there is nothing else to do.
+        loop {
+            let job = if active.is_empty() && waiting.is_empty() {
                 match jobs.recv() {
                     Ok(j) => j,
                     Err(_) => return,
@@ -173,68 +200,89 @@ pub fn run<B: Backend>(
                 match jobs.try_recv() {
                     Ok(j) => j,
                     Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return,
+                    Err(TryRecvError::Disconnected) if active.is_empty() && waiting.is_empty() => return,
+                    Err(TryRecvError::Disconnected) => break,
                 }
             };
+            waiting.push_back(job);
+        }
+        // Admit waiting jobs while slots are free: as many of a job's choices as fit
+        // now (its other choices wait and read the prompt again).
+        while !free.is_empty()
+            && let Some(mut job) = waiting.pop_front()
+        {
             metrics.queued.fetch_sub(1, Relaxed);
-            if job.events.is_closed() {
+            if job.all_gone() {
                 metrics.cancelled.fetch_add(1, Relaxed);
-                tracing::info!(id = %job.id, "client went away before its turn");
+                tracing::info!(id = %job.choices[0].id, "client went away before its turn");
                 continue;
             }
-            let mut sampler = match Sampler::new(job.sampler.clone()) {
-                Ok(s) => s,
-                Err(e) => {
-                    let _ = job.events.send(Event::Error(e.to_string()));
-                    continue;
-                }
-            };
-            for &t in &job.prompt {
-                sampler.accept(t);
+            if job.choices.len() > free.len() {
+                let rest = job.choices.split_off(free.len());
+                waiting.push_front(Job {
+                    prompt: job.prompt.clone(),
+                    stop: job.stop.clone(),
+                    choices: rest,
+                    score_prompt: false,
+                    ..job
+                });
+                metrics.queued.fetch_add(1, Relaxed);
             }
-            // The free slot whose cache shares the longest start with this prompt (at least
-            // one prompt token is run, for its logits).
-            let (pick, reuse) = free
+            let job = Arc::new(job);
+            // The free slot whose state serves the longest start of this prompt.
+            let cacheable = prompt_cache && !job.score_prompt;
+            let (pick, _) = free
                 .iter()
                 .enumerate()
-                .map(|(i, &s)| {
-                    let h = &history[s];
-                    let mut n = h.iter().zip(&job.prompt).take_while(|(a, b)| a == b).count();
-                    n = n.min(job.prompt.len() - 1);
-                    if !prompt_cache || job.score_prompt || (sliding && h.len() - n > 256) {
-                        n = 0;
-                    }
-                    (i, n)
-                })
+                .map(|(i, &s)| (i, if cacheable { slots[s].reusable(model, &job.prompt) } else { 0 }))
                 .max_by_key(|&(i, n)| (n, i))
                 .expect("a free slot");
             let slot = free.remove(pick);
-            history[slot].truncate(reuse);
-            seqs[slot].clear();
-            seqs[slot].n_past = reuse;
+            let reuse = match cacheable {
+                true => slots[slot].prepare(model, &job.prompt).unwrap_or_else(|e| {
+                    tracing::warn!("slot {slot}: going back to its snapshot failed, reading the whole prompt: {e}");
+                    0
+                }),
+                false => {
+                    slots[slot].forget();
+                    0
+                }
+            };
             metrics.prompt_tokens_cached.fetch_add(reuse as u64, Relaxed);
-            metrics.busy.fetch_add(1, Relaxed);
-            active.push(Active {
-                decoder: tokenizer.stream_decoder(job.special),
-                job,
-                slot,
-                sampler,
-                prompt_done: reuse,
-                next: 0,
-                generated: 0,
-                held: String::new(),
-                pending: Vec::new(),
-                prefill_time: Duration::ZERO,
-                started: Instant::now(),
-            });
+            let siblings: Vec<(usize, usize)> =
+                (1..job.choices.len()).map(|c| (c, free.pop().expect("counted"))).collect();
+            metrics.busy.fetch_add(job.choices.len() as u64, Relaxed);
+            match start(&job, 0, tokenizer, &job.prompt) {
+                Ok(decoding) => active.push(Active {
+                    job: job.clone(),
+                    choice: 0,
+                    slot,
+                    decoding,
+                    prompt_done: reuse,
+                    siblings,
+                    next: 0,
+                    pending: Vec::new(),
+                    prefill_time: Duration::ZERO,
+                    started: Instant::now(),
+                }),
+                Err(e) => {
+                    for c in &job.choices {
+                        let _ = c.events.send(Event::Error(e.to_string()));
+                    }
+                    free.push(slot);
+                    free.extend(siblings.iter().map(|&(_, s)| s));
+                    metrics.busy.fetch_sub(job.choices.len() as u64, Relaxed);
+                }
+            }
         }
         active.retain_mut(|a| {
-            let keep = !a.job.events.is_closed();
+            let keep = !a.events().is_closed();
             if !keep {
                 metrics.cancelled.fetch_add(1, Relaxed);
-                metrics.busy.fetch_sub(1, Relaxed);
-                tracing::info!(id = %a.job.id, generated = a.generated, "client went away; slot freed");
+                metrics.busy.fetch_sub(1 + a.siblings.len() as u64, Relaxed);
+                tracing::info!(id = %a.job.choices[a.choice].id, generated = a.decoding.generated(), "client went away; slot freed");
                 free.push(a.slot);
+                free.extend(a.siblings.iter().map(|&(_, s)| s));
             }
             keep
         });
@@ -242,103 +290,155 @@ pub fn run<B: Backend>(
             continue;
         }
 
-        // One step: a row for each generating sequence, then prompt pieces up to the budget.
+        // One step: a token for each generating sequence, then prompt pieces up to the budget.
         let t = Instant::now();
-        let mut rows: Vec<Row> = Vec::new();
-        // Per row with logits: its request, and the prompt position it scores (a prompt row
-        // before the last, for a request scoring its prompt) or None (the row to sample from).
-        let mut wants: Vec<(usize, Option<usize>)> = Vec::new();
+        let mut pieces: Vec<(usize, Vec<u32>, Logits)> = Vec::new();
         for (i, a) in active.iter().enumerate() {
-            if a.prompt_done == a.job.prompt.len() {
-                rows.push(Row { token: a.next, pos: seqs[a.slot].n_past, seq: i, logits: true });
-                wants.push((i, None));
+            if a.generating() {
+                pieces.push((i, vec![a.next], Logits::Last));
             }
         }
-        let decode_rows = rows.len();
-        let mut budget = STEP_ROWS.saturating_sub(rows.len()).max(1);
+        let decode_rows = pieces.len();
+        let mut budget = STEP_ROWS.saturating_sub(decode_rows).max(1);
         let mut prompt_rows = 0;
-        for (i, a) in active.iter_mut().enumerate() {
+        for (i, a) in active.iter().enumerate() {
             let left = a.job.prompt.len() - a.prompt_done;
             if left == 0 || budget == 0 {
                 continue;
             }
             // A request scoring its prompt gets logits for every row: fewer rows per step.
-            let n = left.min(budget).min(if a.job.score_prompt { SCORED_ROWS } else { usize::MAX });
-            for j in 0..n {
-                let last = j + 1 == n && n == left;
-                let pos = a.prompt_done + j;
-                let score = a.job.score_prompt && !last;
-                rows.push(Row { token: a.job.prompt[pos], pos, seq: i, logits: last || score });
-                if last {
-                    wants.push((i, None));
-                } else if score {
-                    wants.push((i, Some(pos)));
-                }
+            let mut n = left.min(budget).min(if a.job.score_prompt { SCORED_ROWS } else { usize::MAX });
+            if prompt_cache && let Some(at) = a.job.checkpoint.filter(|&at| at > a.prompt_done) {
+                // A step ends at the checkpoint, for its snapshot.
+                n = n.min(at - a.prompt_done);
             }
-            a.prompt_done += n;
+            let tokens = a.job.prompt[a.prompt_done..a.prompt_done + n].to_vec();
+            let logits = match (a.job.score_prompt, n == left) {
+                (true, _) => Logits::All,
+                (false, true) => Logits::Last,
+                (false, false) => Logits::None,
+            };
+            pieces.push((i, tokens, logits));
             budget -= n;
             prompt_rows += n;
         }
         let result = {
-            let mut by_slot: Vec<Option<&mut SeqState<B::Kv>>> = seqs.iter_mut().map(Some).collect();
-            let mut step: Vec<&mut SeqState<B::Kv>> =
-                active.iter().map(|a| by_slot[a.slot].take().expect("one sequence per slot")).collect();
+            let mut by_slot: Vec<Option<&mut SeqState<B::State>>> =
+                slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
+            let mut seqs: Vec<&mut SeqState<B::State>> = pieces
+                .iter()
+                .map(|(i, _, _)| by_slot[active[*i].slot].take().expect("one sequence per slot"))
+                .collect();
+            let step: Vec<Piece> = pieces.iter().map(|(_, tokens, logits)| Piece { tokens, logits: *logits }).collect();
             // A panic in a step (a bug) ends the requests in it, not the server.
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                engine.install(|| engine.model.forward(&rows, &mut step, &mut scratch))
-            }))
-            .unwrap_or_else(|p| {
-                let msg =
-                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())))
-            })
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&mut seqs, &step, &mut scratch)))
+                .unwrap_or_else(|p| {
+                    let msg =
+                        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                    Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())).into())
+                })
         };
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
-                // A failed step leaves the caches suspect: end every request in it.
+                // A failed step leaves the states suspect: end every request in it.
                 for a in active.drain(..) {
-                    let _ = a.job.events.send(Event::Error(format!("generation failed: {e}")));
-                    history[a.slot].clear();
+                    let _ = a.events().send(Event::Error(format!("generation failed: {e}")));
+                    slots[a.slot].forget();
                     free.push(a.slot);
-                    metrics.busy.fetch_sub(1, Relaxed);
+                    free.extend(a.siblings.iter().map(|&(_, s)| s));
+                    metrics.busy.fetch_sub(1 + a.siblings.len() as u64, Relaxed);
                 }
                 metrics.errors.fetch_add(1, Relaxed);
                 continue;
             }
         };
-        for r in &rows {
-            history[active[r.seq].slot].push(r.token);
-        }
         metrics.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
         if decode_rows > 0 {
             metrics.record_step(decode_rows, t.elapsed());
         }
-        // Prompt rows scored: the log-probability of the token after each, sent in order.
-        let scored: Vec<(usize, TokenLogprob)> = engine.install(|| {
-            wants
-                .par_iter()
-                .zip(&logits)
-                .filter_map(|(&(i, pos), l)| {
-                    let (job, pos) = (&active[i].job, pos?);
-                    // Prompt pieces show control tokens, as the prompt's text holds their markers.
-                    let piece = |id| token_bytes(tokenizer, id, true);
-                    Some((i, token_logprob(l, job.prompt[pos + 1], job.logprobs.unwrap_or(0), piece)))
-                })
-                .collect()
-        });
-        for group in scored.chunk_by(|a, b| a.0 == b.0) {
-            let entries = group.iter().map(|(_, t)| t.clone()).collect();
-            let _ = active[group[0].0].job.events.send(Event::Prompt(entries));
-        }
-        // Sample every row that has logits, in parallel (each touches only its own sequence).
+        // Per active: the logits row to sample from, once its prompt is read.
         let mut row_of: Vec<Option<&Vec<f32>>> = vec![None; active.len()];
-        for (&(i, pos), l) in wants.iter().zip(&logits) {
-            if pos.is_none() {
-                row_of[i] = Some(l);
+        for ((i, tokens, _), rows) in pieces.iter().zip(&logits) {
+            let a = &mut active[*i];
+            slots[a.slot].ran(tokens);
+            if !a.generating() {
+                a.prompt_done += tokens.len();
+                if prompt_cache
+                    && (a.job.checkpoint == Some(a.prompt_done) || a.generating())
+                    && let Err(e) = slots[a.slot].remember(model)
+                {
+                    tracing::warn!("slot {}: no snapshot at position {}: {e}", a.slot, a.prompt_done);
+                }
+                if a.job.score_prompt {
+                    // Prompt rows scored: the log-probability of the token after each.
+                    let start = a.prompt_done - tokens.len();
+                    let upto = rows.len() - usize::from(a.generating());
+                    let prompt = &a.job.prompt;
+                    let top = a.job.logprobs.unwrap_or(0);
+                    let entries: Vec<TokenLogprob> = engine.install(|| {
+                        (0..upto)
+                            .into_par_iter()
+                            .map(|j| {
+                                // Prompt pieces show control tokens, as the prompt's text holds their markers.
+                                token_logprob(&rows[j], prompt[start + j + 1], top, |id| {
+                                    token_bytes(tokenizer, id, true)
+                                })
+                            })
+                            .collect()
+                    });
+                    let _ = a.events().send(Event::Prompt(entries));
+                }
+                if a.generating() {
+                    a.prefill_time = a.started.elapsed();
+                    row_of[*i] = rows.last();
+                }
+            } else {
+                row_of[*i] = rows.last();
             }
         }
-        let seqs_ref = &seqs;
+        // Choices sharing a prompt just read: each gets a copy of the sequence.
+        let mut spawned = Vec::new();
+        for (i, a) in active.iter_mut().enumerate() {
+            if row_of[i].is_none() || a.siblings.is_empty() {
+                continue;
+            }
+            for (choice, slot) in std::mem::take(&mut a.siblings) {
+                let copied = {
+                    let (src, dst) = two_mut(&mut slots, a.slot, slot);
+                    dst.copy_from(model, src)
+                };
+                let decoding = copied.and_then(|()| start(&a.job, choice, tokenizer, &a.job.prompt));
+                match decoding {
+                    Ok(decoding) => spawned.push((
+                        i,
+                        Active {
+                            job: a.job.clone(),
+                            choice,
+                            slot,
+                            decoding,
+                            prompt_done: a.job.prompt.len(),
+                            siblings: Vec::new(),
+                            next: 0,
+                            pending: Vec::new(),
+                            prefill_time: a.prefill_time,
+                            started: a.started,
+                        },
+                    )),
+                    Err(e) => {
+                        let _ = a.job.choices[choice].events.send(Event::Error(format!("generation failed: {e}")));
+                        free.push(slot);
+                        metrics.busy.fetch_sub(1, Relaxed);
+                    }
+                }
+            }
+        }
+        for (i, s) in spawned {
+            row_of.push(row_of[i]);
+            active.push(s);
+        }
+        // Sample every sequence that has logits, in parallel (each touches only its own state).
+        let slots_ref = &slots;
         let metrics_ref = &metrics;
         let mut finished: Vec<(usize, Finish)> = engine.install(|| {
             active
@@ -346,11 +446,8 @@ pub fn run<B: Backend>(
                 .zip(row_of.par_iter())
                 .enumerate()
                 .filter_map(|(i, (a, l))| {
-                    let l = (*l)?;
-                    if a.generated == 0 && a.prefill_time.is_zero() {
-                        a.prefill_time = a.started.elapsed();
-                    }
-                    step_one(a, l, tokenizer, &seqs_ref[a.slot], metrics_ref).map(|f| (i, f))
+                    let seq = &slots_ref[a.slot].seq;
+                    step_one(a, (*l)?, tokenizer, seq.n_ctx - seq.n_past, metrics_ref).map(|f| (i, f))
                 })
                 .collect()
         });
@@ -358,10 +455,33 @@ pub fn run<B: Backend>(
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in finished {
             let a = active.remove(i);
-            finish_job(a.job, finish, a.generated, a.prefill_time, a.started, &metrics);
+            finish_job(&a, finish, &metrics);
             free.push(a.slot);
             metrics.busy.fetch_sub(1, Relaxed);
         }
+    }
+}
+
+/// A [`Decoding`] for choice `choice` of `job`.
+fn start<'t>(
+    job: &Job,
+    choice: usize,
+    tokenizer: &'t ts_tokenizer::Tokenizer,
+    prompt: &[u32],
+) -> Result<Decoding<'t>, ts_engine::session::EngineError> {
+    let c = &job.choices[choice];
+    Decoding::new(tokenizer, &c.sampler, prompt, job.max_tokens, job.special, job.stop.clone())
+}
+
+/// Mutable references to two different slots.
+fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    assert_ne!(a, b, "two different slots");
+    if a < b {
+        let (lo, hi) = v.split_at_mut(b);
+        (&mut lo[a], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(a);
+        (&mut hi[0], &mut lo[b])
     }
 }
 
@@ -371,72 +491,38 @@ fn step_one(
     a: &mut Active<'_>,
     logits: &[f32],
     tokenizer: &ts_tokenizer::Tokenizer,
-    seq: &SeqState<impl Send + Sync>,
+    room: usize,
     metrics: &Metrics,
 ) -> Option<Finish> {
-    if a.job.max_tokens == 0 {
-        // A prompt scored, nothing to generate.
-        return Some(Finish::Length);
-    }
-    let token = match a.sampler.try_sample(logits) {
-        Ok(t) => t,
+    let next = match a.decoding.next(logits, room) {
+        Ok(n) => n,
         Err(e) => {
-            let _ = a.job.events.send(Event::Error(e.to_string()));
+            let _ = a.events().send(Event::Error(e.to_string()));
             return Some(Finish::Stop);
         }
     };
-    a.sampler.accept(token);
-    if tokenizer.is_eog(token) {
-        flush(a);
-        return Some(Finish::Stop);
+    if let Some(token) = next.token
+        && next.stop != Some(StopReason::EndOfGeneration)
+    {
+        metrics.completion_tokens.fetch_add(1, Relaxed);
+        if let Some(top) = a.job.logprobs {
+            // Rendered as the reply's text renders them, so that offsets line up.
+            let special = a.job.special;
+            a.pending.push(token_logprob(logits, token, top, |id| token_bytes(tokenizer, id, special)));
+        }
+        a.next = token;
     }
-    if let Some(top) = a.job.logprobs {
-        // Rendered as the reply's text renders them, so that offsets line up.
-        let special = a.job.special;
-        a.pending.push(token_logprob(logits, token, top, |id| token_bytes(tokenizer, id, special)));
-    }
-    a.generated += 1;
-    metrics.completion_tokens.fetch_add(1, Relaxed);
-    a.next = token;
-    let text = a.decoder.push(token).unwrap_or_default();
-    a.held.push_str(&text);
-    // A stop sequence ends the text before it.
-    if let Some(cut) = a.job.stop.iter().filter_map(|s| a.held.find(s.as_str())).min() {
-        a.held.truncate(cut);
-        flush(a);
-        return Some(Finish::Stop);
-    }
-    // Hold back a tail that could still grow into a stop sequence.
-    let keep = a.job.stop.iter().map(|s| longest_prefix_suffix(&a.held, s)).max().unwrap_or(0);
-    let cut = a.held.len() - keep;
-    if cut > 0 {
-        let text: String = a.held.drain(..cut).collect();
-        if a.job.events.send(Event::Text { text, logprobs: std::mem::take(&mut a.pending) }).is_err() {
+    let finish = next.stop.map(|s| match s {
+        StopReason::EndOfGeneration | StopReason::Stop | StopReason::Caller => Finish::Stop,
+        StopReason::Length | StopReason::ContextFull => Finish::Length,
+    });
+    if !next.text.is_empty() || (finish.is_some() && !a.pending.is_empty()) {
+        let event = Event::Text { text: next.text, logprobs: std::mem::take(&mut a.pending) };
+        if a.events().send(event).is_err() {
             return Some(Finish::Gone);
         }
     }
-    if a.generated >= a.job.max_tokens || seq.n_past + 1 >= seq.n_ctx {
-        a.held.push_str(&a.decoder.finish());
-        flush(a);
-        return Some(Finish::Length);
-    }
-    None
-}
-
-/// Length of the longest suffix of `text` that is a proper prefix of `stop`, on a char boundary.
-fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
-    let max = stop.len().saturating_sub(1).min(text.len());
-    (1..=max)
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
-}
-
-fn flush(a: &mut Active<'_>) {
-    if !a.held.is_empty() || !a.pending.is_empty() {
-        let (text, logprobs) = (std::mem::take(&mut a.held), std::mem::take(&mut a.pending));
-        let _ = a.job.events.send(Event::Text { text, logprobs });
-    }
+    finish
 }
 
 /// A token's bytes; control tokens' text only with `special`.
@@ -463,31 +549,33 @@ fn token_logprob(logits: &[f32], token: u32, top: usize, piece: impl Fn(u32) -> 
     TokenLogprob { chosen: choice(token), top: ids.into_iter().map(choice).collect() }
 }
 
-fn finish_job(job: Job, finish: Finish, generated: usize, prefill: Duration, started: Instant, metrics: &Metrics) {
+fn finish_job(a: &Active<'_>, finish: Finish, metrics: &Metrics) {
+    let (job, id, generated) = (&a.job, &a.job.choices[a.choice].id, a.decoding.generated());
     if finish == Finish::Gone {
         metrics.cancelled.fetch_add(1, Relaxed);
-        tracing::info!(id = %job.id, generated, "client went away; slot freed");
+        tracing::info!(id = %id, generated, "client went away; slot freed");
         return;
     }
-    let decode = started.elapsed().saturating_sub(prefill);
-    let queue = started.duration_since(job.received);
+    let decode = a.started.elapsed().saturating_sub(a.prefill_time);
+    let queue = a.started.duration_since(job.received);
     tracing::info!(
-        id = %job.id,
+        id = %id,
         prompt_tokens = job.prompt.len(),
         completion_tokens = generated,
         queue_ms = queue.as_millis() as u64,
-        prefill_ms = prefill.as_millis() as u64,
+        prefill_ms = a.prefill_time.as_millis() as u64,
         decode_tps = format!("{:.1}", generated as f64 / decode.as_secs_f64().max(1e-9)),
         finish = finish.as_str(),
         "request done"
     );
     metrics.requests_done.fetch_add(1, Relaxed);
-    let _ = job.events.send(Event::Done { finish, prompt_tokens: job.prompt.len(), completion_tokens: generated });
+    let done = Event::Done { finish, prompt_tokens: job.prompt.len(), completion_tokens: generated };
+    let _ = a.events().send(done);
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_prefix_suffix, token_logprob};
+    use super::token_logprob;
 
     #[test]
     fn logprobs_are_a_log_softmax() {
@@ -502,14 +590,5 @@ mod tests {
         assert!((t.top[0].logprob as f64 - (3.0 - z.ln())).abs() < 1e-6);
         assert_eq!(token_logprob(&logits, 0, 0, piece).top.len(), 0);
         assert_eq!(token_logprob(&logits, 0, 9, piece).top.len(), 5);
-    }
-
-    #[test]
-    fn held_back_tail() {
-        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
-        assert_eq!(longest_prefix_suffix("hello", "xyz"), 0);
-        assert_eq!(longest_prefix_suffix("ab", "abc"), 2);
-        assert_eq!(longest_prefix_suffix("abc", "abc"), 0);
-        assert_eq!(longest_prefix_suffix("xaba", "abab"), 3);
     }
 }

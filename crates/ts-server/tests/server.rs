@@ -15,15 +15,21 @@ use ts_server::{Running, ServeOptions};
 const MODEL: &str = "smollm2-135m-instruct-q4_1.gguf";
 const ID: &str = "smollm2";
 
-fn start(slot_ctx: usize) -> Option<Running> {
+/// The real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+fn model() -> std::path::PathBuf {
+    let path = ts_testkit::models_dir().join(MODEL);
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
+    path
+}
+
+fn start(slot_ctx: usize) -> Running {
     start_with(slot_ctx, false)
 }
 
-fn start_with(slot_ctx: usize, prompt_cache: bool) -> Option<Running> {
-    let path = ts_testkit::real_model(MODEL)?;
-    let engine = Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+fn start_with(slot_ctx: usize, prompt_cache: bool) -> Running {
+    let engine = Engine::load(model(), &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
     let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20, prompt_cache };
-    Some(ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap())
+    ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
 /// Status, headers and body of one HTTP/1.0 exchange (the server closes after it).
@@ -70,7 +76,7 @@ fn content(v: &Value) -> String {
 
 #[test]
 fn endpoints_batching_stops_and_seeds() {
-    let Some(server) = start(1024) else { return };
+    let server = start(1024);
     let addr = server.addr;
 
     let (status, _, body) = http(addr, "GET", "/health", b"");
@@ -174,7 +180,7 @@ fn endpoints_batching_stops_and_seeds() {
 
 #[test]
 fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
-    let Some(server) = start(256) else { return };
+    let server = start(256);
     let addr = server.addr;
     let ok = json!({"model": ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
     let with = |k: &str, v: Value| {
@@ -275,11 +281,9 @@ fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
 /// exception types. `tools/test.sh` makes the environment and sets `TURBOSPARK_OPENAI_PYTHON`.
 #[test]
 fn openai_python_client() {
-    let Some(python) = std::env::var_os("TURBOSPARK_OPENAI_PYTHON") else {
-        eprintln!("skipped: TURBOSPARK_OPENAI_PYTHON is not set (tools/server-test/setup.sh makes one)");
-        return;
-    };
-    let Some(server) = start(1024) else { return };
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let server = start(1024);
     let script = ts_testkit::repo_root().join("tools/server-test/openai_e2e.py");
     let out = std::process::Command::new(python)
         .arg(&script)
@@ -295,7 +299,7 @@ fn openai_python_client() {
 /// With --prompt-cache, a second chat turn reads only what the first did not leave in a slot.
 #[test]
 fn second_turn_reuses_the_cached_first_turn() {
-    let Some(server) = start_with(1024, true) else { return };
+    let server = start_with(1024, true);
     let addr = server.addr;
     let first_turn = chat(addr, "Name a fruit.", json!({"temperature": 0}));
     let reply = content(&first_turn);
@@ -319,7 +323,7 @@ fn second_turn_reuses_the_cached_first_turn() {
 /// plain request correctly afterwards.
 #[test]
 fn randomly_mangled_requests_never_break_the_server() {
-    let Some(server) = start(48) else { return };
+    let server = start(48);
     let addr = server.addr;
     let mut rng = ts_testkit::Rng::new(2026);
     let values = |rng: &mut ts_testkit::Rng| -> Value {
@@ -400,9 +404,9 @@ fn randomly_mangled_requests_never_break_the_server() {
 /// chat's logprobs, logit_bias, echo, and the requests that must be refused.
 #[test]
 fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
-    let Some(server) = start(1024) else { return };
+    let server = start(1024);
     let addr = server.addr;
-    let tokenizer = ts_tokenizer::Tokenizer::from_gguf(ts_testkit::real_model(MODEL).unwrap()).unwrap();
+    let tokenizer = ts_tokenizer::Tokenizer::from_gguf(model()).unwrap();
     let piece = |id: u64| String::from_utf8_lossy(&tokenizer.token_to_piece(id as u32, true).unwrap()).into_owned();
     let path = ts_testkit::repo_root().join("tests/data/llama-cpp/greedy.json");
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -583,7 +587,7 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
 /// `/detokenize` gives the text back; `/v1/models` says the context per request.
 #[test]
 fn tokenize_and_detokenize_match_llama_cpp() {
-    let Some(server) = start(1024) else { return };
+    let server = start(1024);
     let addr = server.addr;
     let path = ts_testkit::repo_root().join("tests/data/llama-cpp/greedy.json");
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -614,4 +618,74 @@ fn tokenize_and_detokenize_match_llama_cpp() {
     let (_, _, body) = http(addr, "GET", "/v1/models", b"");
     let models: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(models["data"][0]["max_model_len"], 1024, "the context of one request");
+}
+
+/// A model with recurrent layers (the qwen3_5_moe fixture, F32: its Gated DeltaNet
+/// layers cannot rewind) behind a server with `--prompt-cache` when `prompt_cache`.
+fn start_hybrid(prompt_cache: bool) -> (Running, Engine) {
+    let path = ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf");
+    let load = || Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+    let opts = ServeOptions { model_id: ID.into(), parallel: 3, slot_ctx: 512, max_body: 1 << 20, prompt_cache };
+    (ts_server::spawn(load(), opts, "127.0.0.1:0".parse().unwrap()).unwrap(), load())
+}
+
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (_, _, m) = http(addr, "GET", "/metrics", b"");
+    m.lines().find_map(|l| l.strip_prefix(&format!("turbospark_{name} "))).unwrap().parse().unwrap()
+}
+
+/// The second turn of a chat with a hybrid model reads only what the first did not
+/// leave: the slot goes back to its snapshot of where the first conversation ended
+/// (before the generation prompt, which the template renders differently once the
+/// reply is in the history), and its logits equal those of reading everything.
+#[test]
+fn hybrid_second_turn_reads_only_the_new_tokens() {
+    let ((cached, engine), (plain, _)) = (start_hybrid(true), start_hybrid(false));
+    let first: Vec<Value> = vec![json!({"role": "user", "content": "Tell me about the sea."})];
+    let turn = |addr, messages: &[Value]| {
+        let req = json!({"model": ID, "messages": messages, "max_tokens": 6, "temperature": 0,
+                         "logprobs": true, "top_logprobs": 3});
+        let (status, v) = post(addr, "/v1/chat/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let one = turn(cached.addr, &first);
+    let mut second = first.clone();
+    second.push(json!({"role": "assistant", "content": content(&one)}));
+    second.push(json!({"role": "user", "content": "And the mountains?"}));
+    let (read_before, kept_before) =
+        (metric(cached.addr, "prompt_tokens_total"), metric(cached.addr, "prompt_tokens_cached_total"));
+    let two = turn(cached.addr, &second);
+    let read = metric(cached.addr, "prompt_tokens_total") - read_before;
+    let kept = metric(cached.addr, "prompt_tokens_cached_total") - kept_before;
+
+    // Where the first conversation ends: its messages rendered without the generation prompt.
+    let messages: Vec<ts_engine::chat::ChatMessage> = serde_json::from_value(json!(first)).unwrap();
+    let text = engine.template.as_ref().unwrap().render(&messages, false).unwrap();
+    let conversation = engine.tokenizer().unwrap().encode(&text, false, true).unwrap().len() as f64;
+    let prompt = two["usage"]["prompt_tokens"].as_f64().unwrap();
+    println!("second turn: {prompt} prompt tokens, {kept} kept from the first turn, {read} read");
+    assert_eq!(kept, conversation, "the slot goes back to the end of the first conversation");
+    assert_eq!(read, prompt - conversation, "only the new tokens are read");
+
+    // The same turn on a server that reads everything: the same tokens and log-probabilities.
+    let again = turn(plain.addr, &second);
+    let entries = |v: &Value| v["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    let (a, b) = (entries(&two), entries(&again));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["token"], y["token"], "{x} vs {y}");
+        let (lx, ly) = (x["logprob"].as_f64().unwrap(), y["logprob"].as_f64().unwrap());
+        assert!((lx - ly).abs() < 1e-3, "log-probability {lx} vs {ly}");
+    }
+
+    // n choices read the prompt once and copy the state: greedy choices equal the single reply.
+    let req = json!({"model": ID, "messages": second, "max_tokens": 6, "temperature": 0, "n": 3});
+    let (status, three) = post(plain.addr, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{three}");
+    for c in three["choices"].as_array().unwrap() {
+        assert_eq!(c["message"]["content"], again["choices"][0]["message"]["content"], "{three}");
+    }
+    cached.stop().unwrap();
+    plain.stop().unwrap();
 }

@@ -134,7 +134,7 @@ fn cut_down_files_open_and_run_in_the_engine() {
         assert_eq!((cfg.n_head, cfg.n_head_kv, cfg.head_dim), (s.n_head, s.n_head_kv, s.head_dim), "{name}");
         let moe = cfg.moe.as_ref().unwrap();
         assert_eq!((moe.n_expert, moe.n_expert_used, moe.n_ff_exp), (s.n_expert, s.n_expert_used, s.n_ff_exp));
-        let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window).collect();
+        let windows: Vec<_> = cfg.layers.iter().map(|l| l.sliding_window()).collect();
         match s.family {
             Family::GptOss => assert_eq!(windows, [Some(128), None][..layers]),
             _ => assert!(windows.iter().all(Option::is_none)),

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
 use ts_engine::chat::{ChatMessage, ChatTemplate};
 use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes, parse_size};
+use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
@@ -382,8 +383,9 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
     if let Some(s) = &args.system {
         messages.push(ChatMessage { role: "system".into(), content: s.clone() });
     }
-    let mut seq = engine.new_sequence(n_ctx)?;
-    let mut cached: Vec<u32> = Vec::new();
+    // Each turn reads only what is new: the conversation so far stays in the
+    // sequence (a recurrent model goes back to where the last prompt ended).
+    let mut cached = CachedSequence::new(engine.new_sequence(n_ctx)?);
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {
@@ -402,12 +404,21 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
         let rendered = template.render(&messages, true)?;
         // The template emits BOS itself where the model wants one.
         let tokens = engine.tokenizer()?.encode(&rendered, false, true)?;
-        // Reuse the cache for the common prefix of the last turn's tokens.
-        let common = cached.iter().zip(&tokens).take_while(|(a, b)| a == b).count().min(tokens.len() - 1);
-        if common < seq.n_past {
-            seq.clear();
-            engine.prefill(&mut seq, &tokens[..common], false)?;
+        let t0 = std::time::Instant::now();
+        let common = cached.prepare(&engine.model, &tokens)?;
+        // Read up to where the conversation ends (remembered for the next turn), then the rest.
+        let tokenizer = engine.tokenizer()?;
+        let split = conversation_end(template, &messages, tokenizer, &tokens).filter(|&at| at > common);
+        if let Some(at) = split {
+            engine.prefill(&mut cached.seq, &tokens[common..at], false)?;
+            cached.ran(&tokens[common..at]);
+            cached.remember(&engine.model)?;
         }
+        let from = split.unwrap_or(common);
+        let logits = engine.prefill(&mut cached.seq, &tokens[from..], false)?.pop().expect("one prompt token is run");
+        let prompt_time = t0.elapsed();
+        cached.ran(&tokens[from..]);
+        cached.remember(&engine.model)?;
         let mut reply = String::new();
         let mut parser = HarmonyParser::new();
         let mut channel = Channel::Unspecified;
@@ -432,15 +443,18 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
             }
         };
         let sampler = args.sampling.config();
-        let (generated, stats) =
-            engine.generate(&mut seq, &tokens[common..], args.n_predict, &sampler, harmony, |t| {
+        let (generated, mut stats) =
+            engine.decode(&mut cached.seq, logits, &tokens, args.n_predict, &sampler, harmony, |t| {
                 emit(t, &mut out);
                 true
             })?;
+        stats.prompt_tokens = tokens.len() - common;
+        stats.prompt_time = prompt_time;
         writeln!(out)?;
         drop(out);
-        cached = tokens;
-        cached.extend_from_slice(&generated);
+        // The last generated token was sampled, not run: the sequence holds the ones before it.
+        let ran = generated.len().min(cached.seq.n_past - cached.history.len());
+        cached.ran(&generated[..ran]);
         if interactive {
             report(&stats);
         }

@@ -1,0 +1,194 @@
+//! The one loop every caller steps sequences through: [`Engine::step`] runs
+//! pieces of several sequences in one forward pass, and a [`Decoding`] turns
+//! one sequence's logits into its next token and its text (sampling, end of
+//! generation, stop sequences, the token limit, a full context). `run`, `chat`,
+//! `perplexity` and the server's scheduler all go through these two.
+
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::session::{Engine, EngineError, StopReason};
+use ts_model::{Backend, Row, SeqState};
+use ts_tokenizer::{StreamDecoder, Tokenizer};
+
+/// Which rows of a piece of a sequence give logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    /// The piece's last token.
+    Last,
+    /// Every token of the piece.
+    All,
+}
+
+/// Tokens to run after what a sequence holds, in one step.
+#[derive(Clone, Copy, Debug)]
+pub struct Piece<'a> {
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+}
+
+impl<B: Backend> Engine<B> {
+    /// One forward pass over a piece of each sequence (`pieces[i]` continues
+    /// `seqs[i]` at its `n_past`); every weight is read once for all of them.
+    /// Returns, per sequence, the logits rows its piece asked for.
+    pub fn step(
+        &self,
+        seqs: &mut [&mut SeqState<B::State>],
+        pieces: &[Piece],
+        scratch: &mut B::Scratch,
+    ) -> Result<Vec<Vec<Vec<f32>>>, EngineError> {
+        if seqs.len() != pieces.len() {
+            return Err(EngineError::Invalid(format!("{} pieces for {} sequences", pieces.len(), seqs.len())));
+        }
+        let mut rows = Vec::with_capacity(pieces.iter().map(|p| p.tokens.len()).sum());
+        for (i, (seq, piece)) in seqs.iter().zip(pieces).enumerate() {
+            if seq.n_past + piece.tokens.len() > seq.n_ctx {
+                return Err(EngineError::PromptTooLong { tokens: seq.n_past + piece.tokens.len(), n_ctx: seq.n_ctx });
+            }
+            let last = piece.tokens.len().saturating_sub(1);
+            rows.extend(piece.tokens.iter().enumerate().map(|(j, &token)| Row {
+                token,
+                pos: seq.n_past + j,
+                seq: i,
+                logits: match piece.logits {
+                    Logits::None => false,
+                    Logits::Last => j == last,
+                    Logits::All => true,
+                },
+            }));
+        }
+        let mut logits = self.install(|| self.model.forward(&rows, seqs, scratch))?.into_iter();
+        Ok(pieces
+            .iter()
+            .map(|p| {
+                let n = match p.logits {
+                    Logits::None => 0,
+                    Logits::Last => p.tokens.len().min(1),
+                    Logits::All => p.tokens.len(),
+                };
+                logits.by_ref().take(n).collect()
+            })
+            .collect())
+    }
+}
+
+/// What one [`Decoding::next`] produced.
+#[derive(Clone, Debug, Default)]
+pub struct Next {
+    /// The sampled token (also when it ends the generation).
+    pub token: Option<u32>,
+    /// Text to show now: whole UTF-8, with any tail that could still become a
+    /// stop sequence held back.
+    pub text: String,
+    /// Why the generation is over, if it is; else `token` is to be run next.
+    pub stop: Option<StopReason>,
+}
+
+/// One sequence's generation: its sampler, its text so far, and the rules
+/// that end it.
+pub struct Decoding<'t> {
+    sampler: Sampler,
+    tokenizer: &'t Tokenizer,
+    decoder: StreamDecoder<'t>,
+    stop: Vec<String>,
+    max_tokens: usize,
+    generated: usize,
+    /// Decoded text held back: it could be the start of a stop sequence.
+    held: String,
+}
+
+impl<'t> Decoding<'t> {
+    /// A generation of at most `max_tokens` after `history` (the tokens the
+    /// sequence holds, for the sampler's penalties); with `special`, control
+    /// tokens appear as their text; it stops before any of `stop`.
+    pub fn new(
+        tokenizer: &'t Tokenizer,
+        sampler: &SamplerConfig,
+        history: &[u32],
+        max_tokens: usize,
+        special: bool,
+        stop: Vec<String>,
+    ) -> Result<Decoding<'t>, EngineError> {
+        let mut sampler = Sampler::new(sampler.clone())?;
+        for &t in history {
+            sampler.accept(t);
+        }
+        Ok(Decoding {
+            sampler,
+            tokenizer,
+            decoder: tokenizer.stream_decoder(special),
+            stop,
+            max_tokens,
+            generated: 0,
+            held: String::new(),
+        })
+    }
+
+    /// Tokens generated so far (an end-of-generation token not counted).
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+
+    /// Samples from `logits` (the sequence's last row, with `room` positions
+    /// left in its context) and says what to show and whether to go on.
+    pub fn next(&mut self, logits: &[f32], room: usize) -> Result<Next, EngineError> {
+        if self.max_tokens == 0 {
+            return Ok(Next { stop: Some(StopReason::Length), ..Next::default() });
+        }
+        let token = self.sampler.try_sample(logits)?;
+        self.sampler.accept(token);
+        if self.tokenizer.is_eog(token) {
+            return Ok(Next { token: Some(token), text: self.finish(), stop: Some(StopReason::EndOfGeneration) });
+        }
+        self.generated += 1;
+        self.held.push_str(&self.decoder.push(token)?);
+        // A stop sequence ends the text before it.
+        if let Some(cut) = self.stop.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.held.truncate(cut);
+            return Ok(Next { token: Some(token), text: std::mem::take(&mut self.held), stop: Some(StopReason::Stop) });
+        }
+        let stop = if self.generated >= self.max_tokens {
+            Some(StopReason::Length)
+        } else if room == 0 {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        };
+        if stop.is_some() {
+            return Ok(Next { token: Some(token), text: self.finish(), stop });
+        }
+        // Hold back a tail that could still grow into a stop sequence.
+        let keep = self.stop.iter().map(|s| longest_prefix_suffix(&self.held, s)).max().unwrap_or(0);
+        let text = self.held.drain(..self.held.len() - keep).collect();
+        Ok(Next { token: Some(token), text, stop: None })
+    }
+
+    /// Everything held back, and the decoder's incomplete tail.
+    fn finish(&mut self) -> String {
+        let tail = self.decoder.finish();
+        self.held.push_str(&tail);
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`, on a char boundary.
+pub fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    let max = stop.len().saturating_sub(1).min(text.len());
+    (1..=max)
+        .rev()
+        .find(|&n| text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::longest_prefix_suffix;
+
+    #[test]
+    fn held_back_tail() {
+        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
+        assert_eq!(longest_prefix_suffix("hello", "xyz"), 0);
+        assert_eq!(longest_prefix_suffix("ab", "abc"), 2);
+        assert_eq!(longest_prefix_suffix("abc", "abc"), 0);
+        assert_eq!(longest_prefix_suffix("xaba", "abab"), 3);
+    }
+}

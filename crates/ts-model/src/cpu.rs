@@ -1,0 +1,346 @@
+//! The CPU backend: rayon threads over the SIMD kernels of `ts-cpu`; the
+//! reference every other backend is tested against, op by op.
+
+use crate::ModelError;
+use crate::backend::{AttnShape, Backend, DeltaNetParams};
+use crate::config::GatedActivation;
+use crate::forward::{Model, Row, Scratch, linear};
+use crate::state::{CpuState, LayerState, RecurrentState, SeqState, sequence_runs};
+use crate::tensors::MoeWeights;
+use crate::weights::Weight;
+use rayon::prelude::*;
+use ts_cpu::delta_net::{self as dn, HeadInputs};
+use ts_cpu::ops::{self, AttentionParams, Rope};
+
+/// The CPU: rayon threads, SIMD kernels of `ts-cpu`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl Backend for Cpu {
+    type Act = Vec<f32>;
+    type State = CpuState;
+    type Recurrent = Vec<RecurrentState>;
+    type Scratch = Scratch;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn scratch(&self, exact_activations: bool) -> Scratch {
+        if exact_activations { Scratch::exact() } else { Scratch::default() }
+    }
+
+    fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<CpuState, ModelError> {
+        Ok(CpuState::new(&model.cfg, n_ctx, max_chunk))
+    }
+
+    fn save_recurrent(&self, state: &CpuState) -> Result<Vec<RecurrentState>, ModelError> {
+        Ok(state.snapshot())
+    }
+
+    fn restore_recurrent(&self, state: &mut CpuState, saved: &Vec<RecurrentState>) -> Result<(), ModelError> {
+        state.restore(saved);
+        Ok(())
+    }
+
+    fn copy_state(&self, src: &CpuState, dst: &mut CpuState, n_past: usize) -> Result<(), ModelError> {
+        dst.copy_from(src, n_past);
+        Ok(())
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let e = table.row_len();
+        let row_bytes = table.row_bytes();
+        let mut x = vec![0f32; tokens.len() * e];
+        for (&t, out) in tokens.iter().zip(x.chunks_exact_mut(e)) {
+            let t = t as usize;
+            ts_quant::dequantize(table.ty, &table.bytes()[t * row_bytes..(t + 1) * row_bytes], out)
+                .map_err(|err| ModelError::Compute(format!("{}: {err}", table.name)))?;
+        }
+        Ok(x)
+    }
+
+    fn linear(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::new();
+        linear(w, x, m, s, &mut out)?;
+        if let Some(b) = bias {
+            ops::add_bias_rows(&mut out, b);
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
+        ops::rms_norm_pieces(x, piece, w, eps);
+        Ok(())
+    }
+
+    fn rms_norm_to(&self, x: &Vec<f32>, w: &[f32], eps: f32) -> Result<Vec<f32>, ModelError> {
+        let e = w.len();
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
+        Ok(out)
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), ModelError> {
+        ops::add_inplace(x, y);
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), ModelError> {
+        ops::scale_inplace(x, s);
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut Vec<f32>, c: f32) -> Result<(), ModelError> {
+        x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+        Ok(())
+    }
+
+    fn gated(&self, act: GatedActivation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<(), ModelError> {
+        gated_activation(act, gate, up);
+        Ok(())
+    }
+
+    fn rope(&self, _il: usize, rope: &Rope, x: &mut Vec<f32>, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
+        let width = x.len() / rows.len().max(1);
+        for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
+            rope.apply(xr, head_dim, r.pos as u32);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        il: usize,
+        shape: &AttnShape,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<CpuState>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+        let (q_dim, kv_dim, v_dim) = (shape.n_head * hd, shape.n_head_kv * hd, shape.n_head_kv * hdv);
+        for (i, r) in rows.iter().enumerate() {
+            let cache = kv_cache_mut(seqs[r.seq], il)?;
+            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+        }
+        let group = shape.n_head / shape.n_head_kv;
+        let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
+        let seqs: &[&mut SeqState<CpuState>] = seqs;
+        out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
+            let (i, h) = (idx / shape.n_head, idx % shape.n_head);
+            let r = rows[i];
+            let LayerState::Kv(cache) = &seqs[r.seq].state.layers[il] else { unreachable!("checked above") };
+            let kvh = h / group;
+            let params =
+                AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
+            let visible = cache.visible(r.pos);
+            ops::attend(
+                &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
+                visible.map(|p| cache.value(p, kvh * hdv, hdv)),
+                &params,
+                scores,
+                o,
+            );
+        });
+        Ok(out)
+    }
+
+    fn split_heads(
+        &self,
+        x: &Vec<f32>,
+        m: usize,
+        n_heads: usize,
+        a: usize,
+        b: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let (mut xa, mut xb) = (Vec::with_capacity(m * n_heads * a), Vec::with_capacity(m * n_heads * b));
+        for group in x.chunks_exact(a + b).take(m * n_heads) {
+            xa.extend_from_slice(&group[..a]);
+            xb.extend_from_slice(&group[a..]);
+        }
+        Ok((xa, xb))
+    }
+
+    fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
+        x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
+        Ok(())
+    }
+
+    fn conv_silu(
+        &self,
+        il: usize,
+        taps: &[f32],
+        kernel: usize,
+        x: &Vec<f32>,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<CpuState>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let channels = taps.len() / kernel;
+        let runs = sequence_runs(rows, seqs)?;
+        let mut out = vec![0f32; x.len()];
+        for run in &runs {
+            let st = recurrent_mut(seqs[run.seq], il)?;
+            if run.fresh {
+                st.conv.fill(0.0);
+            }
+            let xs: Vec<f32> =
+                run.rows.iter().flat_map(|&i| x[i * channels..(i + 1) * channels].iter().copied()).collect();
+            let mut o = vec![0f32; xs.len()];
+            ts_cpu::delta_net::conv_silu(&xs, taps, kernel, &mut st.conv, &mut o);
+            for (j, &i) in run.rows.iter().enumerate() {
+                out[i * channels..(i + 1) * channels].copy_from_slice(&o[j * channels..(j + 1) * channels]);
+            }
+        }
+        Ok(out)
+    }
+
+    fn delta_net(
+        &self,
+        il: usize,
+        p: &DeltaNetParams,
+        qkv: &Vec<f32>,
+        beta: &Vec<f32>,
+        alpha: &Vec<f32>,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<CpuState>],
+    ) -> Result<Vec<f32>, ModelError> {
+        delta_net(il, p, qkv, beta, alpha, rows, seqs)
+    }
+
+    fn sigmoid_gate(&self, y: &mut Vec<f32>, x: &Vec<f32>, gate: &[f32]) -> Result<(), ModelError> {
+        let e = gate.len();
+        for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
+            let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
+            ops::scale_inplace(yr, ops::sigmoid(dot));
+        }
+        Ok(())
+    }
+
+    fn moe(
+        &self,
+        model: &Model<Self>,
+        il: usize,
+        w: &MoeWeights,
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let next = model.prefetch_experts.then(|| model.next_moe_layer(il)).flatten();
+        crate::moe::moe_ffn(&model.cfg, il, w, next, model.experts.as_ref(), x, m, s)
+    }
+
+    fn select_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>, ModelError> {
+        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
+    }
+
+    fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
+        Ok(x.clone())
+    }
+}
+
+/// Layer `il`'s keys and values in `seq`, or an error for a layer of another kind.
+fn kv_cache_mut(seq: &mut SeqState<CpuState>, il: usize) -> Result<&mut crate::state::LayerCache, ModelError> {
+    match seq.state.layers.get_mut(il) {
+        Some(LayerState::Kv(c)) => Ok(c),
+        _ => Err(ModelError::Compute(format!("layer {il} keeps no keys and values"))),
+    }
+}
+
+/// Layer `il`'s recurrent state in `seq`, or an error for a layer of another kind.
+pub(crate) fn recurrent_mut(seq: &mut SeqState<CpuState>, il: usize) -> Result<&mut RecurrentState, ModelError> {
+    match seq.state.layers.get_mut(il) {
+        Some(LayerState::Recurrent(r)) => Ok(r),
+        _ => Err(ModelError::Compute(format!("layer {il} keeps no recurrent state"))),
+    }
+}
+
+/// `gate = act(gate, up)` with the CPU kernel of `act`.
+pub fn gated_activation(act: GatedActivation, gate: &mut [f32], up: &[f32]) {
+    match act {
+        GatedActivation::SwiGlu => ops::swiglu(gate, up),
+        GatedActivation::GeGlu => ops::geglu(gate, up),
+        GatedActivation::SwiGluClamped { alpha, limit } => ops::swiglu_clamped(gate, up, alpha, limit),
+    }
+}
+
+/// [`Backend::delta_net`] on the CPU: per sequence and value head, its rows
+/// run through the recurrence, or in chunks when there are many of them.
+fn delta_net(
+    il: usize,
+    p: &DeltaNetParams,
+    qkv: &[f32],
+    beta: &[f32],
+    alpha: &[f32],
+    rows: &[Row],
+    seqs: &mut [&mut SeqState<CpuState>],
+) -> Result<Vec<f32>, ModelError> {
+    let d = p.shape;
+    let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.d_k, d.d_v);
+    let (conv_dim, m) = (d.conv_dim(), rows.len());
+    let runs = sequence_runs(rows, seqs)?;
+    // Per row: q and k heads normalised (q also scaled by 1/sqrt(d_k)), beta and the log-decay g.
+    let mut qk = vec![0f32; m * 2 * nk * dk];
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    qk.par_chunks_mut(2 * nk * dk).zip(qkv.par_chunks(conv_dim)).for_each(|(o, x)| {
+        o.copy_from_slice(&x[..2 * nk * dk]);
+        for (h, head) in o.chunks_exact_mut(dk).enumerate() {
+            dn::l2_normalize(head, p.eps);
+            if h < nk {
+                head.iter_mut().for_each(|v| *v *= q_scale);
+            }
+        }
+    });
+    let b: Vec<f32> = beta.iter().map(|&x| ops::sigmoid(x)).collect();
+    let g: Vec<f32> =
+        alpha.iter().enumerate().map(|(i, &x)| p.a[i % nv] * dn::softplus(x + p.dt_bias[i % nv])).collect();
+
+    // One task per (sequence, value head), each owning that head's state.
+    let mut tasks: Vec<(&crate::state::SeqRun, usize, &mut [f32])> = Vec::new();
+    for (si, seq) in seqs.iter_mut().enumerate() {
+        let Some(run) = runs.iter().find(|r| r.seq == si) else { continue };
+        let st = recurrent_mut(seq, il)?;
+        if run.fresh {
+            st.ssm.fill(0.0);
+        }
+        tasks.extend(st.ssm.chunks_mut(dk * dv).enumerate().map(|(h, s)| (run, h, s)));
+    }
+    let outs: Vec<(&crate::state::SeqRun, usize, Vec<f32>)> = tasks
+        .into_par_iter()
+        .map(|(run, h, state)| {
+            let kh = d.key_head(h);
+            let gather = |src: &[f32], width: usize, stride: usize, at: usize| -> Vec<f32> {
+                run.rows.iter().flat_map(|&i| src[i * stride + at..i * stride + at + width].iter().copied()).collect()
+            };
+            let q = gather(&qk, dk, 2 * nk * dk, kh * dk);
+            let k = gather(&qk, dk, 2 * nk * dk, (nk + kh) * dk);
+            let v = gather(qkv, dv, conv_dim, 2 * nk * dk + h * dv);
+            let gh = gather(&g, 1, nv, h);
+            let bh = gather(&b, 1, nv, h);
+            let inputs = HeadInputs { q: &q, k: &k, v: &v, g: &gh, beta: &bh };
+            let mut out = vec![0f32; run.rows.len() * dv];
+            if run.rows.len() >= dn::CHUNK {
+                dn::delta_rule_chunked(&inputs, dk, dv, state, &mut out);
+            } else {
+                dn::delta_rule_recurrent(&inputs, dk, dv, state, &mut out);
+            }
+            (run, h, out)
+        })
+        .collect();
+    let mut out = vec![0f32; m * nv * dv];
+    for (run, h, o) in outs {
+        for (j, &i) in run.rows.iter().enumerate() {
+            out[i * nv * dv + h * dv..i * nv * dv + (h + 1) * dv].copy_from_slice(&o[j * dv..(j + 1) * dv]);
+        }
+    }
+    Ok(out)
+}

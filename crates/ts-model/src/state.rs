@@ -1,0 +1,275 @@
+//! Per-sequence state, per layer of the kind the layer's mixer needs: keys and
+//! values for an attention layer (a ring just large enough for a sliding
+//! window plus one prefill chunk, else the whole context), a convolution
+//! window and a recurrent matrix for a linear-attention layer. A recurrent
+//! state cannot be rewound, so callers keep snapshots where they may want to
+//! return (the end of a prompt, before a speculative step).
+
+use crate::ModelError;
+use crate::config::{ArchConfig, DeltaNetConfig, LayerConfig, Mixer};
+use crate::forward::Row;
+
+/// Keys and values of one layer, f32, `[slots][kv_dim]` each.
+#[derive(Clone)]
+pub struct LayerCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    slots: usize,
+    kv_dim: usize,
+    v_dim: usize,
+    window: Option<usize>,
+}
+
+impl LayerCache {
+    fn slot(&self, pos: usize) -> usize {
+        pos % self.slots
+    }
+
+    pub fn store(&mut self, pos: usize, k: &[f32], v: &[f32]) {
+        let s = self.slot(pos);
+        self.k[s * self.kv_dim..(s + 1) * self.kv_dim].copy_from_slice(k);
+        self.v[s * self.v_dim..(s + 1) * self.v_dim].copy_from_slice(v);
+    }
+
+    /// Positions a query at `pos` attends to.
+    pub fn visible(&self, pos: usize) -> std::ops::RangeInclusive<usize> {
+        let first = match self.window {
+            Some(w) => (pos + 1).saturating_sub(w),
+            None => 0,
+        };
+        first..=pos
+    }
+
+    /// The `width`-wide slice at `offset` of the key stored for `pos`.
+    pub fn key(&self, pos: usize, offset: usize, width: usize) -> &[f32] {
+        let s = self.slot(pos) * self.kv_dim + offset;
+        &self.k[s..s + width]
+    }
+
+    pub fn value(&self, pos: usize, offset: usize, width: usize) -> &[f32] {
+        let s = self.slot(pos) * self.v_dim + offset;
+        &self.v[s..s + width]
+    }
+
+    /// Copies the positions `0..n_past` (those the ring still holds) of `src`.
+    fn copy_from(&mut self, src: &LayerCache, n_past: usize) {
+        let n = n_past.min(self.slots);
+        let first = n_past - n;
+        for pos in first..n_past {
+            let s = self.slot(pos);
+            self.k[s * self.kv_dim..(s + 1) * self.kv_dim].copy_from_slice(src.key(pos, 0, self.kv_dim));
+            self.v[s * self.v_dim..(s + 1) * self.v_dim].copy_from_slice(src.value(pos, 0, self.v_dim));
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * size_of::<f32>()
+    }
+}
+
+/// A linear-attention layer's state after the positions run so far.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecurrentState {
+    /// The last `conv_kernel - 1` inputs of the causal convolution, oldest
+    /// first, `[conv_kernel - 1][conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Per value head the matrix `S`, `[n_v_heads][d_k][d_v]`.
+    pub ssm: Vec<f32>,
+}
+
+impl RecurrentState {
+    pub fn zeros(d: &DeltaNetConfig) -> RecurrentState {
+        RecurrentState { conv: vec![0.0; d.conv_state_len()], ssm: vec![0.0; d.ssm_state_len()] }
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.conv.len() + self.ssm.len()) * size_of::<f32>()
+    }
+}
+
+/// One layer's state, of the layer's kind.
+#[derive(Clone)]
+pub enum LayerState {
+    Kv(LayerCache),
+    Recurrent(RecurrentState),
+}
+
+impl LayerState {
+    pub fn bytes(&self) -> usize {
+        match self {
+            LayerState::Kv(c) => c.bytes(),
+            LayerState::Recurrent(r) => r.bytes(),
+        }
+    }
+}
+
+/// Slots of an attention layer with sliding window `window` (None: full context).
+pub fn ring_slots(window: Option<usize>, n_ctx: usize, max_chunk: usize) -> usize {
+    match window {
+        Some(w) => (w + max_chunk.max(1) - 1).min(n_ctx),
+        None => n_ctx,
+    }
+    .max(1)
+}
+
+/// Bytes of one layer's state for `n_ctx` positions (what [`CpuState::new`] allocates).
+fn layer_bytes(cfg: &ArchConfig, l: &LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
+    let floats = match &l.mixer {
+        Mixer::Attention(a) => ring_slots(a.sliding_window, n_ctx, max_chunk) * (cfg.kv_dim() + cfg.v_dim()),
+        Mixer::DeltaNet => cfg.delta_net.as_ref().map_or(0, |d| d.conv_state_len() + d.ssm_state_len()),
+    };
+    floats * size_of::<f32>()
+}
+
+/// The CPU's state of one sequence: one per layer.
+#[derive(Clone)]
+pub struct CpuState {
+    pub layers: Vec<LayerState>,
+}
+
+impl CpuState {
+    /// State for `n_ctx` positions, taken `max_chunk` rows at a time.
+    pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> CpuState {
+        let layers = cfg
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => {
+                    let slots = ring_slots(a.sliding_window, n_ctx, max_chunk);
+                    LayerState::Kv(LayerCache {
+                        k: vec![0.0; slots * cfg.kv_dim()],
+                        v: vec![0.0; slots * cfg.v_dim()],
+                        slots,
+                        kv_dim: cfg.kv_dim(),
+                        v_dim: cfg.v_dim(),
+                        window: a.sliding_window,
+                    })
+                }
+                Mixer::DeltaNet => {
+                    LayerState::Recurrent(RecurrentState::zeros(cfg.delta_net.as_ref().expect("a delta-net config")))
+                }
+            })
+            .collect();
+        CpuState { layers }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerState::bytes).sum()
+    }
+
+    /// The recurrent layers' states (attention layers rewind by position).
+    pub fn snapshot(&self) -> Vec<RecurrentState> {
+        self.layers
+            .iter()
+            .filter_map(|l| match l {
+                LayerState::Recurrent(r) => Some(r.clone()),
+                LayerState::Kv(_) => None,
+            })
+            .collect()
+    }
+
+    /// Puts back the recurrent layers' states of a [`CpuState::snapshot`].
+    pub fn restore(&mut self, snap: &[RecurrentState]) {
+        let mut saved = snap.iter();
+        for l in &mut self.layers {
+            if let LayerState::Recurrent(r) = l {
+                r.clone_from(saved.next().expect("a snapshot of this model"));
+            }
+        }
+    }
+
+    /// Becomes a copy of `src`'s first `n_past` positions.
+    pub fn copy_from(&mut self, src: &CpuState, n_past: usize) {
+        for (d, s) in self.layers.iter_mut().zip(&src.layers) {
+            match (d, s) {
+                (LayerState::Kv(d), LayerState::Kv(s)) => d.copy_from(s, n_past),
+                (LayerState::Recurrent(d), LayerState::Recurrent(s)) => d.clone_from(s),
+                _ => unreachable!("two states of one model"),
+            }
+        }
+    }
+}
+
+/// The state of one sequence: per-layer state (of the backend's kind `S`) and
+/// how many positions it holds.
+pub struct SeqState<S = CpuState> {
+    pub state: S,
+    /// Positions `0..n_past` are in the state.
+    pub n_past: usize,
+    /// The most positions this sequence may hold.
+    pub n_ctx: usize,
+}
+
+/// Where a sequence was: its length and its recurrent layers' states, from
+/// [`crate::Model::snapshot`]. An attention-only model's snapshot holds no data.
+pub struct Snapshot<P> {
+    pub n_past: usize,
+    pub recurrent: P,
+}
+
+impl<S> SeqState<S> {
+    /// Forgets every position (the memory stays allocated; a recurrent layer
+    /// starts again from zero when a sequence's next row is at position 0).
+    pub fn clear(&mut self) {
+        self.n_past = 0;
+    }
+}
+
+impl SeqState {
+    /// CPU state for `n_ctx` positions, taken `max_chunk` rows at a time.
+    pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> SeqState {
+        SeqState { state: CpuState::new(cfg, n_ctx, max_chunk), n_past: 0, n_ctx }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.state.bytes()
+    }
+
+    /// Bytes of state for `n_ctx` positions (what [`SeqState::new`] allocates).
+    pub fn bytes_for(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> usize {
+        cfg.layers.iter().map(|l| layer_bytes(cfg, l, n_ctx, max_chunk)).sum()
+    }
+}
+
+/// The rows of one sequence in a step, for layers that read them in order.
+#[derive(Clone, Debug)]
+pub struct SeqRun {
+    /// Index into the step's sequences.
+    pub seq: usize,
+    /// Indices into the step's rows, positions ascending and consecutive.
+    pub rows: Vec<usize>,
+    /// The first row is at position 0: a recurrent state starts from zero.
+    pub fresh: bool,
+}
+
+/// Groups a step's rows by sequence, checking what a recurrent layer needs:
+/// each sequence's rows at consecutive positions that continue the sequence
+/// (or start it again at 0).
+pub fn sequence_runs<S>(rows: &[Row], seqs: &[&mut SeqState<S>]) -> Result<Vec<SeqRun>, ModelError> {
+    let mut runs: Vec<SeqRun> = Vec::new();
+    for (i, r) in rows.iter().enumerate() {
+        match runs.iter_mut().find(|run| run.seq == r.seq) {
+            Some(run) => {
+                let last = rows[*run.rows.last().expect("a run has rows")].pos;
+                if r.pos != last + 1 {
+                    return Err(ModelError::Compute(format!(
+                        "sequence {}: a recurrent layer needs consecutive positions, got {} after {last}",
+                        r.seq, r.pos
+                    )));
+                }
+                run.rows.push(i);
+            }
+            None => {
+                let n_past = seqs[r.seq].n_past;
+                if r.pos != 0 && r.pos != n_past {
+                    return Err(ModelError::Compute(format!(
+                        "sequence {}: a recurrent layer holds {n_past} positions and cannot go to position {}",
+                        r.seq, r.pos
+                    )));
+                }
+                runs.push(SeqRun { seq: r.seq, rows: vec![i], fresh: r.pos == 0 });
+            }
+        }
+    }
+    Ok(runs)
+}
