@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # Builds, here, what tools/gpu-run.sh runs on the GPU machine: the release
-# turbospark binary, the CUDA test binary and the bandwidth probe, in .devbin/
-# (ignored by git; name it in the device tool's `carry`).
+# turbospark binary, the CUDA test binaries (their tests are #[ignore]d on CI,
+# which has no GPU; gpu-run.sh runs them with --include-ignored) and the
+# bandwidth probe, in .devbin/ (ignored by git; name it in the device tool's `carry`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+target=${CARGO_TARGET_DIR:-target}
+# .devbin/ stays out of git: it travels to the GPU machine where `carry` names it.
+if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
+    mkdir -p "$(dirname "$exclude")"
+    grep -qsx '/.devbin/' "$exclude" || echo '/.devbin/' >> "$exclude"
+fi
 mkdir -p .devbin
 cargo build --release -p turbospark
 cargo build --release -p ts-cuda --examples
-cp target/release/turbospark target/release/examples/bandwidth .devbin/
-test_bin=$(cargo test --release -p ts-cuda --test gpu --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import json,sys
+cp "$target"/release/turbospark "$target"/release/examples/bandwidth .devbin/
+# The executable of ts-cuda's integration test $1.
+test_bin() {
+    cargo test --release -p ts-cuda --test "$1" --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
 for l in sys.stdin:
     m=json.loads(l)
-    if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="gpu" and m.get("executable"): print(m["executable"])')
-cp "$test_bin" .devbin/gpu-tests
+    if m.get("reason")=="compiler-artifact" and m["target"]["name"]==sys.argv[1] and m.get("executable"): print(m["executable"])' "$1"
+}
+cp "$(test_bin gpu)" .devbin/gpu-tests
+# dequant_host: its NVRTC check is the one CI cannot run.
+cp "$(test_bin dequant_host)" .devbin/cuda-host-tests
 strip .devbin/*
 ls -la .devbin

@@ -133,16 +133,18 @@ mod real_models {
     use ts_gguf::GgufFile;
     use ts_tokenizer::Tokenizer;
 
-    fn load(file: &str) -> Option<(GgufFile, Tokenizer)> {
-        let path = ts_testkit::real_model(file)?;
+    /// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+    fn load(file: &str) -> (GgufFile, Tokenizer) {
+        let path = ts_testkit::models_dir().join(file);
+        assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
         let gguf = GgufFile::open(&path).unwrap();
         let tokenizer = Tokenizer::from_metadata(gguf.metadata()).unwrap();
-        Some((gguf, tokenizer))
+        (gguf, tokenizer)
     }
 
     #[test]
     fn smollm2_template_from_metadata() {
-        let Some((gguf, tokenizer)) = load("smollm2-135m-instruct-q4_1.gguf") else { return };
+        let (gguf, tokenizer) = load("smollm2-135m-instruct-q4_1.gguf");
         let template = ChatTemplate::from_metadata(gguf.metadata(), &tokenizer).unwrap().expect("has a template");
         assert_eq!(template.bos_token(), "<|im_start|>");
         assert_eq!(template.eos_token(), "<|im_end|>");
@@ -155,7 +157,7 @@ mod real_models {
 
     #[test]
     fn qwen_coder_template_from_metadata() {
-        let Some((gguf, tokenizer)) = load("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") else { return };
+        let (gguf, tokenizer) = load("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
         let template = ChatTemplate::from_metadata(gguf.metadata(), &tokenizer).unwrap().expect("has a template");
         assert_eq!(template.bos_token(), "<|endoftext|>");
         assert_eq!(template.eos_token(), "<|im_end|>");
@@ -166,7 +168,7 @@ mod real_models {
 
     #[test]
     fn gemma3_base_model_has_no_template() {
-        let Some((gguf, tokenizer)) = load("gemma-3-270m-q4_k_m.gguf") else { return };
+        let (gguf, tokenizer) = load("gemma-3-270m-q4_k_m.gguf");
         assert!(ChatTemplate::from_metadata(gguf.metadata(), &tokenizer).unwrap().is_none());
     }
 }

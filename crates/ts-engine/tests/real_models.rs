@@ -5,9 +5,15 @@
 use ts_engine::session::{Engine, LoadOptions};
 use ts_model::ExpertPlacement;
 
-fn engine(file: &str) -> Option<Engine> {
-    let path = ts_testkit::real_model(file)?;
-    Some(Engine::load(path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap())
+/// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+fn model(file: &str) -> std::path::PathBuf {
+    let path = ts_testkit::models_dir().join(file);
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
+    path
+}
+
+fn engine(file: &str) -> Engine {
+    Engine::load(model(file), &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap()
 }
 
 /// `llama-perplexity -m MODEL -f tests/data/kjv-genesis-1-8.txt -c 512 -t 2 -fa off -ctk f32 -ctv f32`
@@ -23,7 +29,7 @@ const LLAMA_PPL: [(&str, f64); 3] = [
 fn perplexity_within_half_a_percent_of_llama_cpp() {
     let text = std::fs::read_to_string(ts_testkit::repo_root().join("tests/data/kjv-genesis-1-8.txt")).unwrap();
     for (file, reference) in LLAMA_PPL {
-        let Some(engine) = engine(file) else { continue };
+        let engine = engine(file);
         let ppl = engine.perplexity(&text, 512, |_, _| {}).unwrap();
         let rel = (ppl.ppl - reference) / reference;
         println!("{file}: PPL {:.4}, llama.cpp {reference:.4}, {:+.2}%", ppl.ppl, 100.0 * rel);
@@ -71,10 +77,7 @@ fn greedy_continuations_match_llama_cpp() {
     for run in reference["runs"].as_array().unwrap() {
         let file = run["model"].as_str().unwrap();
         if loaded.as_ref().is_none_or(|(f, _)| f != file) {
-            match engine(file) {
-                Some(e) => loaded = Some((file.to_string(), e)),
-                None => continue,
-            }
+            loaded = Some((file.to_string(), engine(file)));
         }
         let engine = &loaded.as_ref().unwrap().1;
         let prompt = run["prompt"].as_str().unwrap();
@@ -125,7 +128,7 @@ fn greedy_continuations_match_llama_cpp() {
 /// that quantization's noise (llama.cpp's results depend on batch size too).
 #[test]
 fn batched_rows_match_single_rows() {
-    let Some(path) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let path = model("smollm2-135m-instruct-q4_1.gguf");
     let engine = Engine::load(&path, &LoadOptions { threads: 2, experts: ts_model::ExpertPlacement::Mapped }).unwrap();
     let tok = engine.tokenizer().unwrap();
     let prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fibonacci(n):"];

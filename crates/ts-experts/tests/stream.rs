@@ -4,6 +4,7 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use ts_experts::*;
 
@@ -90,17 +91,42 @@ fn experts_in_use_are_never_evicted() {
     std::fs::remove_file(path).ok();
 }
 
-/// Reads a file, failing the reads that cover one offset while armed.
+/// Where a [`Flaky`] source fails, shared with the test so it can clear the fault.
+struct Fault {
+    /// The offset whose reads fail; [`Fault::CLEAR`] for none.
+    at: AtomicU64,
+    /// Reads failed so far.
+    injected: AtomicU64,
+}
+
+impl Fault {
+    const CLEAR: u64 = u64::MAX;
+
+    fn armed(at: u64) -> Arc<Fault> {
+        Arc::new(Fault { at: AtomicU64::new(at), injected: AtomicU64::new(0) })
+    }
+
+    fn clear(&self) {
+        self.at.store(Self::CLEAR, Ordering::SeqCst);
+    }
+
+    fn injected(&self) -> u64 {
+        self.injected.load(Ordering::SeqCst)
+    }
+}
+
+/// Reads a file, failing the reads that cover the fault's offset while it is armed.
 struct Flaky {
     file: std::fs::File,
     path: PathBuf,
-    fail_at: AtomicU64,
+    fault: Arc<Fault>,
 }
 
 impl ReadSource for Flaky {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let bad = self.fail_at.load(Ordering::SeqCst);
+        let bad = self.fault.at.load(Ordering::SeqCst);
         if (offset..offset + buf.len() as u64).contains(&bad) {
+            self.fault.injected.fetch_add(1, Ordering::SeqCst);
             return Err(io::Error::other("injected media error"));
         }
         std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
@@ -116,17 +142,33 @@ impl ReadSource for Flaky {
     }
 }
 
-#[test]
-fn a_failed_read_is_an_error_naming_file_and_offset_then_recovers() {
-    let (path, bytes, layout) = fixture("flaky");
-    let target = layout.layers[2].unwrap().proj[1].offset(3) + 10;
-    let source =
-        Flaky { file: std::fs::File::open(&path).unwrap(), path: path.clone(), fail_at: AtomicU64::new(target) };
+/// A store over the fixture whose reads of expert 3's up matrix in layer 2 fail while armed.
+fn flaky_store(name: &str) -> (PathBuf, Vec<u8>, ExpertLayout, Arc<Fault>, StreamingExperts) {
+    let (path, bytes, layout) = fixture(name);
+    let fault = Fault::armed(layout.layers[2].unwrap().proj[1].offset(3) + 10);
+    let source = Flaky { file: std::fs::File::open(&path).unwrap(), path: path.clone(), fault: fault.clone() };
     let store = StreamingExperts::with_source(layout.clone(), &opts(6 * 40_000, EvictionPolicy::Lru), Box::new(source))
         .unwrap();
+    assert!(store.slots() >= 4, "{} slots", store.slots());
+    (path, bytes, layout, fault, store)
+}
+
+/// Layer 2's counters now.
+fn layer2(store: &StreamingExperts) -> LayerStats {
+    store.stats().expect("a streaming store keeps statistics").layers[2]
+}
+
+#[test]
+fn a_failed_read_is_an_error_naming_file_and_offset_then_recovers() {
+    let (path, bytes, layout, fault, store) = flaky_store("flaky");
+    let want = |e| expected(&bytes, &layout, 2, e);
+    // One expert's bytes in layer 2; each matrix is read as the aligned range covering it, so
+    // a whole expert's reads come to a little more (under 128 bytes of padding per matrix).
+    let expert_bytes = layout.layers[2].unwrap().expert_bytes() as u64;
+    let whole_expert = expert_bytes..expert_bytes + 3 * 128;
     {
         let set = store.ensure(2, &[1, 3]).unwrap();
-        assert_eq!(set.get(0).unwrap().up, expected(&bytes, &layout, 2, 1)[1]);
+        assert_eq!(set.get(0).unwrap().up, want(1)[1]);
         let err = set.get(1).err().expect("the read of expert 3 fails");
         let msg = err.to_string();
         assert!(
@@ -135,13 +177,69 @@ fn a_failed_read_is_an_error_naming_file_and_offset_then_recovers() {
         );
         assert!(msg.contains("injected media error"), "{msg}");
     }
-    // Asking again retries the read rather than serving what the failed read left.
+    let s = layer2(&store);
+    assert_eq!((s.hits, s.misses), (0, 2), "{s:?}");
+    assert_eq!(fault.injected(), 1);
+    // Expert 1 and two matrices of expert 3 were read; the failed one is not counted.
+    assert!(s.bytes_read >= expert_bytes && s.bytes_read < 2 * expert_bytes, "{s:?}");
+
+    // Asking again while the fault is armed reads again (a miss, not a hit on what the failed
+    // read left) and fails again.
+    let before = s;
     let set = store.ensure(2, &[3]).unwrap();
     assert!(set.get(0).is_err(), "still failing while the fault is armed");
     drop(set);
-    if let Some(s) = store.stats() {
-        assert!(s.total().misses >= 3);
+    let s = layer2(&store);
+    assert_eq!((s.hits, s.misses), (0, 3), "{s:?}");
+    assert_eq!(fault.injected(), 2);
+    assert!(s.bytes_read - before.bytes_read < expert_bytes, "the failed matrix is not counted: {s:?}");
+
+    // The fault cleared, the same experts: expert 1 is still cached, expert 3 is read again,
+    // and both hold the file's bytes.
+    fault.clear();
+    let before = s;
+    {
+        let set = store.ensure(2, &[1, 3]).unwrap();
+        for (i, e) in [1, 3].into_iter().enumerate() {
+            let got = set.get(i).unwrap_or_else(|err| panic!("expert {e} after the fault cleared: {err}"));
+            assert!(got.gate == want(e)[0] && got.up == want(e)[1] && got.down == want(e)[2], "expert {e}");
+        }
     }
+    let s = layer2(&store);
+    assert_eq!((s.hits - before.hits, s.misses - before.misses), (1, 1), "{s:?}");
+    assert!(whole_expert.contains(&(s.bytes_read - before.bytes_read)), "one whole expert read: {s:?}");
+
+    // Now it stays cached: a hit, nothing read.
+    let before = s;
+    {
+        let set = store.ensure(2, &[3]).unwrap();
+        assert_eq!(set.get(0).unwrap().up, want(3)[1]);
+    }
+    let s = layer2(&store);
+    assert_eq!((s.hits - before.hits, s.misses - before.misses, s.bytes_read), (1, 0, before.bytes_read), "{s:?}");
+    assert_eq!(fault.injected(), 2, "no read failed once the fault was cleared");
+    std::fs::remove_file(path).ok();
+}
+
+/// A prefetch whose read fails leaves nothing usable behind: once the fault is cleared, the
+/// first ask for that expert reads it again (a miss) instead of serving the old error.
+#[test]
+fn a_failed_prefetch_is_read_again_once_the_fault_clears() {
+    let (path, bytes, layout, fault, store) = flaky_store("flaky-prefetch");
+    store.prefetch(2, &[3]);
+    let t = std::time::Instant::now();
+    while fault.injected() == 0 {
+        assert!(t.elapsed().as_secs() < 30, "the prefetch's reads never ran");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(layer2(&store).prefetched, 1);
+    fault.clear();
+    {
+        let set = store.ensure(2, &[3]).unwrap();
+        let got = set.get(0).unwrap_or_else(|err| panic!("expert 3 after the fault cleared: {err}"));
+        assert_eq!(got.up, expected(&bytes, &layout, 2, 3)[1]);
+    }
+    assert_eq!(fault.injected(), 1);
     std::fs::remove_file(path).ok();
 }
 

@@ -10,9 +10,7 @@ fn models() -> Vec<PathBuf> {
             d.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "gguf")).collect()
         })
         .unwrap_or_default();
-    if found.is_empty() {
-        eprintln!("skipped: no models in {} (run tools/fetch-models.sh)", dir.display());
-    }
+    assert!(!found.is_empty(), "no models in {}: run tools/fetch-models.sh", dir.display());
     found
 }
 

@@ -20,6 +20,10 @@
 //!   arithmetic's error). For MoE families an expert flip upstream moves a row
 //!   by more than any gap, so their argmax is held to 99% in the exact mode
 //!   only (llama.cpp itself agrees on 59-64 of 64 rows here: tests/fixtures/README.md).
+//!   The 8-layer hybrids (qwen3_5_moe, qwen3_next) are bounded by what llama.cpp's
+//!   own 8-bit activations give on their Q8_0 files.
+//! - hybrids: one token at a time (the delta rule's recurrence) equals the
+//!   whole prompt in one step (its chunked form) within f32 rounding.
 
 use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
 use ts_testkit::Golden;
@@ -87,8 +91,17 @@ fn fixtures_match_transformers() {
             let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next"]
                 .contains(&family.as_str());
             let needs_argmax = (variant == "f32" || variant == "q8_0") && !moe;
-            if median > 6e-2 || (needs_argmax && decisive < 0.99) {
-                failures.push(format!("{name}: median {median:.3e} (bound 6e-2), decisive argmax {decisive:.3}"));
+            // The 8-layer hybrids carry 8-bit rounding through their recurrent state: llama.cpp
+            // itself lands at median 1.16e-1 (qwen3_5_moe) and 1.83e-1 (qwen3_next) on their Q8_0
+            // files (tests/fixtures/README.md); the bound is 1.25 times that.
+            let bound = match (family.as_str(), variant.as_str()) {
+                ("qwen3_5_moe", "q8_0") => 1.45e-1,
+                ("qwen3_next", "q8_0") => 2.3e-1,
+                _ => 6e-2,
+            };
+            if median > bound || (needs_argmax && decisive < 0.99) {
+                failures
+                    .push(format!("{name}: median {median:.3e} (bound {bound:.1e}), decisive argmax {decisive:.3}"));
             }
             checked += 1;
         }

@@ -20,15 +20,11 @@ pub fn models_dir() -> PathBuf {
     std::env::var_os("TURBOSPARK_MODELS").map(PathBuf::from).unwrap_or_else(|| repo_root().join("models"))
 }
 
-/// The real model `file` in [`models_dir`], or `None` after printing why the caller skips.
-pub fn real_model(file: &str) -> Option<PathBuf> {
+/// The real model `file` in [`models_dir`]; its absence is a failure (tools/test.sh fetches it).
+pub fn real_model(file: &str) -> PathBuf {
     let path = models_dir().join(file);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!("skipped: {} is absent (run tools/fetch-models.sh)", path.display());
-        None
-    }
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh (tools/test.sh does)", path.display());
+    path
 }
 
 /// The committed reference fixtures (`tests/fixtures/<family>/`).
@@ -48,10 +44,7 @@ pub struct Fixture {
 /// after printing why, when the directory is missing).
 pub fn fixtures() -> Vec<Fixture> {
     let dir = fixtures_dir();
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        eprintln!("skipped: no fixtures in {}", dir.display());
-        return Vec::new();
-    };
+    let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("the fixtures in {}: {e}", dir.display()));
     let mut families: Vec<PathBuf> = entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
     families.sort();
     let mut out = Vec::new();

@@ -10,18 +10,15 @@ use ts_tokenizer::Tokenizer;
 const MODELS: &[&str] = &["smollm2-135m-instruct-q4_1", "gemma-3-270m-q4_k_m", "qwen2.5-coder-0.5b-instruct-q4_k_m"];
 const TEXTS: &[&str] = &["multilingual", "specials"];
 
-/// Loads a model's tokenizer, or says why the test is skipped.
-fn load(model: &str) -> Option<Tokenizer> {
+/// Loads a model's tokenizer (tools/fetch-models.sh, which tools/test.sh runs: absent is a failure).
+fn load(model: &str) -> Tokenizer {
     let path = common::models_dir().join(format!("{model}.gguf"));
-    if !path.exists() {
-        eprintln!("skipping {model}: {} is absent; run tools/fetch-models.sh", path.display());
-        return None;
-    }
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
     let file = ts_gguf::GgufFile::open(&path).unwrap();
     let start = Instant::now();
     let tok = Tokenizer::from_metadata(file.metadata()).unwrap();
     println!("{model}: {} tokens loaded in {:.1?}", tok.vocab_size(), start.elapsed());
-    Some(tok)
+    tok
 }
 
 fn text(name: &str) -> String {
@@ -40,7 +37,7 @@ fn expected(model: &str, text: &str, variant: &str) -> Vec<u32> {
 fn ids_match_llama_tokenize() {
     let mut mismatches = Vec::new();
     for model in MODELS {
-        let Some(tok) = load(model) else { continue };
+        let tok = load(model);
         for name in TEXTS {
             let input = text(name);
             // llama-tokenize adds specials only as BOS, and only when the model asks for it.
@@ -70,7 +67,7 @@ fn ids_match_llama_tokenize() {
 #[test]
 fn decode_round_trips_and_streams() {
     for model in MODELS {
-        let Some(tok) = load(model) else { continue };
+        let tok = load(model);
         let input = text("multilingual");
         let ids = tok.encode(&input, false, false).unwrap();
         assert_eq!(tok.decode(&ids).unwrap(), input, "{model}: decode(encode(text))");
@@ -93,7 +90,8 @@ fn decode_round_trips_and_streams() {
 
 #[test]
 fn special_tokens_of_the_real_models() {
-    if let Some(tok) = load("qwen2.5-coder-0.5b-instruct-q4_k_m") {
+    {
+        let tok = load("qwen2.5-coder-0.5b-instruct-q4_k_m");
         let im_end = tok.token_id("<|im_end|>").unwrap();
         let endoftext = tok.token_id("<|endoftext|>").unwrap();
         assert_eq!(tok.eos(), Some(im_end));
@@ -106,7 +104,8 @@ fn special_tokens_of_the_real_models() {
         assert_eq!(tok.token_to_piece(im_end, false).unwrap().as_ref(), b"");
         assert_eq!(tok.token_to_piece(im_end, true).unwrap().as_ref(), b"<|im_end|>");
     }
-    if let Some(tok) = load("gemma-3-270m-q4_k_m") {
+    {
+        let tok = load("gemma-3-270m-q4_k_m");
         assert_eq!(tok.bos(), Some(2));
         assert_eq!(tok.eos(), Some(1));
         assert_eq!(tok.eot(), Some(106));
@@ -115,7 +114,8 @@ fn special_tokens_of_the_real_models() {
         assert_eq!(tok.special_tokens().newline, Some(248));
         assert_eq!(tok.encode("", true, false).unwrap(), [2]);
     }
-    if let Some(tok) = load("smollm2-135m-instruct-q4_1") {
+    {
+        let tok = load("smollm2-135m-instruct-q4_1");
         assert_eq!(tok.bos(), Some(1));
         assert_eq!(tok.eos(), Some(2));
         assert_eq!(tok.eog_tokens(), &[0, 2, 4]);

@@ -1,5 +1,6 @@
 //! llama.cpp's tokenizer test vectors: every `.inp`/`.out` pair shipped with
-//! its `models/ggml-vocab-*.gguf` files (fetched by tools/fetch-vocab-corpus.sh).
+//! its `models/ggml-vocab-*.gguf` files (fetched by tools/fetch-vocab-corpus.sh, which
+//! tools/test.sh runs: an absent corpus is a failure).
 //! The vectors were made with `add_special = false, parse_special = false`
 //! (llama.cpp's tests/test-tokenizer-0.cpp).
 
@@ -85,10 +86,8 @@ fn check_vocab(gguf: &Path) -> Outcome {
 #[test]
 fn llama_cpp_vocab_test_vectors() {
     let dir = common::models_dir().join("vocab");
-    let Ok(entries) = fs::read_dir(&dir) else {
-        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
-        return;
-    };
+    let entries =
+        fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}: run tools/fetch-vocab-corpus.sh", dir.display()));
     let mut vocabs: Vec<PathBuf> = entries
         .map(|e| e.unwrap().path())
         .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("ggml-vocab-"))
@@ -138,10 +137,7 @@ fn llama_cpp_vocab_test_vectors() {
 #[test]
 fn special_ids_match_llama_cpp() {
     let dir = common::models_dir().join("vocab");
-    if !dir.exists() {
-        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
-        return;
-    }
+    assert!(dir.exists(), "{} is absent: run tools/fetch-vocab-corpus.sh", dir.display());
     struct Expected {
         name: &'static str,
         bos: Option<u32>,
@@ -173,10 +169,7 @@ fn special_ids_match_llama_cpp() {
 #[test]
 fn pre_tokenizer_variants_match_llama_cpp() {
     let vocab = common::models_dir().join("vocab/ggml-vocab-qwen2.gguf");
-    if !vocab.exists() {
-        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", vocab.display());
-        return;
-    }
+    assert!(vocab.exists(), "{} is absent: run tools/fetch-vocab-corpus.sh", vocab.display());
     let file = ts_gguf::GgufFile::open(&vocab).unwrap();
     let text = fs::read_to_string(common::data_dir().join("multilingual.txt")).unwrap();
     let mut expected: Vec<PathBuf> =
@@ -234,10 +227,7 @@ fn report(results: Vec<Result<String, String>>) {
 #[test]
 fn vocabularies_on_committed_texts() {
     let dir = common::models_dir().join("vocab");
-    if !dir.exists() {
-        eprintln!("skipping: {} is absent; run tools/fetch-vocab-corpus.sh", dir.display());
-        return;
-    }
+    assert!(dir.exists(), "{} is absent: run tools/fetch-vocab-corpus.sh", dir.display());
     let expected_dir = common::data_dir().join("expected/vocab");
     let mut names: Vec<String> = fs::read_dir(&expected_dir)
         .unwrap()

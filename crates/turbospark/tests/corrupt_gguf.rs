@@ -217,10 +217,7 @@ fn overlap(b: &mut [u8], l: &Layout) {
 #[test]
 fn every_corruption_gets_a_one_line_error() {
     let path = ts_testkit::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
-    if !path.exists() {
-        eprintln!("skipped: {} is absent (run tools/fetch-models.sh)", path.display());
-        return;
-    }
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
     let original = std::fs::read(&path).unwrap();
     let layout = layout(&original);
     let dir = std::env::temp_dir().join(format!("ts-corrupt-{}", std::process::id()));
@@ -257,10 +254,7 @@ fn every_corruption_gets_a_one_line_error() {
 #[test]
 fn the_uncorrupted_file_inspects_cleanly() {
     let path = ts_testkit::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
-    if !path.exists() {
-        eprintln!("skipped: {} is absent (run tools/fetch-models.sh)", path.display());
-        return;
-    }
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).arg("inspect").arg(&path).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

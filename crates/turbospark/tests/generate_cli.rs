@@ -3,9 +3,16 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+/// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+fn model(file: &str) -> std::path::PathBuf {
+    let path = ts_testkit::models_dir().join(file);
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
+    path
+}
+
 #[test]
 fn run_streams_a_greedy_continuation_and_reports_speed() {
-    let Some(model) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "8", "--temp", "0"])
         .output()
@@ -19,7 +26,7 @@ fn run_streams_a_greedy_continuation_and_reports_speed() {
 
 #[test]
 fn chat_answers_two_turns_through_the_template() {
-    let Some(model) = ts_testkit::real_model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") else { return };
+    let model = model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let mut child = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["chat", "-m", model.to_str().unwrap(), "--temp", "0", "-n", "48", "-c", "1024"])
         .stdin(Stdio::piped())

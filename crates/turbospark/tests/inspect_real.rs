@@ -29,10 +29,7 @@ const EXPECTED: &[Expected] = &[
 fn inspect_reports_the_real_models() {
     for &(file, arch, count, types, tokenizer) in EXPECTED {
         let path = ts_testkit::models_dir().join(file);
-        if !path.exists() {
-            eprintln!("skipped {file}: absent (run tools/fetch-models.sh)");
-            continue;
-        }
+        assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
         let out =
             Command::new(env!("CARGO_BIN_EXE_turbospark")).args(["inspect", "--json"]).arg(&path).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -5,9 +5,16 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 
+/// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+fn model(file: &str) -> std::path::PathBuf {
+    let path = ts_testkit::models_dir().join(file);
+    assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
+    path
+}
+
 #[test]
 fn serve_starts_prints_its_address_and_answers() {
-    let Some(model) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") else { return };
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
     let mut child = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["serve", "-m", model.to_str().unwrap(), "--port", "0", "--parallel", "2", "-c", "1024", "-t", "2"])
         .stderr(Stdio::piped())
@@ -33,17 +40,14 @@ fn serve_starts_prints_its_address_and_answers() {
 
 #[test]
 fn serve_refuses_bad_flags_by_name() {
-    let model = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf");
-    let path = model.as_deref().map(|p| p.to_str().unwrap()).unwrap_or("/nonexistent.gguf");
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
+    let path = model.to_str().unwrap();
     for (args, expected) in [
         (vec!["--parallel", "0"], "--parallel must be at least 1"),
         (vec!["--max-body", "lots"], "--max-body lots"),
         (vec!["--host", "not an address"], "--host not an address"),
         (vec!["--parallel", "64", "-c", "512"], "raise -c"),
     ] {
-        if model.is_none() && expected == "raise -c" {
-            continue;
-        }
         let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
             .args(["serve", "-m", path, "--port", "0"])
             .args(&args)

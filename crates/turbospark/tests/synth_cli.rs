@@ -1,5 +1,6 @@
-//! `synth` end to end: a cut-down file the engine runs (`logits`, `bench`) and, where
-//! llama.cpp is installed, llama-bench runs too; bad names are refused with the choices.
+//! `synth` end to end: a cut-down file the engine runs (`logits`, `bench`) and llama.cpp's
+//! llama-bench runs too (ignored unless asked for: CI has no llama.cpp); bad names are
+//! refused with the choices.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -26,14 +27,21 @@ fn llama_bench() -> Option<PathBuf> {
     from_env.into_iter().chain(from_dir).chain(on_path).find(|f| f.is_file())
 }
 
-#[test]
-fn writes_a_cut_down_model_that_both_engines_run() {
-    let file = TempFile(std::env::temp_dir().join(format!("synth-cli-{}.gguf", std::process::id())));
+/// One layer of qwen3-30b-a3b, written by `synth` to a temporary file.
+fn cut_down_model(tag: &str) -> TempFile {
+    let file = TempFile(std::env::temp_dir().join(format!("synth-cli-{tag}-{}.gguf", std::process::id())));
     let path = file.0.to_str().unwrap();
     let out = turbospark(&["synth", "--like", "qwen3-30b-a3b", "--layers", "1", "--seed", "3", "-o", path]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("wrote") && stdout.contains("qwen3-30b-a3b: 1 layer,"), "{stdout}");
+    file
+}
+
+#[test]
+fn writes_a_cut_down_model_the_engine_runs() {
+    let file = cut_down_model("engine");
+    let path = file.0.to_str().unwrap();
 
     let out = turbospark(&["logits", "-m", path, "--tokens", "1,2,3"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -45,11 +53,14 @@ fn writes_a_cut_down_model_that_both_engines_run() {
     let out = turbospark(&["bench", "-m", path, "-p", "4", "-n", "2", "-r", "1"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("| qwen3moe |"));
+}
 
-    let Some(bench) = llama_bench() else {
-        eprintln!("skipped llama-bench: not found (set LLAMA_BENCH or LLAMA_CPP_DIR, or put it on the PATH)");
-        return;
-    };
+#[test]
+#[ignore = "needs llama.cpp's llama-bench (LLAMA_BENCH, LLAMA_CPP_DIR or the PATH)"]
+fn llama_bench_runs_the_cut_down_model() {
+    let bench = llama_bench().expect("llama-bench not found: set LLAMA_BENCH or LLAMA_CPP_DIR, or put it on the PATH");
+    let file = cut_down_model("llama-bench");
+    let path = file.0.to_str().unwrap();
     let out = Command::new(&bench).args(["-m", path, "-p", "16", "-n", "8", "-t", "2"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}\n{}", stdout, String::from_utf8_lossy(&out.stderr));

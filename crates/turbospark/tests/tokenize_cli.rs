@@ -25,10 +25,7 @@ fn ids_match_llama_tokenize() {
     let mut checked = 0;
     for model in models {
         let path = ts_testkit::models_dir().join(format!("{model}.gguf"));
-        if !path.exists() {
-            eprintln!("skipped {model}: absent (run tools/fetch-models.sh)");
-            continue;
-        }
+        assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
         for text in ["multilingual", "specials"] {
             for (variant, flags) in variants {
                 let expected_file = tokenizer_data().join(format!("expected/{model}.{text}.{variant}.ids"));
@@ -63,12 +60,12 @@ fn bad_input_gets_one_line_errors() {
     let out = turbospark(&["--device", "tpu", "inspect", "x.gguf"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--device tpu: expected `cpu`, `cuda` or `cuda:N`"));
     // Without a CUDA driver (CI), asking a computing command for the GPU is one line naming what is missing.
-    if let Some(model) = ts_testkit::real_model("smollm2-135m-instruct-q4_1.gguf") {
-        let out = turbospark(&["--device", "cuda:0", "run", "-m", model.to_str().unwrap(), "-p", "hi", "-n", "1"]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        if !out.status.success() {
-            assert_eq!(stderr.lines().count(), 1, "{stderr}");
-            assert!(stderr.starts_with("error: --device cuda:0: ") && stderr.contains("CUDA"), "{stderr}");
-        }
+    let model = ts_testkit::models_dir().join("smollm2-135m-instruct-q4_1.gguf");
+    assert!(model.exists(), "{} is absent: run tools/fetch-models.sh", model.display());
+    let out = turbospark(&["--device", "cuda:0", "run", "-m", model.to_str().unwrap(), "-p", "hi", "-n", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.starts_with("error: --device cuda:0: ") && stderr.contains("CUDA"), "{stderr}");
     }
 }

@@ -20,11 +20,16 @@ pub struct ChatMessage {
     /// deserializes into it: text parts joined by newlines.
     #[serde(deserialize_with = "deserialize_content", default)]
     pub content: String,
+    /// An assistant turn's reasoning, for templates that render it (Qwen3.5's
+    /// `<think>` block) when a client sends it back; absent from the template's
+    /// view when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), reasoning_content: None }
     }
 
     pub fn system(content: impl Into<String>) -> ChatMessage {
