@@ -16,48 +16,54 @@ struct RunInfo {
 // (ops.cu): k = the conv window [kernel - 1][channels], v = per value head the
 // matrix S stored transposed, [n_v][d_v][d_k] (column j of S contiguous).
 
-#define MAX_CONV_KERNEL 8
-
 __device__ __forceinline__ float dn_silu(float x) { return x / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float dn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+// One channel of one run: its K taps and K-1 held inputs in registers (K is
+// a template parameter so that the arrays stay out of local memory).
+template <int K>
+__device__ __forceinline__ void conv_channel(const float* x, float* out, const float* taps, int channels, int c,
+                                             const int* rows, RunInfo ri, float* win) {
+    float w[K], hist[K];
+#pragma unroll
+    for (int t = 0; t < K; t++) w[t] = taps[(long long)c * K + t];
+#pragma unroll
+    for (int t = 0; t < K - 1; t++) hist[t] = ri.fresh ? 0.0f : win[(long long)t * channels + c];
+    for (int i = 0; i < ri.len; i++) {
+        long long row = rows[ri.start + i];
+        float xv = x[row * channels + c];
+        // The last tap multiplies the current input.
+        float acc = w[K - 1] * xv;
+#pragma unroll
+        for (int t = 0; t < K - 1; t++) acc += w[t] * hist[t];
+        out[row * channels + c] = dn_silu(acc);
+#pragma unroll
+        for (int t = 0; t < K - 2; t++) hist[t] = hist[t + 1];
+        hist[K - 2] = xv;
+    }
+#pragma unroll
+    for (int t = 0; t < K - 1; t++) win[(long long)t * channels + c] = hist[t];
+}
+
 // out = silu(causal depthwise conv(x)) per channel, carrying each run's window.
-// x, out [m][channels]; taps [channels][kernel]. grid = (ceil(channels / 256), n_runs), block 256.
+// x, out [m][channels]; taps [channels][kernel], 2 <= kernel <= 8.
+// grid = (ceil(channels / 256), n_runs), block 256.
 extern "C" __global__ void conv_silu(const float* x, float* out, const float* taps, int channels, int kernel,
                                      const int* run_rows, const RunInfo* runs, const RowKv* info) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     RunInfo ri = runs[blockIdx.y];
     float* win = (float*)info[run_rows[ri.start]].k;
-    float w[MAX_CONV_KERNEL], hist[MAX_CONV_KERNEL];
-#pragma unroll
-    for (int t = 0; t < MAX_CONV_KERNEL; t++) {
-        w[t] = t < kernel ? taps[(long long)c * kernel + t] : 0.0f;
-        hist[t] = (t < kernel - 1 && !ri.fresh) ? win[(long long)t * channels + c] : 0.0f;
+    switch (kernel) {
+        case 2: conv_channel<2>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 3: conv_channel<3>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 4: conv_channel<4>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 5: conv_channel<5>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 6: conv_channel<6>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 7: conv_channel<7>(x, out, taps, channels, c, run_rows, ri, win); break;
+        case 8: conv_channel<8>(x, out, taps, channels, c, run_rows, ri, win); break;
     }
-    for (int i = 0; i < ri.len; i++) {
-        long long row = run_rows[ri.start + i];
-        float xv = x[row * channels + c];
-        float acc = 0.0f;
-#pragma unroll
-        for (int t = 0; t < MAX_CONV_KERNEL - 1; t++)
-            if (t < kernel - 1) acc += w[t] * hist[t];
-        // The last tap multiplies the current input.
-#pragma unroll
-        for (int t = 0; t < MAX_CONV_KERNEL; t++)
-            if (t == kernel - 1) acc += w[t] * xv;
-        out[row * channels + c] = dn_silu(acc);
-#pragma unroll
-        for (int t = 0; t < MAX_CONV_KERNEL - 1; t++)
-            if (t < kernel - 2) hist[t] = hist[t + 1];
-#pragma unroll
-        for (int t = 0; t < MAX_CONV_KERNEL - 1; t++)
-            if (t == kernel - 2) hist[t] = xv;
-    }
-#pragma unroll
-    for (int t = 0; t < MAX_CONV_KERNEL - 1; t++)
-        if (t < kernel - 1) win[(long long)t * channels + c] = hist[t];
 }
 
 // Per row, the q and k heads of the convolved qkv [m][conv_dim] L2-normalised

@@ -10,11 +10,13 @@
 //       block (32, 4), grid (ceil(n_out/4)): block b computes rows 4b..4b+3.
 //   moe_matvec_<t>(w, expert_stride, ids, x, x_group, y, n_out, k)
 //       slot s = blockIdx.y uses expert ids[s] (W at w + ids[s]*expert_stride bytes), input
-//       x + (s / x_group)*k, output y + s*n_out; m = 1. block (32, 4), grid (ceil(n_out/4), n_slots).
+//       x + (s / x_group)*k, output y + s*n_out; m = 1; ids[s] < 0 skips the slot.
+//       block (32, 4), grid (ceil(n_out/4), n_slots).
 //   moe_gate_up_<t>(w_gate, w_up, expert_stride, index, ids, x, x_group, h, n_out, k, gate_bias, up_bias,
 //                   kind, alpha, limit)
 //       h[s][o] = act(gate_s[o] . x + gate_bias[ids[s]][o], up_s[o] . x + up_bias[ids[s]][o]) with the
-//       weights of slot s at w_* + index[s]*expert_stride (biases may be null); same grid as moe_matvec.
+//       weights of slot s at w_* + index[s]*expert_stride (biases may be null; index[s] < 0 skips
+//       the slot); same grid as moe_matvec.
 //   dequant_f16_<t>(w, out, n_rows, k)    out[r][i] = half bits of W[r][i] (round to nearest even).
 //   get_rows_<t>(w, ids, out, n, k)       out[r][i] = W[ids[r]][i].
 //       Both grid-stride over quarter chunks: any 1-D launch.
@@ -143,8 +145,8 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
         moe_matvec_##t(const ts_u8* __restrict__ w, long long expert_stride, const int* __restrict__ ids,           \
                        const float* __restrict__ x, int x_group, float* __restrict__ y, int n_out, int k) {         \
         const int o = blockIdx.x * 4;                                                                               \
-        if (o >= n_out) return;                                                                                     \
         const int s = blockIdx.y;                                                                                   \
+        if (o >= n_out || ids[s] < 0) return; /* a slot of another group of experts */                              \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
         const ts_u8* wr = w + (long long)ids[s] * expert_stride + o * rb;                                           \
         ts_matvec_block<1, dequant8_##t>(wr, rb, min(4, n_out - o), x + (ts_u64)(s / x_group) * k,                 \
@@ -158,8 +160,8 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
         int kind, float alpha, float limit) {                                                                       \
         __shared__ float gv[4], uv[4];                                                                              \
         const int o = blockIdx.x * 4;                                                                               \
-        if (o >= n_out) return;                                                                                     \
         const int s = blockIdx.y, rows = min(4, n_out - o);                                                         \
+        if (o >= n_out || index[s] < 0) return; /* a slot of another group of experts */                            \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
         const long long at = (long long)index[s] * expert_stride + o * rb;                                          \
         const float* xs = x + (ts_u64)(s / x_group) * k;                                                            \

@@ -74,10 +74,12 @@ extern "C" __global__ void add_bias(float* x, const float* bias, int width, long
         x[i] += bias[i % width];
 }
 
-// x[s][i] += bias[ids[s]][i]: per-expert biases of MoE slots s.
-extern "C" __global__ void add_bias_indexed(float* x, const float* bias, const int* ids, int width, long long n) {
+// x[s][i] += bias[ids[s]][i]: per-expert biases of MoE slots s, those with
+// mask[s] >= 0 (all when mask is null).
+extern "C" __global__ void add_bias_indexed(float* x, const float* bias, const int* ids, const int* mask, int width,
+                                            long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] += bias[(long long)ids[i / width] * width + i % width];
+        if (!mask || mask[i / width] >= 0) x[i] += bias[(long long)ids[i / width] * width + i % width];
 }
 
 extern "C" __global__ void scale(float* x, float s, long long n) {
@@ -211,19 +213,18 @@ extern "C" __global__ void attention(const float* q, float* out, const RowKv* in
     }
 }
 
+// out[rows[j]] = x[j] for rows of `width`. grid.x = n rows.
+extern "C" __global__ void scatter_rows(const float* x, const int* rows, float* out, int width) {
+    const float* src = x + (long long)blockIdx.x * width;
+    float* dst = out + (long long)rows[blockIdx.x] * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
 // out[j] = x[rows[j]] for rows of `width`. grid.x = n rows.
 extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
     const float* src = x + (long long)rows[blockIdx.x] * width;
     float* dst = out + (long long)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
-}
-
-// out[rows[j]] += w[j] * y[j] for rows of `width` (one expert's rows are distinct). grid.x = n.
-extern "C" __global__ void scatter_add_weighted(float* out, const int* rows, const float* w, const float* y, int width) {
-    float* dst = out + (long long)rows[blockIdx.x] * width;
-    const float* src = y + (long long)blockIdx.x * width;
-    float wt = w[blockIdx.x];
-    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] += wt * src[i];
 }
 
 // out[r] = sum_j w[r*k + j] * y[r*k + j] for rows of `width`: a token's k expert outputs.

@@ -9,18 +9,21 @@
 //! with cuBLAS.
 
 pub mod device;
+mod moe;
 pub mod tier;
 
 use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::CudaSlice;
 use device::{Arg, CudaError, Gpu};
+use moe::{GpuExpertGroup, GpuRoutes, activation_args};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use tier::ExpertTier;
 use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
-use ts_model::config::{GatedActivation, Gating, Mixer, MoeConfig};
+use ts_model::backend::ExpertsAt;
+use ts_model::config::{GatedActivation, Mixer, MoeConfig};
 use ts_model::state::ring_slots;
 use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
@@ -59,18 +62,6 @@ const GEMM_MIN_ROWS: usize = 32;
 const DELTA_RULE_WARPS: usize = 4;
 /// Activation rows one matvec launch serves.
 const MATVEC_ROWS: usize = 8;
-/// MoE steps of at most this many rows route and run experts on the device
-/// without a round trip; larger ones group rows by expert on the host.
-const DEVICE_MOE_ROWS: usize = 8;
-
-/// Where the expert-indexed matvecs find expert weights.
-enum ExpertSource {
-    /// The stacked tensors on the device, indexed by expert id.
-    Resident,
-    /// VRAM cache slots: per projection the address of slot 0, the slot stride,
-    /// and each (row, k) pair's slot `[m * k]`.
-    Slots { bases: [u64; 3], stride: usize, slot_ids: CudaSlice<i32> },
-}
 
 /// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or
 /// a piece of the step arena (decode steps, so that a captured graph's
@@ -177,6 +168,10 @@ pub struct Cuda {
     pub weight_bytes: usize,
     /// A VRAM cache of experts over a host tier, when they do not all live on the device.
     tier: Option<Mutex<ExpertTier>>,
+    /// Groups of experts handed out since the compute stream was last waited for.
+    groups_since_sync: std::sync::atomic::AtomicUsize,
+    /// Experts of a MoE layer (0 for a dense model).
+    n_expert: usize,
 }
 
 /// How to place a model on the GPU.
@@ -241,6 +236,8 @@ impl Cuda {
             blas,
             weight_bytes: 0,
             tier: None,
+            groups_since_sync: std::sync::atomic::AtomicUsize::new(0),
+            n_expert: 0,
         })
     }
 
@@ -261,6 +258,7 @@ impl Cuda {
 
     fn upload_model(&mut self, model: &Model) -> Result<(), ModelError> {
         let w = &model.weights;
+        self.n_expert = model.cfg.moe.as_ref().map_or(0, |m| m.n_expert);
         self.upload_weight(&w.token_embd)?;
         self.upload_weight(&w.output)?;
         self.upload_vec(&w.output_norm)?;
@@ -584,242 +582,6 @@ impl Cuda {
         .map_err(|e| ModelError::Compute(format!("cuda: cuBLAS GemmEx: {e:?}")))
     }
 
-    /// Routed experts of one MoE layer for a few rows, all on the device: the
-    /// k selected experts of each row run as k slots of expert-indexed matvecs.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_on_device(
-        &self,
-        w: &MoeWeights,
-        x: &Act,
-        m: usize,
-        k: usize,
-        ids: &Act,
-        wts: &Act,
-        act: GatedActivation,
-        src: &ExpertSource,
-    ) -> Result<Act, ModelError> {
-        let e = w.gate_exps.row_len();
-        let f = w.gate_exps.n_rows();
-        let slots = m * k;
-        let ids_p = ids.ptr;
-        // Projection `proj`'s expert 0 (or slot 0), the distance between experts, and the
-        // per-row index into them.
-        let experts_at = |proj: usize| -> Result<(u64, usize, u64), ModelError> {
-            let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
-            Ok(match src {
-                ExpertSource::Resident => (self.wptr(t)?, t.row_bytes() * t.n_rows(), ids_p),
-                ExpertSource::Slots { bases, stride, slot_ids } => (bases[proj], *stride, self.gpu.ptr(slot_ids)),
-            })
-        };
-        let mm = |proj: usize, xin: &Act, x_group: usize, n_out: usize, kk: usize| -> Result<Act, ModelError> {
-            let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
-            let (base, stride, index) = experts_at(proj)?;
-            let out = self.act(slots * n_out)?;
-            let sfx = type_suffix(t.ty).expect("checked at upload");
-            self.launch(
-                &format!("moe_matvec_{sfx}"),
-                (n_out.div_ceil(4) as u32, slots as u32, 1),
-                (32, 4, 1),
-                &[
-                    Arg::Ptr(base),
-                    Arg::I64(stride as i64),
-                    Arg::Ptr(index),
-                    Arg::Ptr(self.p(xin)),
-                    Arg::I32(x_group as i32),
-                    Arg::Ptr(self.p(&out)),
-                    Arg::I32(n_out as i32),
-                    Arg::I32(kk as i32),
-                ],
-            )?;
-            Ok(out)
-        };
-        let g = if w.gate_exps.ty == w.up_exps.ty {
-            // Gate, up, their biases and the activation in one kernel.
-            // Same type, so the same distance between experts.
-            let ((base_g, stride, index), (base_u, _, _)) = (experts_at(0)?, experts_at(1)?);
-            let (kind, alpha, limit) = activation_args(act);
-            let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
-            let h = self.act(slots * f)?;
-            let sfx = type_suffix(w.gate_exps.ty).expect("checked at upload");
-            self.launch(
-                &format!("moe_gate_up_{sfx}"),
-                (f.div_ceil(4) as u32, slots as u32, 1),
-                (32, 4, 1),
-                &[
-                    Arg::Ptr(base_g),
-                    Arg::Ptr(base_u),
-                    Arg::I64(stride as i64),
-                    Arg::Ptr(index),
-                    Arg::Ptr(ids_p),
-                    Arg::Ptr(self.p(x)),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(self.p(&h)),
-                    Arg::I32(f as i32),
-                    Arg::I32(e as i32),
-                    Arg::Ptr(bias(&w.gate_bias)?),
-                    Arg::Ptr(bias(&w.up_bias)?),
-                    Arg::I32(kind),
-                    Arg::F32(alpha),
-                    Arg::F32(limit),
-                ],
-            )?;
-            h
-        } else {
-            let mut g = mm(0, x, k, f, e)?;
-            let u = mm(1, x, k, f, e)?;
-            for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-                if let Some(b) = b {
-                    self.launch_1d(
-                        "add_bias_indexed",
-                        slots * f,
-                        &[
-                            Arg::Ptr(self.p(t)),
-                            Arg::Ptr(self.vptr(b)?),
-                            Arg::Ptr(ids_p),
-                            Arg::I32(f as i32),
-                            Arg::I64((slots * f) as i64),
-                        ],
-                    )?;
-                }
-            }
-            self.gated(act, &mut g, &u)?;
-            g
-        };
-        let d = mm(2, &g, 1, e, f)?;
-        if let Some(b) = &w.down_bias {
-            self.launch_1d(
-                "add_bias_indexed",
-                slots * e,
-                &[
-                    Arg::Ptr(self.p(&d)),
-                    Arg::Ptr(self.vptr(b)?),
-                    Arg::Ptr(ids_p),
-                    Arg::I32(e as i32),
-                    Arg::I64((slots * e) as i64),
-                ],
-            )?;
-        }
-        let out = self.act(m * e)?;
-        self.launch(
-            "moe_combine",
-            (e.div_ceil(256) as u32, m as u32, 1),
-            (256, 1, 1),
-            &[
-                Arg::Ptr(self.p(&d)),
-                Arg::Ptr(self.p(wts)),
-                Arg::Ptr(self.p(&out)),
-                Arg::I32(k as i32),
-                Arg::I32(e as i32),
-            ],
-        )?;
-        Ok(out)
-    }
-
-    /// Routed experts for many rows: routes come back to the host, rows are
-    /// grouped by expert, and each used expert runs once on its rows.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_grouped(
-        &self,
-        il: usize,
-        w: &MoeWeights,
-        x: &Act,
-        m: usize,
-        k: usize,
-        ids: &Act,
-        wts: &Act,
-        act: GatedActivation,
-        exact: bool,
-        store: &dyn ts_experts::ExpertStore,
-    ) -> Result<Act, ModelError> {
-        let e = w.gate_exps.row_len();
-        let f = w.gate_exps.n_rows();
-        let n_expert = w.gate_exps.dims[2];
-        let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
-        let wts_h: Vec<f32> = self.download(wts.ptr, m * k)?;
-        let mut rows_of: Vec<(Vec<i32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_expert];
-        for (s, (&ex, &wt)) in ids_h.iter().zip(&wts_h).enumerate() {
-            let ex = checked_expert(ex, n_expert)?;
-            rows_of[ex].0.push((s / k) as i32);
-            rows_of[ex].1.push(wt);
-        }
-        let out = self.zeros(m * e)?;
-        let used: Vec<usize> = (0..n_expert).filter(|&ex| !rows_of[ex].0.is_empty()).collect();
-        let mut tier = self.tier.as_ref().map(|t| t.lock().expect("expert tier lock"));
-        // With a VRAM cache, experts go in groups the cache holds; each group's
-        // copies wait until the previous group's kernels are done with the slots.
-        let group_size = tier.as_ref().map_or(used.len(), |t| t.slots()).max(1);
-        for (gi, group) in used.chunks(group_size).enumerate() {
-            let bases: Vec<[u64; 3]> = match tier.as_mut() {
-                None => group
-                    .iter()
-                    .map(|&ex| {
-                        let b = |t: &Weight| {
-                            Ok::<u64, ModelError>(self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64)
-                        };
-                        Ok([b(&w.gate_exps)?, b(&w.up_exps)?, b(&w.down_exps)?])
-                    })
-                    .collect::<Result<_, ModelError>>()?,
-                Some(t) => {
-                    if gi > 0 {
-                        self.gpu.sync().map_err(err)?;
-                    }
-                    let slots = t.ensure(&self.gpu, il, group, store)?;
-                    slots
-                        .iter()
-                        .map(|&s| {
-                            let at = (s * t.slot_bytes()) as u64;
-                            [0, 1, 2].map(|p| t.proj_base(&self.gpu, p) + at)
-                        })
-                        .collect()
-                }
-            };
-            for (&ex, base) in group.iter().zip(&bases) {
-                let (rows, rw) = &rows_of[ex];
-                let me = rows.len();
-                let rows_d = self.gpu.upload(rows).map_err(err)?;
-                let rw_d = self.gpu.upload(rw).map_err(err)?;
-                let xs = self.act(me * e)?;
-                self.launch(
-                    "gather_rows",
-                    (me as u32, 1, 1),
-                    (256, 1, 1),
-                    &[Arg::Ptr(self.p(x)), Arg::Ptr(self.gpu.ptr(&rows_d)), Arg::Ptr(self.p(&xs)), Arg::I32(e as i32)],
-                )?;
-                let expert = |proj: usize, xin: &Act, n_out: usize, kk: usize| -> Result<Act, ModelError> {
-                    let t = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
-                    let y = self.act(me * n_out)?;
-                    self.matmul(t.ty, base[proj], n_out, kk, self.p(xin), me, self.p(&y), 0, exact)?;
-                    Ok(y)
-                };
-                let mut g = expert(0, &xs, f, e)?;
-                let u = expert(1, &xs, f, e)?;
-                for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-                    if let Some(b) = b {
-                        self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
-                    }
-                }
-                self.gated(act, &mut g, &u)?;
-                let d = expert(2, &g, e, f)?;
-                if let Some(b) = &w.down_bias {
-                    self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
-                }
-                self.launch(
-                    "scatter_add_weighted",
-                    (me as u32, 1, 1),
-                    (256, 1, 1),
-                    &[
-                        Arg::Ptr(self.p(&out)),
-                        Arg::Ptr(self.gpu.ptr(&rows_d)),
-                        Arg::Ptr(self.gpu.ptr(&rw_d)),
-                        Arg::Ptr(self.p(&d)),
-                        Arg::I32(e as i32),
-                    ],
-                )?;
-            }
-        }
-        Ok(out)
-    }
-
     fn bias_at(&self, x: &Act, bias: u64, width: usize) -> Result<(), ModelError> {
         self.launch_1d(
             "add_bias",
@@ -869,36 +631,11 @@ impl Cuda {
             .map_err(|e| err(e.into()))
     }
 
-    /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
-    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Act, Act), ModelError> {
-        let k = moe.n_expert_used;
-        let ids = self.act(m * k)?;
-        let wts = self.act(m * k)?;
-        self.launch(
-            "route",
-            (m as u32, 1, 1),
-            (32, 1, 1),
-            &[
-                Arg::Ptr(self.p(logits)),
-                Arg::I32(moe.n_expert as i32),
-                Arg::I32(k as i32),
-                Arg::I32(match moe.gating {
-                    Gating::Softmax => 0,
-                    Gating::SoftmaxOverTopK => 1,
-                }),
-                Arg::I32(moe.renormalize as i32),
-                Arg::Ptr(ids.ptr),
-                Arg::Ptr(self.p(&wts)),
-            ],
-        )?;
-        Ok((ids, wts))
-    }
-
-    /// [`Cuda::route`] brought back to the host (tests): ids and weights `[m][k]`.
+    /// The routes of router logits `[m][n_expert]` brought back to the host (tests): ids and weights `[m][k]`.
     pub fn route_rows(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Vec<i32>, Vec<f32>), ModelError> {
-        let (ids, wts) = self.route(logits, m, moe)?;
+        let r = self.route_on_device(logits, m, moe)?;
         let k = moe.n_expert_used;
-        Ok((self.download(ids.ptr, m * k)?, self.download(wts.ptr, m * k)?))
+        Ok((self.download(r.ids.ptr, m * k)?, self.download(r.wts.ptr, m * k)?))
     }
 
     /// The current step's per-row state of layer `il` (`RowKv`s), its rows grouped
@@ -927,35 +664,10 @@ impl Cuda {
     }
 }
 
-/// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
-fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
-    match act {
-        GatedActivation::SwiGlu => (0, 0.0, 0.0),
-        GatedActivation::GeGlu => (1, 0.0, 0.0),
-        GatedActivation::SwiGluClamped { alpha, limit } => (2, alpha, limit),
-    }
-}
-
 /// Threads of an `rms_norm` block for pieces of `width`: enough that each
 /// holds its 4 elements in registers (ops.cu's RMS_HELD), 32 to 1024.
 fn norm_threads(width: usize) -> u32 {
     width.div_ceil(4).next_power_of_two().clamp(32, 1024) as u32
-}
-
-/// A routed expert id from the device, checked to be below `n_expert`.
-fn checked_expert(e: i32, n_expert: usize) -> Result<usize, ModelError> {
-    usize::try_from(e)
-        .ok()
-        .filter(|&e| e < n_expert)
-        .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {e} of {n_expert}")))
-}
-
-/// The distinct experts of a layer's routes, sorted; an id out of range is an error.
-fn unique_experts(ids: &[i32], n_expert: usize) -> Result<Vec<usize>, ModelError> {
-    let mut uniq = ids.iter().map(|&e| checked_expert(e, n_expert)).collect::<Result<Vec<usize>, ModelError>>()?;
-    uniq.sort_unstable();
-    uniq.dedup();
-    Ok(uniq)
 }
 
 impl Backend for Cuda {
@@ -963,6 +675,8 @@ impl Backend for Cuda {
     type State = GpuState;
     type Recurrent = GpuRecurrent;
     type Scratch = GpuScratch;
+    type Routes = GpuRoutes;
+    type ExpertGroup<'a> = GpuExpertGroup;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1340,62 +1054,83 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn moe(
+    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<GpuRoutes, ModelError> {
+        self.route_on_device(logits, m, moe)
+    }
+
+    fn route_ids(&self, routes: &GpuRoutes) -> Result<Vec<usize>, ModelError> {
+        // Every router chooses among at most 1024 experts (checked at upload).
+        self.route_ids_host(routes, self.n_expert)
+    }
+
+    fn experts_tiered(&self, _model: &Model<Self>) -> bool {
+        self.tier.is_some()
+    }
+
+    fn expert_capacity(&self, _model: &Model<Self>) -> usize {
+        self.tier.as_ref().map_or(usize::MAX, |t| t.lock().expect("expert tier lock").slots())
+    }
+
+    fn ensure_experts<'a>(
+        &'a self,
+        model: &'a Model<Self>,
+        il: usize,
+        ids: &[usize],
+    ) -> Result<GpuExpertGroup, ModelError> {
+        let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
+        // A second group of a step may evict slots the kernels queued for the first still read.
+        if self.groups_since_sync.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
+            self.gpu.sync().map_err(err)?;
+        }
+        let slots = tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())?;
+        Ok(GpuExpertGroup { slots })
+    }
+
+    fn prefetch_experts(
         &self,
         model: &Model<Self>,
         il: usize,
+        ids: &[usize],
+        keep: &GpuExpertGroup,
+    ) -> Result<(), ModelError> {
+        let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
+        tier.lock().expect("expert tier lock").prefetch(&self.gpu, il, ids, &keep.slots, model.experts.as_ref())
+    }
+
+    fn expert_gate_up(
+        &self,
         w: &MoeWeights,
+        act: GatedActivation,
         x: &Act,
-        m: usize,
+        routes: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
         s: &mut GpuScratch,
     ) -> Result<Act, ModelError> {
-        let cfg = &model.cfg;
-        let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-        let k = moe.n_expert_used;
-        let logits = self.linear(&w.router, w.router_bias.as_deref(), x, m, s)?;
-        let (ids, wts) = self.route(&logits, m, moe)?;
-        let out = match &self.tier {
-            None if m <= DEVICE_MOE_ROWS => {
-                self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &ExpertSource::Resident)?
-            }
-            Some(tier) if m <= DEVICE_MOE_ROWS => {
-                // With prefetch, the next MoE layer's router applied to this layer's
-                // input guesses its experts (as on the CPU); queued before the routes' download.
-                let guess = match model.prefetch_experts.then(|| model.next_moe_layer(il)).flatten() {
-                    Some((next, nw)) => {
-                        let logits = self.linear(&nw.router, nw.router_bias.as_deref(), x, m, s)?;
-                        Some((next, self.route(&logits, m, moe)?.0))
-                    }
-                    None => None,
-                };
-                // Routes (and guesses) come back to the host (this waits for the layer so
-                // far), the cache takes in what is missing, and the slots replace expert ids.
-                let ids_h: Vec<i32> = self.download(ids.ptr, m * k)?;
-                let uniq = unique_experts(&ids_h, moe.n_expert)?;
-                let guess = match guess {
-                    Some((next, g)) => Some((next, unique_experts(&self.download(g.ptr, m * k)?, moe.n_expert)?)),
-                    None => None,
-                };
-                let mut t = tier.lock().expect("expert tier lock");
-                let slots = t.ensure(&self.gpu, il, &uniq, model.experts.as_ref())?;
-                if let Some((next, guessed)) = guess {
-                    // Their copies queue behind this layer's and overlap with its compute
-                    // and the next layer's attention.
-                    t.prefetch(&self.gpu, next, &guessed, &slots, model.experts.as_ref())?;
-                }
-                let slot_of: Vec<i32> =
-                    ids_h.iter().map(|&e| slots[uniq.binary_search(&(e as usize)).expect("listed")] as i32).collect();
-                let src = ExpertSource::Slots {
-                    bases: [0, 1, 2].map(|p| t.proj_base(&self.gpu, p)),
-                    stride: t.slot_bytes(),
-                    slot_ids: self.gpu.upload(&slot_of).map_err(err)?,
-                };
-                drop(t);
-                self.moe_on_device(w, x, m, k, &ids, &wts, cfg.ffn_act, &src)?
-            }
-            _ => self.moe_grouped(il, w, x, m, k, &ids, &wts, cfg.ffn_act, s.exact, model.experts.as_ref())?,
-        };
-        Ok(out)
+        self.gate_up(w, act, x, routes, at, s.exact)
+    }
+
+    fn expert_down(
+        &self,
+        w: &MoeWeights,
+        h: &Act,
+        routes: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        y: &mut Act,
+        s: &mut GpuScratch,
+    ) -> Result<(), ModelError> {
+        self.down(w, h, routes, at, y, s.exact)
+    }
+
+    fn combine(&self, y: &Act, routes: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
+        self.combine_rows(y, routes, width)
+    }
+
+    fn zeros(&self, n: usize) -> Result<Act, ModelError> {
+        Cuda::zeros(self, n)
+    }
+
+    fn uninit(&self, n: usize) -> Result<Act, ModelError> {
+        self.act(n)
     }
 
     fn split_heads(&self, x: &Act, m: usize, n_heads: usize, a: usize, b: usize) -> Result<(Act, Act), ModelError> {

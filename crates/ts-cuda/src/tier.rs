@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use ts_experts::{EvictionPolicy, ExpertStore, LayerStats, SlotScores, StatsSnapshot};
+use ts_experts::{EvictionPolicy, ExpertStore, LayerStats, SlotCache, StatsSnapshot};
 use ts_model::tensors::{Ffn, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Model, ModelError};
@@ -37,13 +37,11 @@ pub struct ExpertTier {
     /// Per layer, bytes of one expert's gate, up and down matrices (types may
     /// differ between layers, as in Q4_K_M files); slots fit the largest.
     proj_bytes: Vec<[usize; 3]>,
-    table: HashMap<(usize, usize), usize>,
-    owner: Vec<Option<(usize, usize)>>,
-    scores: SlotScores,
+    /// Which expert each slot holds, and the policy's scores (the CPU cache's type).
+    cache: SlotCache,
     host: HostTier,
     copy: Arc<CudaStream>,
     layers: Vec<LayerStats>,
-    policy: EvictionPolicy,
     /// Copies still to be timed: layer, start and end events on the copy stream.
     timing: Vec<(usize, CudaEvent, CudaEvent)>,
     /// Per slot: filled by a prefetch that compute has not yet waited for.
@@ -133,13 +131,10 @@ impl ExpertTier {
             slot_bytes,
             proj_offset,
             proj_bytes,
-            table: HashMap::new(),
-            owner: vec![None; n_slots],
-            scores: SlotScores::new(policy, n_slots),
+            cache: SlotCache::new(policy, n_slots),
             host,
             copy: gpu.ctx.new_stream().map_err(|e| err(e.into()))?,
             layers: vec![LayerStats::default(); model.weights.layers.len()],
-            policy,
             timing: Vec::new(),
             in_flight: vec![false; n_slots],
             prefetches_done: None,
@@ -190,14 +185,14 @@ impl ExpertTier {
             experts.iter().enumerate().all(|(i, e)| !experts[..i].contains(e)),
             "experts asked twice: {experts:?}"
         );
-        self.scores.clock += 1;
+        self.cache.tick();
         self.settle_timing();
         if self.prefetches_done.as_ref().is_some_and(|ev| ev.is_complete()) {
             self.in_flight.iter_mut().for_each(|f| *f = false);
             self.prefetches_done = None;
         }
         // Hits first, so that no miss evicts an expert this layer reads.
-        let mut slots: Vec<Option<usize>> = experts.iter().map(|&e| self.table.get(&(il, e)).copied()).collect();
+        let mut slots: Vec<Option<usize>> = experts.iter().map(|&e| self.cache.lookup(il, e)).collect();
         let mut wait_prefetch = false;
         for s in slots.iter().flatten() {
             self.layers[il].hits += 1;
@@ -215,9 +210,9 @@ impl ExpertTier {
         }
         let slots: Vec<usize> = slots.into_iter().map(|s| s.expect("every expert placed")).collect();
         for &s in &slots {
-            self.scores.touch(s);
+            self.cache.touch(s);
         }
-        let copied = self.copy_misses(gpu, il, &misses, store).inspect_err(|_| self.release(il, &misses))?;
+        let copied = self.copy_misses(gpu, il, &misses, store).inspect_err(|_| self.release(&misses))?;
         if copied > 0 || wait_prefetch {
             let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
             // The copy stream runs in order: this event follows every copy queued so far.
@@ -242,7 +237,7 @@ impl ExpertTier {
         keep: &[usize],
         store: &dyn ExpertStore,
     ) -> Result<(), ModelError> {
-        let wanted: Vec<usize> = guess.iter().copied().filter(|&e| !self.table.contains_key(&(il, e))).collect();
+        let wanted: Vec<usize> = guess.iter().copied().filter(|&e| self.cache.lookup(il, e).is_none()).collect();
         if wanted.is_empty() {
             return Ok(());
         }
@@ -254,7 +249,7 @@ impl ExpertTier {
         }
         // Neither this layer's slots nor guesses already cached are evicted for a guess.
         let mut busy = keep.to_vec();
-        busy.extend(guess.iter().filter_map(|&e| self.table.get(&(il, e)).copied()));
+        busy.extend(guess.iter().filter_map(|&e| self.cache.lookup(il, e)));
         let mut copies = Vec::new();
         for e in wanted.into_iter().take(self.n_slots.saturating_sub(busy.len())) {
             let Some(s) = self.claim(il, e, &busy) else { break };
@@ -264,7 +259,7 @@ impl ExpertTier {
         if copies.is_empty() {
             return Ok(());
         }
-        self.copy_misses(gpu, il, &copies, store).inspect_err(|_| self.release(il, &copies))?;
+        self.copy_misses(gpu, il, &copies, store).inspect_err(|_| self.release(&copies))?;
         for &(_, s) in &copies {
             self.in_flight[s] = true;
         }
@@ -274,28 +269,17 @@ impl ExpertTier {
         Ok(())
     }
 
-    /// Forgets `(expert, slot)` pairs of layer `il` whose copies could not be queued.
-    fn release(&mut self, il: usize, pairs: &[(usize, usize)]) {
-        for &(e, s) in pairs {
-            self.table.remove(&(il, e));
-            self.owner[s] = None;
+    /// Forgets the slots of `(expert, slot)` pairs whose copies could not be queued.
+    fn release(&mut self, pairs: &[(usize, usize)]) {
+        for &(_, s) in pairs {
+            self.cache.forget(s);
         }
     }
 
     /// A slot for expert `e` of layer `il` (free, or the policy's victim among
     /// slots not in `busy`), entered in the table.
     fn claim(&mut self, il: usize, e: usize, busy: &[usize]) -> Option<usize> {
-        let s = match (0..self.n_slots).find(|&s| self.owner[s].is_none()) {
-            Some(s) => s,
-            None => self.scores.victim((0..self.n_slots).filter(|s| !busy.contains(s)))?,
-        };
-        if let Some(old) = self.owner[s].take() {
-            self.table.remove(&old);
-        }
-        self.owner[s] = Some((il, e));
-        self.table.insert((il, e), s);
-        self.scores.reset(s);
-        Some(s)
+        self.cache.claim(il, e, |s| !busy.contains(&s))
     }
 
     /// Adds the copy time of finished copies to their layers' read time.
@@ -377,7 +361,7 @@ impl ExpertTier {
                 HostTier::Store => "copies through the CPU's expert store",
             },
             measures_wait: false,
-            policy: self.policy.name(),
+            policy: self.cache.policy().name(),
         }
     }
 }

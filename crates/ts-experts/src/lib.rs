@@ -10,13 +10,15 @@
 
 mod layout;
 mod mapped;
+mod slots;
 mod stats;
 mod stream;
 
 pub use layout::{ExpertLayout, LayerLayout, ProjLayout};
 pub use mapped::{MappedExperts, ResidentExperts};
+pub use slots::{EvictionPolicy, SlotCache};
 pub use stats::{LayerStats, StatsSnapshot};
-pub use stream::{EvictionPolicy, ReadSource, SlotScores, StreamOptions, StreamingExperts};
+pub use stream::{ReadSource, StreamOptions, StreamingExperts};
 
 use std::path::PathBuf;
 

@@ -8,10 +8,11 @@
 //! the others are still being read. Reads are positioned reads of the aligned
 //! range covering each matrix, with O_DIRECT where the filesystem allows it.
 
+use crate::slots::{EvictionPolicy, SlotCache};
 use crate::stats::{LayerCounters, StatsSnapshot};
 use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore, SetInner};
 use std::alloc::Layout;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -80,75 +81,6 @@ impl ReadSource for FileSource {
 
     fn path(&self) -> &Path {
         &self.path
-    }
-}
-
-/// Which cached expert to evict when a miss needs a slot.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum EvictionPolicy {
-    /// Least recently used.
-    Lru,
-    /// Least frequently used (ties: least recently used).
-    Lfu,
-    /// Frequency with exponential decay: each use adds 1 to a score that halves
-    /// every `half_life` ensure calls; the lowest score goes.
-    DecayedFrequency { half_life: f64 },
-}
-
-impl EvictionPolicy {
-    pub fn name(&self) -> &'static str {
-        match self {
-            EvictionPolicy::Lru => "lru",
-            EvictionPolicy::Lfu => "lfu",
-            EvictionPolicy::DecayedFrequency { .. } => "decay",
-        }
-    }
-}
-
-/// Use counts and recency of a cache's slots, and the victim the policy picks:
-/// shared by every cache of experts (host slots here, VRAM slots on a GPU).
-#[derive(Clone, Debug)]
-pub struct SlotScores {
-    pub policy: EvictionPolicy,
-    last_use: Vec<u64>,
-    uses: Vec<u64>,
-    score: Vec<f64>,
-    /// Advanced once per `ensure`.
-    pub clock: u64,
-}
-
-impl SlotScores {
-    pub fn new(policy: EvictionPolicy, n_slots: usize) -> SlotScores {
-        SlotScores { policy, last_use: vec![0; n_slots], uses: vec![0; n_slots], score: vec![0.0; n_slots], clock: 0 }
-    }
-
-    /// A slot was given to a new expert: its history starts over.
-    pub fn reset(&mut self, s: usize) {
-        self.score[s] = 0.0;
-        self.uses[s] = 0;
-        self.last_use[s] = self.clock;
-    }
-
-    /// Slot `s` was used now.
-    pub fn touch(&mut self, s: usize) {
-        if let EvictionPolicy::DecayedFrequency { half_life } = self.policy {
-            self.score[s] = self.score[s] * 0.5f64.powf((self.clock - self.last_use[s]) as f64 / half_life) + 1.0;
-        }
-        self.uses[s] += 1;
-        self.last_use[s] = self.clock;
-    }
-
-    /// The policy's victim among `candidates` (occupied, evictable slots).
-    pub fn victim(&self, candidates: impl Iterator<Item = usize>) -> Option<usize> {
-        match self.policy {
-            EvictionPolicy::Lru => candidates.min_by_key(|&s| self.last_use[s]),
-            EvictionPolicy::Lfu => candidates.min_by_key(|&s| (self.uses[s], self.last_use[s])),
-            EvictionPolicy::DecayedFrequency { half_life } => candidates.min_by(|&a, &b| {
-                let decayed =
-                    |s: usize| self.score[s] * 0.5f64.powf((self.clock - self.last_use[s]) as f64 / half_life);
-                decayed(a).total_cmp(&decayed(b)).then(self.last_use[a].cmp(&self.last_use[b]))
-            }),
-        }
     }
 }
 
@@ -283,14 +215,18 @@ struct ReadJob {
     latch: Arc<Latch>,
 }
 
-/// Slot bookkeeping, under one lock.
+/// Slot bookkeeping, under one lock: the cache's table and per slot the latch
+/// of its reads.
 struct State {
-    /// (layer, expert) -> slot.
-    table: HashMap<(usize, usize), usize>,
-    owner: Vec<Option<(usize, usize)>>,
-    pins: Vec<u32>,
+    cache: SlotCache,
     latch: Vec<Option<Arc<Latch>>>,
-    scores: SlotScores,
+}
+
+impl State {
+    /// Whether slot `s`'s reads are done and one failed.
+    fn failed(&self, s: usize) -> bool {
+        self.latch[s].as_ref().is_some_and(|l| l.is_done() && l.wait().is_err())
+    }
 }
 
 struct Shared {
@@ -305,12 +241,7 @@ struct Shared {
 /// Gives slot `s` to expert `e` of `layer` (evicting what it held) and returns
 /// the reads that fill it; the slot's latch completes when they are done.
 fn assign(st: &mut State, s: usize, layer: usize, e: usize, pl: &[Placement; 3]) -> Vec<ReadJob> {
-    if let Some(old) = st.owner[s].take() {
-        st.table.remove(&old);
-    }
-    st.owner[s] = Some((layer, e));
-    st.table.insert((layer, e), s);
-    st.scores.reset(s);
+    st.cache.assign(s, layer, e);
     let latch = Latch::new(3);
     st.latch[s] = Some(latch.clone());
     pl.iter().map(|&placement| ReadJob { slot: s, placement, layer, latch: latch.clone() }).collect()
@@ -369,13 +300,7 @@ impl StreamingExperts {
             .collect();
         Ok(StreamingExperts {
             layout,
-            state: Mutex::new(State {
-                table: HashMap::new(),
-                owner: vec![None; n_slots],
-                pins: vec![0; n_slots],
-                latch: vec![None; n_slots],
-                scores: SlotScores::new(opts.policy, n_slots),
-            }),
+            state: Mutex::new(State { cache: SlotCache::new(opts.policy, n_slots), latch: vec![None; n_slots] }),
             shared,
             slot_bytes,
             policy: opts.policy,
@@ -396,15 +321,21 @@ impl StreamingExperts {
         self.shared.source.direct()
     }
 
-    /// Picks an unpinned slot for a new expert: a free one, else the policy's victim.
-    fn victim(&self, st: &State) -> Option<usize> {
-        // Neither pinned nor still being filled (a prefetch holds no pin while its reads run).
-        let unpinned =
-            (0..st.owner.len()).filter(|&s| st.pins[s] == 0 && st.latch[s].as_ref().is_none_or(|l| l.is_done()));
-        if let Some(s) = unpinned.clone().find(|&s| st.owner[s].is_none()) {
-            return Some(s);
-        }
-        st.scores.victim(unpinned)
+    /// A slot for expert `e` of `layer`, its reads queued in `jobs`: a free one, else the
+    /// policy's victim among slots neither pinned nor still being filled (a prefetch holds
+    /// no pin while its reads run).
+    fn claim(
+        &self,
+        st: &mut State,
+        layer: usize,
+        e: usize,
+        pl: &[Placement; 3],
+        jobs: &mut Vec<ReadJob>,
+    ) -> Option<usize> {
+        let State { cache, latch } = st;
+        let s = cache.claim(layer, e, |s| latch[s].as_ref().is_none_or(|l| l.is_done()))?;
+        jobs.extend(assign(st, s, layer, e, pl));
+        Some(s)
     }
 
     /// Queues reads for the reader threads.
@@ -418,13 +349,10 @@ impl StreamingExperts {
     fn release(&self, slots: &[usize]) {
         let mut st = self.state.lock().unwrap();
         for &s in slots {
-            st.pins[s] -= 1;
+            st.cache.unpin(s);
             // A slot whose read failed holds nothing usable: forget it so the next ask retries.
-            let failed = st.latch[s].as_ref().is_some_and(|l| l.is_done() && l.wait().is_err());
-            if failed && st.pins[s] == 0 {
-                if let Some(key) = st.owner[s].take() {
-                    st.table.remove(&key);
-                }
+            if st.failed(s) && !st.cache.pinned(s) {
+                st.cache.forget(s);
                 st.latch[s] = None;
             }
         }
@@ -546,25 +474,31 @@ impl ExpertStore for StreamingExperts {
         let mut taken: Vec<usize> = Vec::new();
         {
             let mut st = self.state.lock().unwrap();
-            st.scores.clock += 1;
+            st.cache.tick();
             for &e in ids {
                 let pl = placements(&l, e, align);
-                let slot = match st.table.get(&(layer, e)).copied() {
+                let slot = match st.cache.lookup(layer, e) {
+                    // A slot whose reads failed (a prefetch: no set held it to forget it) is read
+                    // again, unless a set still holds it and will report the error itself.
+                    Some(s) if !st.cache.pinned(s) && st.failed(s) => {
+                        counters.misses.fetch_add(1, Relaxed);
+                        taken.push(s);
+                        jobs.extend(assign(&mut st, s, layer, e, &pl));
+                        s
+                    }
                     Some(s) => {
                         counters.hits.fetch_add(1, Relaxed);
                         s
                     }
                     None => {
                         counters.misses.fetch_add(1, Relaxed);
-                        let Some(s) = self.victim(&st) else {
+                        let Some(s) = self.claim(&mut st, layer, e, &pl, &mut jobs) else {
                             // No slot can take it: undo this call (its reads were not queued yet) and refuse.
                             for &(_, slot, _, _) in &entries {
-                                st.pins[slot] -= 1;
+                                st.cache.unpin(slot);
                             }
                             for &slot in &taken {
-                                if let Some(key) = st.owner[slot].take() {
-                                    st.table.remove(&key);
-                                }
+                                st.cache.forget(slot);
                                 st.latch[slot] = None;
                             }
                             return Err(ExpertError::CacheTooSmall {
@@ -575,12 +509,11 @@ impl ExpertStore for StreamingExperts {
                             });
                         };
                         taken.push(s);
-                        jobs.extend(assign(&mut st, s, layer, e, &pl));
                         s
                     }
                 };
-                st.pins[slot] += 1;
-                st.scores.touch(slot);
+                st.cache.pin(slot);
+                st.cache.touch(slot);
                 let latch = st.latch[slot].clone().expect("a cached slot has a latch");
                 entries.push((e, slot, pl, latch));
             }
@@ -596,11 +529,12 @@ impl ExpertStore for StreamingExperts {
         {
             let mut st = self.state.lock().unwrap();
             for &e in ids {
-                if st.table.contains_key(&(layer, e)) {
+                if st.cache.lookup(layer, e).is_some() {
                     continue;
                 }
-                let Some(s) = self.victim(&st) else { break };
-                jobs.extend(assign(&mut st, s, layer, e, &placements(&l, e, align)));
+                if self.claim(&mut st, layer, e, &placements(&l, e, align), &mut jobs).is_none() {
+                    break;
+                }
                 self.shared.counters[layer].prefetched.fetch_add(1, Relaxed);
             }
         }

@@ -6,7 +6,7 @@
 //! backend's memory; an op takes `m` and reads widths from its weights.
 
 use crate::ModelError;
-use crate::config::{DeltaNetConfig, GatedActivation};
+use crate::config::{DeltaNetConfig, GatedActivation, MoeConfig};
 use crate::forward::{Model, Row};
 use crate::state::SeqState;
 use crate::tensors::MoeWeights;
@@ -24,6 +24,15 @@ pub struct AttnShape<'a> {
     pub softcap: Option<f32>,
     /// Per query head, an extra logit in the softmax denominator (gpt-oss).
     pub sinks: Option<&'a [f32]>,
+}
+
+/// Where the experts of an expert matmul are.
+pub enum ExpertsAt<'a, G> {
+    /// The stacked `*_exps` tensors in the backend's memory, indexed by expert id.
+    Stacked,
+    /// Entry i of `group` holds expert `ids[i]`; pairs routed to other experts
+    /// are left alone. `routes` are the routes' ids on the host, `[m][k]`.
+    Group { ids: &'a [usize], group: &'a G, routes: &'a [usize] },
 }
 
 /// The settings of one Gated DeltaNet layer's recurrence.
@@ -47,6 +56,12 @@ pub trait Backend: Sized + Send + Sync {
     type Recurrent: Send + Sync;
     /// Buffers reused across steps.
     type Scratch: Send;
+    /// Each row's k routed experts and their weights.
+    type Routes;
+    /// Experts a tier made available for one layer, pinned while this lives.
+    type ExpertGroup<'a>
+    where
+        Self: 'a;
 
     /// What computes, in a word (`cpu`, `cuda`), for reports.
     fn name(&self) -> &'static str;
@@ -152,16 +167,66 @@ pub trait Backend: Sized + Send + Sync {
     ) -> Result<Self::Act, ModelError>;
     /// `y[r] *= sigmoid(gate · x[r])` for rows of `gate.len()` (a sigmoid-gated shared expert).
     fn sigmoid_gate(&self, y: &mut Self::Act, x: &Self::Act, gate: &[f32]) -> Result<(), ModelError>;
-    /// The routed experts of MoE layer `il` on the normed input `x` `[m][n_embd]`.
-    fn moe(
+    /// Each row's k experts and their weights from router logits
+    /// `[m][n_expert]` (bias added): gating, top-k (ties to the lower id),
+    /// renormalisation as `moe` says.
+    fn route(&self, logits: &Self::Act, m: usize, moe: &MoeConfig) -> Result<Self::Routes, ModelError>;
+    /// The routes' expert ids, `[m][k]`, on the host.
+    fn route_ids(&self, routes: &Self::Routes) -> Result<Vec<usize>, ModelError>;
+    /// Whether routed experts come through a tier of slots ([`Backend::ensure_experts`])
+    /// rather than all living in the backend's memory as the stacked tensors.
+    fn experts_tiered(&self, model: &Model<Self>) -> bool;
+    /// The most experts one group from the tier may hold.
+    fn expert_capacity(&self, model: &Model<Self>) -> usize;
+    /// Makes experts `ids` of layer `il` available, pinned while the group lives.
+    fn ensure_experts<'a>(
+        &'a self,
+        model: &'a Model<Self>,
+        il: usize,
+        ids: &[usize],
+    ) -> Result<Self::ExpertGroup<'a>, ModelError>;
+    /// Starts bringing experts `ids` of layer `il` in early (guesses), sparing `keep`'s slots.
+    fn prefetch_experts(
         &self,
         model: &Model<Self>,
         il: usize,
+        ids: &[usize],
+        keep: &Self::ExpertGroup<'_>,
+    ) -> Result<(), ModelError>;
+    /// `act(gate_e · x[r] + bias) * (up_e · x[r] + bias)` for every (row r, slot j)
+    /// pair of `routes` whose expert `e` is `at`: `[m * k][n_ff_exp]` (the
+    /// expert-indexed matmul of ggml's `mul_mat_id`, gate and up together).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_gate_up(
+        &self,
         w: &MoeWeights,
+        act: GatedActivation,
         x: &Self::Act,
-        m: usize,
+        routes: &Self::Routes,
+        at: &ExpertsAt<'_, Self::ExpertGroup<'_>>,
         s: &mut Self::Scratch,
     ) -> Result<Self::Act, ModelError>;
+    /// `y[p] = down_e · h[p] + bias` for the pairs `at`, into `y` `[m * k][n_embd]`
+    /// (other pairs' rows left as they are).
+    #[allow(clippy::too_many_arguments)]
+    fn expert_down(
+        &self,
+        w: &MoeWeights,
+        h: &Self::Act,
+        routes: &Self::Routes,
+        at: &ExpertsAt<'_, Self::ExpertGroup<'_>>,
+        y: &mut Self::Act,
+        s: &mut Self::Scratch,
+    ) -> Result<(), ModelError>;
+    /// `out[r] = Σ_j weight[r][j] · y[r * k + j]`, in the order of j (so the sum
+    /// does not depend on how the experts were grouped): `[m][width]`.
+    fn combine(&self, y: &Self::Act, routes: &Self::Routes, width: usize) -> Result<Self::Act, ModelError>;
+    /// `[n]` zeros.
+    fn zeros(&self, n: usize) -> Result<Self::Act, ModelError>;
+    /// `[n]` floats whose values are unspecified (every one is written before it is read).
+    fn uninit(&self, n: usize) -> Result<Self::Act, ModelError> {
+        self.zeros(n)
+    }
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act, ModelError>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;

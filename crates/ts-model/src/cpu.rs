@@ -2,15 +2,16 @@
 //! reference every other backend is tested against, op by op.
 
 use crate::ModelError;
-use crate::backend::{AttnShape, Backend, DeltaNetParams};
-use crate::config::GatedActivation;
-use crate::forward::{Model, Row, Scratch, linear};
+use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt};
+use crate::config::{GatedActivation, MoeConfig};
+use crate::forward::{Model, Row, Scratch, linear, linear_bytes};
 use crate::state::{CpuState, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
 use rayon::prelude::*;
 use ts_cpu::delta_net::{self as dn, HeadInputs};
 use ts_cpu::ops::{self, AttentionParams, Rope};
+use ts_experts::{ExpertBytes, ExpertSet};
 
 /// The CPU: rayon threads, SIMD kernels of `ts-cpu`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -21,6 +22,8 @@ impl Backend for Cpu {
     type State = CpuState;
     type Recurrent = Vec<RecurrentState>;
     type Scratch = Scratch;
+    type Routes = CpuRoutes;
+    type ExpertGroup<'a> = ExpertSet<'a>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -226,17 +229,124 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn moe(
+    fn route(&self, logits: &Vec<f32>, m: usize, moe: &MoeConfig) -> Result<CpuRoutes, ModelError> {
+        let k = moe.n_expert_used;
+        let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
+        for l in logits.chunks_exact(moe.n_expert).take(m) {
+            let r = crate::moe::route(moe, l);
+            ids.extend(r.experts);
+            weights.extend(r.weights);
+        }
+        Ok(CpuRoutes { ids, weights, k })
+    }
+
+    fn route_ids(&self, routes: &CpuRoutes) -> Result<Vec<usize>, ModelError> {
+        Ok(routes.ids.clone())
+    }
+
+    fn experts_tiered(&self, _model: &Model<Self>) -> bool {
+        // Every placement goes through the store, which counts hits and overlaps reads.
+        true
+    }
+
+    fn expert_capacity(&self, model: &Model<Self>) -> usize {
+        model.experts.capacity()
+    }
+
+    fn ensure_experts<'a>(
+        &'a self,
+        model: &'a Model<Self>,
+        il: usize,
+        ids: &[usize],
+    ) -> Result<ExpertSet<'a>, ModelError> {
+        Ok(model.experts.ensure(il, ids)?)
+    }
+
+    fn prefetch_experts(
         &self,
         model: &Model<Self>,
         il: usize,
+        ids: &[usize],
+        _keep: &ExpertSet<'_>,
+    ) -> Result<(), ModelError> {
+        model.experts.prefetch(il, ids);
+        Ok(())
+    }
+
+    fn expert_gate_up(
+        &self,
         w: &MoeWeights,
+        act: GatedActivation,
         x: &Vec<f32>,
-        m: usize,
+        routes: &CpuRoutes,
+        at: &ExpertsAt<'_, ExpertSet<'_>>,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
-        let next = model.prefetch_experts.then(|| model.next_moe_layer(il)).flatten();
-        crate::moe::moe_ffn(&model.cfg, il, w, next, model.experts.as_ref(), x, m, s)
+        let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
+        let mut h = vec![0f32; routes.ids.len() * f];
+        let (mut xs, mut g, mut u) = (Vec::new(), Vec::new(), Vec::new());
+        for_each_expert(w, routes, at, |ex, bytes, pairs| {
+            xs.clear();
+            for &p in pairs {
+                let row = p / routes.k;
+                xs.extend_from_slice(&x[row * e..(row + 1) * e]);
+            }
+            linear_bytes(&w.gate_exps, bytes.gate, f, &xs, pairs.len(), s, &mut g)?;
+            linear_bytes(&w.up_exps, bytes.up, f, &xs, pairs.len(), s, &mut u)?;
+            if let Some(b) = &w.gate_bias {
+                ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
+            }
+            if let Some(b) = &w.up_bias {
+                ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
+            }
+            gated_activation(act, &mut g, &u);
+            for (j, &p) in pairs.iter().enumerate() {
+                h[p * f..(p + 1) * f].copy_from_slice(&g[j * f..(j + 1) * f]);
+            }
+            Ok(())
+        })?;
+        Ok(h)
+    }
+
+    fn expert_down(
+        &self,
+        w: &MoeWeights,
+        h: &Vec<f32>,
+        routes: &CpuRoutes,
+        at: &ExpertsAt<'_, ExpertSet<'_>>,
+        y: &mut Vec<f32>,
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+        let (mut hs, mut d) = (Vec::new(), Vec::new());
+        for_each_expert(w, routes, at, |ex, bytes, pairs| {
+            hs.clear();
+            for &p in pairs {
+                hs.extend_from_slice(&h[p * f..(p + 1) * f]);
+            }
+            linear_bytes(&w.down_exps, bytes.down, e, &hs, pairs.len(), s, &mut d)?;
+            if let Some(b) = &w.down_bias {
+                ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
+            }
+            for (j, &p) in pairs.iter().enumerate() {
+                y[p * e..(p + 1) * e].copy_from_slice(&d[j * e..(j + 1) * e]);
+            }
+            Ok(())
+        })
+    }
+
+    fn combine(&self, y: &Vec<f32>, routes: &CpuRoutes, width: usize) -> Result<Vec<f32>, ModelError> {
+        let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
+        for (p, &wt) in routes.weights.iter().enumerate() {
+            let row = p / routes.k;
+            let o = &mut out[row * width..(row + 1) * width];
+            o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+        }
+        Ok(out)
+    }
+
+    fn zeros(&self, n: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(vec![0.0; n])
     }
 
     fn select_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>, ModelError> {
@@ -254,6 +364,50 @@ fn kv_cache_mut(seq: &mut SeqState<CpuState>, il: usize) -> Result<&mut crate::s
         Some(LayerState::Kv(c)) => Ok(c),
         _ => Err(ModelError::Compute(format!("layer {il} keeps no keys and values"))),
     }
+}
+
+/// Each row's k experts and weights, `[m][k]` each.
+pub struct CpuRoutes {
+    pub ids: Vec<usize>,
+    pub weights: Vec<f32>,
+    pub k: usize,
+}
+
+/// Calls `f(expert, its bytes, its pairs)` for each expert `at` that some
+/// pair of `routes` goes to, those already in memory first (so that reads of
+/// the others overlap with their compute).
+fn for_each_expert(
+    w: &MoeWeights,
+    routes: &CpuRoutes,
+    at: &ExpertsAt<'_, ExpertSet<'_>>,
+    mut f: impl FnMut(usize, ExpertBytes<'_>, &[usize]) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
+    let n_expert = w.gate_exps.dims[2];
+    let mut pairs_of: Vec<Vec<usize>> = vec![Vec::new(); n_expert];
+    for (p, &ex) in routes.ids.iter().enumerate() {
+        pairs_of[ex].push(p);
+    }
+    match at {
+        ExpertsAt::Stacked => {
+            for (ex, pairs) in pairs_of.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+                let bytes = ExpertBytes {
+                    gate: w.gate_exps.matrix_bytes(ex),
+                    up: w.up_exps.matrix_bytes(ex),
+                    down: w.down_exps.matrix_bytes(ex),
+                };
+                f(ex, bytes, pairs)?;
+            }
+        }
+        ExpertsAt::Group { ids, group, .. } => {
+            let (ready, pending): (Vec<usize>, Vec<usize>) = (0..ids.len()).partition(|&i| group.is_ready(i));
+            for i in ready.into_iter().chain(pending) {
+                if !pairs_of[ids[i]].is_empty() {
+                    f(ids[i], group.get(i)?, &pairs_of[ids[i]])?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Layer `il`'s recurrent state in `seq`, or an error for a layer of another kind.

@@ -287,7 +287,7 @@ impl<B: Backend> Model<B> {
             let mut ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
                 Ffn::Moe(w) => {
-                    let mut out = be.moe(self, il, w, &normed, m, scratch)?;
+                    let mut out = self.routed_experts(il, w, &normed, m, scratch)?;
                     if let Some(sh) = &w.shared {
                         let mut y = self.dense_ffn(&sh.gate, &sh.up, &sh.down, &normed, m, scratch)?;
                         if let Some(gate) = &sh.gate_inp {

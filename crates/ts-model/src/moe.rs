@@ -1,13 +1,14 @@
-//! The routed half of the MoE FFN on the CPU: route each row to its top-k
-//! experts, run each selected expert once on all the rows that chose it, and
-//! sum the weighted outputs. (Shared experts are dense FFNs: forward.rs.)
+//! The routed half of the MoE FFN, written once over backend ops (route, the
+//! tier's groups of experts, expert-indexed matmuls, combine), and the
+//! routing rule every backend's route op follows. (Shared experts are dense
+//! FFNs: forward.rs.)
 
 use crate::ModelError;
-use crate::config::{ArchConfig, Gating, MoeConfig};
-use crate::forward::{Scratch, linear, linear_bytes};
+use crate::backend::{Backend, ExpertsAt};
+use crate::config::{Gating, MoeConfig};
+use crate::forward::Model;
 use crate::tensors::MoeWeights;
 use ts_cpu::ops;
-use ts_experts::ExpertStore;
 
 /// The k experts a row goes to, with their weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,108 +51,69 @@ pub fn route(moe: &MoeConfig, logits: &[f32]) -> Route {
     Route { experts, weights }
 }
 
-/// Output `[m][n_embd]` of the routed experts for the normed input `x` `[m][n_embd]`.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_ffn(
-    cfg: &ArchConfig,
-    layer: usize,
-    w: &MoeWeights,
-    next: Option<(usize, &MoeWeights)>,
-    store: &dyn ExpertStore,
-    x: &[f32],
-    m: usize,
-    scratch: &mut Scratch,
-) -> Result<Vec<f32>, ModelError> {
-    let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-    let e = cfg.n_embd;
-
-    let mut logits = Vec::new();
-    linear(&w.router, x, m, scratch, &mut logits)?;
-    if let Some(b) = &w.router_bias {
-        ops::add_bias_rows(&mut logits, b);
-    }
-    let routes: Vec<Route> = logits.chunks_exact(moe.n_expert).map(|l| route(moe, l)).collect();
-
-    // Rows per expert, so each selected expert is read once for the whole step.
-    let mut rows_of: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.n_expert];
-    for (row, r) in routes.iter().enumerate() {
-        for (&ex, &wt) in r.experts.iter().zip(&r.weights) {
-            rows_of[ex].push((row, wt));
+impl<B: Backend> Model<B> {
+    /// The routed experts of MoE layer `il` for the normed input `x`
+    /// `[m][n_embd]`, written once for every backend: route; then, where the
+    /// experts come through a tier, the used experts in groups the tier holds
+    /// (the next MoE layer's guessed experts started early), each group's
+    /// expert-indexed matmuls, and the weighted sum of each row's experts.
+    pub(crate) fn routed_experts(
+        &self,
+        il: usize,
+        w: &MoeWeights,
+        x: &B::Act,
+        m: usize,
+        scratch: &mut B::Scratch,
+    ) -> Result<B::Act, ModelError> {
+        let be = &self.backend;
+        let moe = self.cfg.moe.as_ref().expect("MoE weights imply a MoE config");
+        let act = self.cfg.ffn_act;
+        let e = self.cfg.n_embd;
+        let logits = be.linear(&w.router, w.router_bias.as_deref(), x, m, scratch)?;
+        let routes = be.route(&logits, m, moe)?;
+        // Each (row, slot) pair's expert output, `[m * k][n_embd]`, summed per row at the end.
+        let pairs = m * moe.n_expert_used;
+        if !be.experts_tiered(self) {
+            // Every pair is written at once.
+            let mut y = be.uninit(pairs * e)?;
+            let at = ExpertsAt::Stacked;
+            let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
+            be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
+            return be.combine(&y, &routes, e);
         }
-    }
-    let used: Vec<usize> = (0..moe.n_expert).filter(|&ex| !rows_of[ex].is_empty()).collect();
-
-    let mut out = vec![0f32; m * e];
-    let (mut xs, mut g, mut u, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // A chunk whose experts exceed the store's slots goes in groups that fit.
-    for (gi, group) in used.chunks(store.capacity().max(1)).enumerate() {
-        let set = store.ensure(layer, group)?;
-        if gi == 0
-            && let Some((next_layer, next_w)) = next
-        {
-            // The next MoE layer's router applied to this layer's input guesses its experts;
-            // their reads queue behind this layer's and overlap with its compute.
-            let mut next_logits = Vec::new();
-            linear(&next_w.router, x, m, scratch, &mut next_logits)?;
-            if let Some(b) = &next_w.router_bias {
-                ops::add_bias_rows(&mut next_logits, b);
+        // The next MoE layer's router applied to this layer's input guesses its experts.
+        let guess = match self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten() {
+            Some((next, nw)) => {
+                let logits = be.linear(&nw.router, nw.router_bias.as_deref(), x, m, scratch)?;
+                Some((next, be.route(&logits, m, moe)?))
             }
-            let mut guess: Vec<usize> =
-                next_logits.chunks_exact(moe.n_expert).flat_map(|l| route(moe, l).experts).collect();
-            guess.sort_unstable();
-            guess.dedup();
-            store.prefetch(next_layer, &guess);
+            None => None,
+        };
+        let ids = be.route_ids(&routes)?;
+        let used = distinct(&ids);
+        let mut y = be.zeros(pairs * e)?;
+        for (gi, group) in used.chunks(be.expert_capacity(self).max(1)).enumerate() {
+            let set = be.ensure_experts(self, il, group)?;
+            if gi == 0
+                && let Some((next, g)) = &guess
+            {
+                // Their reads or copies queue behind this layer's and overlap with its compute.
+                be.prefetch_experts(self, *next, &distinct(&be.route_ids(g)?), &set)?;
+            }
+            let at = ExpertsAt::Group { ids: group, group: &set, routes: &ids };
+            let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
+            be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
         }
-        // Experts already in memory first, so reads of the others overlap with their compute.
-        let (ready, pending): (Vec<usize>, Vec<usize>) = (0..group.len()).partition(|&i| set.is_ready(i));
-        for i in ready.into_iter().chain(pending) {
-            let ex = group[i];
-            let bytes = set.get(i)?;
-            expert_ffn(cfg, w, ex, &bytes, &rows_of[ex], x, scratch, &mut out, [&mut xs, &mut g, &mut u, &mut d])?;
-        }
+        be.combine(&y, &routes, e)
     }
-
-    Ok(out)
 }
 
-/// One expert on the rows routed to it, added into `out` with each row's weight.
-#[allow(clippy::too_many_arguments)]
-fn expert_ffn(
-    cfg: &ArchConfig,
-    w: &MoeWeights,
-    ex: usize,
-    bytes: &ts_experts::ExpertBytes,
-    rows: &[(usize, f32)],
-    x: &[f32],
-    scratch: &mut Scratch,
-    out: &mut [f32],
-    [xs, g, u, d]: [&mut Vec<f32>; 4],
-) -> Result<(), ModelError> {
-    let e = cfg.n_embd;
-    let f = cfg.moe.as_ref().expect("MoE config").n_ff_exp;
-    let me = rows.len();
-    xs.clear();
-    for &(row, _) in rows {
-        xs.extend_from_slice(&x[row * e..(row + 1) * e]);
-    }
-    linear_bytes(&w.gate_exps, bytes.gate, f, xs, me, scratch, g)?;
-    linear_bytes(&w.up_exps, bytes.up, f, xs, me, scratch, u)?;
-    if let Some(b) = &w.gate_bias {
-        ops::add_bias_rows(g, &b[ex * f..(ex + 1) * f]);
-    }
-    if let Some(b) = &w.up_bias {
-        ops::add_bias_rows(u, &b[ex * f..(ex + 1) * f]);
-    }
-    crate::cpu::gated_activation(cfg.ffn_act, g, u);
-    linear_bytes(&w.down_exps, bytes.down, e, g, me, scratch, d)?;
-    if let Some(b) = &w.down_bias {
-        ops::add_bias_rows(d, &b[ex * e..(ex + 1) * e]);
-    }
-    for (j, &(row, wt)) in rows.iter().enumerate() {
-        let o = &mut out[row * e..(row + 1) * e];
-        o.iter_mut().zip(&d[j * e..(j + 1) * e]).for_each(|(o, &v)| *o += wt * v);
-    }
-    Ok(())
+/// The distinct values of `ids`, ascending.
+fn distinct(ids: &[usize]) -> Vec<usize> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 #[cfg(test)]

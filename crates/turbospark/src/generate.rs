@@ -381,7 +381,7 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
     let harmony = engine.model.cfg.arch == ts_model::Arch::GptOss;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &args.system {
-        messages.push(ChatMessage { role: "system".into(), content: s.clone() });
+        messages.push(ChatMessage::system(s.clone()));
     }
     // Each turn reads only what is new: the conversation so far stays in the
     // sequence (a recurrent model goes back to where the last prompt ended).
@@ -400,7 +400,7 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
         if line.is_empty() {
             continue;
         }
-        messages.push(ChatMessage { role: "user".into(), content: line.to_string() });
+        messages.push(ChatMessage::user(line));
         let rendered = template.render(&messages, true)?;
         // The template emits BOS itself where the model wants one.
         let tokens = engine.tokenizer()?.encode(&rendered, false, true)?;
@@ -458,7 +458,7 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
         if interactive {
             report(&stats);
         }
-        messages.push(ChatMessage { role: "assistant".into(), content: reply });
+        messages.push(ChatMessage::assistant(reply));
     }
 }
 

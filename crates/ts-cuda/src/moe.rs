@@ -1,0 +1,408 @@
+//! The routed experts' ops on the GPU, the primitives of ts-model's one MoE
+//! flow: routing on the device, the expert-indexed matmuls (ggml's
+//! `mul_mat_id`) over the stacked tensors or over the VRAM cache's slots, and
+//! the weighted sum. A step of at most [`DEVICE_MOE_ROWS`] rows runs every
+//! (row, slot) pair as one slot of an expert-indexed matvec, without a host
+//! round trip (so decode steps replay as a CUDA graph); larger steps group
+//! pairs by expert on the host and multiply each expert once on its rows.
+
+use crate::device::Arg;
+use crate::{Act, Cuda, err, type_suffix};
+use cudarc::driver::CudaSlice;
+use ts_model::ModelError;
+use ts_model::backend::ExpertsAt;
+use ts_model::config::{GatedActivation, Gating, MoeConfig};
+use ts_model::tensors::MoeWeights;
+use ts_model::weights::Weight;
+
+/// Steps of at most this many rows run their experts as expert-indexed matvecs on
+/// the device; larger ones group rows by expert on the host.
+pub const DEVICE_MOE_ROWS: usize = 8;
+
+/// Each row's k experts `ids` (i32) and weights `wts`, `[m][k]` on the device.
+pub struct GpuRoutes {
+    pub(crate) ids: Act,
+    pub(crate) wts: Act,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+}
+
+/// Experts the VRAM cache holds for one layer: `slots[i]` holds the group's i-th expert.
+pub struct GpuExpertGroup {
+    pub(crate) slots: Vec<usize>,
+}
+
+/// Where one projection of the experts of a matmul is: the address of expert
+/// (or slot) 0, the bytes between experts, and per (row, slot) pair the index
+/// into them (device `[m * k]` i32, negative for pairs of another group).
+struct Source {
+    base: u64,
+    stride: usize,
+    index: u64,
+}
+
+/// Per projection (gate, up, down) its [`Source`], and the per-pair index
+/// upload they share (kept alive here).
+struct Sources {
+    proj: [Source; 3],
+    _index: Option<CudaSlice<i32>>,
+}
+
+impl Cuda {
+    /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
+    pub(crate) fn route_on_device(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<GpuRoutes, ModelError> {
+        let k = moe.n_expert_used;
+        let ids = self.act(m * k)?;
+        let wts = self.act(m * k)?;
+        self.launch(
+            "route",
+            (m as u32, 1, 1),
+            (32, 1, 1),
+            &[
+                Arg::Ptr(self.p(logits)),
+                Arg::I32(moe.n_expert as i32),
+                Arg::I32(k as i32),
+                Arg::I32(match moe.gating {
+                    Gating::Softmax => 0,
+                    Gating::SoftmaxOverTopK => 1,
+                }),
+                Arg::I32(moe.renormalize as i32),
+                Arg::Ptr(ids.ptr),
+                Arg::Ptr(self.p(&wts)),
+            ],
+        )?;
+        Ok(GpuRoutes { ids, wts, m, k })
+    }
+
+    /// The routes' expert ids on the host (waits for the step so far), checked
+    /// to be below `n_expert`.
+    pub(crate) fn route_ids_host(&self, r: &GpuRoutes, n_expert: usize) -> Result<Vec<usize>, ModelError> {
+        let ids: Vec<i32> = self.download(r.ids.ptr, r.m * r.k)?;
+        self.groups_since_sync.store(0, std::sync::atomic::Ordering::Relaxed);
+        ids.into_iter().map(|e| checked_expert(e, n_expert)).collect()
+    }
+
+    /// Where gate, up and down of the experts `at` are for the pairs of `r`.
+    fn sources(
+        &self,
+        w: &MoeWeights,
+        r: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+    ) -> Result<Sources, ModelError> {
+        let ws = [&w.gate_exps, &w.up_exps, &w.down_exps];
+        match at {
+            ExpertsAt::Stacked => {
+                let mut proj = Vec::with_capacity(3);
+                for t in ws {
+                    proj.push(Source { base: self.wptr(t)?, stride: t.row_bytes() * t.n_rows(), index: r.ids.ptr });
+                }
+                let proj: [Source; 3] = proj.try_into().map_err(|_| ModelError::Compute("three projections".into()))?;
+                Ok(Sources { proj, _index: None })
+            }
+            ExpertsAt::Group { ids, group, routes } => {
+                let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
+                let t = tier.lock().expect("expert tier lock");
+                // Each pair's slot, or -1 for a pair whose expert is in another group.
+                let slot_of: Vec<i32> = routes
+                    .iter()
+                    .map(|e| ids.iter().position(|g| g == e).map_or(-1, |i| group.slots[i] as i32))
+                    .collect();
+                let index = self.gpu.upload(&slot_of).map_err(err)?;
+                let at = self.gpu.ptr(&index);
+                let stride = t.slot_bytes();
+                let proj = [0, 1, 2].map(|p| Source { base: t.proj_base(&self.gpu, p), stride, index: at });
+                Ok(Sources { proj, _index: Some(index) })
+            }
+        }
+    }
+
+    /// [`ts_model::Backend::expert_gate_up`].
+    pub(crate) fn gate_up(
+        &self,
+        w: &MoeWeights,
+        act: GatedActivation,
+        x: &Act,
+        r: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        exact: bool,
+    ) -> Result<Act, ModelError> {
+        let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
+        let (pairs, k) = (r.m * r.k, r.k);
+        let h = self.act(pairs * f)?;
+        if r.m > DEVICE_MOE_ROWS {
+            let act_args = activation_args(act);
+            return self
+                .by_expert(w, r, at, |base, ex, rows, pairs_d| {
+                    let me = rows.len();
+                    let rows_d = self.gpu.upload(rows).map_err(err)?;
+                    let xs = self.act(me * e)?;
+                    self.gather(x, self.gpu.ptr(&rows_d), &xs, me, e)?;
+                    let g = self.act(me * f)?;
+                    let u = self.act(me * f)?;
+                    self.matmul(w.gate_exps.ty, base[0], f, e, self.p(&xs), me, self.p(&g), 0, exact)?;
+                    self.matmul(w.up_exps.ty, base[1], f, e, self.p(&xs), me, self.p(&u), 0, exact)?;
+                    for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+                        if let Some(b) = b {
+                            self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
+                        }
+                    }
+                    self.launch_1d(
+                        "gated",
+                        me * f,
+                        &[
+                            Arg::Ptr(self.p(&g)),
+                            Arg::Ptr(self.p(&u)),
+                            Arg::I64((me * f) as i64),
+                            Arg::I32(act_args.0),
+                            Arg::F32(act_args.1),
+                            Arg::F32(act_args.2),
+                        ],
+                    )?;
+                    self.scatter(&g, pairs_d, &h, me, f)
+                })
+                .map(|()| h);
+        }
+        let src = self.sources(w, r, at)?;
+        let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
+        if w.gate_exps.ty == w.up_exps.ty {
+            // Gate, up, their biases and the activation in one kernel (same type: same stride).
+            let (kind, alpha, limit) = activation_args(act);
+            let sfx = type_suffix(w.gate_exps.ty).expect("checked at upload");
+            self.launch(
+                &format!("moe_gate_up_{sfx}"),
+                (f.div_ceil(4) as u32, pairs as u32, 1),
+                (32, 4, 1),
+                &[
+                    Arg::Ptr(src.proj[0].base),
+                    Arg::Ptr(src.proj[1].base),
+                    Arg::I64(src.proj[0].stride as i64),
+                    Arg::Ptr(src.proj[0].index),
+                    Arg::Ptr(r.ids.ptr),
+                    Arg::Ptr(self.p(x)),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(self.p(&h)),
+                    Arg::I32(f as i32),
+                    Arg::I32(e as i32),
+                    Arg::Ptr(bias(&w.gate_bias)?),
+                    Arg::Ptr(bias(&w.up_bias)?),
+                    Arg::I32(kind),
+                    Arg::F32(alpha),
+                    Arg::F32(limit),
+                ],
+            )?;
+            return Ok(h);
+        }
+        let mut g = self.indexed_matvec(&w.gate_exps, &src.proj[0], x, k, f, e, pairs)?;
+        let u = self.indexed_matvec(&w.up_exps, &src.proj[1], x, k, f, e, pairs)?;
+        for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
+            if let Some(b) = b {
+                self.bias_indexed(t, self.vptr(b)?, r, &src.proj[0], f)?;
+            }
+        }
+        ts_model::Backend::gated(self, act, &mut g, &u)?;
+        Ok(g)
+    }
+
+    /// [`ts_model::Backend::expert_down`].
+    pub(crate) fn down(
+        &self,
+        w: &MoeWeights,
+        h: &Act,
+        r: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        y: &Act,
+        exact: bool,
+    ) -> Result<(), ModelError> {
+        let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+        let pairs = r.m * r.k;
+        if r.m > DEVICE_MOE_ROWS {
+            return self.by_expert(w, r, at, |base, ex, _rows, pairs_d| {
+                let me = _rows.len();
+                let hs = self.act(me * f)?;
+                self.gather(h, pairs_d, &hs, me, f)?;
+                let d = self.act(me * e)?;
+                self.matmul(w.down_exps.ty, base[2], e, f, self.p(&hs), me, self.p(&d), 0, exact)?;
+                if let Some(b) = &w.down_bias {
+                    self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
+                }
+                self.scatter(&d, pairs_d, y, me, e)
+            });
+        }
+        let src = self.sources(w, r, at)?;
+        let sfx = type_suffix(w.down_exps.ty).expect("checked at upload");
+        self.launch(
+            &format!("moe_matvec_{sfx}"),
+            (e.div_ceil(4) as u32, pairs as u32, 1),
+            (32, 4, 1),
+            &[
+                Arg::Ptr(src.proj[2].base),
+                Arg::I64(src.proj[2].stride as i64),
+                Arg::Ptr(src.proj[2].index),
+                Arg::Ptr(self.p(h)),
+                Arg::I32(1),
+                Arg::Ptr(self.p(y)),
+                Arg::I32(e as i32),
+                Arg::I32(f as i32),
+            ],
+        )?;
+        if let Some(b) = &w.down_bias {
+            self.bias_indexed(y, self.vptr(b)?, r, &src.proj[2], e)?;
+        }
+        Ok(())
+    }
+
+    /// `out[r] = Σ_j wts[r][j] · y[r * k + j]`, `[m][width]`.
+    pub(crate) fn combine_rows(&self, y: &Act, r: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
+        let out = self.act(r.m * width)?;
+        self.launch(
+            "moe_combine",
+            (width.div_ceil(256) as u32, r.m as u32, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(y)),
+                Arg::Ptr(self.p(&r.wts)),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(r.k as i32),
+                Arg::I32(width as i32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// One expert-indexed matvec per pair: `[pairs][n_out]`.
+    #[allow(clippy::too_many_arguments)]
+    fn indexed_matvec(
+        &self,
+        t: &Weight,
+        src: &Source,
+        x: &Act,
+        x_group: usize,
+        n_out: usize,
+        k: usize,
+        pairs: usize,
+    ) -> Result<Act, ModelError> {
+        let out = self.act(pairs * n_out)?;
+        let sfx = type_suffix(t.ty).expect("checked at upload");
+        self.launch(
+            &format!("moe_matvec_{sfx}"),
+            (n_out.div_ceil(4) as u32, pairs as u32, 1),
+            (32, 4, 1),
+            &[
+                Arg::Ptr(src.base),
+                Arg::I64(src.stride as i64),
+                Arg::Ptr(src.index),
+                Arg::Ptr(self.p(x)),
+                Arg::I32(x_group as i32),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(n_out as i32),
+                Arg::I32(k as i32),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// `x[p] += bias[expert of p]` for the pairs whose `src` index is not negative.
+    fn bias_indexed(&self, x: &Act, bias: u64, r: &GpuRoutes, src: &Source, width: usize) -> Result<(), ModelError> {
+        let n = r.m * r.k * width;
+        self.launch_1d(
+            "add_bias_indexed",
+            n,
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(bias),
+                Arg::Ptr(r.ids.ptr),
+                Arg::Ptr(src.index),
+                Arg::I32(width as i32),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    /// Calls `f(per projection the expert's address, expert, its rows, its pairs on the
+    /// device)` for each expert `at` that some pair of `r` goes to (many-row steps).
+    fn by_expert(
+        &self,
+        w: &MoeWeights,
+        r: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        mut f: impl FnMut([u64; 3], usize, &[i32], u64) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
+        let n_expert = w.gate_exps.dims[2];
+        let host;
+        let (routes, experts): (&[usize], Vec<(usize, [u64; 3])>) = match at {
+            ExpertsAt::Stacked => {
+                host = self.route_ids_host(r, n_expert)?;
+                let mut used = host.clone();
+                used.sort_unstable();
+                used.dedup();
+                let ws = [&w.gate_exps, &w.up_exps, &w.down_exps];
+                let mut experts = Vec::with_capacity(used.len());
+                for ex in used {
+                    let mut base = [0u64; 3];
+                    for (p, t) in ws.iter().enumerate() {
+                        base[p] = self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64;
+                    }
+                    experts.push((ex, base));
+                }
+                (&host, experts)
+            }
+            ExpertsAt::Group { ids, group, routes } => {
+                let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
+                let t = tier.lock().expect("expert tier lock");
+                let experts = ids
+                    .iter()
+                    .zip(&group.slots)
+                    .map(|(&ex, &s)| (ex, [0, 1, 2].map(|p| t.proj_base(&self.gpu, p) + (s * t.slot_bytes()) as u64)))
+                    .collect();
+                (routes, experts)
+            }
+        };
+        for (ex, base) in experts {
+            let pairs: Vec<i32> = (0..routes.len()).filter(|&p| routes[p] == ex).map(|p| p as i32).collect();
+            if pairs.is_empty() {
+                continue;
+            }
+            let rows: Vec<i32> = pairs.iter().map(|&p| p / r.k as i32).collect();
+            let pairs_d = self.gpu.upload(&pairs).map_err(err)?;
+            f(base, ex, &rows, self.gpu.ptr(&pairs_d))?;
+        }
+        Ok(())
+    }
+
+    /// `out[j] = x[rows[j]]` for `n` rows of `width` (`rows` a device address).
+    fn gather(&self, x: &Act, rows: u64, out: &Act, n: usize, width: usize) -> Result<(), ModelError> {
+        self.launch(
+            "gather_rows",
+            (n as u32, 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(self.p(x)), Arg::Ptr(rows), Arg::Ptr(self.p(out)), Arg::I32(width as i32)],
+        )
+    }
+
+    /// `out[rows[j]] = x[j]` for `n` rows of `width`.
+    fn scatter(&self, x: &Act, rows: u64, out: &Act, n: usize, width: usize) -> Result<(), ModelError> {
+        self.launch(
+            "scatter_rows",
+            (n as u32, 1, 1),
+            (256, 1, 1),
+            &[Arg::Ptr(self.p(x)), Arg::Ptr(rows), Arg::Ptr(self.p(out)), Arg::I32(width as i32)],
+        )
+    }
+}
+
+/// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
+pub(crate) fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
+    match act {
+        GatedActivation::SwiGlu => (0, 0.0, 0.0),
+        GatedActivation::GeGlu => (1, 0.0, 0.0),
+        GatedActivation::SwiGluClamped { alpha, limit } => (2, alpha, limit),
+    }
+}
+
+/// A routed expert id from the device, checked to be below `n_expert`.
+fn checked_expert(e: i32, n_expert: usize) -> Result<usize, ModelError> {
+    usize::try_from(e)
+        .ok()
+        .filter(|&e| e < n_expert)
+        .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {e} of {n_expert}")))
+}
