@@ -6,7 +6,7 @@ use crate::rng::{derive, name_hash};
 use crate::routing;
 use crate::spec::{Family, ModelSpec, Recipe};
 use crate::{SynthError, SynthOptions};
-use ts_gguf::{GgmlType, GgufWriter, Value};
+use ts_gguf::{Array, GgmlType, GgufWriter, Value};
 
 /// Standard deviation of biases and of the jitter on norm weights.
 const SMALL_STD: f64 = 0.02;
@@ -26,6 +26,10 @@ pub enum Fill {
     Embedding,
     /// The router of a layer (see `routing`).
     Router { layer: usize },
+    /// `ssm_a = −A` (the converter stores `−exp(A_log)`), A uniform in `[1, 16]`.
+    SsmA,
+    /// `ssm_dt.bias = softplus⁻¹(dt)`, dt log-uniform in `[0.001, 0.1]`.
+    DtBias,
 }
 
 #[derive(Clone, Debug)]
@@ -89,14 +93,27 @@ fn file_type(recipe: Recipe, expert: Option<GgmlType>) -> u32 {
     }
 }
 
-/// Tensor types of one layer: attention q, k, v, output; expert gate/up, down.
+/// Range of A in `ssm_a = −A` (Hugging Face initialises `A_log = ln U(0, 16)`; the lower
+/// bound keeps every head decaying).
+const SSM_A_RANGE: (f64, f64) = (1.0, 16.0);
+/// Range of the time step whose inverse softplus is `dt_bias` (Mamba-2 / Gated DeltaNet's
+/// initialisation: log-uniform between these).
+const DT_RANGE: (f64, f64) = (0.001, 0.1);
+
+/// Tensor types of one layer: attention q, k, v, output; expert gate/up, down; the shared
+/// expert's down projection; the other matrices of a hybrid layer (linear-attention
+/// projections, shared expert gate and up).
 struct LayerTypes {
     q: GgmlType,
     k: GgmlType,
+    /// `attn_v`, and `attn_qkv` in a linear-attention layer (llama-quantize counts both as
+    /// "attn_v-like").
     v: GgmlType,
     o: GgmlType,
     gate_up: GgmlType,
     down: GgmlType,
+    shexp_down: GgmlType,
+    other: GgmlType,
 }
 
 impl Plan {
@@ -161,6 +178,8 @@ impl Plan {
                 o: GgmlType::Q8_0,
                 gate_up: GgmlType::MXFP4,
                 down: GgmlType::MXFP4,
+                shexp_down: GgmlType::Q8_0,
+                other: GgmlType::Q8_0,
             },
             Recipe::Q4KM => {
                 let eight = spec.n_expert == 8;
@@ -172,6 +191,9 @@ impl Plan {
                     o: if eight { GgmlType::Q5_K } else { GgmlType::Q4_K },
                     gate_up: GgmlType::Q4_K,
                     down: more,
+                    // ffn_down_shexp is an "ffn_down" to llama-quantize.
+                    shexp_down: more,
+                    other: GgmlType::Q4_K,
                 }
             }
         };
@@ -183,10 +205,12 @@ impl Plan {
     }
 
     fn add_layer(&mut self, il: usize, t: LayerTypes) {
+        if self.spec.family.is_hybrid() {
+            return self.add_hybrid_layer(il, t);
+        }
         let s = self.spec.clone();
         let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
         let (q, kv) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
-        let (n_exp, ff) = (s.n_expert as u64, s.n_ff_exp as u64);
         let name = |base: &str| format!("blk.{il}.{base}");
         let gpt_oss = s.family == Family::GptOss;
 
@@ -211,7 +235,17 @@ impl Plan {
                 self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
             }
             Family::Mixtral => self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm),
+            Family::Qwen35Moe | Family::Qwen3Next => unreachable!("hybrid layers are laid out apart"),
         }
+        self.add_experts(il, &t);
+    }
+
+    /// The router and the routed experts (gpt-oss: with biases).
+    fn add_experts(&mut self, il: usize, t: &LayerTypes) {
+        let s = &self.spec;
+        let (e, n_exp, ff) = (s.n_embd as u64, s.n_expert as u64, s.n_ff_exp as u64);
+        let gpt_oss = s.family == Family::GptOss;
+        let name = |base: &str| format!("blk.{il}.{base}");
         self.add(&name("ffn_gate_inp.weight"), GgmlType::F32, &[e, n_exp], Fill::Router { layer: il });
         if gpt_oss {
             self.add(&name("ffn_gate_inp.bias"), GgmlType::F32, &[n_exp], Fill::Bias);
@@ -228,6 +262,54 @@ impl Plan {
         }
     }
 
+    /// A qwen35moe / qwen3next layer (docs/FAMILIES.md §6.2): Gated DeltaNet or gated
+    /// attention, the pre-MoE norm `post_attention_norm`, routed experts and a shared expert
+    /// behind a sigmoid gate.
+    fn add_hybrid_layer(&mut self, il: usize, t: LayerTypes) {
+        let s = self.spec.clone();
+        let lin = s.linear.expect("a hybrid family has linear-attention shapes");
+        let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
+        let (q, kv) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
+        let (conv, v_dim, nv) = (lin.conv_dim() as u64, lin.v_dim() as u64, lin.n_v_heads as u64);
+        let sh = s.n_ff_shexp as u64;
+        let name = |base: &str| format!("blk.{il}.{base}");
+
+        self.add(&name("attn_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
+        if lin.is_recurrent(il) {
+            self.add(&name("attn_qkv.weight"), t.v, &[e, conv], Fill::Weights);
+            self.add(&name("attn_gate.weight"), t.other, &[e, v_dim], Fill::Weights);
+            // Each channel's taps are a row: spread 1/sqrt(taps) keeps the input's spread.
+            self.add(&name("ssm_conv1d.weight"), GgmlType::F32, &[lin.conv_kernel as u64, conv], Fill::Weights);
+            self.add(&name("ssm_dt.bias"), GgmlType::F32, &[nv], Fill::DtBias);
+            self.add(&name("ssm_a"), GgmlType::F32, &[nv], Fill::SsmA);
+            match s.family {
+                Family::Qwen3Next => self.add(&name("ssm_ba.weight"), t.other, &[e, 2 * nv], Fill::Weights),
+                _ => {
+                    self.add(&name("ssm_beta.weight"), t.other, &[e, nv], Fill::Weights);
+                    self.add(&name("ssm_alpha.weight"), t.other, &[e, nv], Fill::Weights);
+                }
+            }
+            self.add(&name("ssm_norm.weight"), GgmlType::F32, &[lin.head_dim as u64], Fill::Norm);
+            self.add(&name("ssm_out.weight"), t.other, &[v_dim, e], Fill::Weights);
+        } else {
+            // Per head [q | gate]: the gate multiplies the attention output by sigmoid(gate).
+            self.add(&name("attn_q.weight"), t.q, &[e, 2 * q], Fill::Weights);
+            self.add(&name("attn_k.weight"), t.k, &[e, kv], Fill::Weights);
+            self.add(&name("attn_v.weight"), t.v, &[e, kv], Fill::Weights);
+            self.add(&name("attn_output.weight"), t.o, &[q, e], Fill::Weights);
+            self.add(&name("attn_q_norm.weight"), GgmlType::F32, &[hd], Fill::Norm);
+            self.add(&name("attn_k_norm.weight"), GgmlType::F32, &[hd], Fill::Norm);
+        }
+        self.add(&name("post_attention_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
+        self.add_experts(il, &t);
+        // The converter writes the gate [1, n_embd] of Hugging Face as [n_embd, 1]; its
+        // spread 1/sqrt(n_embd) gives gate logits of spread about 1.
+        self.add(&name("ffn_gate_inp_shexp.weight"), GgmlType::F32, &[e, 1], Fill::Weights);
+        self.add(&name("ffn_gate_shexp.weight"), t.other, &[e, sh], Fill::Weights);
+        self.add(&name("ffn_up_shexp.weight"), t.other, &[e, sh], Fill::Weights);
+        self.add(&name("ffn_down_shexp.weight"), t.shexp_down, &[sh, e], Fill::Weights);
+    }
+
     fn metadata_keys(&self) -> Vec<(String, Value)> {
         let s = &self.spec;
         let arch = s.family.gguf_arch();
@@ -240,9 +322,14 @@ impl Plan {
         put("{arch}.block_count", u32v(self.n_layer));
         put("{arch}.context_length", u32v(s.n_ctx_train));
         put("{arch}.embedding_length", u32v(s.n_embd));
-        put("{arch}.feed_forward_length", u32v(s.n_ff));
+        if s.n_ff > 0 {
+            put("{arch}.feed_forward_length", u32v(s.n_ff));
+        }
         put("{arch}.attention.head_count", u32v(s.n_head));
         put("{arch}.attention.head_count_kv", u32v(s.n_head_kv));
+        if let Some(sections) = s.rope_sections {
+            put("{arch}.rope.dimension_sections", Value::Array(Array::I32(sections.to_vec())));
+        }
         put("{arch}.rope.freq_base", Value::F32(s.rope_freq_base));
         put("{arch}.attention.layer_norm_rms_epsilon", Value::F32(s.rms_eps));
         put("{arch}.expert_count", u32v(s.n_expert));
@@ -264,15 +351,34 @@ impl Plan {
         if s.family != Family::Mixtral {
             put("{arch}.expert_feed_forward_length", u32v(s.n_ff_exp));
         }
+        if s.n_ff_shexp > 0 {
+            put("{arch}.expert_shared_feed_forward_length", u32v(s.n_ff_shexp));
+        }
+        if let Some(lin) = s.linear {
+            // Qwen3NextModel.set_gguf_parameters: the ssm shapes, one flag per layer (the
+            // converter's config always has layer_types; no MTP layers here) and the interval.
+            put("{arch}.ssm.conv_kernel", u32v(lin.conv_kernel));
+            put("{arch}.ssm.state_size", u32v(lin.head_dim));
+            put("{arch}.ssm.group_count", u32v(lin.n_k_heads));
+            put("{arch}.ssm.time_step_rank", u32v(lin.n_v_heads));
+            put("{arch}.ssm.inner_size", u32v(lin.v_dim()));
+            let flags = (0..self.n_layer).map(|il| lin.is_recurrent(il)).collect();
+            put("{arch}.attention.recurrent_layers", Value::Array(Array::Bool(flags)));
+            put("{arch}.full_attention_interval", u32v(lin.full_attention_interval));
+        }
         // The llama converter writes these two; llama.cpp sizes a tokenizer-less vocabulary
         // from vocab_size, so every family gets it here.
         put("{arch}.vocab_size", u32v(s.n_vocab));
-        if s.family == Family::Mixtral {
-            put("{arch}.rope.dimension_count", u32v(s.head_dim));
+        if let Some(n_rot) = s.rope_dims {
+            put("{arch}.rope.dimension_count", u32v(n_rot));
         }
         put("general.file_type", Value::U32(file_type(s.recipe, self.opts.expert_type)));
         put("general.quantization_version", Value::U32(2));
         put("tokenizer.ggml.model", Value::String("none".into()));
+        // What the public file's tokenizer is; readers ignore it without tokens.
+        if let Some(pre) = s.tokenizer_pre {
+            put("tokenizer.ggml.pre", Value::String(pre.into()));
+        }
         put("turbospark.synth.like", Value::String(s.name.into()));
         put("turbospark.synth.routing", Value::String(self.opts.routing.name().into()));
         put("turbospark.synth.seed", Value::U64(self.opts.seed));
@@ -336,6 +442,20 @@ impl Plan {
                     seed,
                 );
                 out.copy_from_slice(bytemuck::cast_slice(&rows));
+            }
+            Fill::SsmA | Fill::DtBias => {
+                let mut rng = crate::rng::Rng::new(seed);
+                for v in out.chunks_exact_mut(4) {
+                    let u = rng.uniform();
+                    let x = if t.fill == Fill::SsmA {
+                        -(SSM_A_RANGE.0 + u * (SSM_A_RANGE.1 - SSM_A_RANGE.0))
+                    } else {
+                        let dt = (DT_RANGE.0.ln() + u * (DT_RANGE.1.ln() - DT_RANGE.0.ln())).exp();
+                        // softplus⁻¹(dt) = ln(eˣ − 1)
+                        dt.exp_m1().ln()
+                    };
+                    v.copy_from_slice(&(x as f32).to_le_bytes());
+                }
             }
         }
         Ok(())

@@ -12,6 +12,11 @@ pub enum Family {
     Qwen3Moe,
     /// `llama` with experts (Mixtral).
     Mixtral,
+    /// `qwen35moe` (Qwen3.5 MoE): Gated DeltaNet layers and every fourth layer gated
+    /// attention, a sigmoid-gated shared expert; beta and alpha projections apart.
+    Qwen35Moe,
+    /// `qwen3next` (Qwen3-Next): the same blocks, beta and alpha in one `ssm_ba`.
+    Qwen3Next,
 }
 
 impl Family {
@@ -21,7 +26,46 @@ impl Family {
             Family::GptOss => "gpt-oss",
             Family::Qwen3Moe => "qwen3moe",
             Family::Mixtral => "llama",
+            Family::Qwen35Moe => "qwen35moe",
+            Family::Qwen3Next => "qwen3next",
         }
+    }
+
+    /// Gated DeltaNet and gated-attention layers (docs/FAMILIES.md §6).
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Family::Qwen35Moe | Family::Qwen3Next)
+    }
+}
+
+/// Shapes of the Gated DeltaNet layers of a hybrid model (`{arch}.ssm.*`, docs/FAMILIES.md §6.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearAttention {
+    /// Key (and query) heads: `ssm.group_count`.
+    pub n_k_heads: usize,
+    /// Value heads: `ssm.time_step_rank`.
+    pub n_v_heads: usize,
+    /// Size of a key head and of a value head: `ssm.state_size` (llama.cpp needs them equal).
+    pub head_dim: usize,
+    /// Taps of the causal convolution: `ssm.conv_kernel`.
+    pub conv_kernel: usize,
+    /// Every this-many-th layer is softmax attention, the others linear (`full_attention_interval`).
+    pub full_attention_interval: usize,
+}
+
+impl LinearAttention {
+    /// Channels of the convolved projection `attn_qkv`: q heads, k heads, v heads.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k_heads * self.head_dim + self.v_dim()
+    }
+
+    /// `ssm.inner_size`: all value heads.
+    pub fn v_dim(&self) -> usize {
+        self.n_v_heads * self.head_dim
+    }
+
+    /// Whether layer `il` is linear attention (`(il + 1) % interval != 0`).
+    pub fn is_recurrent(&self, il: usize) -> bool {
+        !(il + 1).is_multiple_of(self.full_attention_interval)
     }
 }
 
@@ -39,7 +83,9 @@ pub enum Recipe {
 #[derive(Clone, Copy, Debug)]
 pub struct Reference {
     pub file: &'static str,
-    /// Size as published (decimal GB × 1e9, so only to the precision shown).
+    /// Size as published (decimal GB × 1e9 or GiB × 2³⁰, so only to the precision shown),
+    /// or, where no file of the stock recipe was found, computed from the recipe by hand
+    /// (`source` says which).
     pub bytes: u64,
     pub source: &'static str,
 }
@@ -56,7 +102,8 @@ pub struct ModelSpec {
     pub head_dim: usize,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
-    /// `feed_forward_length` as the converter writes it (HF `intermediate_size`).
+    /// `feed_forward_length` as the converter writes it (HF `intermediate_size`); 0 where
+    /// the config has none and the key is not written (qwen35moe).
     pub n_ff: usize,
     /// Hidden width of one routed expert.
     pub n_ff_exp: usize,
@@ -67,6 +114,16 @@ pub struct ModelSpec {
     /// YaRN `(factor, original context)`.
     pub yarn: Option<(f32, usize)>,
     pub sliding_window: Option<usize>,
+    /// `rope.dimension_count`, where the converter writes it (rotary dimensions per head).
+    pub rope_dims: Option<usize>,
+    /// `rope.dimension_sections` (qwen35moe's multi-axis rope; text uses the first section only).
+    pub rope_sections: Option<[i32; 4]>,
+    /// Hidden width of the shared expert (`expert_shared_feed_forward_length`); 0 without one.
+    pub n_ff_shexp: usize,
+    /// The Gated DeltaNet layers of a hybrid model.
+    pub linear: Option<LinearAttention>,
+    /// `tokenizer.ggml.pre` of the public file (the vocabulary written here has no tokens).
+    pub tokenizer_pre: Option<&'static str>,
     pub recipe: Recipe,
     /// Exponent θ of the expert popularity law `rank^-θ` in skewed routing (docs/SYNTH.md).
     pub routing_skew: f32,
@@ -74,7 +131,17 @@ pub struct ModelSpec {
 }
 
 /// The names `spec` knows.
-pub const NAMES: [&str; 5] = ["gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"];
+pub const NAMES: [&str; 9] = [
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "mixtral-8x7b",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-122b-a10b",
+    "qwen3.5-397b-a17b",
+    "qwen3-next-80b-a3b",
+];
 
 /// The model called `name` (see [`NAMES`]).
 pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
@@ -96,6 +163,11 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
         rms_eps: 1e-5,
         yarn: Some((32.0, 4096)),
         sliding_window: Some(128),
+        rope_dims: None,
+        rope_sections: None,
+        n_ff_shexp: 0,
+        linear: None,
+        tokenizer_pre: Some("gpt-4o"),
         recipe: Recipe::Mxfp4Moe,
         routing_skew,
         reference,
@@ -118,9 +190,57 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
         rms_eps: 1e-6,
         yarn: None,
         sliding_window: None,
+        rope_dims: None,
+        rope_sections: None,
+        n_ff_shexp: 0,
+        linear: None,
+        tokenizer_pre: Some("qwen2"),
         recipe: Recipe::Q4KM,
         routing_skew: 0.65,
         reference,
+    };
+    // docs/FAMILIES.md §6.7: every release has head size 256 with 2 kv heads, 16 key heads
+    // of 128 in the linear layers, 4 conv taps, rope on a quarter of each head (base 1e7),
+    // a context of 262144, and every fourth layer attention.
+    let hybrid = |name, family, n_layer, n_embd, n_head, n_v_heads, n_expert, n_expert_used, n_ff_exp, reference| {
+        let qwen35 = family == Family::Qwen35Moe;
+        ModelSpec {
+            name,
+            family,
+            n_layer,
+            n_embd,
+            n_head,
+            n_head_kv: 2,
+            head_dim: 256,
+            n_vocab: if qwen35 { 248_320 } else { 151_936 },
+            n_ctx_train: 262_144,
+            // Qwen3-Next's config has `intermediate_size` (unused: every layer is MoE);
+            // Qwen3.5's has none, so the converter writes no feed_forward_length.
+            n_ff: if qwen35 { 0 } else { 5120 },
+            n_ff_exp,
+            n_expert,
+            n_expert_used,
+            rope_freq_base: 10_000_000.0,
+            rms_eps: 1e-6,
+            yarn: None,
+            sliding_window: None,
+            rope_dims: Some(64),
+            rope_sections: qwen35.then_some([11, 11, 10, 0]),
+            n_ff_shexp: n_ff_exp,
+            linear: Some(LinearAttention {
+                n_k_heads: 16,
+                n_v_heads,
+                head_dim: 128,
+                conv_kernel: 4,
+                full_attention_interval: 4,
+            }),
+            tokenizer_pre: Some(if qwen35 { "qwen35" } else { "qwen2" }),
+            recipe: Recipe::Q4KM,
+            // With 256 experts of which 8 or 512 of which 10, consecutive tokens share a
+            // quarter of their experts at this skew (docs/SYNTH.md).
+            routing_skew: 0.67,
+            reference,
+        }
     };
     Ok(match name {
         "gpt-oss-20b" => gpt_oss(
@@ -189,6 +309,11 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
             rms_eps: 1e-5,
             yarn: None,
             sliding_window: None,
+            rope_dims: Some(128),
+            rope_sections: None,
+            n_ff_shexp: 0,
+            linear: None,
+            tokenizer_pre: None,
             recipe: Recipe::Q4KM,
             routing_skew: 0.5,
             reference: Reference {
@@ -197,6 +322,70 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
                 source: "huggingface.co/MaziyarPanahi/Mixtral-8x7B-Instruct-v0.1-GGUF (26.49 GiB as localmodel.run lists it)",
             },
         },
+        "qwen3.5-35b-a3b" => hybrid(
+            "qwen3.5-35b-a3b",
+            Family::Qwen35Moe,
+            40,
+            2048,
+            16,
+            32,
+            256,
+            8,
+            512,
+            Reference {
+                file: "Qwen3.5-35B-A3B-Q4_K_M.gguf",
+                bytes: 21_200_000_000,
+                source: "the official Q4_K_M as GOBA-AI-Labs' PrunedHub-Qwen3.5-35B-A3B card quotes it (21.2 GB); docs/FAMILIES.md §6.7 computes 19.70 GiB from the recipe",
+            },
+        ),
+        "qwen3.5-122b-a10b" => hybrid(
+            "qwen3.5-122b-a10b",
+            Family::Qwen35Moe,
+            48,
+            3072,
+            32,
+            64,
+            256,
+            8,
+            1024,
+            Reference {
+                file: "Qwen3.5-122B-A10B-Q4_K_M.gguf",
+                bytes: 74_201_739_264,
+                source: "no stock Q4_K_M listing found: tensor data computed by hand from the recipe of docs/FAMILIES.md §6.7 (69.11 GiB)",
+            },
+        ),
+        "qwen3.5-397b-a17b" => hybrid(
+            "qwen3.5-397b-a17b",
+            Family::Qwen35Moe,
+            60,
+            4096,
+            32,
+            64,
+            512,
+            10,
+            1024,
+            Reference {
+                file: "Qwen3.5-397B-A17B-Q4_K_M-0000{1..}.gguf",
+                bytes: 240_593_923_072,
+                source: "no stock Q4_K_M listing found (bartowski's files upcast ssm_alpha/beta and ssm_out): docs/FAMILIES.md §6.7's 224.07 GiB, computed from the recipe",
+            },
+        ),
+        "qwen3-next-80b-a3b" => hybrid(
+            "qwen3-next-80b-a3b",
+            Family::Qwen3Next,
+            48,
+            2048,
+            16,
+            32,
+            512,
+            10,
+            512,
+            Reference {
+                file: "Qwen3-Next-80B-A3B-Instruct-Q4_K_M.gguf",
+                bytes: 48_404_281_426,
+                source: "45.08 GiB in a published load log of a Q4_K_M with the older ssm_in layout (lmstudio-bug-tracker #1266, docs/FAMILIES.md §6.7), 0.15% below the attn_qkv layout",
+            },
+        ),
         _ => return Err(SynthError::UnknownModel { name: name.into(), choices: NAMES.join(", ") }),
     })
 }

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct SynthArgs {
-    /// Model to imitate: gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b.
+    /// Model to imitate: gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b,
+    /// qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b, qwen3-next-80b-a3b.
     #[arg(long = "like", value_name = "NAME")]
     like: String,
     /// Type of the routed-expert tensors (default: the public GGUF's): q4_0, q4_k, q5_k, q6_k, q8_0, mxfp4.
