@@ -26,5 +26,8 @@ for l in sys.stdin:
 cp "$(test_bin gpu)" .devbin/gpu-tests
 # dequant_host: its NVRTC check is the one CI cannot run.
 cp "$(test_bin dequant_host)" .devbin/cuda-host-tests
-strip .devbin/*
+strip .devbin/turbospark .devbin/bandwidth .devbin/gpu-tests .devbin/cuda-host-tests
+# Compressed, so that they and the tree fit a call's 64 MiB (gpu-run.sh unpacks them).
+# An earlier commit's binary for before/after runs goes in as turbospark-before.
+xz -f -T0 .devbin/turbospark .devbin/bandwidth .devbin/gpu-tests .devbin/cuda-host-tests
 ls -la .devbin

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile]
-# (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU.)
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|peer-build|hybrid]
+# (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
+# `before-after`: .devbin/turbospark-before (an earlier commit's build) beside
+# .devbin/turbospark on the same synthetic files; `peer-build` starts building
+# llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz in the background;
+# `hybrid`: a qwen3.5-35b-a3b synthetic file, ours beside that llama-bench.)
 set -u
 what=${1:-all}
 export TURBOSPARK_ROOT=$PWD
-B=$PWD/.devbin
+# gpu-build.sh carries the binaries xz-compressed: unpacked once per machine.
+B=/tmp/devbin
+mkdir -p $B
+for z in .devbin/*.xz; do
+    n=$B/$(basename "$z" .xz)
+    [[ -x $n && $n -nt $z ]] || { xz -dc "$z" > "$n" && chmod +x "$n"; }
+done
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
@@ -55,6 +65,55 @@ if [[ $what == profile ]]; then
         python3 tools/ncu-summary.py "$OUT/profile-$like.log" | tee "$OUT/profile-$like.txt"
         rm -f "$OUT/profile-$like.log"
     done
+fi
+# The synthetic model `$1` in /tmp (written once per machine).
+synth() {
+    local f=/tmp/$1.gguf
+    [[ -f $f ]] || "$B"/turbospark synth --like "$1" -o "$f" 2>&1 | tail -1 >&2
+    echo "$f"
+}
+# Expert bytes over 4: the VRAM cache of the tiered benchmarks.
+quarter() {
+    "$B"/turbospark inspect --json "$1" | python3 -c 'import json,sys
+d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in t["name"]) // 4)'
+}
+if [[ $what == peer-build ]]; then
+    rm -rf /tmp/peer && mkdir -p /tmp/peer && tar -xJf .peer/llama-cuda.tar.xz -C /tmp/peer
+    setsid nohup bash -c 'cmake -S /tmp/peer/llama.cpp -B /tmp/lcbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_APP=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
+        && cmake --build /tmp/lcbuild -j16 --target llama-bench; echo built $?' > /tmp/lcbuild.log 2>&1 &
+    echo "llama.cpp build started (log /tmp/lcbuild.log)"
+fi
+if [[ $what == before-after ]]; then
+    for like in gpt-oss-20b qwen3-30b-a3b; do
+        f=$(synth "$like")
+        q=$(quarter "$f")
+        for bin in turbospark-before turbospark; do
+            echo "== $like, $bin: every expert in VRAM"
+            "$B/$bin" bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/before-after.log" | grep -E "^\||tok/s|error"
+            echo "== $like, $bin: a quarter of the expert bytes in VRAM"
+            "$B/$bin" bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/before-after.log" \
+                | grep -E "^\||tok/s|error"
+        done
+    done
+fi
+if [[ $what == hybrid ]]; then
+    f=$(synth qwen3.5-35b-a3b)
+    echo "== qwen3.5-35b-a3b, turbospark: every expert in VRAM"
+    "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee "$OUT/hybrid.log" | grep -E "^\||tok/s|error"
+    q=$(quarter "$f")
+    echo "== qwen3.5-35b-a3b, turbospark: a quarter of the expert bytes in VRAM"
+    "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/hybrid.log" \
+        | grep -E "^\||tok/s|error"
+    # llama.cpp beside it when `peer-build` was started on this machine.
+    if [[ -f /tmp/lcbuild.log ]]; then
+        for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+        tail -2 /tmp/lcbuild.log
+        echo "== qwen3.5-35b-a3b, llama.cpp: every layer on the GPU"
+        /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/hybrid.log" \
+            | grep -E "^\||error"
+    fi
 fi
 if ((failed)); then
     echo "gpu-run.sh: tests failed (logs in $OUT)" >&2

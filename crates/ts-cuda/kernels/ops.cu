@@ -213,13 +213,6 @@ extern "C" __global__ void attention(const float* q, float* out, const RowKv* in
     }
 }
 
-// out[rows[j]] = x[j] for rows of `width`. grid.x = n rows.
-extern "C" __global__ void scatter_rows(const float* x, const int* rows, float* out, int width) {
-    const float* src = x + (long long)blockIdx.x * width;
-    float* dst = out + (long long)rows[blockIdx.x] * width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
-}
-
 // out[j] = x[rows[j]] for rows of `width`. grid.x = n rows.
 extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
     const float* src = x + (long long)rows[blockIdx.x] * width;
@@ -229,11 +222,17 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, float* o
 
 // out[r] = sum_j w[r*k + j] * y[r*k + j] for rows of `width`: a token's k expert outputs.
 // grid = (any, m): blocks of a row share its width.
-extern "C" __global__ void moe_combine(const float* y, const float* w, float* out, int k, int width) {
+// pair (r, j)'s row of y is index[r*k + j] (its place among the pairs grouped by
+// expert), or r*k + j when index is null.
+extern "C" __global__ void moe_combine(const float* y, const float* w, const int* index, float* out, int k,
+                                       int width) {
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < k; j++) acc += w[r * k + j] * y[((long long)r * k + j) * width + i];
+        for (int j = 0; j < k; j++) {
+            long long row = index ? index[r * k + j] : (long long)r * k + j;
+            acc += w[r * k + j] * y[row * width + i];
+        }
         out[(long long)r * width + i] = acc;
     }
 }

@@ -582,14 +582,6 @@ impl Cuda {
         .map_err(|e| ModelError::Compute(format!("cuda: cuBLAS GemmEx: {e:?}")))
     }
 
-    fn bias_at(&self, x: &Act, bias: u64, width: usize) -> Result<(), ModelError> {
-        self.launch_1d(
-            "add_bias",
-            x.len,
-            &[Arg::Ptr(self.p(x)), Arg::Ptr(bias), Arg::I32(width as i32), Arg::I64(x.len as i64)],
-        )
-    }
-
     /// Caches for `n_ctx` positions of attention layers with these sliding windows,
     /// filled `max_chunk` rows at a time (a sliding layer keeps a ring, as on the CPU).
     pub fn kv_for(
@@ -1060,7 +1052,7 @@ impl Backend for Cuda {
 
     fn route_ids(&self, routes: &GpuRoutes) -> Result<Vec<usize>, ModelError> {
         // Every router chooses among at most 1024 experts (checked at upload).
-        self.route_ids_host(routes, self.n_expert)
+        Ok(self.route_ids_host(routes, self.n_expert)?.to_vec())
     }
 
     fn experts_tiered(&self, _model: &Model<Self>) -> bool {
@@ -1083,7 +1075,7 @@ impl Backend for Cuda {
             self.gpu.sync().map_err(err)?;
         }
         let slots = tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())?;
-        Ok(GpuExpertGroup { slots })
+        Ok(GpuExpertGroup::new(slots))
     }
 
     fn prefetch_experts(

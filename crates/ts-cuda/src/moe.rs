@@ -9,6 +9,7 @@
 use crate::device::Arg;
 use crate::{Act, Cuda, err, type_suffix};
 use cudarc::driver::CudaSlice;
+use std::sync::OnceLock;
 use ts_model::ModelError;
 use ts_model::backend::ExpertsAt;
 use ts_model::config::{GatedActivation, Gating, MoeConfig};
@@ -19,17 +20,38 @@ use ts_model::weights::Weight;
 /// the device; larger ones group rows by expert on the host.
 pub const DEVICE_MOE_ROWS: usize = 8;
 
-/// Each row's k experts `ids` (i32) and weights `wts`, `[m][k]` on the device.
+/// Each row's k experts `ids` (i32) and weights `wts`, `[m][k]` on the device;
+/// once asked for, the ids on the host and the pairs grouped by expert.
 pub struct GpuRoutes {
     pub(crate) ids: Act,
     pub(crate) wts: Act,
     pub(crate) m: usize,
     pub(crate) k: usize,
+    host: OnceLock<Vec<usize>>,
+    grouping: OnceLock<Grouping>,
 }
 
-/// Experts the VRAM cache holds for one layer: `slots[i]` holds the group's i-th expert.
+/// A step's (row, slot) pairs ordered by expert, for many-row steps: expert e's
+/// pairs are `pairs[offsets[e]..offsets[e + 1]]`; on the device the pairs, their
+/// rows (`pair / k`) and each pair's place in that order, one upload for every
+/// expert. Many-row steps keep `h` and `y` in that order (each expert's rows
+/// contiguous, multiplied in place), and `combine` reads `y` through the places.
+struct Grouping {
+    offsets: Vec<usize>,
+    device: CudaSlice<i32>,
+}
+
+/// Experts the VRAM cache holds for one layer: `slots[i]` holds the group's i-th
+/// expert; once made, each pair's slot on the device (-1 for another group's).
 pub struct GpuExpertGroup {
     pub(crate) slots: Vec<usize>,
+    slot_of: OnceLock<CudaSlice<i32>>,
+}
+
+impl GpuExpertGroup {
+    pub(crate) fn new(slots: Vec<usize>) -> GpuExpertGroup {
+        GpuExpertGroup { slots, slot_of: OnceLock::new() }
+    }
 }
 
 /// Where one projection of the experts of a matmul is: the address of expert
@@ -41,11 +63,9 @@ struct Source {
     index: u64,
 }
 
-/// Per projection (gate, up, down) its [`Source`], and the per-pair index
-/// upload they share (kept alive here).
+/// Per projection (gate, up, down) its [`Source`].
 struct Sources {
     proj: [Source; 3],
-    _index: Option<CudaSlice<i32>>,
 }
 
 impl Cuda {
@@ -71,15 +91,45 @@ impl Cuda {
                 Arg::Ptr(self.p(&wts)),
             ],
         )?;
-        Ok(GpuRoutes { ids, wts, m, k })
+        Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new() })
     }
 
-    /// The routes' expert ids on the host (waits for the step so far), checked
-    /// to be below `n_expert`.
-    pub(crate) fn route_ids_host(&self, r: &GpuRoutes, n_expert: usize) -> Result<Vec<usize>, ModelError> {
+    /// The routes' expert ids on the host (the first ask waits for the step so
+    /// far), checked to be below `n_expert`.
+    pub(crate) fn route_ids_host<'r>(&self, r: &'r GpuRoutes, n_expert: usize) -> Result<&'r [usize], ModelError> {
+        if let Some(ids) = r.host.get() {
+            return Ok(ids);
+        }
         let ids: Vec<i32> = self.download(r.ids.ptr, r.m * r.k)?;
         self.groups_since_sync.store(0, std::sync::atomic::Ordering::Relaxed);
-        ids.into_iter().map(|e| checked_expert(e, n_expert)).collect()
+        let ids = ids.into_iter().map(|e| checked_expert(e, n_expert)).collect::<Result<Vec<usize>, _>>()?;
+        Ok(r.host.get_or_init(|| ids))
+    }
+
+    /// The pairs of `r` grouped by expert (made once per routes).
+    fn grouping<'r>(&self, r: &'r GpuRoutes, n_expert: usize) -> Result<&'r Grouping, ModelError> {
+        if let Some(g) = r.grouping.get() {
+            return Ok(g);
+        }
+        let ids = self.route_ids_host(r, n_expert)?;
+        let mut offsets = vec![0usize; n_expert + 1];
+        for &e in ids {
+            offsets[e + 1] += 1;
+        }
+        for e in 0..n_expert {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut next = offsets.clone();
+        let n = ids.len();
+        let mut pairs = vec![0i32; 3 * n];
+        for (p, &e) in ids.iter().enumerate() {
+            pairs[next[e]] = p as i32;
+            pairs[n + next[e]] = (p / r.k) as i32;
+            pairs[2 * n + p] = next[e] as i32;
+            next[e] += 1;
+        }
+        let device = self.gpu.upload(&pairs).map_err(err)?;
+        Ok(r.grouping.get_or_init(|| Grouping { offsets, device }))
     }
 
     /// Where gate, up and down of the experts `at` are for the pairs of `r`.
@@ -97,21 +147,27 @@ impl Cuda {
                     proj.push(Source { base: self.wptr(t)?, stride: t.row_bytes() * t.n_rows(), index: r.ids.ptr });
                 }
                 let proj: [Source; 3] = proj.try_into().map_err(|_| ModelError::Compute("three projections".into()))?;
-                Ok(Sources { proj, _index: None })
+                Ok(Sources { proj })
             }
             ExpertsAt::Group { ids, group, routes } => {
                 let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
                 let t = tier.lock().expect("expert tier lock");
-                // Each pair's slot, or -1 for a pair whose expert is in another group.
-                let slot_of: Vec<i32> = routes
-                    .iter()
-                    .map(|e| ids.iter().position(|g| g == e).map_or(-1, |i| group.slots[i] as i32))
-                    .collect();
-                let index = self.gpu.upload(&slot_of).map_err(err)?;
-                let at = self.gpu.ptr(&index);
+                let index = match group.slot_of.get() {
+                    Some(index) => index,
+                    None => {
+                        // Each pair's slot, or -1 for a pair whose expert is in another group.
+                        let slot_of: Vec<i32> = routes
+                            .iter()
+                            .map(|e| ids.iter().position(|g| g == e).map_or(-1, |i| group.slots[i] as i32))
+                            .collect();
+                        let index = self.gpu.upload(&slot_of).map_err(err)?;
+                        group.slot_of.get_or_init(|| index)
+                    }
+                };
+                let at = self.gpu.ptr(index);
                 let stride = t.slot_bytes();
                 let proj = [0, 1, 2].map(|p| Source { base: t.proj_base(&self.gpu, p), stride, index: at });
-                Ok(Sources { proj, _index: Some(index) })
+                Ok(Sources { proj })
             }
         }
     }
@@ -130,37 +186,34 @@ impl Cuda {
         let (pairs, k) = (r.m * r.k, r.k);
         let h = self.act(pairs * f)?;
         if r.m > DEVICE_MOE_ROWS {
-            let act_args = activation_args(act);
-            return self
-                .by_expert(w, r, at, |base, ex, rows, pairs_d| {
-                    let me = rows.len();
-                    let rows_d = self.gpu.upload(rows).map_err(err)?;
-                    let xs = self.act(me * e)?;
-                    self.gather(x, self.gpu.ptr(&rows_d), &xs, me, e)?;
-                    let g = self.act(me * f)?;
-                    let u = self.act(me * f)?;
-                    self.matmul(w.gate_exps.ty, base[0], f, e, self.p(&xs), me, self.p(&g), 0, exact)?;
-                    self.matmul(w.up_exps.ty, base[1], f, e, self.p(&xs), me, self.p(&u), 0, exact)?;
-                    for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-                        if let Some(b) = b {
-                            self.bias_at(t, self.vptr(b)? + (ex * f * 4) as u64, f)?;
-                        }
+            // h in the order of the pairs grouped by expert: each expert's rows in place.
+            let (kind, alpha, limit) = activation_args(act);
+            self.by_expert(w, r, at, |base, ex, start, me, rows_d| {
+                let xs = self.act(me * e)?;
+                self.gather(x, rows_d, &xs, me, e)?;
+                let g = self.p(&h) + (4 * start * f) as u64;
+                let u = self.act(me * f)?;
+                self.matmul(w.gate_exps.ty, base[0], f, e, self.p(&xs), me, g, 0, exact)?;
+                self.matmul(w.up_exps.ty, base[1], f, e, self.p(&xs), me, self.p(&u), 0, exact)?;
+                for (t, b) in [(g, &w.gate_bias), (self.p(&u), &w.up_bias)] {
+                    if let Some(b) = b {
+                        self.bias_rows(t, self.vptr(b)? + (ex * f * 4) as u64, me, f)?;
                     }
-                    self.launch_1d(
-                        "gated",
-                        me * f,
-                        &[
-                            Arg::Ptr(self.p(&g)),
-                            Arg::Ptr(self.p(&u)),
-                            Arg::I64((me * f) as i64),
-                            Arg::I32(act_args.0),
-                            Arg::F32(act_args.1),
-                            Arg::F32(act_args.2),
-                        ],
-                    )?;
-                    self.scatter(&g, pairs_d, &h, me, f)
-                })
-                .map(|()| h);
+                }
+                self.launch_1d(
+                    "gated",
+                    me * f,
+                    &[
+                        Arg::Ptr(g),
+                        Arg::Ptr(self.p(&u)),
+                        Arg::I64((me * f) as i64),
+                        Arg::I32(kind),
+                        Arg::F32(alpha),
+                        Arg::F32(limit),
+                    ],
+                )
+            })?;
+            return Ok(h);
         }
         let src = self.sources(w, r, at)?;
         let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
@@ -216,16 +269,14 @@ impl Cuda {
         let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
         let pairs = r.m * r.k;
         if r.m > DEVICE_MOE_ROWS {
-            return self.by_expert(w, r, at, |base, ex, _rows, pairs_d| {
-                let me = _rows.len();
-                let hs = self.act(me * f)?;
-                self.gather(h, pairs_d, &hs, me, f)?;
-                let d = self.act(me * e)?;
-                self.matmul(w.down_exps.ty, base[2], e, f, self.p(&hs), me, self.p(&d), 0, exact)?;
-                if let Some(b) = &w.down_bias {
-                    self.bias_at(&d, self.vptr(b)? + (ex * e * 4) as u64, e)?;
+            // h and y in the order of the pairs grouped by expert (see `Grouping`).
+            return self.by_expert(w, r, at, |base, ex, start, me, _rows| {
+                let (hs, d) = (self.p(h) + (4 * start * f) as u64, self.p(y) + (4 * start * e) as u64);
+                self.matmul(w.down_exps.ty, base[2], e, f, hs, me, d, 0, exact)?;
+                match &w.down_bias {
+                    Some(b) => self.bias_rows(d, self.vptr(b)? + (ex * e * 4) as u64, me, e),
+                    None => Ok(()),
                 }
-                self.scatter(&d, pairs_d, y, me, e)
             });
         }
         let src = self.sources(w, r, at)?;
@@ -251,9 +302,14 @@ impl Cuda {
         Ok(())
     }
 
-    /// `out[r] = Σ_j wts[r][j] · y[r * k + j]`, `[m][width]`.
+    /// `out[r] = Σ_j wts[r][j] · y[pair (r, j)]`, `[m][width]`.
     pub(crate) fn combine_rows(&self, y: &Act, r: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
         let out = self.act(r.m * width)?;
+        // Many-row steps left y in the order of the pairs grouped by expert.
+        let index = match r.grouping.get() {
+            Some(g) if r.m > DEVICE_MOE_ROWS => self.gpu.ptr(&g.device) + (8 * r.m * r.k) as u64,
+            _ => 0,
+        };
         self.launch(
             "moe_combine",
             (width.div_ceil(256) as u32, r.m as u32, 1),
@@ -261,12 +317,22 @@ impl Cuda {
             &[
                 Arg::Ptr(self.p(y)),
                 Arg::Ptr(self.p(&r.wts)),
+                Arg::Ptr(index),
                 Arg::Ptr(self.p(&out)),
                 Arg::I32(r.k as i32),
                 Arg::I32(width as i32),
             ],
         )?;
         Ok(out)
+    }
+
+    /// `x[r] += bias` for `n` rows of `width` at device address `x`.
+    fn bias_rows(&self, x: u64, bias: u64, n: usize, width: usize) -> Result<(), ModelError> {
+        self.launch_1d(
+            "add_bias",
+            n * width,
+            &[Arg::Ptr(x), Arg::Ptr(bias), Arg::I32(width as i32), Arg::I64((n * width) as i64)],
+        )
     }
 
     /// One expert-indexed matvec per pair: `[pairs][n_out]`.
@@ -318,53 +384,46 @@ impl Cuda {
         )
     }
 
-    /// Calls `f(per projection the expert's address, expert, its rows, its pairs on the
-    /// device)` for each expert `at` that some pair of `r` goes to (many-row steps).
+    /// Calls `f(per projection the expert's address, expert, its first place among
+    /// the pairs grouped by expert, its pair count, their rows on the device)` for
+    /// each expert `at` that some pair of `r` goes to (many-row steps).
     fn by_expert(
         &self,
         w: &MoeWeights,
         r: &GpuRoutes,
         at: &ExpertsAt<'_, GpuExpertGroup>,
-        mut f: impl FnMut([u64; 3], usize, &[i32], u64) -> Result<(), ModelError>,
+        mut f: impl FnMut([u64; 3], usize, usize, usize, u64) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         let n_expert = w.gate_exps.dims[2];
-        let host;
-        let (routes, experts): (&[usize], Vec<(usize, [u64; 3])>) = match at {
+        let g = self.grouping(r, n_expert)?;
+        let rows = self.gpu.ptr(&g.device) + (4 * r.m * r.k) as u64;
+        let experts: Vec<(usize, [u64; 3])> = match at {
             ExpertsAt::Stacked => {
-                host = self.route_ids_host(r, n_expert)?;
-                let mut used = host.clone();
-                used.sort_unstable();
-                used.dedup();
                 let ws = [&w.gate_exps, &w.up_exps, &w.down_exps];
-                let mut experts = Vec::with_capacity(used.len());
-                for ex in used {
+                let mut experts = Vec::new();
+                for ex in (0..n_expert).filter(|&e| g.offsets[e + 1] > g.offsets[e]) {
                     let mut base = [0u64; 3];
                     for (p, t) in ws.iter().enumerate() {
                         base[p] = self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64;
                     }
                     experts.push((ex, base));
                 }
-                (&host, experts)
+                experts
             }
-            ExpertsAt::Group { ids, group, routes } => {
+            ExpertsAt::Group { ids, group, .. } => {
                 let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
                 let t = tier.lock().expect("expert tier lock");
-                let experts = ids
-                    .iter()
+                ids.iter()
                     .zip(&group.slots)
                     .map(|(&ex, &s)| (ex, [0, 1, 2].map(|p| t.proj_base(&self.gpu, p) + (s * t.slot_bytes()) as u64)))
-                    .collect();
-                (routes, experts)
+                    .collect()
             }
         };
         for (ex, base) in experts {
-            let pairs: Vec<i32> = (0..routes.len()).filter(|&p| routes[p] == ex).map(|p| p as i32).collect();
-            if pairs.is_empty() {
-                continue;
+            let (start, n) = (g.offsets[ex], g.offsets[ex + 1] - g.offsets[ex]);
+            if n > 0 {
+                f(base, ex, start, n, rows + (4 * start) as u64)?;
             }
-            let rows: Vec<i32> = pairs.iter().map(|&p| p / r.k as i32).collect();
-            let pairs_d = self.gpu.upload(&pairs).map_err(err)?;
-            f(base, ex, &rows, self.gpu.ptr(&pairs_d))?;
         }
         Ok(())
     }
@@ -373,16 +432,6 @@ impl Cuda {
     fn gather(&self, x: &Act, rows: u64, out: &Act, n: usize, width: usize) -> Result<(), ModelError> {
         self.launch(
             "gather_rows",
-            (n as u32, 1, 1),
-            (256, 1, 1),
-            &[Arg::Ptr(self.p(x)), Arg::Ptr(rows), Arg::Ptr(self.p(out)), Arg::I32(width as i32)],
-        )
-    }
-
-    /// `out[rows[j]] = x[j]` for `n` rows of `width`.
-    fn scatter(&self, x: &Act, rows: u64, out: &Act, n: usize, width: usize) -> Result<(), ModelError> {
-        self.launch(
-            "scatter_rows",
             (n as u32, 1, 1),
             (256, 1, 1),
             &[Arg::Ptr(self.p(x)), Arg::Ptr(rows), Arg::Ptr(self.p(out)), Arg::I32(width as i32)],

@@ -357,9 +357,16 @@ fn fixtures_match_transformers_on_the_gpu() {
                     let median = cmp.median_rel_err();
                     let decisive = golden.argmax_agreement_where_gap_exceeds(&cmp, 2.0 * median);
                     println!("{name:<34} {cmp}, median {median:.2e}, decisive argmax {:.1}%", 100.0 * decisive);
-                    if median > 1e-2 || decisive < 0.99 {
-                        failures
-                            .push(format!("{name}: median {median:.2e} (bound 1e-2), decisive argmax {decisive:.3}"));
+                    // The 8-layer hybrids carry rounding through their recurrent state (on the
+                    // CPU's 8-bit path llama.cpp and we land 10-20x further still): a wider
+                    // bound on the median, and no argmax bound (an expert flip moves a row past
+                    // any gap), as for the MoE families on the CPU's 8-bit path.
+                    let hybrid = family == "qwen3_5_moe" || family == "qwen3_next";
+                    let bound = if hybrid { 2.5e-2 } else { 1e-2 };
+                    if median > bound || (!hybrid && decisive < 0.99) {
+                        failures.push(format!(
+                            "{name}: median {median:.2e} (bound {bound:.1e}), decisive argmax {decisive:.3}"
+                        ));
                     }
                 }
                 checked += 1;
@@ -395,9 +402,15 @@ fn run_tokens<B: Backend>(model: &Model<B>, tokens: &[u32]) -> (Vec<Vec<f32>>, V
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn expert_cache_gives_identical_logits() {
     drop(gpu()); // a clear failure first when there is no device
-    for (family, variant) in
-        [("mixtral", "q8_0"), ("qwen2_moe", "q8_0"), ("qwen3_moe", "q4_k_m"), ("olmoe", "q4_k_m"), ("gpt_oss", "mxfp4")]
-    {
+    for (family, variant) in [
+        ("mixtral", "q8_0"),
+        ("qwen2_moe", "q8_0"),
+        ("qwen3_moe", "q4_k_m"),
+        ("olmoe", "q4_k_m"),
+        ("gpt_oss", "mxfp4"),
+        ("qwen3_5_moe", "q8_0"),
+        ("qwen3_next", "q8_0"),
+    ] {
         let dir = fixtures_dir().join(family);
         let path = dir.join(format!("model-{variant}.gguf"));
         let golden = Golden::read(&dir.join(format!("golden-{variant}.bin"))).unwrap();
@@ -432,10 +445,14 @@ fn expert_cache_gives_identical_logits() {
                 moe_layers.iter().map(|m| t(m)).max().unwrap().div_ceil(256) * 256
             })
             .sum();
+        let n_moe_layers = moe_layers.len();
         drop(resident);
         for (pinned_host, prefetch) in [(true, false), (true, true), (false, false), (false, true)] {
-            // Prefetch gets room for a guessed layer beside the current one.
+            // Prefetch gets room for a guessed layer beside the current one. A deep model (the
+            // 8-layer hybrids) cycles through more experts per token than that over its layers,
+            // which no policy can keep: it gets room for one token's experts and a few more.
             let n_slots = if prefetch { 2 * moe.n_expert_used + 1 } else { moe.n_expert_used + 1 };
+            let n_slots = if n_moe_layers > 2 { n_moe_layers * moe.n_expert_used + 4 } else { n_slots };
             let opts = ts_cuda::CudaOptions {
                 expert_cache: Some((n_slots * expert_bytes) as u64),
                 pinned_host,
@@ -446,8 +463,9 @@ fn expert_cache_gives_identical_logits() {
             let host = if pinned_host {
                 ExpertPlacement::Mapped
             } else {
+                // Its slots round each projection up to 4096-byte reads: tiny experts take more.
                 ExpertPlacement::Stream(ts_model::StreamOptions {
-                    cache_bytes: (3 * moe.n_expert_used * expert_bytes) as u64,
+                    cache_bytes: (3 * moe.n_expert_used * expert_bytes.max(6 * 4096)) as u64,
                     ..Default::default()
                 })
             };
@@ -464,10 +482,10 @@ fn expert_cache_gives_identical_logits() {
                 st.prefetched,
                 st.bytes_read as f64 / (1 << 20) as f64
             );
-            assert!(st.misses > 0 && st.hits > 0, "{family}: the cache was not exercised");
-            assert_eq!(st.prefetched > 0, prefetch, "{family}: prefetch {prefetch} but {} prefetched", st.prefetched);
             assert!(decode == want_decode, "{family}: decode logits differ with the expert cache");
             assert!(prefill == want_prefill, "{family}: prefill logits differ with the expert cache");
+            assert!(st.misses > 0 && st.hits > 0, "{family}: the cache was not exercised");
+            assert_eq!(st.prefetched > 0, prefetch, "{family}: prefetch {prefetch} but {} prefetched", st.prefetched);
         }
     }
 }
