@@ -245,8 +245,9 @@ impl Cuda {
             )?;
             return Ok(h);
         }
-        let mut g = self.indexed_matvec(&w.gate_exps, &src.proj[0], x, k, f, e, pairs)?;
-        let u = self.indexed_matvec(&w.up_exps, &src.proj[1], x, k, f, e, pairs)?;
+        let (mut g, u) = (self.act(pairs * f)?, self.act(pairs * f)?);
+        self.indexed_matvec(&w.gate_exps, &src.proj[0], x, k, &g, f, e, pairs)?;
+        self.indexed_matvec(&w.up_exps, &src.proj[1], x, k, &u, f, e, pairs)?;
         for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
             if let Some(b) = b {
                 self.bias_indexed(t, self.vptr(b)?, r, &src.proj[0], f)?;
@@ -280,22 +281,7 @@ impl Cuda {
             });
         }
         let src = self.sources(w, r, at)?;
-        let sfx = type_suffix(w.down_exps.ty).expect("checked at upload");
-        self.launch(
-            &format!("moe_matvec_{sfx}"),
-            (e.div_ceil(4) as u32, pairs as u32, 1),
-            (32, 4, 1),
-            &[
-                Arg::Ptr(src.proj[2].base),
-                Arg::I64(src.proj[2].stride as i64),
-                Arg::Ptr(src.proj[2].index),
-                Arg::Ptr(self.p(h)),
-                Arg::I32(1),
-                Arg::Ptr(self.p(y)),
-                Arg::I32(e as i32),
-                Arg::I32(f as i32),
-            ],
-        )?;
+        self.indexed_matvec(&w.down_exps, &src.proj[2], h, 1, y, e, f, pairs)?;
         if let Some(b) = &w.down_bias {
             self.bias_indexed(y, self.vptr(b)?, r, &src.proj[2], e)?;
         }
@@ -335,7 +321,8 @@ impl Cuda {
         )
     }
 
-    /// One expert-indexed matvec per pair: `[pairs][n_out]`.
+    /// One expert-indexed matvec per pair, into `out` `[pairs][n_out]`; pair p reads
+    /// row `p / x_group` of `x` `[.][k]`.
     #[allow(clippy::too_many_arguments)]
     fn indexed_matvec(
         &self,
@@ -343,11 +330,11 @@ impl Cuda {
         src: &Source,
         x: &Act,
         x_group: usize,
+        out: &Act,
         n_out: usize,
         k: usize,
         pairs: usize,
-    ) -> Result<Act, ModelError> {
-        let out = self.act(pairs * n_out)?;
+    ) -> Result<(), ModelError> {
         let sfx = type_suffix(t.ty).expect("checked at upload");
         self.launch(
             &format!("moe_matvec_{sfx}"),
@@ -359,12 +346,11 @@ impl Cuda {
                 Arg::Ptr(src.index),
                 Arg::Ptr(self.p(x)),
                 Arg::I32(x_group as i32),
-                Arg::Ptr(self.p(&out)),
+                Arg::Ptr(self.p(out)),
                 Arg::I32(n_out as i32),
                 Arg::I32(k as i32),
             ],
-        )?;
-        Ok(out)
+        )
     }
 
     /// `x[p] += bias[expert of p]` for the pairs whose `src` index is not negative.

@@ -3,7 +3,7 @@
 //! compute with, and of the right shape, or the open fails naming it.
 
 use crate::ModelError;
-use crate::config::{Arch, ArchConfig, Mixer, QkNorm};
+use crate::config::{Arch, ArchConfig, DeltaNetConfig, Mixer, QkNorm};
 use crate::weights::Weight;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -57,6 +57,9 @@ pub enum Role {
     SsmAlpha,
     /// qwen3next: beta and alpha in one projection, grouped by key head.
     SsmBa,
+    /// qwen3next files of older converters: q, k, v and z in one projection,
+    /// grouped by key head (in place of `attn_qkv` and `attn_gate`).
+    SsmIn,
     /// Gated RMS norm of each value head's output, `[d_v]`.
     SsmNorm,
     SsmOut,
@@ -99,6 +102,7 @@ impl Role {
             Role::SsmBeta => "ssm_beta",
             Role::SsmAlpha => "ssm_alpha",
             Role::SsmBa => "ssm_ba",
+            Role::SsmIn => "ssm_in",
             Role::SsmNorm => "ssm_norm",
             Role::SsmOut => "ssm_out",
         }
@@ -277,6 +281,11 @@ impl Loader<'_> {
         self.by_name.get(name).map(|info| Weight::mapped(self.file, info))
     }
 
+    /// Whether the file has the `.weight` of `role` (in `layer`).
+    fn has(&self, role: Role, layer: Option<usize>) -> bool {
+        self.by_name.contains_key(role.name(layer, "weight").as_str())
+    }
+
     fn check(&self, w: &Weight, shape: &[usize], matrix: bool) -> Result<(), ModelError> {
         // Trailing dimensions of 1 are accepted ([n] and [n, 1] are the same vector).
         let trimmed = |d: &[usize]| d.iter().rposition(|&x| x != 1).map_or(0, |i| i + 1);
@@ -440,9 +449,14 @@ fn load_delta_net(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<DeltaNetWei
     };
     // ggml [conv_kernel, conv_dim]: each channel's taps are contiguous.
     let conv = ld.vector(Role::SsmConv1d, il, "weight", &[kk, d.conv_dim()])?;
+    let legacy = cfg.arch == Arch::Qwen3Next && !ld.has(Role::AttnQkv, il) && ld.has(Role::SsmIn, il);
+    let (qkv, gate) = match legacy {
+        true => split_qkvz(&ld.matrix(Role::SsmIn, il, &[e, d.conv_dim() + d.v_dim()])?, d),
+        false => (ld.matrix(Role::AttnQkv, il, &[e, d.conv_dim()])?, ld.matrix(Role::AttnGate, il, &[e, d.v_dim()])?),
+    };
     Ok(DeltaNetWeights {
-        qkv: ld.matrix(Role::AttnQkv, il, &[e, d.conv_dim()])?,
-        gate: ld.matrix(Role::AttnGate, il, &[e, d.v_dim()])?,
+        qkv,
+        gate,
         beta,
         alpha,
         conv,
@@ -451,6 +465,26 @@ fn load_delta_net(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<DeltaNetWei
         norm: ld.vector(Role::SsmNorm, il, "weight", &[d.d_v])?,
         out: ld.matrix(Role::SsmOut, il, &[d.v_dim(), e])?,
     })
+}
+
+/// qwen3next's fused `ssm_in` (older converters: Hugging Face's `in_proj_qkvz`),
+/// whose rows come per key head g in blocks of `2 d_k + 2 r d_v`: q_g, k_g, then
+/// the r value heads of g, then their r z heads (`src/models/qwen3next.cpp:
+/// build_qkvz`), as `attn_qkv` (all q, all k, all v) and `attn_gate` (all z).
+fn split_qkvz(w: &Weight, d: &DeltaNetConfig) -> (Weight, Weight) {
+    let (nk, dk, dv) = (d.n_k_heads, d.d_k, d.d_v);
+    let r = d.n_v_heads / nk;
+    let block = 2 * dk + 2 * r * dv;
+    let q = (0..nk).flat_map(|g| (0..dk).map(move |i| g * block + i));
+    let k = (0..nk).flat_map(|g| (0..dk).map(move |i| g * block + dk + i));
+    let v = (0..nk).flat_map(|g| (0..r * dv).map(move |i| g * block + 2 * dk + i));
+    let z = (0..nk).flat_map(|g| (0..r * dv).map(move |i| g * block + 2 * dk + r * dv + i));
+    let qkv: Vec<usize> = q.chain(k).chain(v).collect();
+    let z: Vec<usize> = z.collect();
+    (
+        w.select_rows(&w.name.replace("ssm_in", "attn_qkv"), &qkv),
+        w.select_rows(&w.name.replace("ssm_in", "attn_gate"), &z),
+    )
 }
 
 fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> {

@@ -186,6 +186,23 @@ impl Family {
     };
 }
 
+/// What qwen35moe and qwen3next share: per-head q/k norms, the pre-FFN norm named
+/// `post_attention_norm`, softmax routing renormalised over the top k, a
+/// sigmoid-gated shared expert; each adds its arch and its layer layout.
+pub(crate) const QWEN_HYBRID: Family = Family {
+    qk_norm: QkNorm::PerHead,
+    ffn_norm: Role::PostAttnNorm,
+    moe: Some(MoeWiring {
+        required: true,
+        gating: Gating::Softmax,
+        renormalize: true,
+        expert_width: ExpertWidth::KeyOrShare,
+        gated_shared_expert: true,
+        biases: false,
+    }),
+    ..Family::BASE
+};
+
 /// The hybrid layout of qwen35moe and qwen3next: Gated DeltaNet layers with
 /// `ssm.*` shapes, and every `full_attention_interval`-th layer (or those the
 /// `attention.recurrent_layers` flags leave out) softmax attention with an

@@ -4,23 +4,12 @@
 //! a sigmoid-gated shared expert, the pre-FFN norm named `post_attention_norm`.
 //! The converter reorders value heads so value head h reads key head h mod n_k.
 
-use super::{Arch, ExpertWidth, Family, MoeWiring};
-use crate::config::{Gating, KeyHeadOf, QkNorm};
-use crate::tensors::Role;
+use super::{Arch, Family, QWEN_HYBRID};
+use crate::config::KeyHeadOf;
 
 pub const FAMILY: Family = Family {
     arch: Arch::Qwen35Moe,
     gguf_name: "qwen35moe",
-    qk_norm: QkNorm::PerHead,
-    ffn_norm: Role::PostAttnNorm,
-    moe: Some(MoeWiring {
-        required: true,
-        gating: Gating::Softmax,
-        renormalize: true,
-        expert_width: ExpertWidth::KeyOrShare,
-        gated_shared_expert: true,
-        biases: false,
-    }),
     finish: |k, cfg| super::hybrid_layers(k, cfg, KeyHeadOf::Tiled),
-    ..Family::BASE
+    ..QWEN_HYBRID
 };
