@@ -199,11 +199,13 @@ impl ExpertTier {
             wait_prefetch |= self.in_flight[*s];
         }
         let mut misses: Vec<(usize, usize)> = Vec::new();
+        let mut busy = vec![false; self.n_slots];
+        slots.iter().flatten().for_each(|&s| busy[s] = true);
         for i in 0..experts.len() {
             if slots[i].is_none() {
                 self.layers[il].misses += 1;
-                let busy: Vec<usize> = slots.iter().flatten().copied().collect();
                 let s = self.claim(il, experts[i], &busy).expect("more slots than experts asked");
+                busy[s] = true;
                 misses.push((experts[i], s));
                 slots[i] = Some(s);
             }
@@ -248,12 +250,15 @@ impl ExpertTier {
             return Ok(());
         }
         // Neither this layer's slots nor guesses already cached are evicted for a guess.
-        let mut busy = keep.to_vec();
-        busy.extend(guess.iter().filter_map(|&e| self.cache.lookup(il, e)));
+        let mut busy = vec![false; self.n_slots];
+        keep.iter()
+            .chain(guess.iter().filter_map(|&e| self.cache.lookup(il, e)).collect::<Vec<_>>().iter())
+            .for_each(|&s| busy[s] = true);
+        let n_busy = busy.iter().filter(|&&b| b).count();
         let mut copies = Vec::new();
-        for e in wanted.into_iter().take(self.n_slots.saturating_sub(busy.len())) {
+        for e in wanted.into_iter().take(self.n_slots.saturating_sub(n_busy)) {
             let Some(s) = self.claim(il, e, &busy) else { break };
-            busy.push(s);
+            busy[s] = true;
             copies.push((e, s));
         }
         if copies.is_empty() {
@@ -277,9 +282,9 @@ impl ExpertTier {
     }
 
     /// A slot for expert `e` of layer `il` (free, or the policy's victim among
-    /// slots not in `busy`), entered in the table.
-    fn claim(&mut self, il: usize, e: usize, busy: &[usize]) -> Option<usize> {
-        self.cache.claim(il, e, |s| !busy.contains(&s))
+    /// slots marked in `busy`), entered in the table.
+    fn claim(&mut self, il: usize, e: usize, busy: &[bool]) -> Option<usize> {
+        self.cache.claim(il, e, |s| !busy[s])
     }
 
     /// Adds the copy time of finished copies to their layers' read time.

@@ -59,16 +59,17 @@ impl SlotScores {
         self.last_use[s] = self.clock;
     }
 
-    /// The policy's victim among `candidates` (occupied, evictable slots).
-    fn victim(&self, candidates: impl Iterator<Item = usize>) -> Option<usize> {
+    /// Slot `s`'s rank for eviction, lowest first: (primary, recency). For
+    /// `decay`, `score · 2^(-(clock - last_use) / half_life)` ranks as its log plus
+    /// `last_use / half_life` (the clock is common to every slot), so no power is
+    /// taken per candidate.
+    fn rank(&self, s: usize) -> (f64, u64) {
         match self.policy {
-            EvictionPolicy::Lru => candidates.min_by_key(|&s| self.last_use[s]),
-            EvictionPolicy::Lfu => candidates.min_by_key(|&s| (self.uses[s], self.last_use[s])),
-            EvictionPolicy::DecayedFrequency { half_life } => candidates.min_by(|&a, &b| {
-                let decayed =
-                    |s: usize| self.score[s] * 0.5f64.powf((self.clock - self.last_use[s]) as f64 / half_life);
-                decayed(a).total_cmp(&decayed(b)).then(self.last_use[a].cmp(&self.last_use[b]))
-            }),
+            EvictionPolicy::Lru => (self.last_use[s] as f64, self.last_use[s]),
+            EvictionPolicy::Lfu => (self.uses[s] as f64, self.last_use[s]),
+            EvictionPolicy::DecayedFrequency { half_life } => {
+                (self.score[s].log2() + self.last_use[s] as f64 / half_life, self.last_use[s])
+            }
         }
     }
 }
@@ -116,11 +117,23 @@ impl SlotCache {
     /// among slots neither pinned nor refused by `evictable`. The slot is
     /// entered in the table (what it held is forgotten) with a fresh score.
     pub fn claim(&mut self, layer: usize, e: usize, evictable: impl Fn(usize) -> bool) -> Option<usize> {
-        let open = |s: &usize| self.pins[*s] == 0 && evictable(*s);
-        let s = match (0..self.n_slots()).filter(open).find(|&s| self.owner[s].is_none()) {
-            Some(s) => s,
-            None => self.scores.victim((0..self.n_slots()).filter(open))?,
-        };
+        // One pass: the first free slot, else the lowest-ranked open one.
+        let mut victim: Option<(usize, (f64, u64))> = None;
+        let mut free = None;
+        for s in 0..self.n_slots() {
+            if self.pins[s] > 0 || !evictable(s) {
+                continue;
+            }
+            if self.owner[s].is_none() {
+                free = Some(s);
+                break;
+            }
+            let rank = self.scores.rank(s);
+            if victim.is_none_or(|(_, best)| rank.0 < best.0 || (rank.0 == best.0 && rank.1 < best.1)) {
+                victim = Some((s, rank));
+            }
+        }
+        let s = free.or(victim.map(|(s, _)| s))?;
         self.assign(s, layer, e);
         Some(s)
     }
@@ -187,5 +200,44 @@ mod tests {
         c.forget(1);
         assert_eq!(c.lookup(0, 8), None);
         assert_eq!(c.claim(0, 9, |_| true), Some(1), "a forgotten slot is free again");
+    }
+
+    /// `decay` evicts the slot of the lowest decayed score, `score · 2^(-age / half_life)`,
+    /// ties to the least recently used, as computed from the definition.
+    #[test]
+    fn decay_evicts_the_lowest_decayed_score() {
+        let half_life = 8.0;
+        let n = 40;
+        let mut c = SlotCache::new(EvictionPolicy::DecayedFrequency { half_life }, n);
+        let mut x = 12345u64;
+        let mut next = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) as usize
+        };
+        for e in 0..n {
+            c.tick();
+            let s = c.claim(0, e, |_| true).unwrap();
+            c.touch(s);
+        }
+        for round in 0..300 {
+            c.tick();
+            for _ in 0..3 {
+                let e = next() % n;
+                if let Some(s) = c.lookup(0, e) {
+                    c.touch(s);
+                }
+            }
+            let sc = &c.scores;
+            let decayed = |s: usize| sc.score[s] * 0.5f64.powf((sc.clock - sc.last_use[s]) as f64 / half_life);
+            let want = (0..n)
+                .min_by(|&a, &b| decayed(a).total_cmp(&decayed(b)).then(sc.last_use[a].cmp(&sc.last_use[b])))
+                .unwrap();
+            let owner = c.owner[want].unwrap();
+            let got = c.claim(1, round, |_| true).unwrap();
+            assert_eq!(got, want, "round {round}");
+            // Give the slot back to what it held, so the cache stays full of layer 0.
+            c.assign(got, owner.0, owner.1);
+            c.touch(got);
+        }
     }
 }
