@@ -57,22 +57,23 @@ pub fn delta_rule_recurrent(h: &HeadInputs, d_k: usize, d_v: usize, state: &mut 
         let decay = h.g[t].exp();
         kv.fill(0.0);
         sq.fill(0.0);
-        // One pass: decay S, and read Sᵀk and Sᵀq from the decayed S.
+        // A read-only pass: Sᵀk and Sᵀq of the old S (the decay is applied to the sums).
         for i in 0..d_k {
-            let row = &mut state[i * d_v..(i + 1) * d_v];
-            row.iter_mut().for_each(|s| *s *= decay);
+            let row = &state[i * d_v..(i + 1) * d_v];
             axpy(&mut kv, k[i], row);
             axpy(&mut sq, q[i], row);
         }
-        // delta = beta (v - Sᵀk); then Sᵀq of the updated S is sq + delta (k·q).
+        // delta = beta (v - e^g Sᵀk); Sᵀq of the new S is e^g Sᵀq + delta (k·q).
         let kq = dot(k, q);
         let o = &mut out[t * d_v..(t + 1) * d_v];
         for j in 0..d_v {
-            kv[j] = h.beta[t] * (v[j] - kv[j]);
-            o[j] = sq[j] + kv[j] * kq;
+            kv[j] = h.beta[t] * (v[j] - decay * kv[j]);
+            o[j] = decay * sq[j] + kv[j] * kq;
         }
+        // One read-write pass: S <- e^g S + k deltaᵀ.
         for i in 0..d_k {
-            axpy(&mut state[i * d_v..(i + 1) * d_v], k[i], &kv);
+            let row = &mut state[i * d_v..(i + 1) * d_v];
+            row.iter_mut().zip(&kv).for_each(|(s, &d)| *s = decay * *s + k[i] * d);
         }
     }
 }
