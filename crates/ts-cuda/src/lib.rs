@@ -23,7 +23,7 @@ use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
 use ts_model::backend::ExpertsAt;
-use ts_model::config::{GatedActivation, Mixer, MoeConfig};
+use ts_model::config::{AttnLayer, GatedActivation, Mixer, MoeConfig};
 use ts_model::state::ring_slots;
 use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
@@ -76,6 +76,8 @@ pub struct Act {
 pub enum GpuLayerState {
     /// Keys `[slots][kv_dim]`, values `[slots][v_dim]` and the ring size.
     Kv { k: CudaSlice<f32>, v: CudaSlice<f32>, slots: usize },
+    /// An attention layer that reads the keys and values of layer `.0`.
+    SharedKv(usize),
     /// A linear-attention layer's convolution window `[conv_kernel - 1][conv_dim]`
     /// and recurrent matrices `[n_v_heads][d_k][d_v]`.
     Recurrent { conv: CudaSlice<f32>, ssm: CudaSlice<f32> },
@@ -318,9 +320,13 @@ impl Cuda {
             self.ropes.push(table);
             self.windows.push(model.cfg.layers[il].sliding_window().unwrap_or(0) as i32);
         }
-        let (hd, hdv) = (model.cfg.head_dim, model.cfg.head_dim_v);
-        if hd > 256 || hdv > 256 {
-            return Err(ModelError::Compute(format!("cuda: head size {hd}/{hdv} is over the attention kernel's 256")));
+        for a in model.cfg.layers.iter().filter_map(|l| l.attention()) {
+            let (hd, hdv) = (a.head_dim, a.head_dim_v);
+            if hd > 256 || hdv > 256 {
+                return Err(ModelError::Compute(format!(
+                    "cuda: head size {hd}/{hdv} is over the attention kernel's 256"
+                )));
+            }
         }
         if let Some(moe) = &model.cfg.moe
             && (moe.n_expert > 1024 || moe.n_expert_used > 64)
@@ -684,7 +690,8 @@ impl Backend for Cuda {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Attention(a) => self.kv_layer(a.sliding_window, cfg.kv_dim(), cfg.v_dim(), n_ctx, max_chunk),
+                Mixer::Attention(AttnLayer { kv_from: Some(from), .. }) => Ok(GpuLayerState::SharedKv(*from)),
+                Mixer::Attention(a) => self.kv_layer(a.sliding_window, a.kv_dim(), a.v_dim(), n_ctx, max_chunk),
                 Mixer::DeltaNet => {
                     let d = cfg.delta_net.as_ref().expect("a delta-net config");
                     Ok(GpuLayerState::Recurrent {
@@ -741,6 +748,7 @@ impl Backend for Cuda {
                     self.copy_floats(self.gpu.ptr(dc), self.gpu.ptr(sc), sc.len())?;
                     self.copy_floats(self.gpu.ptr(dsm), self.gpu.ptr(ss), ss.len())?;
                 }
+                (GpuLayerState::SharedKv(_), GpuLayerState::SharedKv(_)) => {}
                 _ => return Err(ModelError::Compute("cuda: copying between states of two models".into())),
             }
         }
@@ -757,10 +765,17 @@ impl Backend for Cuda {
         let mut kv = Vec::with_capacity(n_layer * m * 3);
         for il in 0..n_layer {
             for r in rows {
-                kv.extend(match &seqs[r.seq].state.layers[il] {
+                let layers = &seqs[r.seq].state.layers;
+                // A layer sharing another's keys and values reads (and stores nothing into) its cache.
+                let own = match &layers[il] {
+                    GpuLayerState::SharedKv(from) => &layers[*from],
+                    other => other,
+                };
+                kv.extend(match own {
                     GpuLayerState::Kv { k, v, slots } => {
                         [self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]
                     }
+                    GpuLayerState::SharedKv(_) => [0, 0, (r.pos as u64) << 32],
                     GpuLayerState::Recurrent { conv, ssm } => {
                         [self.gpu.ptr(conv), self.gpu.ptr(ssm), (r.pos as u64) << 32]
                     }
@@ -995,8 +1010,7 @@ impl Backend for Cuda {
         il: usize,
         shape: &AttnShape,
         q: &Act,
-        k: &Act,
-        v: &Act,
+        kv: Option<(&Act, &Act)>,
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
@@ -1008,18 +1022,21 @@ impl Backend for Cuda {
         let m = rows.len();
         let info = self.gpu.ptr(&step.kv) + (il * m * 24) as u64;
         let (kv_dim, v_dim) = (shape.n_head_kv * shape.head_dim, shape.n_head_kv * shape.head_dim_v);
-        self.launch(
-            "kv_store",
-            (m as u32, 1, 1),
-            (256, 1, 1),
-            &[
-                Arg::Ptr(self.p(k)),
-                Arg::Ptr(self.p(v)),
-                Arg::Ptr(info),
-                Arg::I32(kv_dim as i32),
-                Arg::I32(v_dim as i32),
-            ],
-        )?;
+        // A layer sharing another's cache stores nothing (its RowKv entries point at that cache).
+        if let Some((k, v)) = kv {
+            self.launch(
+                "kv_store",
+                (m as u32, 1, 1),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(self.p(k)),
+                    Arg::Ptr(self.p(v)),
+                    Arg::Ptr(info),
+                    Arg::I32(kv_dim as i32),
+                    Arg::I32(v_dim as i32),
+                ],
+            )?;
+        }
         let out = self.act(m * shape.n_head * shape.head_dim_v)?;
         let sinks = match shape.sinks {
             Some(s) => self.vptr(s)?,
@@ -1123,6 +1140,12 @@ impl Backend for Cuda {
 
     fn uninit(&self, n: usize) -> Result<Act, ModelError> {
         self.act(n)
+    }
+
+    fn copy(&self, x: &Act) -> Result<Act, ModelError> {
+        let out = self.act(x.len)?;
+        self.copy_floats(out.ptr, x.ptr, x.len)?;
+        Ok(out)
     }
 
     fn split_heads(&self, x: &Act, m: usize, n_heads: usize, a: usize, b: usize) -> Result<(Act, Act), ModelError> {

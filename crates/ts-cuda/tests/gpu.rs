@@ -276,13 +276,14 @@ fn attention_matches_the_cpu() {
             let rows: Vec<Row> = (c0..c0 + chunk).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
             let slice = |v: &[f32], w: usize| v[c0 * w..(c0 + chunk) * w].to_vec();
             c.begin_step(&rows, &mut [&mut seq]).unwrap();
+            let (k, v) =
+                (c.act_from_host(&slice(&keys, kv_dim)).unwrap(), c.act_from_host(&slice(&values, kv_dim)).unwrap());
             let out = c
                 .attention(
                     0,
                     &shape,
                     &c.act_from_host(&slice(&q, q_dim)).unwrap(),
-                    &c.act_from_host(&slice(&keys, kv_dim)).unwrap(),
-                    &c.act_from_host(&slice(&values, kv_dim)).unwrap(),
+                    Some((&k, &v)),
                     &rows,
                     &mut [&mut seq],
                 )

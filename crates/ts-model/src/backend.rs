@@ -111,20 +111,21 @@ pub trait Backend: Sized + Send + Sync {
     fn gated(&self, act: GatedActivation, gate: &mut Self::Act, up: &Self::Act) -> Result<(), ModelError>;
     /// Rotates each `head_dim` head of row i at `rows[i].pos` with layer `il`'s table `rope`.
     fn rope(&self, il: usize, rope: &Rope, x: &mut Self::Act, head_dim: usize, rows: &[Row]) -> Result<(), ModelError>;
-    /// Stores each row's k and v at its position in its sequence's layer-`il`
-    /// cache, then attends each row's q over the positions it sees; returns
-    /// `[m][n_head * head_dim_v]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Stores each row's k and v (`kv`) at its position in its sequence's
+    /// layer-`il` cache, then attends each row's q over the positions it sees;
+    /// returns `[m][n_head * head_dim_v]`. A layer that shares an earlier layer's
+    /// cache (`kv` None) stores nothing and reads that layer's.
     fn attention(
         &self,
         il: usize,
         shape: &AttnShape,
         q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
+        kv: Option<(&Self::Act, &Self::Act)>,
         rows: &[Row],
         seqs: &mut [&mut SeqState<Self::State>],
     ) -> Result<Self::Act, ModelError>;
+    /// A copy of `x`.
+    fn copy(&self, x: &Self::Act) -> Result<Self::Act, ModelError>;
     /// Splits each row of `x`, `n_heads` groups of `[a | b]`, into `[m][n_heads * a]`
     /// and `[m][n_heads * b]` (a gated attention's queries and gates).
     fn split_heads(

@@ -99,12 +99,32 @@ pub enum QkNorm {
     Full,
 }
 
-/// Settings of a softmax-attention layer.
+/// Settings of a softmax-attention layer (families whose sliding and global
+/// layers differ, Gemma 4's, set them per layer).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttnLayer {
     /// A query at position p sees keys at positions in `(p - w, p]`.
     pub sliding_window: Option<usize>,
     pub rope: RopeConfig,
+    /// Whether the file's `rope_freqs` divides this layer's rotary frequencies.
+    pub rope_freq_factors: bool,
+    pub n_head_kv: usize,
+    /// Size of a query and key head, and of a value head.
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    /// The layer reads the keys and values of this earlier layer and stores none.
+    pub kv_from: Option<usize>,
+}
+
+impl AttnLayer {
+    /// Width of one token's keys (all kv heads).
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    pub fn v_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim_v
+    }
 }
 
 /// What mixes positions in a layer, and so what state a sequence keeps for it.
@@ -350,6 +370,11 @@ impl ArchConfig {
                 mixer: Mixer::Attention(AttnLayer {
                     sliding_window: w,
                     rope: if w.is_some() { local_rope.clone() } else { rope.clone() },
+                    rope_freq_factors: true,
+                    n_head_kv,
+                    head_dim,
+                    head_dim_v,
+                    kv_from: None,
                 }),
                 moe: moe.is_some(),
             })
@@ -385,6 +410,11 @@ impl ArchConfig {
         };
         (fam.finish)(&k, &mut cfg)?;
         Ok(cfg)
+    }
+
+    /// The attention settings of layer `il` (an attention layer).
+    pub fn attn(&self, il: usize) -> &AttnLayer {
+        self.layers[il].attention().expect("an attention layer")
     }
 
     /// Width of the concatenated query heads.

@@ -124,16 +124,26 @@ impl Backend for Cpu {
         il: usize,
         shape: &AttnShape,
         q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        kv: Option<(&Vec<f32>, &Vec<f32>)>,
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
     ) -> Result<Vec<f32>, ModelError> {
         let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
         let (q_dim, kv_dim, v_dim) = (shape.n_head * hd, shape.n_head_kv * hd, shape.n_head_kv * hdv);
+        // The layer whose cache the rows read: this one, or the one it shares.
+        let mut src = il;
         for (i, r) in rows.iter().enumerate() {
-            let cache = kv_cache_mut(seqs[r.seq], il)?;
-            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+            match (kv, seqs[r.seq].state.layers.get(il)) {
+                (None, Some(LayerState::SharedKv(from))) => src = *from,
+                (Some((k, v)), _) => {
+                    let cache = kv_cache_mut(seqs[r.seq], il)?;
+                    cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+                }
+                _ => return Err(ModelError::Compute(format!("layer {il}: no keys and values to attend"))),
+            }
+        }
+        if rows.iter().any(|r| !matches!(seqs[r.seq].state.layers.get(src), Some(LayerState::Kv(_)))) {
+            return Err(ModelError::Compute(format!("layer {src} keeps no keys and values")));
         }
         let group = shape.n_head / shape.n_head_kv;
         let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
@@ -141,7 +151,7 @@ impl Backend for Cpu {
         out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
             let (i, h) = (idx / shape.n_head, idx % shape.n_head);
             let r = rows[i];
-            let LayerState::Kv(cache) = &seqs[r.seq].state.layers[il] else { unreachable!("checked above") };
+            let LayerState::Kv(cache) = &seqs[r.seq].state.layers[src] else { unreachable!("checked above") };
             let kvh = h / group;
             let params =
                 AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
@@ -156,6 +166,10 @@ impl Backend for Cpu {
             );
         });
         Ok(out)
+    }
+
+    fn copy(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
+        Ok(x.clone())
     }
 
     fn split_heads(

@@ -185,7 +185,10 @@ impl Model {
         let ropes = cfg
             .layers
             .iter()
-            .map(|l| l.attention().map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref())))
+            .map(|l| {
+                l.attention()
+                    .map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref().filter(|_| a.rope_freq_factors)))
+            })
             .collect();
         Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu }
     }
@@ -345,37 +348,54 @@ impl<B: Backend> Model<B> {
         let cfg = &self.cfg;
         let be = &self.backend;
         let m = rows.len();
-        let hd = cfg.head_dim;
+        let a = cfg.attn(il);
+        let (hd, hdv) = (a.head_dim, a.head_dim_v);
         let q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
         // A gated attention's query projection holds per head [q | gate].
         let (mut q, gate) = match cfg.attn_output_gate {
             true => be.split_heads(&q, m, cfg.n_head, hd, hd).map(|(q, g)| (q, Some(g)))?,
             false => (q, None),
         };
-        let mut k = be.linear(&layer.wk, layer.bk.as_deref(), normed, m, scratch)?;
-        let v = be.linear(&layer.wv, layer.bv.as_deref(), normed, m, scratch)?;
         let piece = match cfg.qk_norm {
             QkNorm::None => None,
             QkNorm::PerHead => Some((hd, hd)),
-            QkNorm::Full => Some((cfg.q_dim(), cfg.kv_dim())),
+            QkNorm::Full => Some((cfg.n_head * hd, a.kv_dim())),
         };
-        if let Some((qp, kp)) = piece {
+        if let Some((qp, _)) = piece {
             be.rms_norm(&mut q, qp, layer.q_norm.as_deref(), cfg.rms_eps)?;
-            be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
         }
         let rope = self.ropes[il].as_ref().expect("an attention layer has a rope table");
         be.rope(il, rope, &mut q, hd, rows)?;
-        be.rope(il, rope, &mut k, hd, rows)?;
+        // A layer sharing an earlier layer's keys and values computes only its queries.
+        let kv = match (&layer.wk, a.kv_from) {
+            (Some(wk), None) => {
+                let mut k = be.linear(wk, layer.bk.as_deref(), normed, m, scratch)?;
+                // Without a V projection (Gemma 4's global layers) V is the raw K projection.
+                let mut v = match &layer.wv {
+                    Some(wv) => be.linear(wv, layer.bv.as_deref(), normed, m, scratch)?,
+                    None => be.copy(&k)?,
+                };
+                if let Some((_, kp)) = piece {
+                    be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
+                }
+                be.rope(il, rope, &mut k, hd, rows)?;
+                if cfg.family().v_norm {
+                    be.rms_norm(&mut v, hdv, None, cfg.rms_eps)?;
+                }
+                Some((k, v))
+            }
+            _ => None,
+        };
         let shape = AttnShape {
             n_head: cfg.n_head,
-            n_head_kv: cfg.n_head_kv,
+            n_head_kv: a.n_head_kv,
             head_dim: hd,
-            head_dim_v: cfg.head_dim_v,
+            head_dim_v: hdv,
             scale: cfg.attn_scale,
             softcap: None,
             sinks: layer.sinks.as_deref(),
         };
-        let mut out = be.attention(il, &shape, &q, &k, &v, rows, seqs)?;
+        let mut out = be.attention(il, &shape, &q, kv.as_ref().map(|(k, v)| (k, v)), rows, seqs)?;
         if let Some(g) = &gate {
             be.mul_sigmoid(&mut out, g)?;
         }

@@ -6,7 +6,7 @@
 //! return (the end of a prompt, before a speculative step).
 
 use crate::ModelError;
-use crate::config::{ArchConfig, DeltaNetConfig, LayerConfig, Mixer};
+use crate::config::{ArchConfig, AttnLayer, DeltaNetConfig, LayerConfig, Mixer};
 use crate::forward::Row;
 
 /// Keys and values of one layer, f32, `[slots][kv_dim]` each.
@@ -91,6 +91,8 @@ impl RecurrentState {
 #[derive(Clone)]
 pub enum LayerState {
     Kv(LayerCache),
+    /// An attention layer that reads the keys and values of layer `.0` (Gemma 4's shared tail).
+    SharedKv(usize),
     Recurrent(RecurrentState),
 }
 
@@ -98,6 +100,7 @@ impl LayerState {
     pub fn bytes(&self) -> usize {
         match self {
             LayerState::Kv(c) => c.bytes(),
+            LayerState::SharedKv(_) => 0,
             LayerState::Recurrent(r) => r.bytes(),
         }
     }
@@ -115,7 +118,8 @@ pub fn ring_slots(window: Option<usize>, n_ctx: usize, max_chunk: usize) -> usiz
 /// Bytes of one layer's state for `n_ctx` positions (what [`CpuState::new`] allocates).
 fn layer_bytes(cfg: &ArchConfig, l: &LayerConfig, n_ctx: usize, max_chunk: usize) -> usize {
     let floats = match &l.mixer {
-        Mixer::Attention(a) => ring_slots(a.sliding_window, n_ctx, max_chunk) * (cfg.kv_dim() + cfg.v_dim()),
+        Mixer::Attention(a) if a.kv_from.is_some() => 0,
+        Mixer::Attention(a) => ring_slots(a.sliding_window, n_ctx, max_chunk) * (a.kv_dim() + a.v_dim()),
         Mixer::DeltaNet => cfg.delta_net.as_ref().map_or(0, |d| d.conv_state_len() + d.ssm_state_len()),
     };
     floats * size_of::<f32>()
@@ -134,14 +138,15 @@ impl CpuState {
             .layers
             .iter()
             .map(|l| match &l.mixer {
+                Mixer::Attention(AttnLayer { kv_from: Some(from), .. }) => LayerState::SharedKv(*from),
                 Mixer::Attention(a) => {
                     let slots = ring_slots(a.sliding_window, n_ctx, max_chunk);
                     LayerState::Kv(LayerCache {
-                        k: vec![0.0; slots * cfg.kv_dim()],
-                        v: vec![0.0; slots * cfg.v_dim()],
+                        k: vec![0.0; slots * a.kv_dim()],
+                        v: vec![0.0; slots * a.v_dim()],
                         slots,
-                        kv_dim: cfg.kv_dim(),
-                        v_dim: cfg.v_dim(),
+                        kv_dim: a.kv_dim(),
+                        v_dim: a.v_dim(),
                         window: a.sliding_window,
                     })
                 }
@@ -163,7 +168,7 @@ impl CpuState {
             .iter()
             .filter_map(|l| match l {
                 LayerState::Recurrent(r) => Some(r.clone()),
-                LayerState::Kv(_) => None,
+                LayerState::Kv(_) | LayerState::SharedKv(_) => None,
             })
             .collect()
     }
@@ -184,6 +189,7 @@ impl CpuState {
             match (d, s) {
                 (LayerState::Kv(d), LayerState::Kv(s)) => d.copy_from(s, n_past),
                 (LayerState::Recurrent(d), LayerState::Recurrent(s)) => d.clone_from(s),
+                (LayerState::SharedKv(_), LayerState::SharedKv(_)) => {}
                 _ => unreachable!("two states of one model"),
             }
         }

@@ -161,9 +161,11 @@ pub enum Ffn {
 /// A softmax-attention mixer's weights. Small vectors (norms, biases, sinks) are f32.
 pub struct AttnWeights {
     /// `[n_embd, q_dim]`, `[n_embd, kv_dim]`, `[n_embd, v_dim]`, `[q_dim, n_embd]`.
+    /// A layer sharing an earlier layer's keys and values uses no k or v; a layer
+    /// without a v projection takes V from the K projection (Gemma 4).
     pub wq: Weight,
-    pub wk: Weight,
-    pub wv: Weight,
+    pub wk: Option<Weight>,
+    pub wv: Option<Weight>,
     pub wo: Weight,
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
@@ -208,7 +210,9 @@ impl MixerWeights {
     /// The weight matrices (not the small vectors).
     pub fn matrices(&self) -> Vec<&Weight> {
         match self {
-            MixerWeights::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            MixerWeights::Attention(a) => {
+                [Some(&a.wq), a.wk.as_ref(), a.wv.as_ref(), Some(&a.wo)].into_iter().flatten().collect()
+            }
             MixerWeights::DeltaNet(d) => vec![&d.qkv, &d.gate, &d.beta, &d.alpha, &d.out],
         }
     }
@@ -370,7 +374,7 @@ impl ModelWeights {
         Ok(ModelWeights {
             output_norm: ld.vector(Role::OutputNorm, None, "weight", &[e])?,
             output_bias: ld.opt_vector(Role::Output, None, "bias", &[v])?,
-            rope_freqs: match cfg.layers.iter().find_map(|l| l.attention()) {
+            rope_freqs: match cfg.layers.iter().filter_map(|l| l.attention()).find(|a| a.rope_freq_factors) {
                 Some(a) => ld.opt_vector(Role::RopeFreqs, None, "weight", &[a.rope.n_rot / 2])?,
                 None => None,
             },
@@ -399,11 +403,13 @@ fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, M
 }
 
 fn load_attention(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<AttnWeights, ModelError> {
-    let (e, q, kv, vd) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.v_dim());
+    let a = cfg.attn(l);
+    let (e, q, kv, vd) = (cfg.n_embd, cfg.n_head * a.head_dim, a.kv_dim(), a.v_dim());
     let il = Some(l);
     let fam = cfg.family();
+    let shared = a.kv_from.is_some();
     let (q_norm_dim, k_norm_dim) = match cfg.qk_norm {
-        QkNorm::PerHead => (cfg.head_dim, cfg.head_dim),
+        QkNorm::PerHead => (a.head_dim, a.head_dim),
         QkNorm::Full => (q, kv),
         QkNorm::None => (0, 0),
     };
@@ -411,23 +417,37 @@ fn load_attention(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<AttnWeights
     let bias = |role: Role, needed: bool, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
         ld.required_if(needed, ld.opt_vector(role, il, "bias", &[width])?, role, l, "bias")
     };
-    let norm = |role: Role, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
+    let norm = |role: Role, needed: bool, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
         let v = ld.opt_vector(role, il, "weight", &[width])?.filter(|_| has_qk_norm);
-        ld.required_if(has_qk_norm, v, role, l, "weight")
+        ld.required_if(needed && has_qk_norm, v, role, l, "weight")
     };
     // A gated attention's query projection holds per head [q | gate].
     let q_out = if cfg.attn_output_gate { 2 * q } else { q };
+    // A layer that shares an earlier layer's keys and values needs no k or v of its own
+    // (Gemma 4's files may hold unused ones); Gemma 4's global layers may have no v.
+    let wk = match shared {
+        true => None,
+        false => Some(ld.matrix(Role::AttnK, il, &[e, kv])?),
+    };
+    let wv = match shared {
+        true => None,
+        false if fam.v_norm => ld.opt_matrix(Role::AttnV, il, &[e, vd])?,
+        false => Some(ld.matrix(Role::AttnV, il, &[e, vd])?),
+    };
+    if wv.is_none() && !shared && a.head_dim_v != a.head_dim {
+        return Err(ModelError::MissingTensor(Role::AttnV.name(il, "weight")));
+    }
     Ok(AttnWeights {
         wq: ld.matrix(Role::AttnQ, il, &[e, q_out])?,
-        wk: ld.matrix(Role::AttnK, il, &[e, kv])?,
-        wv: ld.matrix(Role::AttnV, il, &[e, vd])?,
-        wo: ld.matrix(Role::AttnOut, il, &[cfg.n_head * cfg.head_dim_v, e])?,
+        wk,
+        wv,
+        wo: ld.matrix(Role::AttnOut, il, &[cfg.n_head * a.head_dim_v, e])?,
         bq: bias(Role::AttnQ, fam.qkv_bias, q)?,
-        bk: bias(Role::AttnK, fam.qkv_bias, kv)?,
-        bv: bias(Role::AttnV, fam.qkv_bias, vd)?,
+        bk: bias(Role::AttnK, fam.qkv_bias && !shared, kv)?,
+        bv: bias(Role::AttnV, fam.qkv_bias && !shared, vd)?,
         bo: bias(Role::AttnOut, fam.out_bias, e)?,
-        q_norm: norm(Role::AttnQNorm, q_norm_dim)?,
-        k_norm: norm(Role::AttnKNorm, k_norm_dim)?,
+        q_norm: norm(Role::AttnQNorm, true, q_norm_dim)?,
+        k_norm: norm(Role::AttnKNorm, !shared, k_norm_dim)?,
         sinks: if cfg.attn_sinks { Some(ld.vector(Role::AttnSinks, il, "weight", &[cfg.n_head])?) } else { None },
     })
 }

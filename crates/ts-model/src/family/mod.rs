@@ -144,6 +144,8 @@ pub struct Family {
     pub attn_sinks: bool,
     /// Norms after attention and after the FFN, before each residual add.
     pub post_norms: bool,
+    /// Values RMS-normalised per head without a weight (Gemma 4).
+    pub v_norm: bool,
     pub ffn_act: GatedActivation,
     /// Token embeddings multiplied by `sqrt(n_embd)`.
     pub scale_embeddings: bool,
@@ -174,6 +176,7 @@ impl Family {
         out_bias: false,
         attn_sinks: false,
         post_norms: false,
+        v_norm: false,
         ffn_act: GatedActivation::SwiGlu,
         scale_embeddings: false,
         final_softcap: false,
