@@ -241,9 +241,11 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 
 // Routes each row from its router logits [m][n_expert]: gating 0 = softmax then
 // top-k, 1 = top-k then softmax over the k; renormalize divides the k weights by
-// their sum (floored like llama.cpp). Ties keep the lower index. grid.x = m, one warp.
-extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize, int* ids,
-                                 float* weights) {
+// their sum (floored like llama.cpp); then each weight times its expert's
+// scale [n_expert] where scale is not null (Gemma 4). Ties keep the lower
+// index. grid.x = m, one warp.
+extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize,
+                                 const float* scale, int* ids, float* weights) {
     __shared__ float v[MAX_EXPERTS];
     __shared__ float sel_w[64];
     int lane = threadIdx.x;
@@ -303,7 +305,11 @@ extern "C" __global__ void route(const float* logits, int n_expert, int k, int g
             s = fmaxf(s, 6.103515625e-5f);
             for (int j = 0; j < k; j++) sel_w[j] /= s;
         }
-        for (int j = 0; j < k; j++) weights[blockIdx.x * k + j] = sel_w[j];
+        for (int j = 0; j < k; j++) {
+            float w = sel_w[j];
+            if (scale) w *= scale[ids[blockIdx.x * k + j]];
+            weights[blockIdx.x * k + j] = w;
+        }
     }
 }
 
@@ -332,15 +338,12 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
         x[i] = v;
 }
 
-// Each row of x holds n_heads groups of [a | b]: into xa [m][n_heads*a] and
-// xb [m][n_heads*b]. grid.x = m * n_heads, block 128.
-extern "C" __global__ void split_heads(const float* x, float* xa, float* xb, int a, int b) {
-    long long g = blockIdx.x;
-    const float* src = x + g * (a + b);
-    for (int i = threadIdx.x; i < a + b; i += blockDim.x) {
-        if (i < a) xa[g * a + i] = src[i];
-        else xb[g * b + i - a] = src[i];
-    }
+// Columns start..start+n of each width-wide row of x: into out [rows][n].
+// grid.x = rows, block 128.
+extern "C" __global__ void columns(const float* x, float* out, int width, int start, int n) {
+    long long r = blockIdx.x;
+    const float* src = x + r * width + start;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[r * n + i] = src[i];
 }
 
 // x[i] *= sigmoid(gate[i])

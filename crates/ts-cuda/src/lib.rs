@@ -16,7 +16,7 @@ use cudarc::cublas::{CudaBlas, sys as blas};
 use cudarc::driver::CudaSlice;
 use device::{Arg, CudaError, Gpu};
 use moe::{GpuExpertGroup, GpuRoutes, activation_args};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use tier::ExpertTier;
 use ts_cpu::ops::Rope;
@@ -150,8 +150,9 @@ pub struct GpuScratch {
 
 pub struct Cuda {
     gpu: Gpu,
-    /// Device copies of the model's weights, by the address of their host bytes.
-    weights: HashMap<usize, CudaSlice<u8>>,
+    /// Device copies of the model's weights by the host address of their first
+    /// byte; a weight inside an uploaded range (half of a fused tensor) uses it.
+    weights: BTreeMap<usize, CudaSlice<u8>>,
     /// Device copies of norm weights, biases and other f32 vectors, by host address.
     vectors: HashMap<usize, CudaSlice<f32>>,
     /// Per layer: rotary frequencies (attention layers) and sliding window (0 = none).
@@ -227,7 +228,7 @@ impl Cuda {
         Ok(Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
             gpu,
-            weights: HashMap::new(),
+            weights: BTreeMap::new(),
             vectors: HashMap::new(),
             ropes: Vec::new(),
             windows: Vec::new(),
@@ -265,7 +266,17 @@ impl Cuda {
         self.upload_weight(&w.output)?;
         self.upload_vec(&w.output_norm)?;
         self.upload_opt(&w.output_bias)?;
+        if let Some(p) = &w.per_layer_input {
+            self.upload_weight(&p.token_embd)?;
+            self.upload_weight(&p.model_proj)?;
+            self.upload_vec(&p.proj_norm)?;
+        }
         for (il, l) in w.layers.iter().enumerate() {
+            if let Some(p) = &l.per_layer {
+                self.upload_weight(&p.inp_gate)?;
+                self.upload_weight(&p.proj)?;
+                self.upload_vec(&p.post_norm)?;
+            }
             for t in l.mixer.matrices() {
                 self.upload_weight(t)?;
             }
@@ -294,6 +305,12 @@ impl Cuda {
                 }
                 Ffn::Moe(m) => {
                     self.upload_weight(&m.router)?;
+                    // A fused gate_up tensor goes up once; its halves point into it.
+                    if self.tier.is_none()
+                        && let Some(both) = m.gate_exps.span_through(&m.up_exps)
+                    {
+                        self.upload_bytes(&m.gate_exps.name, both)?;
+                    }
                     for t in [&m.gate_exps, &m.up_exps, &m.down_exps] {
                         if type_suffix(t.ty).is_none() {
                             self.upload_weight(t)?; // the error names the tensor
@@ -302,7 +319,16 @@ impl Cuda {
                             self.upload_weight(t)?;
                         }
                     }
-                    for v in [&m.router_bias, &m.gate_bias, &m.up_bias, &m.down_bias] {
+                    for v in [
+                        &m.router_bias,
+                        &m.gate_bias,
+                        &m.up_bias,
+                        &m.down_bias,
+                        &m.expert_scale,
+                        &m.input_norm,
+                        &m.router_norm,
+                        &m.output_norm,
+                    ] {
                         self.upload_opt(v)?;
                     }
                     if let Some(s) = &m.shared {
@@ -310,6 +336,7 @@ impl Cuda {
                             self.upload_weight(t)?;
                         }
                         self.upload_opt(&s.gate_inp)?;
+                        self.upload_opt(&s.post_norm)?;
                     }
                 }
             }
@@ -348,15 +375,29 @@ impl Cuda {
                 problem: format!("type {} is not supported by the CUDA backend", w.ty),
             });
         }
-        let key = w.bytes().as_ptr() as usize;
-        if !self.weights.contains_key(&key) {
-            let buf = self.gpu.upload(w.bytes()).map_err(|e| {
-                ModelError::Compute(format!("cuda: uploading {} ({} bytes): {e}", w.name, w.bytes().len()))
-            })?;
-            self.weight_bytes += w.bytes().len();
+        self.upload_bytes(&w.name, w.bytes())
+    }
+
+    /// Puts host bytes of the model on the device unless a range already there
+    /// holds them.
+    fn upload_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<(), ModelError> {
+        let key = bytes.as_ptr() as usize;
+        if self.device_address(key, bytes.len()).is_none() {
+            let buf = self
+                .gpu
+                .upload(bytes)
+                .map_err(|e| ModelError::Compute(format!("cuda: uploading {name} ({} bytes): {e}", bytes.len())))?;
+            self.weight_bytes += bytes.len();
             self.weights.insert(key, buf);
         }
         Ok(())
+    }
+
+    /// The device address of host bytes `addr..addr + len` of the model, where
+    /// an uploaded range holds them.
+    fn device_address(&self, addr: usize, len: usize) -> Option<u64> {
+        let (&start, buf) = self.weights.range(..=addr).next_back()?;
+        (addr + len <= start + buf.len()).then(|| self.gpu.ptr(buf) + (addr - start) as u64)
     }
 
     /// Puts an f32 vector of the model on the device (found again by its host address).
@@ -378,11 +419,8 @@ impl Cuda {
 
     /// Device address of weight `w`'s bytes.
     fn wptr(&self, w: &Weight) -> Result<u64, ModelError> {
-        let buf = self
-            .weights
-            .get(&(w.bytes().as_ptr() as usize))
-            .ok_or_else(|| ModelError::Compute(format!("cuda: weight {} is not on the device", w.name)))?;
-        Ok(self.gpu.ptr(buf))
+        self.device_address(w.bytes().as_ptr() as usize, w.bytes().len())
+            .ok_or_else(|| ModelError::Compute(format!("cuda: weight {} is not on the device", w.name)))
     }
 
     /// Device address of an f32 vector of the model.
@@ -629,9 +667,17 @@ impl Cuda {
             .map_err(|e| err(e.into()))
     }
 
-    /// The routes of router logits `[m][n_expert]` brought back to the host (tests): ids and weights `[m][k]`.
-    pub fn route_rows(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<(Vec<i32>, Vec<f32>), ModelError> {
-        let r = self.route_on_device(logits, m, moe)?;
+    /// The routes of router logits `[m][n_expert]` brought back to the host
+    /// (tests): ids and weights `[m][k]`, the weights times `scale` where given.
+    pub fn route_rows(
+        &self,
+        logits: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        scale: Option<&[f32]>,
+    ) -> Result<(Vec<i32>, Vec<f32>), ModelError> {
+        let scale = scale.map(|s| self.gpu.upload(s)).transpose().map_err(err)?;
+        let r = self.route_on_device(logits, m, moe, scale.as_ref().map_or(0, |s| self.gpu.ptr(s)))?;
         let k = moe.n_expert_used;
         Ok((self.download(r.ids.ptr, m * k)?, self.download(r.wts.ptr, m * k)?))
     }
@@ -1063,8 +1109,15 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn route(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<GpuRoutes, ModelError> {
-        self.route_on_device(logits, m, moe)
+    fn route(
+        &self,
+        logits: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        expert_scale: Option<&[f32]>,
+    ) -> Result<GpuRoutes, ModelError> {
+        let scale = expert_scale.map(|s| self.vptr(s)).transpose()?;
+        self.route_on_device(logits, m, moe, scale.unwrap_or(0))
     }
 
     fn route_ids(&self, routes: &GpuRoutes) -> Result<Vec<usize>, ModelError> {
@@ -1148,21 +1201,28 @@ impl Backend for Cuda {
         Ok(out)
     }
 
-    fn split_heads(&self, x: &Act, m: usize, n_heads: usize, a: usize, b: usize) -> Result<(Act, Act), ModelError> {
-        let (xa, xb) = (self.act(m * n_heads * a)?, self.act(m * n_heads * b)?);
+    fn columns(&self, x: &Act, rows: usize, width: usize, start: usize, n: usize) -> Result<Act, ModelError> {
+        if start + n > width || x.len < rows * width {
+            return Err(ModelError::Compute(format!(
+                "cuda: columns {start}..{} of {rows} rows of {width} from {} floats",
+                start + n,
+                x.len
+            )));
+        }
+        let out = self.act(rows * n)?;
         self.launch(
-            "split_heads",
-            ((m * n_heads) as u32, 1, 1),
+            "columns",
+            (rows as u32, 1, 1),
             (128, 1, 1),
             &[
                 Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.p(&xa)),
-                Arg::Ptr(self.p(&xb)),
-                Arg::I32(a as i32),
-                Arg::I32(b as i32),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(width as i32),
+                Arg::I32(start as i32),
+                Arg::I32(n as i32),
             ],
         )?;
-        Ok((xa, xb))
+        Ok(out)
     }
 
     fn mul_sigmoid(&self, x: &mut Act, gate: &Act) -> Result<(), ModelError> {

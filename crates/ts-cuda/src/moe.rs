@@ -70,7 +70,15 @@ struct Sources {
 
 impl Cuda {
     /// Each row's k experts and weights from router logits `[m][n_expert]`, on the device.
-    pub(crate) fn route_on_device(&self, logits: &Act, m: usize, moe: &MoeConfig) -> Result<GpuRoutes, ModelError> {
+    /// Routes `[m][n_expert]` logits on the device; `scale` is the device address
+    /// of the per-expert output scales, or 0 for none.
+    pub(crate) fn route_on_device(
+        &self,
+        logits: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        scale: u64,
+    ) -> Result<GpuRoutes, ModelError> {
         let k = moe.n_expert_used;
         let ids = self.act(m * k)?;
         let wts = self.act(m * k)?;
@@ -87,6 +95,7 @@ impl Cuda {
                     Gating::SoftmaxOverTopK => 1,
                 }),
                 Arg::I32(moe.renormalize as i32),
+                Arg::Ptr(scale),
                 Arg::Ptr(ids.ptr),
                 Arg::Ptr(self.p(&wts)),
             ],
@@ -144,7 +153,7 @@ impl Cuda {
             ExpertsAt::Stacked => {
                 let mut proj = Vec::with_capacity(3);
                 for t in ws {
-                    proj.push(Source { base: self.wptr(t)?, stride: t.row_bytes() * t.n_rows(), index: r.ids.ptr });
+                    proj.push(Source { base: self.wptr(t)?, stride: t.matrix_stride(), index: r.ids.ptr });
                 }
                 let proj: [Source; 3] = proj.try_into().map_err(|_| ModelError::Compute("three projections".into()))?;
                 Ok(Sources { proj })
@@ -390,7 +399,7 @@ impl Cuda {
                 for ex in (0..n_expert).filter(|&e| g.offsets[e + 1] > g.offsets[e]) {
                     let mut base = [0u64; 3];
                     for (p, t) in ws.iter().enumerate() {
-                        base[p] = self.wptr(t)? + (ex * t.row_bytes() * t.n_rows()) as u64;
+                        base[p] = self.wptr(t)? + (ex * t.matrix_stride()) as u64;
                     }
                     experts.push((ex, base));
                 }

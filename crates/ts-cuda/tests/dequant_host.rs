@@ -248,7 +248,7 @@ fn nvrtc_compiles() {
         }
     }
     for kernel in
-        ["rms_norm", "attention", "route", "split_heads", "mul_sigmoid", "conv_silu", "l2_norm_heads", "delta_rule"]
+        ["rms_norm", "attention", "route", "columns", "mul_sigmoid", "conv_silu", "l2_norm_heads", "delta_rule"]
     {
         assert!(ptx.contains(&format!(".entry {kernel}(")), "no .entry {kernel}( in the PTX");
     }

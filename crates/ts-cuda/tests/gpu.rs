@@ -228,9 +228,12 @@ fn router_matches_the_cpu() {
         let m = 40;
         let mut logits = rng.normals(m * n_expert, 2.0, 0.0);
         logits[3] = logits[5]; // a tie: the lower index wins
-        let (ids, wts) = cuda.route_rows(&cuda.act_from_host(&logits).unwrap(), m, &moe).unwrap();
+        // Every other case with per-expert output scales (Gemma 4).
+        let scale: Vec<f32> = (0..n_expert).map(|e| 0.5 + e as f32 / n_expert as f32).collect();
+        let scale = renormalize.then_some(scale.as_slice());
+        let (ids, wts) = cuda.route_rows(&cuda.act_from_host(&logits).unwrap(), m, &moe, scale).unwrap();
         for r in 0..m {
-            let want = ts_model::moe::route(&moe, &logits[r * n_expert..(r + 1) * n_expert]);
+            let want = ts_model::moe::route(&moe, &logits[r * n_expert..(r + 1) * n_expert], scale);
             let got_ids: Vec<usize> = ids[r * k..(r + 1) * k].iter().map(|&i| i as usize).collect();
             assert_eq!(got_ids, want.experts, "row {r} {gating:?}");
             let err = rel_err(&wts[r * k..(r + 1) * k], &want.weights);
@@ -411,6 +414,7 @@ fn expert_cache_gives_identical_logits() {
         ("gpt_oss", "mxfp4"),
         ("qwen3_5_moe", "q8_0"),
         ("qwen3_next", "q8_0"),
+        ("gemma4_moe", "q8_0"),
     ] {
         let dir = fixtures_dir().join(family);
         let path = dir.join(format!("model-{variant}.gguf"));

@@ -3,18 +3,26 @@
 use std::path::PathBuf;
 
 /// One stacked expert tensor (`[k, n, n_expert]` in ggml order): where its data
-/// starts in the file and how many bytes one expert's matrix takes.
+/// starts in the file, how many bytes one expert's matrix takes, and how far
+/// apart two experts' matrices are (more than a matrix where gate and up are
+/// halves of one fused tensor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProjLayout {
     /// Absolute file offset of expert 0.
     pub file_offset: u64,
     pub expert_bytes: usize,
+    pub stride: usize,
 }
 
 impl ProjLayout {
+    /// Experts stored one after another.
+    pub fn packed(file_offset: u64, expert_bytes: usize) -> ProjLayout {
+        ProjLayout { file_offset, expert_bytes, stride: expert_bytes }
+    }
+
     /// File offset of `expert`'s matrix.
     pub fn offset(&self, expert: usize) -> u64 {
-        self.file_offset + (expert * self.expert_bytes) as u64
+        self.file_offset + (expert * self.stride) as u64
     }
 }
 

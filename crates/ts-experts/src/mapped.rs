@@ -58,14 +58,21 @@ impl ResidentExperts {
                 let len = p.expert_bytes * l.n_expert;
                 *words = vec![0u64; len.div_ceil(8)];
                 let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
-                file.file().read_exact_at(buf, p.file_offset).map_err(|source| ExpertError::Read {
-                    path: layout.path.clone(),
-                    layer,
-                    expert: 0,
-                    offset: p.file_offset,
-                    len,
-                    source,
-                })?;
+                // Packed experts in one read; strided ones (halves of a fused tensor) one at a time.
+                let reads: Vec<(usize, u64, usize)> = match p.stride == p.expert_bytes {
+                    true => vec![(0, p.file_offset, len)],
+                    false => (0..l.n_expert).map(|e| (e * p.expert_bytes, p.offset(e), p.expert_bytes)).collect(),
+                };
+                for (at, offset, n) in reads {
+                    file.file().read_exact_at(&mut buf[at..at + n], offset).map_err(|source| ExpertError::Read {
+                        path: layout.path.clone(),
+                        layer,
+                        expert: at / p.expert_bytes.max(1),
+                        offset,
+                        len: n,
+                        source,
+                    })?;
+                }
             }
             data.push(Some(projs));
         }

@@ -23,7 +23,7 @@ fn fixture(name: &str) -> (PathBuf, Vec<u8>, ExpertLayout) {
     std::fs::write(&path, &bytes).unwrap();
     let mut at = 100u64;
     let mut proj = |size: usize| {
-        let p = ProjLayout { file_offset: at, expert_bytes: size };
+        let p = ProjLayout::packed(at, size);
         at += (size * 8) as u64 + 36;
         p
     };

@@ -126,16 +126,17 @@ pub trait Backend: Sized + Send + Sync {
     ) -> Result<Self::Act, ModelError>;
     /// A copy of `x`.
     fn copy(&self, x: &Self::Act) -> Result<Self::Act, ModelError>;
-    /// Splits each row of `x`, `n_heads` groups of `[a | b]`, into `[m][n_heads * a]`
-    /// and `[m][n_heads * b]` (a gated attention's queries and gates).
-    fn split_heads(
+    /// Columns `start..start + n` of each of the `rows` rows of `x` (each `width`
+    /// wide): `[rows][n]` (a gated attention's queries or gates, a layer's slice
+    /// of the per-layer inputs).
+    fn columns(
         &self,
         x: &Self::Act,
-        m: usize,
-        n_heads: usize,
-        a: usize,
-        b: usize,
-    ) -> Result<(Self::Act, Self::Act), ModelError>;
+        rows: usize,
+        width: usize,
+        start: usize,
+        n: usize,
+    ) -> Result<Self::Act, ModelError>;
     /// `x *= sigmoid(gate)` elementwise.
     fn mul_sigmoid(&self, x: &mut Self::Act, gate: &Self::Act) -> Result<(), ModelError>;
     /// Causal depthwise convolution of `x` `[m][channels]` with `taps`
@@ -170,8 +171,15 @@ pub trait Backend: Sized + Send + Sync {
     fn sigmoid_gate(&self, y: &mut Self::Act, x: &Self::Act, gate: &[f32]) -> Result<(), ModelError>;
     /// Each row's k experts and their weights from router logits
     /// `[m][n_expert]` (bias added): gating, top-k (ties to the lower id),
-    /// renormalisation as `moe` says.
-    fn route(&self, logits: &Self::Act, m: usize, moe: &MoeConfig) -> Result<Self::Routes, ModelError>;
+    /// renormalisation as `moe` says; then each weight times its expert's
+    /// `expert_scale` `[n_expert]` where given.
+    fn route(
+        &self,
+        logits: &Self::Act,
+        m: usize,
+        moe: &MoeConfig,
+        expert_scale: Option<&[f32]>,
+    ) -> Result<Self::Routes, ModelError>;
     /// The routes' expert ids, `[m][k]`, on the host.
     fn route_ids(&self, routes: &Self::Routes) -> Result<Vec<usize>, ModelError>;
     /// Whether routed experts come through a tier of slots ([`Backend::ensure_experts`])

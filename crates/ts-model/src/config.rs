@@ -189,8 +189,10 @@ impl DeltaNetConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LayerConfig {
     pub mixer: Mixer,
-    /// The FFN is routed experts (else dense).
+    /// The FFN has routed experts (beside a dense MLP where the family has both).
     pub moe: bool,
+    /// Width of the layer's dense MLP (0 where it has none).
+    pub n_ff: usize,
 }
 
 impl LayerConfig {
@@ -244,6 +246,8 @@ pub struct ArchConfig {
     /// Multi-token-prediction layers after the main ones (`nextn_predict_layers`),
     /// not part of the main forward pass.
     pub n_nextn: usize,
+    /// Width of each layer's slice of the per-layer embeddings (Gemma 4's E models; 0: none).
+    pub per_layer_input: usize,
 }
 
 impl ArchConfig {
@@ -282,6 +286,29 @@ impl Keys<'_> {
                 v.map(Some).ok_or_else(|| self.bad(key, "an array of non-negative integers"))
             }
             Some(v) => v.as_u64().map(|v| Some(v as usize)).ok_or_else(|| self.bad(key, "a non-negative integer")),
+        }
+    }
+
+    /// A per-layer key for `n` layers: an array of at least `n` (the first `n`
+    /// taken), or one value for every layer.
+    pub fn per_layer(&self, key: &str, n: usize) -> Result<Option<Vec<usize>>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => {
+                let v = a.to_i64s().filter(|v| v.len() >= n && v.iter().all(|&x| x >= 0));
+                let v = v.ok_or_else(|| self.bad(key, &format!("an array of {n} non-negative integers")))?;
+                Ok(Some(v[..n].iter().map(|&x| x as usize).collect()))
+            }
+            Some(_) => Ok(self.usize(key)?.map(|x| vec![x; n])),
+        }
+    }
+
+    /// A per-layer array of flags, at least `n` long (the first `n` taken).
+    pub fn flags(&self, key: &str, n: usize) -> Result<Option<Vec<bool>>, ModelError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(Array::Bool(v))) if v.len() >= n => Ok(Some(v[..n].to_vec())),
+            Some(_) => Err(self.bad(key, &format!("an array of {n} booleans"))),
         }
     }
 
@@ -377,6 +404,7 @@ impl ArchConfig {
                     kv_from: None,
                 }),
                 moe: moe.is_some(),
+                n_ff,
             })
             .collect();
 
@@ -407,6 +435,7 @@ impl ArchConfig {
             attn_output_gate: false,
             delta_net: None,
             n_nextn,
+            per_layer_input: 0,
         };
         (fam.finish)(&k, &mut cfg)?;
         Ok(cfg)

@@ -172,20 +172,15 @@ impl Backend for Cpu {
         Ok(x.clone())
     }
 
-    fn split_heads(
-        &self,
-        x: &Vec<f32>,
-        m: usize,
-        n_heads: usize,
-        a: usize,
-        b: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
-        let (mut xa, mut xb) = (Vec::with_capacity(m * n_heads * a), Vec::with_capacity(m * n_heads * b));
-        for group in x.chunks_exact(a + b).take(m * n_heads) {
-            xa.extend_from_slice(&group[..a]);
-            xb.extend_from_slice(&group[a..]);
+    fn columns(&self, x: &Vec<f32>, rows: usize, width: usize, start: usize, n: usize) -> Result<Vec<f32>, ModelError> {
+        if start + n > width || x.len() < rows * width {
+            return Err(ModelError::Compute(format!(
+                "columns {start}..{} of {rows} rows of {width} from {} floats",
+                start + n,
+                x.len()
+            )));
         }
-        Ok((xa, xb))
+        Ok(x.chunks_exact(width).take(rows).flat_map(|r| &r[start..start + n]).copied().collect())
     }
 
     fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
@@ -243,11 +238,17 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    fn route(&self, logits: &Vec<f32>, m: usize, moe: &MoeConfig) -> Result<CpuRoutes, ModelError> {
+    fn route(
+        &self,
+        logits: &Vec<f32>,
+        m: usize,
+        moe: &MoeConfig,
+        expert_scale: Option<&[f32]>,
+    ) -> Result<CpuRoutes, ModelError> {
         let k = moe.n_expert_used;
         let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
         for l in logits.chunks_exact(moe.n_expert).take(m) {
-            let r = crate::moe::route(moe, l);
+            let r = crate::moe::route(moe, l, expert_scale);
             ids.extend(r.experts);
             weights.extend(r.weights);
         }

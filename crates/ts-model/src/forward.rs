@@ -6,9 +6,9 @@
 use crate::Cpu;
 use crate::ModelError;
 use crate::backend::{AttnShape, Backend};
-use crate::config::{ArchConfig, QkNorm, RopeLayout, RopeScaling};
+use crate::config::{ArchConfig, GatedActivation, QkNorm, RopeLayout, RopeScaling};
 use crate::state::{SeqState, Snapshot};
-use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights};
+use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
 use crate::weights::Weight;
 use ts_cpu::QuantizedRows;
 use ts_cpu::ops::Rope;
@@ -275,6 +275,7 @@ impl<B: Backend> Model<B> {
         if let Some(s) = cfg.embed_scale {
             be.scale(&mut x, s)?;
         }
+        let per_layer_inputs = self.per_layer_inputs(&tokens, &x, scratch)?;
         for (il, layer) in self.weights.layers.iter().enumerate() {
             let normed = be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?;
             let mut attn = match &layer.mixer {
@@ -289,22 +290,24 @@ impl<B: Backend> Model<B> {
             let normed = be.rms_norm_to(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let mut ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
-                Ffn::Moe(w) => {
-                    let mut out = self.routed_experts(il, w, &normed, m, scratch)?;
-                    if let Some(sh) = &w.shared {
-                        let mut y = self.dense_ffn(&sh.gate, &sh.up, &sh.down, &normed, m, scratch)?;
-                        if let Some(gate) = &sh.gate_inp {
-                            be.sigmoid_gate(&mut y, &normed, gate)?;
-                        }
-                        be.add(&mut out, &y)?;
-                    }
-                    out
-                }
+                Ffn::Moe(w) => self.moe_ffn(il, w, &x, &normed, m, scratch)?,
             };
             if let Some(w) = &layer.ffn_post_norm {
                 be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
             }
             be.add(&mut x, &ffn)?;
+            if let (Some(pw), Some(inputs)) = (&layer.per_layer, &per_layer_inputs) {
+                let p = cfg.per_layer_input;
+                let pl = be.columns(inputs, m, p * cfg.n_layer, il * p, p)?;
+                let mut g = be.linear(&pw.inp_gate, None, &x, m, scratch)?;
+                be.gated(GatedActivation::GeGlu, &mut g, &pl)?;
+                let mut y = be.linear(&pw.proj, None, &g, m, scratch)?;
+                be.rms_norm(&mut y, cfg.n_embd, Some(&pw.post_norm), cfg.rms_eps)?;
+                be.add(&mut x, &y)?;
+            }
+            if let Some(s) = layer.output_scale {
+                be.scale(&mut x, s)?;
+            }
         }
         for r in rows {
             let s = &mut seqs[r.seq];
@@ -316,6 +319,61 @@ impl<B: Backend> Model<B> {
             None => Ok(Vec::new()),
             Some(l) => Ok(be.to_host(&l)?.chunks_exact(cfg.n_vocab).map(<[f32]>::to_vec).collect()),
         }
+    }
+
+    /// A MoE layer's FFN for the residual stream `x` and its FFN-normed `normed`,
+    /// `[m][n_embd]`: the routed experts and any dense FFN beside them (a shared
+    /// expert; Gemma 4's MLP, with the experts' input, router input and both
+    /// outputs normed on their own).
+    fn moe_ffn(
+        &self,
+        il: usize,
+        w: &MoeWeights,
+        x: &B::Act,
+        normed: &B::Act,
+        m: usize,
+        scratch: &mut B::Scratch,
+    ) -> Result<B::Act, ModelError> {
+        let (be, eps) = (&self.backend, self.cfg.rms_eps);
+        let expert_in = w.input_norm.as_ref().map(|n| be.rms_norm_to(x, n, eps)).transpose()?;
+        let router_in = w.router_norm.as_ref().map(|n| be.rms_norm_to(x, n, eps)).transpose()?;
+        let expert_in = expert_in.as_ref().unwrap_or(normed);
+        let mut out = self.routed_experts(il, w, expert_in, router_in.as_ref().unwrap_or(expert_in), m, scratch)?;
+        if let Some(n) = &w.output_norm {
+            be.rms_norm(&mut out, n.len(), Some(n), eps)?;
+        }
+        if let Some(sh) = &w.shared {
+            let mut y = self.dense_ffn(&sh.gate, &sh.up, &sh.down, normed, m, scratch)?;
+            if let Some(gate) = &sh.gate_inp {
+                be.sigmoid_gate(&mut y, normed, gate)?;
+            }
+            if let Some(n) = &sh.post_norm {
+                be.rms_norm(&mut y, n.len(), Some(n), eps)?;
+            }
+            be.add(&mut out, &y)?;
+        }
+        Ok(out)
+    }
+
+    /// Every layer's per-layer input for these tokens and their scaled
+    /// embeddings `x`, `[m][L·P]` (Gemma 4's E models; None for other models).
+    fn per_layer_inputs(
+        &self,
+        tokens: &[u32],
+        x: &B::Act,
+        scratch: &mut B::Scratch,
+    ) -> Result<Option<B::Act>, ModelError> {
+        let Some(w) = &self.weights.per_layer_input else { return Ok(None) };
+        let (be, cfg, m) = (&self.backend, &self.cfg, tokens.len());
+        let p = cfg.per_layer_input;
+        let mut t = be.embed(&w.token_embd, tokens)?;
+        be.scale(&mut t, (p as f32).sqrt())?;
+        let mut c = be.linear(&w.model_proj, None, x, m, scratch)?;
+        be.scale(&mut c, 1.0 / (cfg.n_embd as f32).sqrt())?;
+        be.rms_norm(&mut c, p, Some(&w.proj_norm), cfg.rms_eps)?;
+        be.add(&mut c, &t)?;
+        be.scale(&mut c, std::f32::consts::FRAC_1_SQRT_2)?;
+        Ok(Some(c))
     }
 
     /// `down(act(gate · x) * (up · x))` for `m` rows.
@@ -353,7 +411,9 @@ impl<B: Backend> Model<B> {
         let q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
         // A gated attention's query projection holds per head [q | gate].
         let (mut q, gate) = match cfg.attn_output_gate {
-            true => be.split_heads(&q, m, cfg.n_head, hd, hd).map(|(q, g)| (q, Some(g)))?,
+            true => {
+                (be.columns(&q, m * cfg.n_head, 2 * hd, 0, hd)?, Some(be.columns(&q, m * cfg.n_head, 2 * hd, hd, hd)?))
+            }
             false => (q, None),
         };
         let piece = match cfg.qk_norm {

@@ -100,6 +100,7 @@ pub fn expert_layout(file: &GgufFile, weights: &tensors::ModelWeights) -> Expert
     let proj = |w: &weights::Weight| ProjLayout {
         file_offset: w.file_offset().expect("expert tensors are mapped from the file"),
         expert_bytes: w.row_bytes() * w.n_rows(),
+        stride: w.matrix_stride(),
     };
     let layers = weights
         .layers

@@ -25,8 +25,9 @@ fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Routes one row from its router logits (bias already added).
-pub fn route(moe: &MoeConfig, logits: &[f32]) -> Route {
+/// Routes one row from its router logits (bias already added); each weight is
+/// then multiplied by its expert's `expert_scale` where given (Gemma 4).
+pub fn route(moe: &MoeConfig, logits: &[f32], expert_scale: Option<&[f32]>) -> Route {
     let k = moe.n_expert_used;
     let (experts, mut weights) = match moe.gating {
         Gating::Softmax => {
@@ -48,12 +49,16 @@ pub fn route(moe: &MoeConfig, logits: &[f32]) -> Route {
         let sum = weights.iter().sum::<f32>().max(6.103_515_6e-5);
         weights.iter_mut().for_each(|w| *w /= sum);
     }
+    if let Some(scale) = expert_scale {
+        weights.iter_mut().zip(&experts).for_each(|(w, &e)| *w *= scale[e]);
+    }
     Route { experts, weights }
 }
 
 impl<B: Backend> Model<B> {
     /// The routed experts of MoE layer `il` for the normed input `x`
-    /// `[m][n_embd]`, written once for every backend: route; then, where the
+    /// `[m][n_embd]`, routed by `router_x` (`x` itself but for Gemma 4),
+    /// written once for every backend: route; then, where the
     /// experts come through a tier, the used experts in groups the tier holds
     /// (the next MoE layer's guessed experts started early), each group's
     /// expert-indexed matmuls, and the weighted sum of each row's experts.
@@ -62,6 +67,7 @@ impl<B: Backend> Model<B> {
         il: usize,
         w: &MoeWeights,
         x: &B::Act,
+        router_x: &B::Act,
         m: usize,
         scratch: &mut B::Scratch,
     ) -> Result<B::Act, ModelError> {
@@ -69,8 +75,8 @@ impl<B: Backend> Model<B> {
         let moe = self.cfg.moe.as_ref().expect("MoE weights imply a MoE config");
         let act = self.cfg.ffn_act;
         let e = self.cfg.n_embd;
-        let logits = be.linear(&w.router, w.router_bias.as_deref(), x, m, scratch)?;
-        let routes = be.route(&logits, m, moe)?;
+        let logits = be.linear(&w.router, w.router_bias.as_deref(), router_x, m, scratch)?;
+        let routes = be.route(&logits, m, moe, w.expert_scale.as_deref())?;
         // Each (row, slot) pair's expert output, `[m * k][n_embd]`, summed per row at the end.
         let pairs = m * moe.n_expert_used;
         if !be.experts_tiered(self) {
@@ -84,8 +90,8 @@ impl<B: Backend> Model<B> {
         // The next MoE layer's router applied to this layer's input guesses its experts.
         let guess = match self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten() {
             Some((next, nw)) => {
-                let logits = be.linear(&nw.router, nw.router_bias.as_deref(), x, m, scratch)?;
-                Some((next, be.route(&logits, m, moe)?))
+                let logits = be.linear(&nw.router, nw.router_bias.as_deref(), router_x, m, scratch)?;
+                Some((next, be.route(&logits, m, moe, None)?))
             }
             None => None,
         };
@@ -140,19 +146,32 @@ mod tests {
     #[test]
     fn softmax_then_top_k() {
         let logits = [1.0f32, 3.0, 2.0, 0.0];
-        let r = route(&moe(Gating::Softmax, false), &logits);
+        let r = route(&moe(Gating::Softmax, false), &logits, None);
         assert_eq!(r.experts, vec![1, 2]);
         let z: f32 = logits.iter().map(|l| l.exp()).sum();
         assert!((r.weights[0] - 3f32.exp() / z).abs() < 1e-6);
-        let r = route(&moe(Gating::Softmax, true), &logits);
+        let r = route(&moe(Gating::Softmax, true), &logits, None);
         assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!((r.weights[0] - 3f32.exp() / (3f32.exp() + 2f32.exp())).abs() < 1e-6);
     }
 
     #[test]
     fn top_k_then_softmax() {
-        let r = route(&moe(Gating::SoftmaxOverTopK, false), &[0.5, -1.0, 4.0, 3.0]);
+        let r = route(&moe(Gating::SoftmaxOverTopK, false), &[0.5, -1.0, 4.0, 3.0], None);
         assert_eq!(r.experts, vec![2, 3]);
         assert!((r.weights[0] - 1.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn expert_scale_multiplies_after_renormalising() {
+        // Gemma 4: softmax over all experts, top-k, renormalise, then times
+        // the chosen expert's learned scale (so the weights no longer sum to 1).
+        let logits = [1.0f32, 3.0, 2.0, 0.0];
+        let scale = [10.0f32, 0.5, 2.0, 7.0];
+        let r = route(&moe(Gating::Softmax, true), &logits, Some(&scale));
+        assert_eq!(r.experts, vec![1, 2]);
+        let (a, b) = (3f32.exp(), 2f32.exp());
+        assert!((r.weights[0] - 0.5 * a / (a + b)).abs() < 1e-6);
+        assert!((r.weights[1] - 2.0 * b / (a + b)).abs() < 1e-6);
     }
 }

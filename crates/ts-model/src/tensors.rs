@@ -63,6 +63,27 @@ pub enum Role {
     /// Gated RMS norm of each value head's output, `[d_v]`.
     SsmNorm,
     SsmOut,
+    /// Gemma 4: each token's per-layer embeddings, `[P·L, n_vocab]`.
+    PerLayerTokenEmbd,
+    /// Gemma 4: the projection of the embedding to per-layer inputs, `[n_embd, P·L]`.
+    PerLayerModelProj,
+    /// Gemma 4: the norm of each layer's slice of that projection, `[P]`.
+    PerLayerProjNorm,
+    /// Gemma 4: a layer's gate over its per-layer input, `[n_embd, P]`.
+    InpGate,
+    /// Gemma 4: the gated per-layer input back to the stream, `[P, n_embd]`.
+    Proj,
+    /// Gemma 4: norm of that projection, `[n_embd]`.
+    PostNorm,
+    /// Gemma 4: the scale of the residual stream after the layer, `[1]`.
+    LayerOutputScale,
+    /// Gemma 4 MoE: norm of the experts' input, `[n_embd]`.
+    PreFfwNorm2,
+    /// Gemma 4 MoE: norms of the dense MLP's and of the experts' outputs, `[n_embd]`.
+    PostFfwNorm1,
+    PostFfwNorm2,
+    /// Gate and up of every expert in one tensor, `[n_embd, 2 n_ff_exp, n_expert]`, gate rows first.
+    FfnGateUpExps,
 }
 
 impl Role {
@@ -105,6 +126,17 @@ impl Role {
             Role::SsmIn => "ssm_in",
             Role::SsmNorm => "ssm_norm",
             Role::SsmOut => "ssm_out",
+            Role::PerLayerTokenEmbd => "per_layer_token_embd",
+            Role::PerLayerModelProj => "per_layer_model_proj",
+            Role::PerLayerProjNorm => "per_layer_proj_norm",
+            Role::InpGate => "inp_gate",
+            Role::Proj => "proj",
+            Role::PostNorm => "post_norm",
+            Role::LayerOutputScale => "layer_output_scale",
+            Role::PreFfwNorm2 => "pre_ffw_norm_2",
+            Role::PostFfwNorm1 => "post_ffw_norm_1",
+            Role::PostFfwNorm2 => "post_ffw_norm_2",
+            Role::FfnGateUpExps => "ffn_gate_up_exps",
         }
     }
 
@@ -135,9 +167,19 @@ pub struct MoeWeights {
     pub gate_bias: Option<Vec<f32>>,
     pub up_bias: Option<Vec<f32>>,
     pub down_bias: Option<Vec<f32>>,
+    /// `[n_expert]`: each expert's output is scaled (Gemma 4; folded into its route weight).
+    pub expert_scale: Option<Vec<f32>>,
+    /// `[n_embd]`: the experts read `rmsnorm(x) · input_norm` instead of the FFN norm's output (Gemma 4).
+    pub input_norm: Option<Vec<f32>>,
+    /// `[n_embd]`: the router reads `rmsnorm(x) · router_norm` (Gemma 4: `ffn_gate_inp.scale / sqrt(n_embd)`).
+    pub router_norm: Option<Vec<f32>>,
+    /// `[n_embd]`: norm of the experts' sum (Gemma 4).
+    pub output_norm: Option<Vec<f32>>,
     pub shared: Option<SharedExpertWeights>,
 }
 
+/// A dense FFN beside the routed experts, reading the FFN norm's output: a
+/// shared expert, or Gemma 4's MLP.
 pub struct SharedExpertWeights {
     /// `[n_embd, n_ff_sh]`, `[n_embd, n_ff_sh]`, `[n_ff_sh, n_embd]`.
     pub gate: Weight,
@@ -145,6 +187,8 @@ pub struct SharedExpertWeights {
     pub down: Weight,
     /// `[n_embd]`: the output is scaled by `sigmoid(gate_inp · x)`.
     pub gate_inp: Option<Vec<f32>>,
+    /// `[n_embd]`: norm of the output (Gemma 4).
+    pub post_norm: Option<Vec<f32>>,
 }
 
 #[allow(clippy::large_enum_variant)] // one per layer; boxing buys nothing
@@ -230,6 +274,33 @@ pub struct LayerWeights {
     /// gemma3: `[n_embd]` norm of the FFN output.
     pub ffn_post_norm: Option<Vec<f32>>,
     pub ffn: Ffn,
+    /// Gemma 4's E models: what the layer adds from its per-layer input.
+    pub per_layer: Option<PerLayerWeights>,
+    /// Gemma 4: the residual stream is multiplied by this after the layer.
+    pub output_scale: Option<f32>,
+}
+
+/// A layer's use of its per-layer input `pl` `[P]` (Gemma 4's E models):
+/// `y += rmsnorm(proj · (gelu(inp_gate · y) ⊙ pl)) · post_norm`.
+pub struct PerLayerWeights {
+    /// `[n_embd, P]`.
+    pub inp_gate: Weight,
+    /// `[P, n_embd]`.
+    pub proj: Weight,
+    /// `[n_embd]`.
+    pub post_norm: Vec<f32>,
+}
+
+/// The model-level tables of per-layer inputs (Gemma 4's E models): each
+/// layer's `pl = (rmsnorm(model_proj · x / sqrt(n_embd)) · proj_norm + token_embd[tok] · sqrt(P)) / sqrt(2)`,
+/// per `P`-wide slice.
+pub struct PerLayerInputWeights {
+    /// `[P·L, n_vocab]`.
+    pub token_embd: Weight,
+    /// `[n_embd, P·L]`.
+    pub model_proj: Weight,
+    /// `[P]`.
+    pub proj_norm: Vec<f32>,
 }
 
 pub struct ModelWeights {
@@ -242,6 +313,7 @@ pub struct ModelWeights {
     pub output_bias: Option<Vec<f32>>,
     /// `[n_rot / 2]`: each rotary frequency is divided by its factor (Llama 3 scaling).
     pub rope_freqs: Option<Vec<f32>>,
+    pub per_layer_input: Option<PerLayerInputWeights>,
     pub layers: Vec<LayerWeights>,
 }
 
@@ -251,18 +323,22 @@ impl ModelWeights {
     /// (small f32 vectors left out). Decode is bound by this over memory bandwidth.
     pub fn bytes_per_token(&self, n_expert_used: usize) -> u64 {
         let b = |w: &Weight| w.bytes().len() as u64;
+        let matrix = |w: &Weight| (w.row_bytes() * w.n_rows()) as u64;
         let mut total = self.token_embd.row_bytes() as u64 + b(&self.output);
+        if let Some(p) = &self.per_layer_input {
+            total += p.token_embd.row_bytes() as u64 + b(&p.model_proj);
+        }
         for l in &self.layers {
             total += l.mixer.matrices().into_iter().map(b).sum::<u64>();
             total += match &l.ffn {
                 Ffn::Dense { gate, up, down } => b(gate) + b(up) + b(down),
                 Ffn::Moe(m) => {
-                    let n_expert = m.gate_exps.dims.get(2).copied().unwrap_or(1).max(1) as u64;
-                    let experts = (b(&m.gate_exps) + b(&m.up_exps) + b(&m.down_exps)) / n_expert;
+                    let expert = matrix(&m.gate_exps) + matrix(&m.up_exps) + matrix(&m.down_exps);
                     let shared = m.shared.as_ref().map_or(0, |s| b(&s.gate) + b(&s.up) + b(&s.down));
-                    b(&m.router) + experts * n_expert_used as u64 + shared
+                    b(&m.router) + expert * n_expert_used as u64 + shared
                 }
             };
+            total += l.per_layer.as_ref().map_or(0, |p| b(&p.inp_gate) + b(&p.proj));
         }
         total
     }
@@ -378,6 +454,14 @@ impl ModelWeights {
                 Some(a) => ld.opt_vector(Role::RopeFreqs, None, "weight", &[a.rope.n_rot / 2])?,
                 None => None,
             },
+            per_layer_input: match cfg.per_layer_input {
+                0 => None,
+                p => Some(PerLayerInputWeights {
+                    token_embd: ld.matrix(Role::PerLayerTokenEmbd, None, &[p * cfg.n_layer, v])?,
+                    model_proj: ld.matrix(Role::PerLayerModelProj, None, &[e, p * cfg.n_layer])?,
+                    proj_norm: ld.vector(Role::PerLayerProjNorm, None, "weight", &[p])?,
+                }),
+            },
             token_embd,
             output,
             layers,
@@ -399,6 +483,15 @@ fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, M
         ffn_norm: ld.vector(cfg.family().ffn_norm, il, "weight", &[e])?,
         ffn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostFfwNorm, il, "weight", &[e])?) } else { None },
         ffn: load_ffn(ld, cfg, l)?,
+        per_layer: match cfg.per_layer_input {
+            0 => None,
+            p => Some(PerLayerWeights {
+                inp_gate: ld.matrix(Role::InpGate, il, &[e, p])?,
+                proj: ld.matrix(Role::Proj, il, &[p, e])?,
+                post_norm: ld.vector(Role::PostNorm, il, "weight", &[e])?,
+            }),
+        },
+        output_scale: ld.opt_vector(Role::LayerOutputScale, il, "weight", &[1])?.map(|s| s[0]),
     })
 }
 
@@ -510,47 +603,78 @@ fn split_qkvz(w: &Weight, d: &DeltaNetConfig) -> (Weight, Weight) {
 fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> {
     let e = cfg.n_embd;
     let il = Some(l);
+    let dense = |f: usize| -> Result<(Weight, Weight, Weight), ModelError> {
+        Ok((
+            ld.matrix(Role::FfnGate, il, &[e, f])?,
+            ld.matrix(Role::FfnUp, il, &[e, f])?,
+            ld.matrix(Role::FfnDown, il, &[f, e])?,
+        ))
+    };
     let moe = match &cfg.moe {
         Some(moe) if cfg.layers[l].moe => moe,
         _ => {
-            let f = cfg.n_ff;
-            return Ok(Ffn::Dense {
-                gate: ld.matrix(Role::FfnGate, il, &[e, f])?,
-                up: ld.matrix(Role::FfnUp, il, &[e, f])?,
-                down: ld.matrix(Role::FfnDown, il, &[f, e])?,
-            });
+            let (gate, up, down) = dense(cfg.layers[l].n_ff)?;
+            return Ok(Ffn::Dense { gate, up, down });
         }
     };
     let (n, f) = (moe.n_expert, moe.n_ff_exp);
-    let biased = cfg.family().moe.is_some_and(|w| w.biases);
+    let wiring = cfg.family().moe.expect("a MoE config implies the family's MoE wiring");
     let expert_bias = |role: Role, width: usize| -> Result<Option<Vec<f32>>, ModelError> {
         let b = ld.opt_vector(role, il, "bias", &[width, n])?;
-        ld.required_if(biased, b, role, l, "bias")
+        ld.required_if(wiring.biases, b, role, l, "bias")
     };
-    let shared = match moe.shared {
-        None => None,
-        Some(sh) => Some(SharedExpertWeights {
+    let norm = |role: Role| -> Result<Option<Vec<f32>>, ModelError> {
+        wiring.beside_dense.then(|| ld.vector(role, il, "weight", &[e])).transpose()
+    };
+    let shared = match (moe.shared, wiring.beside_dense) {
+        (Some(sh), _) => Some(SharedExpertWeights {
             gate: ld.matrix(Role::FfnGateShexp, il, &[e, sh.n_ff])?,
             up: ld.matrix(Role::FfnUpShexp, il, &[e, sh.n_ff])?,
             down: ld.matrix(Role::FfnDownShexp, il, &[sh.n_ff, e])?,
             gate_inp: if sh.sigmoid_gated { Some(ld.vector(Role::FfnGateInpShexp, il, "weight", &[e])?) } else { None },
+            post_norm: None,
         }),
+        (None, true) => {
+            let (gate, up, down) = dense(cfg.layers[l].n_ff)?;
+            Some(SharedExpertWeights { gate, up, down, gate_inp: None, post_norm: norm(Role::PostFfwNorm1)? })
+        }
+        (None, false) => None,
+    };
+    // Gate and up may come as the halves of one tensor, gate rows first (Gemma 4).
+    let (gate_exps, up_exps) = match ld.opt_matrix(Role::FfnGateUpExps, il, &[e, 2 * f, n])? {
+        Some(fused) => (
+            fused.matrix_rows(&Role::FfnGateExps.name(il, "weight"), 0, f),
+            fused.matrix_rows(&Role::FfnUpExps.name(il, "weight"), f, f),
+        ),
+        None => (ld.matrix(Role::FfnGateExps, il, &[e, f, n])?, ld.matrix(Role::FfnUpExps, il, &[e, f, n])?),
+    };
+    // The router reads a weightless norm scaled by `scale / sqrt(n_embd)` (Gemma 4).
+    let router_norm = match wiring.beside_dense {
+        true => {
+            let scale = ld.vector(Role::FfnGateInp, il, "scale", &[e])?;
+            Some(scale.iter().map(|s| s / (e as f32).sqrt()).collect())
+        }
+        false => None,
     };
     Ok(Ffn::Moe(MoeWeights {
         router: ld.matrix(Role::FfnGateInp, il, &[e, n])?,
         router_bias: ld.required_if(
-            biased,
+            wiring.biases,
             ld.opt_vector(Role::FfnGateInp, il, "bias", &[n])?,
             Role::FfnGateInp,
             l,
             "bias",
         )?,
-        gate_exps: ld.matrix(Role::FfnGateExps, il, &[e, f, n])?,
-        up_exps: ld.matrix(Role::FfnUpExps, il, &[e, f, n])?,
+        gate_exps,
+        up_exps,
         down_exps: ld.matrix(Role::FfnDownExps, il, &[f, e, n])?,
         gate_bias: expert_bias(Role::FfnGateExps, f)?,
         up_bias: expert_bias(Role::FfnUpExps, f)?,
         down_bias: expert_bias(Role::FfnDownExps, e)?,
+        expert_scale: ld.opt_vector(Role::FfnDownExps, il, "scale", &[n])?,
+        input_norm: norm(Role::PreFfwNorm2)?,
+        router_norm,
+        output_norm: norm(Role::PostFfwNorm2)?,
         shared,
     }))
 }

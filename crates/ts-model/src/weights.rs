@@ -12,6 +12,9 @@ pub struct Weight {
     /// ggml order: `dims[0]` is the row length.
     pub dims: Vec<usize>,
     data: WeightData,
+    /// Bytes from one matrix of a stacked tensor to the next, where they are not
+    /// packed (gate and up as halves of one fused expert tensor).
+    stride: Option<usize>,
 }
 
 #[derive(Clone)]
@@ -33,18 +36,19 @@ impl Weight {
                 start: file.tensor_file_offset(info) as usize,
                 len: info.n_bytes as usize,
             },
+            stride: None,
         }
     }
 
     /// An f32 tensor built in memory.
     pub fn from_f32(name: &str, dims: Vec<usize>, values: &[f32]) -> Weight {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Weight { name: name.into(), ty: GgmlType::F32, dims, data: WeightData::Owned(bytes.into()) }
+        Weight { name: name.into(), ty: GgmlType::F32, dims, data: WeightData::Owned(bytes.into()), stride: None }
     }
 
     /// A tensor of any type from bytes in memory (tests, converted tables).
     pub fn from_bytes(name: &str, ty: GgmlType, dims: Vec<usize>, bytes: Vec<u8>) -> Weight {
-        Weight { name: name.into(), ty, dims, data: WeightData::Owned(bytes.into()) }
+        Weight { name: name.into(), ty, dims, data: WeightData::Owned(bytes.into()), stride: None }
     }
 
     /// Absolute file offset of the first byte, for a tensor read from the file.
@@ -79,8 +83,42 @@ impl Weight {
 
     /// The bytes of matrix `index` of a stacked 3-D tensor (an expert).
     pub fn matrix_bytes(&self, index: usize) -> &[u8] {
-        let size = self.row_bytes() * self.n_rows();
-        &self.bytes()[index * size..(index + 1) * size]
+        let (size, stride) = (self.row_bytes() * self.n_rows(), self.matrix_stride());
+        &self.bytes()[index * stride..index * stride + size]
+    }
+
+    /// Bytes from one matrix of a stacked tensor to the next.
+    pub fn matrix_stride(&self) -> usize {
+        self.stride.unwrap_or(self.row_bytes() * self.n_rows())
+    }
+
+    /// Rows `first..first + n` of every matrix of this stacked tensor, as a
+    /// stacked tensor of its own over the same bytes (the gate or the up half
+    /// of a fused `ffn_gate_up_exps`).
+    pub fn matrix_rows(&self, name: &str, first: usize, n: usize) -> Weight {
+        let (rb, stride, count) = (self.row_bytes(), self.matrix_stride(), self.dims.get(2).copied().unwrap_or(1));
+        let span = (count - 1) * stride + n * rb;
+        let data = match &self.data {
+            WeightData::Mapped { file, start, .. } => {
+                WeightData::Mapped { file: file.clone(), start: start + first * rb, len: span }
+            }
+            WeightData::Owned(b) => WeightData::Owned(b[first * rb..first * rb + span].into()),
+        };
+        Weight { name: name.into(), ty: self.ty, dims: vec![self.row_len(), n, count], data, stride: Some(stride) }
+    }
+
+    /// The bytes from the start of `self` to the end of `other` where both lie
+    /// in one mapped file, `self` first: the two halves of a fused tensor, to be
+    /// put on a device as one.
+    pub fn span_through(&self, other: &Weight) -> Option<&[u8]> {
+        match (&self.data, &other.data) {
+            (WeightData::Mapped { file, start, .. }, WeightData::Mapped { file: f2, start: s2, len: l2 })
+                if Arc::ptr_eq(file, f2) && s2 + l2 >= *start =>
+            {
+                Some(&file.mapped()[*start..s2 + l2])
+            }
+            _ => None,
+        }
     }
 
     /// A new matrix of rows `rows` of this one, in that order (bytes copied).

@@ -88,8 +88,9 @@ fn fixtures_match_transformers() {
             let decisive = golden.argmax_agreement_where_gap_exceeds(&c, 2.0 * median);
             let name = format!("{family}/{variant} default");
             println!("{name:<36} {c}, median {median:.3e}, argmax on decisive rows {:.1}%", 100.0 * decisive);
-            let moe = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next"]
-                .contains(&family.as_str());
+            let moe =
+                ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next", "gemma4_moe"]
+                    .contains(&family.as_str());
             let needs_argmax = (variant == "f32" || variant == "q8_0") && !moe;
             // The 8-layer hybrids carry 8-bit rounding through their recurrent state: llama.cpp
             // itself lands at median 1.16e-1 (qwen3_5_moe) and 1.83e-1 (qwen3_next) on their Q8_0

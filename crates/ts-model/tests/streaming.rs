@@ -46,7 +46,7 @@ fn streamed_experts_give_the_mapped_logits() {
         }
     }
     println!("{} runs identical: {}", checked.len(), checked.join(", "));
-    for family in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next"] {
+    for family in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next", "gemma4_moe"] {
         assert!(checked.iter().any(|c| c.starts_with(family)), "no {family} fixture checked");
     }
 }

@@ -25,6 +25,7 @@ pub const FAMILY: Family = Family {
         expert_width: ExpertWidth::Key,
         gated_shared_expert: false,
         biases: true,
+        beside_dense: false,
     }),
     ..Family::BASE
 };

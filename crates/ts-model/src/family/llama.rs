@@ -16,6 +16,7 @@ pub const FAMILY: Family = Family {
         expert_width: ExpertWidth::DenseWidth,
         gated_shared_expert: false,
         biases: false,
+        beside_dense: false,
     }),
     ..Family::BASE
 };

@@ -5,6 +5,7 @@
 //! (docs/FAMILIES.md cites llama.cpp and transformers for each).
 
 mod gemma3;
+mod gemma4;
 mod gpt_oss;
 mod llama;
 mod olmoe;
@@ -36,10 +37,12 @@ pub enum Arch {
     Qwen35Moe,
     /// Qwen3-Next: the same blocks, another head order.
     Qwen3Next,
+    /// Gemma 4, dense and MoE.
+    Gemma4,
 }
 
 impl Arch {
-    pub const ALL: [Arch; 10] = [
+    pub const ALL: [Arch; 11] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -50,6 +53,7 @@ impl Arch {
         Arch::GptOss,
         Arch::Qwen35Moe,
         Arch::Qwen3Next,
+        Arch::Gemma4,
     ];
 
     /// The family's wiring.
@@ -65,6 +69,7 @@ impl Arch {
             Arch::GptOss => &gpt_oss::FAMILY,
             Arch::Qwen35Moe => &qwen35moe::FAMILY,
             Arch::Qwen3Next => &qwen3next::FAMILY,
+            Arch::Gemma4 => &gemma4::FAMILY,
         }
     }
 
@@ -125,6 +130,10 @@ pub struct MoeWiring {
     pub gated_shared_expert: bool,
     /// Router and per-expert biases (gpt-oss).
     pub biases: bool,
+    /// A dense MLP runs beside the experts, each with its own norms, the router
+    /// reading a scaled norm of the layer's input and each expert's output scaled
+    /// (Gemma 4's MoE).
+    pub beside_dense: bool,
 }
 
 /// A family's wiring: the shared blocks it uses, the defaults its GGUF leaves
@@ -202,6 +211,7 @@ pub(crate) const QWEN_HYBRID: Family = Family {
         expert_width: ExpertWidth::KeyOrShare,
         gated_shared_expert: true,
         biases: false,
+        beside_dense: false,
     }),
     ..Family::BASE
 };

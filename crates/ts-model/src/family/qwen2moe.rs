@@ -16,6 +16,7 @@ pub const FAMILY: Family = Family {
         expert_width: ExpertWidth::KeyOrShare,
         gated_shared_expert: true,
         biases: false,
+        beside_dense: false,
     }),
     ..Family::BASE
 };

@@ -15,6 +15,7 @@ pub const FAMILY: Family = Family {
         expert_width: ExpertWidth::KeyOrShare,
         gated_shared_expert: false,
         biases: false,
+        beside_dense: false,
     }),
     ..Family::BASE
 };

@@ -1,5 +1,5 @@
-//! The hybrid fixtures' chat templates (Qwen3.5's and Qwen3's, read from the
-//! GGUF) render every conversation of their `chat.json` as transformers'
+//! The newer fixtures' chat templates (Qwen3.5's, Qwen3's and Gemma 4's, read
+//! from the GGUF) render every conversation of their `chat.json` as transformers'
 //! `apply_chat_template` did with the same tokenizer, thinking on and off,
 //! and tokenize to the same ids (tools/fixtures wrote the expectations).
 //! Where the text holds combining marks, transformers' tokenizer first
@@ -23,12 +23,17 @@ struct Case {
     messages: Vec<ChatMessage>,
     text: String,
     ids: Vec<u32>,
+    /// Tool declarations; conversations with tools wait for tool-call
+    /// support in the chat layer (issue 18) and are counted as skipped.
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
 }
 
 #[test]
-fn hybrid_fixture_templates_render_as_transformers() {
+fn fixture_templates_render_as_transformers() {
     let mut ids_compared = 0;
-    for family in ["qwen3_5_moe", "qwen3_next"] {
+    let mut skipped = 0;
+    for family in ["qwen3_5_moe", "qwen3_next", "gemma4", "gemma4_moe"] {
         let dir = ts_testkit::fixtures_dir().join(family);
         let file = ts_gguf::GgufFile::open(dir.join("model-f32.gguf")).unwrap();
         let tokenizer = Tokenizer::from_metadata(file.metadata()).unwrap();
@@ -36,6 +41,10 @@ fn hybrid_fixture_templates_render_as_transformers() {
         let expected: Expected = serde_json::from_slice(&std::fs::read(dir.join("chat.json")).unwrap()).unwrap();
         assert!(expected.cases.len() >= 8, "{family}: {} cases", expected.cases.len());
         for case in &expected.cases {
+            if case.tools.is_some() {
+                skipped += 1;
+                continue;
+            }
             let kwargs = TemplateKwargs::new().set("enable_thinking", case.enable_thinking).unwrap();
             let text = template.render_with(&case.messages, case.add_generation_prompt, &kwargs).unwrap();
             let what = format!("{family} {} (thinking {})", case.name, case.enable_thinking);
@@ -46,5 +55,8 @@ fn hybrid_fixture_templates_render_as_transformers() {
             }
         }
     }
-    assert!(ids_compared >= 8, "{ids_compared} cases compared ids");
+    if skipped > 0 {
+        println!("skipped {skipped} cases with tool declarations (tool calls are not rendered yet)");
+    }
+    assert!(ids_compared >= 24, "{ids_compared} cases compared ids");
 }
