@@ -14,7 +14,9 @@ const CHUNK_BYTES: usize = 1 << 20;
 
 /// Root mean square of `q - 8`, q uniform in 0..16.
 const RMS_Q4: f64 = 4.636_809_247_747_852; // sqrt(21.5)
-/// Standard deviation of q uniform in 0..16 (Q4_K) and 0..32 (Q5_K).
+/// Root mean square of `q - 16`, q uniform in 0..32.
+const RMS_Q5: f64 = 9.246_621_004_453_464; // sqrt(85.5)
+/// Standard deviation of q uniform in 0..16 (Q4_K) and 0..32 (Q5_K, Q6_K embeddings).
 const SD_U4: f64 = 4.609_772_228_646_444; // sqrt(21.25)
 const SD_U5: f64 = 9.233_092_656_309_694; // sqrt(85.25)
 /// Root mean square of `q - 32`, q uniform in 0..64.
@@ -63,6 +65,10 @@ pub enum WeightCodec {
     Q4_0 {
         d: f16,
     },
+    /// `x = ±d·(q − 16)`, q a random 5-bit value; as Q4_0, a random sign per block.
+    Q5_0 {
+        d: f16,
+    },
     /// `x = d·q` with q a random `i8`, −128 replaced by 0 so the mean is zero.
     Q8_0 {
         d: f16,
@@ -85,10 +91,11 @@ pub enum WeightCodec {
 }
 
 /// The types [`WeightCodec`] writes.
-pub const WEIGHT_TYPES: [GgmlType; 8] = [
+pub const WEIGHT_TYPES: [GgmlType; 9] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q4_0,
+    GgmlType::Q5_0,
     GgmlType::Q8_0,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -103,6 +110,7 @@ impl WeightCodec {
             GgmlType::F32 => WeightCodec::F32 { std: std as f32 },
             GgmlType::F16 => WeightCodec::F16 { std: std as f32 },
             GgmlType::Q4_0 => WeightCodec::Q4_0 { d: f16::from_f64(std / RMS_Q4) },
+            GgmlType::Q5_0 => WeightCodec::Q5_0 { d: f16::from_f64(std / RMS_Q5) },
             GgmlType::Q8_0 => WeightCodec::Q8_0 { d: f16::from_f64(std / RMS_I8) },
             GgmlType::Q4_K => {
                 let d = f16::from_f64(std / (K_SCALE as f64 * SD_U4));
@@ -156,7 +164,7 @@ impl WeightCodec {
     fn set_scales(&self, piece: &mut [u8], block: usize) {
         match *self {
             WeightCodec::F32 { .. } | WeightCodec::F16 { .. } => {}
-            WeightCodec::Q4_0 { d } => {
+            WeightCodec::Q4_0 { d } | WeightCodec::Q5_0 { d } => {
                 let (plus, minus) = (d.to_le_bytes(), (-d).to_le_bytes());
                 for b in piece.chunks_exact_mut(block) {
                     let d = if b[0] & 1 == 0 { plus } else { minus };
@@ -219,10 +227,16 @@ enum EmbeddingKind {
     Q4K {
         heads: Vec<[u8; 16]>,
     },
+    /// `x = d·4·(q − 32)` with `q = (r & 31) + base + [r >> 5 < eighths]`, r a random
+    /// byte and `(base, eighths)` the group's offset in steps of 1/8.
+    Q6K {
+        d: f16,
+        offsets: Vec<(u8, u8)>,
+    },
 }
 
 /// The types [`EmbeddingCodec`] writes.
-pub const EMBEDDING_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_K];
+pub const EMBEDDING_TYPES: [GgmlType; 4] = [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K];
 
 impl EmbeddingCodec {
     /// Rows of `n_embd` elements: random part of standard deviation `std`, and the mean
@@ -270,6 +284,26 @@ impl EmbeddingCodec {
                 }
                 (EmbeddingKind::Q4K { heads }, mean)
             }
+            GgmlType::Q6_K => {
+                if !n_embd.is_multiple_of(256) {
+                    return Err(SynthError::Internal(format!("Q6_K embeddings need n_embd % 256 == 0, got {n_embd}")));
+                }
+                let d = f16::from_f64(std / (Q6_SCALE as f64 * SD_U5));
+                let step = d.to_f64() * Q6_SCALE as f64;
+                // q − 32 has mean base + eighths/8 − 16.5 (r & 31 is uniform in 0..32).
+                let offsets: Vec<(u8, u8)> = level
+                    .iter()
+                    .map(|&l| {
+                        let eighths = ((l / step + 16.5) * 8.0).round().clamp(0.0, 256.0) as u16;
+                        ((eighths / 8) as u8, (eighths % 8) as u8)
+                    })
+                    .collect();
+                let mean = offsets
+                    .iter()
+                    .flat_map(|&(b, e)| [(step * (b as f64 + e as f64 / 8.0 - 16.5)) as f32; 32])
+                    .collect();
+                (EmbeddingKind::Q6K { d, offsets }, mean)
+            }
             other => return Err(SynthError::Internal(format!("{other} embeddings are not implemented"))),
         };
         Ok(EmbeddingCodec { kind, mean })
@@ -308,8 +342,38 @@ impl EmbeddingCodec {
                         b[..16].copy_from_slice(&heads[(first + j) % row_blocks]);
                     }
                 }
+                EmbeddingKind::Q6K { d, offsets } => {
+                    let mut q = [0u8; 256];
+                    for (j, b) in piece.chunks_exact_mut(block).enumerate() {
+                        let groups = &offsets[(first + j) % row_blocks * 8..][..8];
+                        rng.fill(&mut q);
+                        for (i, q) in q.iter_mut().enumerate() {
+                            let (base, eighths) = groups[i / 32];
+                            *q = (*q & 31) + base + u8::from(*q >> 5 < eighths);
+                        }
+                        pack_q6k(&q, b);
+                        b[192..208].fill(Q6_SCALE as u8);
+                        b[208..210].copy_from_slice(&d.to_le_bytes());
+                    }
+                }
             }
         });
+    }
+}
+
+/// Writes 256 six-bit values into a Q6_K block's `ql[128]` and `qh[64]` as
+/// ggml's `dequantize_row_q6_K` reads them: per half of 128, element l, l+32,
+/// l+64, l+96 share `qh[l]`; low nibbles of l and l+64 share `ql[l]`, of l+32
+/// and l+96 `ql[l+32]`.
+fn pack_q6k(q: &[u8; 256], block: &mut [u8]) {
+    for half in 0..2 {
+        let (y, ql, qh) = (&q[128 * half..], 64 * half, 128 + 32 * half);
+        for l in 0..32 {
+            let (a, b, c, e) = (y[l], y[l + 32], y[l + 64], y[l + 96]);
+            block[ql + l] = (a & 15) | ((c & 15) << 4);
+            block[ql + l + 32] = (b & 15) | ((e & 15) << 4);
+            block[qh + l] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6);
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use ts_gguf::{Array, GgmlType, GgufWriter, Value};
 const SMALL_STD: f64 = 0.02;
 
 /// How a tensor's values are drawn.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Fill {
     /// Zero mean, standard deviation `1/sqrt(row length)`.
     Weights,
@@ -30,6 +30,11 @@ pub enum Fill {
     SsmA,
     /// `ssm_dt.bias = softplus⁻¹(dt)`, dt log-uniform in `[0.001, 0.1]`.
     DtBias,
+    /// `g·(1 + N(0, 0.02²))`: a norm whose gain is not 1.
+    Gain(f32),
+    /// `rope_freqs` of a proportional rope: factor 1 on the first `rotated / 2`
+    /// frequencies, 1e30 (frozen) on the rest, as the gemma4 converter writes it.
+    ProportionalRope { rotated: usize },
 }
 
 #[derive(Clone, Debug)]
@@ -137,10 +142,19 @@ impl Plan {
         }
         let (token_type, output_type) = match spec.recipe {
             Recipe::Mxfp4Moe => (GgmlType::Q8_0, GgmlType::Q8_0),
+            // A tied table takes the output's type (llama-quant.cpp: has_tied_embeddings).
+            Recipe::Q4KM if spec.family.tied_output() => (GgmlType::Q6_K, GgmlType::Q6_K),
             Recipe::Q4KM => (GgmlType::Q4_K, GgmlType::Q6_K),
         };
-        let (level, embedding_std) =
+        let (mut level, mut embedding_std) =
             routing::embedding_levels(spec.n_embd, opts.routing, derive(opts.seed, name_hash("common vector")));
+        if spec.family.tied_output() {
+            // The table is also the output projection: rows of RMS 1/sqrt(n_embd) give unit
+            // logits, and the input, scaled by sqrt(n_embd) (Gemma), an RMS of 1.
+            let f = 1.0 / (routing::EMBEDDING_RMS * (spec.n_embd as f64).sqrt());
+            level.iter_mut().for_each(|l| *l *= f);
+            embedding_std *= f;
+        }
         let embedding = EmbeddingCodec::new(token_type, spec.n_embd, embedding_std, &level)?;
 
         let mut plan = Plan {
@@ -155,11 +169,21 @@ impl Plan {
         plan.metadata = plan.metadata_keys();
         let (e, v) = (spec.n_embd as u64, spec.n_vocab as u64);
         plan.add("token_embd.weight", token_type, &[e, v], Fill::Embedding);
+        if let Some(sl) = spec.sliding {
+            plan.add(
+                "rope_freqs.weight",
+                GgmlType::F32,
+                &[spec.head_dim as u64 / 2],
+                Fill::ProportionalRope { rotated: sl.global_rotated },
+            );
+        }
         for il in 0..n_layer {
             plan.add_layer(il, plan.layer_types(il));
         }
         plan.add("output_norm.weight", GgmlType::F32, &[e], Fill::Norm);
-        plan.add("output.weight", output_type, &[e, v], Fill::Weights);
+        if !spec.family.tied_output() {
+            plan.add("output.weight", output_type, &[e, v], Fill::Weights);
+        }
         Ok(plan)
     }
 
@@ -197,6 +221,18 @@ impl Plan {
                 }
             }
         };
+        if let (Recipe::Q4KM, Some(sl)) = (spec.recipe, spec.sliding) {
+            // Gemma 4 (docs/FAMILIES.md §7.5): attn_v exists on sliding layers only and
+            // llama-quantize counts over those; the down projections' rows (2112, 704) are
+            // no multiple of 256, so Q6_K falls back to Q8_0 and Q4_K to Q5_0.
+            let n_v = (0..self.n_layer).filter(|&l| sl.is_sliding(l)).count();
+            let j = (0..il).filter(|&l| sl.is_sliding(l)).count();
+            t.k = GgmlType::Q4_K;
+            t.o = GgmlType::Q4_K;
+            t.v = if use_more_bits(j, n_v) { GgmlType::Q6_K } else { GgmlType::Q4_K };
+            t.down = if more_bits { GgmlType::Q8_0 } else { GgmlType::Q5_0 };
+            t.shexp_down = t.down;
+        }
         if let Some(ty) = self.opts.expert_type {
             t.gate_up = ty;
             t.down = ty;
@@ -207,6 +243,9 @@ impl Plan {
     fn add_layer(&mut self, il: usize, t: LayerTypes) {
         if self.spec.family.is_hybrid() {
             return self.add_hybrid_layer(il, t);
+        }
+        if self.spec.family == Family::Gemma4 {
+            return self.add_gemma4_layer(il, t);
         }
         let s = self.spec.clone();
         let (e, hd) = (s.n_embd as u64, s.head_dim as u64);
@@ -235,7 +274,7 @@ impl Plan {
                 self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm);
             }
             Family::Mixtral => self.add(&name("ffn_norm.weight"), GgmlType::F32, &[e], Fill::Norm),
-            Family::Qwen35Moe | Family::Qwen3Next => unreachable!("hybrid layers are laid out apart"),
+            Family::Qwen35Moe | Family::Qwen3Next | Family::Gemma4 => unreachable!("laid out apart"),
         }
         self.add_experts(il, &t);
     }
@@ -310,6 +349,49 @@ impl Plan {
         self.add(&name("ffn_down_shexp.weight"), t.shexp_down, &[sh, e], Fill::Weights);
     }
 
+    /// A gemma4 MoE layer (docs/FAMILIES.md §7): sliding or global attention with
+    /// q/k norms (a global layer has no `attn_v`: V is K), norms after attention and
+    /// after each FFN, the dense MLP and the experts (gate and up fused) side by side,
+    /// the router's input scale, the experts' output scales, the layer's output scale.
+    fn add_gemma4_layer(&mut self, il: usize, t: LayerTypes) {
+        let s = self.spec.clone();
+        let sl = s.sliding.expect("gemma4 has sliding layers");
+        let sliding = sl.is_sliding(il);
+        let (hd, n_kv) = if sliding { (sl.head_dim, sl.n_head_kv) } else { (s.head_dim, s.n_head_kv) };
+        let (e, hd, ff) = (s.n_embd as u64, hd as u64, s.n_ff as u64);
+        let (q, kv) = (s.n_head as u64 * hd, n_kv as u64 * hd);
+        let (n_exp, ff_exp) = (s.n_expert as u64, s.n_ff_exp as u64);
+        let name = |base: &str| format!("blk.{il}.{base}");
+        let norm = |plan: &mut Plan, base: &str, width: u64| plan.add(&name(base), GgmlType::F32, &[width], Fill::Norm);
+
+        norm(self, "attn_norm.weight", e);
+        self.add(&name("attn_q.weight"), t.q, &[e, q], Fill::Weights);
+        self.add(&name("attn_k.weight"), t.k, &[e, kv], Fill::Weights);
+        if sliding {
+            self.add(&name("attn_v.weight"), t.v, &[e, kv], Fill::Weights);
+        }
+        self.add(&name("attn_output.weight"), t.o, &[q, e], Fill::Weights);
+        norm(self, "attn_q_norm.weight", hd);
+        norm(self, "attn_k_norm.weight", hd);
+        norm(self, "post_attention_norm.weight", e);
+        norm(self, "ffn_norm.weight", e);
+        self.add(&name("ffn_gate.weight"), t.other, &[e, ff], Fill::Weights);
+        self.add(&name("ffn_up.weight"), t.other, &[e, ff], Fill::Weights);
+        self.add(&name("ffn_down.weight"), t.shexp_down, &[ff, e], Fill::Weights);
+        norm(self, "post_ffw_norm_1.weight", e);
+        norm(self, "pre_ffw_norm_2.weight", e);
+        self.add(&name("ffn_gate_inp.weight"), GgmlType::F32, &[e, n_exp], Fill::Router { layer: il });
+        // The router reads rmsnorm(x)·scale/sqrt(n_embd): a scale of sqrt(n_embd) gives it
+        // the unit-RMS input the other families' routers see.
+        self.add(&name("ffn_gate_inp.scale"), GgmlType::F32, &[e], Fill::Gain((s.n_embd as f32).sqrt()));
+        self.add(&name("ffn_gate_up_exps.weight"), t.gate_up, &[e, 2 * ff_exp, n_exp], Fill::Weights);
+        self.add(&name("ffn_down_exps.weight"), t.down, &[ff_exp, e, n_exp], Fill::Weights);
+        norm(self, "ffn_down_exps.scale", n_exp);
+        norm(self, "post_ffw_norm_2.weight", e);
+        norm(self, "post_ffw_norm.weight", e);
+        norm(self, "layer_output_scale.weight", 1);
+    }
+
     fn metadata_keys(&self) -> Vec<(String, Value)> {
         let s = &self.spec;
         let arch = s.family.gguf_arch();
@@ -326,7 +408,16 @@ impl Plan {
             put("{arch}.feed_forward_length", u32v(s.n_ff));
         }
         put("{arch}.attention.head_count", u32v(s.n_head));
-        put("{arch}.attention.head_count_kv", u32v(s.n_head_kv));
+        match s.sliding {
+            // Per layer: the sliding and global layers differ.
+            Some(sl) => {
+                let kv = (0..self.n_layer)
+                    .map(|il| if sl.is_sliding(il) { sl.n_head_kv } else { s.n_head_kv } as u32)
+                    .collect();
+                put("{arch}.attention.head_count_kv", Value::Array(Array::U32(kv)));
+            }
+            None => put("{arch}.attention.head_count_kv", u32v(s.n_head_kv)),
+        }
         if let Some(sections) = s.rope_sections {
             put("{arch}.rope.dimension_sections", Value::Array(Array::I32(sections.to_vec())));
         }
@@ -365,6 +456,18 @@ impl Plan {
             let flags = (0..self.n_layer).map(|il| lin.is_recurrent(il)).collect();
             put("{arch}.attention.recurrent_layers", Value::Array(Array::Bool(flags)));
             put("{arch}.full_attention_interval", u32v(lin.full_attention_interval));
+        }
+        if let Some(sl) = s.sliding {
+            // Gemma4Model.set_gguf_parameters (conversion/gemma.py).
+            put("{arch}.rope.freq_base_swa", Value::F32(sl.rope_freq_base));
+            put("{arch}.attention.key_length_swa", u32v(sl.head_dim));
+            put("{arch}.attention.value_length_swa", u32v(sl.head_dim));
+            put("{arch}.rope.dimension_count_swa", u32v(sl.head_dim));
+            let pattern = (0..self.n_layer).map(|il| sl.is_sliding(il)).collect();
+            put("{arch}.attention.sliding_window_pattern", Value::Array(Array::Bool(pattern)));
+            put("{arch}.attention.shared_kv_layers", u32v(0));
+            put("{arch}.embedding_length_per_layer_input", u32v(0));
+            put("{arch}.final_logit_softcapping", Value::F32(30.0));
         }
         // The llama converter writes these two; llama.cpp sizes a tokenizer-less vocabulary
         // from vocab_size, so every family gets it here.
@@ -424,6 +527,18 @@ impl Plan {
         match t.fill {
             Fill::Weights => WeightCodec::new(t.ty, 1.0 / (t.dims[0] as f64).sqrt())?.fill(t.ty, seed, out),
             Fill::Norm => small(SMALL_STD, 1.0, out)?,
+            Fill::Gain(g) => {
+                small(SMALL_STD, 1.0, out)?;
+                for v in out.chunks_exact_mut(4) {
+                    let x = f32::from_le_bytes(v.try_into().unwrap()) * g;
+                    v.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            Fill::ProportionalRope { rotated } => {
+                for (i, v) in out.chunks_exact_mut(4).enumerate() {
+                    v.copy_from_slice(&(if 2 * i < rotated { 1.0f32 } else { 1e30 }).to_le_bytes());
+                }
+            }
             Fill::Bias => small(SMALL_STD, 0.0, out)?,
             Fill::Sinks => {
                 let mut rng = crate::rng::Rng::new(seed);

@@ -17,6 +17,9 @@ pub enum Family {
     Qwen35Moe,
     /// `qwen3next` (Qwen3-Next): the same blocks, beta and alpha in one `ssm_ba`.
     Qwen3Next,
+    /// `gemma4` (Gemma 4 MoE): sliding and global layers of their own shapes, a dense
+    /// MLP beside the experts, gate and up of the experts in one tensor, tied output.
+    Gemma4,
 }
 
 impl Family {
@@ -28,7 +31,13 @@ impl Family {
             Family::Mixtral => "llama",
             Family::Qwen35Moe => "qwen35moe",
             Family::Qwen3Next => "qwen3next",
+            Family::Gemma4 => "gemma4",
         }
+    }
+
+    /// The output projection is the token embedding table (no `output.weight`).
+    pub fn tied_output(self) -> bool {
+        self == Family::Gemma4
     }
 
     /// Gated DeltaNet and gated-attention layers (docs/FAMILIES.md §6).
@@ -66,6 +75,26 @@ impl LinearAttention {
     /// Whether layer `il` is linear attention (`(il + 1) % interval != 0`).
     pub fn is_recurrent(&self, il: usize) -> bool {
         !(il + 1).is_multiple_of(self.full_attention_interval)
+    }
+}
+
+/// Gemma 4's sliding-window layers (docs/FAMILIES.md §7.5); the spec's `head_dim`,
+/// `n_head_kv` and `rope_freq_base` are its global layers'.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingLayers {
+    /// Layer il is global iff `il % global_every == global_every - 1`.
+    pub global_every: usize,
+    pub head_dim: usize,
+    pub n_head_kv: usize,
+    pub rope_freq_base: f32,
+    /// Dimensions of a global head that rotate (proportional rope: the rest are
+    /// frozen through `rope_freqs`).
+    pub global_rotated: usize,
+}
+
+impl SlidingLayers {
+    pub fn is_sliding(&self, il: usize) -> bool {
+        !(il + 1).is_multiple_of(self.global_every)
     }
 }
 
@@ -122,6 +151,8 @@ pub struct ModelSpec {
     pub n_ff_shexp: usize,
     /// The Gated DeltaNet layers of a hybrid model.
     pub linear: Option<LinearAttention>,
+    /// Gemma 4's sliding layers (and `sliding_window` their window).
+    pub sliding: Option<SlidingLayers>,
     /// `tokenizer.ggml.pre` of the public file (the vocabulary written here has no tokens).
     pub tokenizer_pre: Option<&'static str>,
     pub recipe: Recipe,
@@ -131,7 +162,7 @@ pub struct ModelSpec {
 }
 
 /// The names `spec` knows.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "gpt-oss-20b",
     "gpt-oss-120b",
     "qwen3-30b-a3b",
@@ -141,6 +172,7 @@ pub const NAMES: [&str; 9] = [
     "qwen3.5-122b-a10b",
     "qwen3.5-397b-a17b",
     "qwen3-next-80b-a3b",
+    "gemma4-26b-a4b",
 ];
 
 /// The model called `name` (see [`NAMES`]).
@@ -167,6 +199,7 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
         rope_sections: None,
         n_ff_shexp: 0,
         linear: None,
+        sliding: None,
         tokenizer_pre: Some("gpt-4o"),
         recipe: Recipe::Mxfp4Moe,
         routing_skew,
@@ -194,6 +227,7 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
         rope_sections: None,
         n_ff_shexp: 0,
         linear: None,
+        sliding: None,
         tokenizer_pre: Some("qwen2"),
         recipe: Recipe::Q4KM,
         routing_skew: 0.65,
@@ -227,6 +261,7 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
             rope_dims: Some(64),
             rope_sections: qwen35.then_some([11, 11, 10, 0]),
             n_ff_shexp: n_ff_exp,
+            sliding: None,
             linear: Some(LinearAttention {
                 n_k_heads: 16,
                 n_v_heads,
@@ -313,6 +348,7 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
             rope_sections: None,
             n_ff_shexp: 0,
             linear: None,
+            sliding: None,
             tokenizer_pre: None,
             recipe: Recipe::Q4KM,
             routing_skew: 0.5,
@@ -386,6 +422,47 @@ pub fn spec(name: &str) -> Result<ModelSpec, SynthError> {
                 source: "45.08 GiB in a published load log of a Q4_K_M with the older ssm_in layout (lmstudio-bug-tracker #1266, docs/FAMILIES.md §6.7), 0.15% below the attn_qkv layout",
             },
         ),
+        // docs/FAMILIES.md §7.5: 30 layers, every sixth global (head 512, 2 kv heads, V = K,
+        // base 1e6, a quarter of its dims rotating), the others sliding (head 256, 8 kv heads,
+        // window 1024, base 1e4); a dense MLP of 2112 beside 128 experts of 704, top-8.
+        "gemma4-26b-a4b" => ModelSpec {
+            name: "gemma4-26b-a4b",
+            family: Family::Gemma4,
+            n_layer: 30,
+            n_embd: 2816,
+            n_head: 16,
+            n_head_kv: 2,
+            head_dim: 512,
+            n_vocab: 262_144,
+            n_ctx_train: 262_144,
+            n_ff: 2112,
+            n_ff_exp: 704,
+            n_expert: 128,
+            n_expert_used: 8,
+            rope_freq_base: 1_000_000.0,
+            rms_eps: 1e-6,
+            yarn: None,
+            sliding_window: Some(1024),
+            rope_dims: Some(512),
+            rope_sections: None,
+            n_ff_shexp: 0,
+            linear: None,
+            sliding: Some(SlidingLayers {
+                global_every: 6,
+                head_dim: 256,
+                n_head_kv: 8,
+                rope_freq_base: 10_000.0,
+                global_rotated: 128,
+            }),
+            tokenizer_pre: Some("gemma4"),
+            recipe: Recipe::Q4KM,
+            routing_skew: 0.65,
+            reference: Reference {
+                file: "gemma-4-26B-A4B-it-Q4_K_M.gguf",
+                bytes: 16_782_504_591,
+                source: "15.63 GiB in the published load log of lmstudio-community's file (scrya-com/rotorquant #9, ollama #16647); docs/FAMILIES.md §7.5 reproduces its 658 tensors' types",
+            },
+        },
         _ => return Err(SynthError::UnknownModel { name: name.into(), choices: NAMES.join(", ") }),
     })
 }
