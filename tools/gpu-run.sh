@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|peer-build|hybrid]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|peer-build|side]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
-# `before-after`: .devbin/turbospark-before (an earlier commit's build) beside
+# `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
-# llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz in the background;
-# `hybrid`: a qwen3.5-35b-a3b synthetic file, ours beside that llama-bench.)
+# llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz (tools/peer-pack.sh) in the
+# background; `side LIKE...`: synthetic files, ours beside that llama-bench.)
 set -u
 what=${1:-all}
 export TURBOSPARK_ROOT=$PWD
@@ -66,6 +66,19 @@ if [[ $what == profile ]]; then
         rm -f "$OUT/profile-$like.log"
     done
 fi
+if [[ $what == profile-prefill ]]; then
+    # `profile-prefill LIKE`: time per kernel of 512-token prompts on the first 8 layers
+    # of a synthetic model (every expert in VRAM).
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    like=$2
+    f=/tmp/$like-8l.gguf
+    [[ -f $f ]] || "$B"/turbospark synth --like "$like" --layers 8 -o "$f" 2>&1 | tail -1
+    "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c 3000 \
+        "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 1 > "$OUT/profile-prefill-$like.log" 2>&1
+    echo "== $like (8 layers): time per kernel over the first 3000 launches of pp512"
+    python3 tools/ncu-summary.py "$OUT/profile-prefill-$like.log" | tee "$OUT/profile-prefill-$like.txt" | head -25
+    rm -f "$OUT/profile-prefill-$like.log"
+fi
 # The synthetic model `$1` in /tmp (written once per machine).
 synth() {
     local f=/tmp/$1.gguf
@@ -86,7 +99,11 @@ if [[ $what == peer-build ]]; then
     echo "llama.cpp build started (log /tmp/lcbuild.log)"
 fi
 if [[ $what == before-after ]]; then
-    for like in gpt-oss-20b qwen3-30b-a3b; do
+    # `before-after [LIKE...]` (default: gpt-oss-20b qwen3-30b-a3b).
+    shift
+    likes=("$@")
+    ((${#likes[@]})) || likes=(gpt-oss-20b qwen3-30b-a3b)
+    for like in "${likes[@]}"; do
         f=$(synth "$like")
         q=$(quarter "$f")
         for bin in turbospark-before turbospark; do
@@ -98,22 +115,32 @@ if [[ $what == before-after ]]; then
         done
     done
 fi
-if [[ $what == hybrid ]]; then
-    f=$(synth qwen3.5-35b-a3b)
-    echo "== qwen3.5-35b-a3b, turbospark: every expert in VRAM"
-    "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee "$OUT/hybrid.log" | grep -E "^\||tok/s|error"
-    q=$(quarter "$f")
-    echo "== qwen3.5-35b-a3b, turbospark: a quarter of the expert bytes in VRAM"
-    "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/hybrid.log" \
-        | grep -E "^\||tok/s|error"
-    # llama.cpp beside it when `peer-build` was started on this machine.
-    if [[ -f /tmp/lcbuild.log ]]; then
-        for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
-        tail -2 /tmp/lcbuild.log
-        echo "== qwen3.5-35b-a3b, llama.cpp: every layer on the GPU"
-        /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/hybrid.log" \
-            | grep -E "^\||error"
-    fi
+if [[ $what == side ]]; then
+    # `side LIKE...`: ours beside llama.cpp's llama-bench (started by `peer-build` on this
+    # machine) on each synthetic model: every expert in VRAM, then ours with a quarter of
+    # the expert bytes in VRAM beside llama.cpp with every expert on the CPU (16 threads).
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        q=$(quarter "$f")
+        n_layer=$("$B"/turbospark inspect --json "$f" | python3 -c 'import json,sys
+d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tensors"] if t["name"].startswith("blk.")) + 1)')
+        echo "== $like, turbospark: every expert in VRAM"
+        "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" | grep -E "^\||tok/s|error|RSS"
+        echo "== $like, turbospark: a quarter of the expert bytes in VRAM"
+        "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
+            | grep -E "^\||tok/s|error|RSS"
+        if [[ -f /tmp/lcbuild.log ]]; then
+            for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+            tail -1 /tmp/lcbuild.log
+            echo "== $like, llama.cpp: every layer on the GPU"
+            /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
+                | grep -E "^\||error"
+            echo "== $like, llama.cpp: every layer's experts on the CPU (16 threads)"
+            /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -ncmoe "$n_layer" -t 16 -p 512 -n 64 -r 2 2>&1 \
+                | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
+        fi
+    done
 fi
 if ((failed)); then
     echo "gpu-run.sh: tests failed (logs in $OUT)" >&2
