@@ -141,14 +141,16 @@ extern "C" __global__ void kv_store(const float* k, const float* v, const RowKv*
 }
 
 #define ATTN_WARPS 4
-#define MAX_HEAD_DIM 256
 
 // One query head of one row over the positions it sees (its window, or all
 // up to its position), online softmax per warp, warps combined at the end.
 // q [m][n_head*hd], out [m][n_head*hdv]; grid = (n_head, m), block = 32*ATTN_WARPS.
-// sinks [n_head] or null: an extra logit in the denominator only.
-extern "C" __global__ void attention(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv, int hd,
-                                     int hdv, float scale, float softcap, const float* sinks, int window) {
+// sinks [n_head] or null: an extra logit in the denominator only. Heads of up
+// to MAX_HEAD_DIM (`attention`: 256; `attention_wide`: 512, gemma4's global layers).
+template <int MAX_HEAD_DIM>
+__device__ __forceinline__ void attention_head(const float* q, float* out, const RowKv* info, int n_head,
+                                               int n_head_kv, int hd, int hdv, float scale, float softcap,
+                                               const float* sinks, int window) {
     int h = blockIdx.x, r = blockIdx.y;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     RowKv ri = info[r];
@@ -211,6 +213,17 @@ extern "C" __global__ void attention(const float* q, float* out, const RowKv* in
             if (wmax[w] > -INFINITY) v += wacc[w][i] * expf(wmax[w] - M);
         o[i] = v / denom;
     }
+}
+
+extern "C" __global__ void attention(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv, int hd,
+                                     int hdv, float scale, float softcap, const float* sinks, int window) {
+    attention_head<256>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
+}
+
+extern "C" __global__ void attention_wide(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv,
+                                          int hd, int hdv, float scale, float softcap, const float* sinks,
+                                          int window) {
+    attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
 }
 
 // out[j] = x[rows[j]] for rows of `width`. grid.x = n rows.

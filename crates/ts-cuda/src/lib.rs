@@ -60,6 +60,14 @@ fn err(e: CudaError) -> ModelError {
 const GEMM_MIN_ROWS: usize = 32;
 /// Warps per block of the delta_rule kernel (delta_net.cu's DN_WARPS).
 const DELTA_RULE_WARPS: usize = 4;
+/// Rows per chunk of the chunked delta rule (delta_net.cu's DN_CHUNK).
+const DELTA_CHUNK: usize = 64;
+/// Columns of S per warp and warps per block of delta_chunk_scan.
+const DELTA_SCAN_COLS: usize = 2;
+const DELTA_SCAN_WARPS: usize = 8;
+/// Runs from this many rows on take the chunked delta rule and the row-parallel
+/// convolution; shorter ones the token-by-token kernels.
+const CHUNKED_MIN_ROWS: usize = 16;
 /// Activation rows one matvec launch serves.
 const MATVEC_ROWS: usize = 8;
 
@@ -103,10 +111,26 @@ struct Step {
     pos: CudaSlice<i32>,
     kv: CudaSlice<u64>,
     /// For recurrent layers: the rows grouped by sequence (`run_rows`), and per
-    /// run `RunInfo` of delta_net.cu (start, len, fresh, 0); `n_runs` of them.
+    /// run `RunInfo` of delta_net.cu (start, len, fresh, first chunk); `n_runs`
+    /// of them, `n_chunks` chunks of `DELTA_CHUNK` rows in all, the longest run
+    /// `longest` rows.
     run_rows: CudaSlice<i32>,
     runs: CudaSlice<i32>,
     n_runs: usize,
+    n_chunks: usize,
+    longest: usize,
+}
+
+/// A recurrent layer's view of the step: device addresses of its rows' `RowKv`s,
+/// the rows grouped by sequence and the `RunInfo`s, and the runs' counts.
+#[derive(Clone, Copy)]
+struct Runs {
+    info: u64,
+    rows: u64,
+    runs: u64,
+    n: usize,
+    n_chunks: usize,
+    longest: usize,
 }
 
 /// Bytes of the arena single-row steps allocate their activations from.
@@ -349,9 +373,9 @@ impl Cuda {
         }
         for a in model.cfg.layers.iter().filter_map(|l| l.attention()) {
             let (hd, hdv) = (a.head_dim, a.head_dim_v);
-            if hd > 256 || hdv > 256 {
+            if hd > 512 || hdv > 512 {
                 return Err(ModelError::Compute(format!(
-                    "cuda: head size {hd}/{hdv} is over the attention kernel's 256"
+                    "cuda: head size {hd}/{hdv} is over the attention kernel's 512"
                 )));
             }
         }
@@ -684,14 +708,20 @@ impl Cuda {
 
     /// The current step's per-row state of layer `il` (`RowKv`s), its rows grouped
     /// by sequence and the runs (`RunInfo`s): device addresses, and the run count.
-    fn runs_of(&self, il: usize, rows: &[Row]) -> Result<(u64, u64, u64, usize), ModelError> {
+    fn runs_of(&self, il: usize, rows: &[Row]) -> Result<Runs, ModelError> {
         let step = self.step.lock().expect("step lock");
         let st = step
             .as_ref()
             .filter(|s| s.m == rows.len() && s.n_runs > 0)
             .ok_or_else(|| ModelError::Compute("cuda: a recurrent layer outside a step".into()))?;
-        let info = self.gpu.ptr(&st.kv) + (il * rows.len() * 24) as u64;
-        Ok((info, self.gpu.ptr(&st.run_rows), self.gpu.ptr(&st.runs), st.n_runs))
+        Ok(Runs {
+            info: self.gpu.ptr(&st.kv) + (il * rows.len() * 24) as u64,
+            rows: self.gpu.ptr(&st.run_rows),
+            runs: self.gpu.ptr(&st.runs),
+            n: st.n_runs,
+            n_chunks: st.n_chunks,
+            longest: st.longest,
+        })
     }
 
     /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
@@ -832,10 +862,14 @@ impl Backend for Cuda {
         let recurrent =
             seqs.first().is_some_and(|s| s.state.layers.iter().any(|l| matches!(l, GpuLayerState::Recurrent { .. })));
         let (mut run_rows, mut runs) = (Vec::new(), Vec::new());
+        let (mut n_chunks, mut longest) = (0, 0);
         if recurrent {
             for run in ts_model::state::sequence_runs(rows, seqs)? {
-                runs.extend([run_rows.len() as i32, run.rows.len() as i32, run.fresh as i32, 0]);
+                let len = run.rows.len();
+                runs.extend([run_rows.len() as i32, len as i32, run.fresh as i32, n_chunks as i32]);
                 run_rows.extend(run.rows.iter().map(|&i| i as i32));
+                n_chunks += len.div_ceil(DELTA_CHUNK);
+                longest = longest.max(len);
             }
         }
         let mut step = self.step.lock().expect("step lock");
@@ -853,12 +887,16 @@ impl Backend for Cuda {
                 run_rows: self.gpu.alloc(cap).map_err(err)?,
                 runs: self.gpu.alloc(4 * cap).map_err(err)?,
                 n_runs: 0,
+                n_chunks: 0,
+                longest: 0,
             });
             g.decode = [None, None];
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
         st.n_runs = runs.len() / 4;
+        st.n_chunks = n_chunks;
+        st.longest = longest;
         st.tokens_host = tokens.clone();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let stream = self.gpu.stream.cu_stream();
@@ -1089,7 +1127,7 @@ impl Backend for Cuda {
             None => 0,
         };
         self.launch(
-            "attention",
+            if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
             (shape.n_head as u32, m as u32, 1),
             (128, 1, 1),
             &[
@@ -1243,10 +1281,43 @@ impl Backend for Cuda {
         }
         let channels = taps.len() / kernel;
         let out = self.act(x.len)?;
-        let (info, run_rows, runs, n_runs) = self.runs_of(il, rows)?;
+        let r = self.runs_of(il, rows)?;
+        let blocks = channels.div_ceil(256) as u32;
+        if r.longest >= CHUNKED_MIN_ROWS {
+            // A thread per (row, channel), then the windows advanced.
+            self.launch(
+                "conv_silu_rows",
+                (blocks, r.n as u32, r.longest.div_ceil(64) as u32),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(self.p(x)),
+                    Arg::Ptr(self.p(&out)),
+                    Arg::Ptr(self.vptr(taps)?),
+                    Arg::I32(channels as i32),
+                    Arg::I32(kernel as i32),
+                    Arg::Ptr(r.rows),
+                    Arg::Ptr(r.runs),
+                    Arg::Ptr(r.info),
+                ],
+            )?;
+            self.launch(
+                "conv_window",
+                (blocks, r.n as u32, 1),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(self.p(x)),
+                    Arg::I32(channels as i32),
+                    Arg::I32(kernel as i32),
+                    Arg::Ptr(r.rows),
+                    Arg::Ptr(r.runs),
+                    Arg::Ptr(r.info),
+                ],
+            )?;
+            return Ok(out);
+        }
         self.launch(
             "conv_silu",
-            (channels.div_ceil(256) as u32, n_runs as u32, 1),
+            (blocks, r.n as u32, 1),
             (256, 1, 1),
             &[
                 Arg::Ptr(self.p(x)),
@@ -1254,9 +1325,9 @@ impl Backend for Cuda {
                 Arg::Ptr(self.vptr(taps)?),
                 Arg::I32(channels as i32),
                 Arg::I32(kernel as i32),
-                Arg::Ptr(run_rows),
-                Arg::Ptr(runs),
-                Arg::Ptr(info),
+                Arg::Ptr(r.rows),
+                Arg::Ptr(r.runs),
+                Arg::Ptr(r.info),
             ],
         )?;
         Ok(out)
@@ -1278,7 +1349,7 @@ impl Backend for Cuda {
             return Err(ModelError::Compute(format!("cuda: key heads of {dk} (the kernel holds 256)")));
         }
         let m = rows.len();
-        let (info, run_rows, runs, n_runs) = self.runs_of(il, rows)?;
+        let r = self.runs_of(il, rows)?;
         let qk = self.act(m * 2 * nk * dk)?;
         self.launch(
             "l2_norm_heads",
@@ -1295,9 +1366,56 @@ impl Backend for Cuda {
             ],
         )?;
         let out = self.act(m * nv * dv)?;
+        let tiled = (d.key_head_of == ts_model::config::KeyHeadOf::Tiled) as i32;
+        if r.longest >= CHUNKED_MIN_ROWS && dv.is_multiple_of(DELTA_SCAN_COLS) {
+            // Every chunk's W, U, M at once, then the chunks of each run in order.
+            let per_chunk = DELTA_CHUNK + DELTA_CHUNK * (2 * dk + dv) + DELTA_CHUNK * DELTA_CHUNK;
+            let prep = self.act(r.n_chunks * nv * per_chunk)?;
+            self.launch(
+                "delta_chunk_prep",
+                (nv as u32, r.n as u32, r.longest.div_ceil(DELTA_CHUNK) as u32),
+                (256, 1, 1),
+                &[
+                    Arg::Ptr(self.p(&qk)),
+                    Arg::Ptr(self.p(qkv)),
+                    Arg::Ptr(self.p(beta)),
+                    Arg::Ptr(self.p(alpha)),
+                    Arg::Ptr(self.vptr(p.a)?),
+                    Arg::Ptr(self.vptr(p.dt_bias)?),
+                    Arg::Ptr(self.p(&prep)),
+                    Arg::I32(d.conv_dim() as i32),
+                    Arg::I32(nk as i32),
+                    Arg::I32(nv as i32),
+                    Arg::I32(dk as i32),
+                    Arg::I32(dv as i32),
+                    Arg::I32(tiled),
+                    Arg::Ptr(r.rows),
+                    Arg::Ptr(r.runs),
+                ],
+            )?;
+            self.launch(
+                "delta_chunk_scan",
+                (nv as u32, r.n as u32, dv.div_ceil(DELTA_SCAN_COLS * DELTA_SCAN_WARPS) as u32),
+                (32 * DELTA_SCAN_WARPS as u32, 1, 1),
+                &[
+                    Arg::Ptr(self.p(&qk)),
+                    Arg::Ptr(self.p(&prep)),
+                    Arg::Ptr(self.p(&out)),
+                    Arg::I32(nk as i32),
+                    Arg::I32(nv as i32),
+                    Arg::I32(dk as i32),
+                    Arg::I32(dv as i32),
+                    Arg::I32(tiled),
+                    Arg::Ptr(r.rows),
+                    Arg::Ptr(r.runs),
+                    Arg::Ptr(r.info),
+                ],
+            )?;
+            return Ok(out);
+        }
         self.launch(
             "delta_rule",
-            (nv as u32, n_runs as u32, dv.div_ceil(DELTA_RULE_WARPS) as u32),
+            (nv as u32, r.n as u32, dv.div_ceil(DELTA_RULE_WARPS) as u32),
             (32 * DELTA_RULE_WARPS as u32, 1, 1),
             &[
                 Arg::Ptr(self.p(&qk)),
@@ -1312,10 +1430,10 @@ impl Backend for Cuda {
                 Arg::I32(nv as i32),
                 Arg::I32(dk as i32),
                 Arg::I32(dv as i32),
-                Arg::I32((d.key_head_of == ts_model::config::KeyHeadOf::Tiled) as i32),
-                Arg::Ptr(run_rows),
-                Arg::Ptr(runs),
-                Arg::Ptr(info),
+                Arg::I32(tiled),
+                Arg::Ptr(r.rows),
+                Arg::Ptr(r.runs),
+                Arg::Ptr(r.info),
             ],
         )?;
         Ok(out)

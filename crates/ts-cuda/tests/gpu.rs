@@ -253,6 +253,7 @@ fn attention_matches_the_cpu() {
         (8, 2, 64, Some(5), true, None),
         (4, 1, 256, None, false, Some(50.0)),
         (16, 8, 128, Some(128), true, None),
+        (4, 2, 512, None, false, None),
     ] {
         let n = 20;
         let chunk = 4;
@@ -380,6 +381,51 @@ fn fixtures_match_transformers_on_the_gpu() {
     assert!(checked > 0, "no fixtures in {}", fixtures_dir().display());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     println!("{checked} fixture runs on the GPU within bounds");
+}
+
+/// Logits of every row of `steps` (rows of `n_seqs` sequences), f32 activations.
+fn run_steps<B: Backend>(model: &Model<B>, steps: &[Vec<Row>], n_seqs: usize) -> Vec<Vec<f32>> {
+    let mut seqs: Vec<_> = (0..n_seqs).map(|_| model.new_sequence(256, 256).unwrap()).collect();
+    let mut scratch = model.backend.scratch(true);
+    let mut out = Vec::new();
+    for rows in steps {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        out.extend(model.forward(rows, &mut refs, &mut scratch).unwrap());
+    }
+    out
+}
+
+/// The chunked delta rule and the row-parallel convolution (runs of 16 rows
+/// and more) against the CPU's f32 forward: a sequence of 150 rows in one step
+/// (chunks of 64, 64 and 22) after 5 rows read one at a time (a state carried
+/// in), and one step of three sequences of 100, 20 and 1 rows.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn chunked_delta_rule_matches_the_cpu() {
+    drop(gpu());
+    let rows = |seq: usize, tokens: &[u32], first: usize| -> Vec<Row> {
+        tokens.iter().enumerate().map(|(i, &token)| Row { token, pos: first + i, seq, logits: true }).collect()
+    };
+    for family in ["qwen3_5_moe", "qwen3_next"] {
+        let path = fixtures_dir().join(family).join("model-f32.gguf");
+        let cpu = Model::open(&path, ExpertPlacement::Mapped).unwrap();
+        let cuda = Model::open(&path, ExpertPlacement::Mapped).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+        let n_vocab = cpu.cfg.n_vocab as u32;
+        let tokens: Vec<u32> = (0..155u32).map(|i| (i * 37 + 11) % n_vocab).collect();
+        let mut carried: Vec<Vec<Row>> = (0..5).map(|i| rows(0, &tokens[i..i + 1], i)).collect();
+        carried.push(rows(0, &tokens[5..], 5));
+        let mut batch = rows(0, &tokens[..100], 0);
+        batch.extend(rows(1, &tokens[100..120], 0));
+        batch.extend(rows(2, &tokens[120..121], 0));
+        for (name, steps, n_seqs) in [("5 + 150 rows", carried, 1), ("100, 20 and 1 rows", vec![batch], 3)] {
+            let want = run_steps(&cpu, &steps, n_seqs);
+            let got = run_steps(&cuda, &steps, n_seqs);
+            assert_eq!(got.len(), want.len());
+            let worst = got.iter().zip(&want).map(|(g, w)| rel_err(g, w)).fold(0f32, f32::max);
+            println!("{family} {name}: max |Δ|/max|cpu| over {} rows {worst:.2e}", got.len());
+            assert!(worst < 1e-4, "{family} {name}: {worst:e}");
+        }
+    }
 }
 
 /// Logits of the golden tokens, one at a time then in one chunk of 64.
