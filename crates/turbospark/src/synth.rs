@@ -54,8 +54,9 @@ pub fn run(global: &GlobalOptions, args: &SynthArgs) -> Result<()> {
         plan.tensors.len(),
         size as f64 / (1u64 << 30) as f64
     );
-    let Some(path) = &args.output else {
-        return crate::write_stdout(format!("{describe} (not written)\n").as_bytes());
+    let path = match (&args.output, args.dry_run) {
+        (Some(path), false) => path,
+        _ => return crate::write_stdout(format!("{describe} (not written)\n").as_bytes()),
     };
     let summary = plan.write(path, &mut ts_synth::TerminalProgress::new())?;
     crate::write_stdout(

@@ -74,6 +74,12 @@ fn dry_run_prints_the_full_size() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("24 layers, 32 experts (top 4), 459 tensors, 11.27 GiB"), "{stdout}");
+    // With an output named too, nothing is written.
+    let path = std::env::temp_dir().join(format!("ts-dry-run-{}.gguf", std::process::id()));
+    let out = turbospark(&["synth", "--like", "gemma4-26b-a4b", "--dry-run", "-o", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("658 tensors, 15.63 GiB (not written)"));
+    assert!(!path.exists(), "--dry-run wrote {}", path.display());
 }
 
 #[test]
