@@ -1367,6 +1367,17 @@ impl Backend for Cuda {
         )?;
         let out = self.act(m * nv * dv)?;
         let tiled = (d.key_head_of == ts_model::config::KeyHeadOf::Tiled) as i32;
+        // delta_rule's and delta_chunk_prep's inputs, then (after their output) the shapes.
+        let inputs = [
+            Arg::Ptr(self.p(&qk)),
+            Arg::Ptr(self.p(qkv)),
+            Arg::Ptr(self.p(beta)),
+            Arg::Ptr(self.p(alpha)),
+            Arg::Ptr(self.vptr(p.a)?),
+            Arg::Ptr(self.vptr(p.dt_bias)?),
+        ];
+        let shape = [nk, nv, dk, dv].map(|x| Arg::I32(x as i32));
+        let shape = [&[Arg::I32(d.conv_dim() as i32)][..], &shape, &[Arg::I32(tiled)]].concat();
         if r.longest >= CHUNKED_MIN_ROWS && dv.is_multiple_of(DELTA_SCAN_COLS) {
             // Every chunk's W, U, M at once, then the chunks of each run in order.
             let per_chunk = DELTA_CHUNK + DELTA_CHUNK * (2 * dk + dv) + DELTA_CHUNK * DELTA_CHUNK;
@@ -1375,23 +1386,7 @@ impl Backend for Cuda {
                 "delta_chunk_prep",
                 (nv as u32, r.n as u32, r.longest.div_ceil(DELTA_CHUNK) as u32),
                 (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(&qk)),
-                    Arg::Ptr(self.p(qkv)),
-                    Arg::Ptr(self.p(beta)),
-                    Arg::Ptr(self.p(alpha)),
-                    Arg::Ptr(self.vptr(p.a)?),
-                    Arg::Ptr(self.vptr(p.dt_bias)?),
-                    Arg::Ptr(self.p(&prep)),
-                    Arg::I32(d.conv_dim() as i32),
-                    Arg::I32(nk as i32),
-                    Arg::I32(nv as i32),
-                    Arg::I32(dk as i32),
-                    Arg::I32(dv as i32),
-                    Arg::I32(tiled),
-                    Arg::Ptr(r.rows),
-                    Arg::Ptr(r.runs),
-                ],
+                &[&inputs[..], &[Arg::Ptr(self.p(&prep))], &shape, &[Arg::Ptr(r.rows), Arg::Ptr(r.runs)]].concat(),
             )?;
             self.launch(
                 "delta_chunk_scan",
@@ -1417,24 +1412,8 @@ impl Backend for Cuda {
             "delta_rule",
             (nv as u32, r.n as u32, dv.div_ceil(DELTA_RULE_WARPS) as u32),
             (32 * DELTA_RULE_WARPS as u32, 1, 1),
-            &[
-                Arg::Ptr(self.p(&qk)),
-                Arg::Ptr(self.p(qkv)),
-                Arg::Ptr(self.p(beta)),
-                Arg::Ptr(self.p(alpha)),
-                Arg::Ptr(self.vptr(p.a)?),
-                Arg::Ptr(self.vptr(p.dt_bias)?),
-                Arg::Ptr(self.p(&out)),
-                Arg::I32(d.conv_dim() as i32),
-                Arg::I32(nk as i32),
-                Arg::I32(nv as i32),
-                Arg::I32(dk as i32),
-                Arg::I32(dv as i32),
-                Arg::I32(tiled),
-                Arg::Ptr(r.rows),
-                Arg::Ptr(r.runs),
-                Arg::Ptr(r.info),
-            ],
+            &[&inputs[..], &[Arg::Ptr(self.p(&out))], &shape, &[Arg::Ptr(r.rows), Arg::Ptr(r.runs), Arg::Ptr(r.info)]]
+                .concat(),
         )?;
         Ok(out)
     }

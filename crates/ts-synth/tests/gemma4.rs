@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use ts_gguf::{GgmlType, GgufFile};
 use ts_model::config::Mixer;
-use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
+use ts_model::{ExpertPlacement, Model};
 use ts_synth::{Plan, RoutingStats, SynthOptions};
 
 #[test]
@@ -87,18 +87,7 @@ fn cut_down_file_opens_and_runs_in_the_engine() {
     let moe = cfg.moe.as_ref().unwrap();
     assert_eq!((moe.n_expert, moe.n_expert_used, moe.n_ff_exp), (16, 8, 704));
 
-    let mut seq = SeqState::new(cfg, 16, 4);
-    let mut scratch = Scratch::default();
-    let prompt: Vec<Row> = [11u32, 22, 33, 44]
-        .iter()
-        .enumerate()
-        .map(|(pos, &token)| Row { token, pos, seq: 0, logits: pos == 3 })
-        .collect();
-    let mut logits = model.forward(&prompt, &mut [&mut seq], &mut scratch).unwrap();
-    for (pos, token) in [(4, 55u32), (5, 66)] {
-        logits = model.forward(&[Row { token, pos, seq: 0, logits: true }], &mut [&mut seq], &mut scratch).unwrap();
-    }
-    let last = &logits[0];
+    let last = &common::prompt_then_decode(&model);
     assert!(last.iter().all(|x| x.is_finite()));
     // The tied table's common vector shifts every logit of a row alike; the spread is what
     // a softmax sees.

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use ts_gguf::{Array, GgmlType, GgufFile, Value};
 use ts_model::config::{KeyHeadOf, Mixer};
-use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
+use ts_model::{ExpertPlacement, Model};
 use ts_synth::{Plan, RoutingStats, SynthOptions};
 
 /// A released model (docs/FAMILIES.md §6.7), written out here apart from `spec.rs`.
@@ -434,18 +434,7 @@ fn run_in_engine(plan: &Plan, tag: &str) -> (common::TempFile, f64) {
     let shared = moe.shared.unwrap();
     assert_eq!((shared.n_ff, shared.sigmoid_gated), (s.n_ff_shexp, true));
 
-    let mut seq = SeqState::new(cfg, 16, 4);
-    let mut scratch = Scratch::default();
-    let prompt: Vec<Row> = [11u32, 22, 33, 44]
-        .iter()
-        .enumerate()
-        .map(|(pos, &token)| Row { token, pos, seq: 0, logits: pos == 3 })
-        .collect();
-    let mut logits = model.forward(&prompt, &mut [&mut seq], &mut scratch).unwrap();
-    for (pos, token) in [(4, 55u32), (5, 66)] {
-        logits = model.forward(&[Row { token, pos, seq: 0, logits: true }], &mut [&mut seq], &mut scratch).unwrap();
-    }
-    let last = &logits[0];
+    let last = &common::prompt_then_decode(&model);
     assert_eq!(last.len(), s.n_vocab);
     assert!(last.iter().all(|x| x.is_finite()), "{}", s.name);
     let (_, rms) = mean_rms(last);

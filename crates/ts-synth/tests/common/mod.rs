@@ -101,3 +101,19 @@ pub fn layer_stats(per_layer: &[Vec<Vec<usize>>], n_expert: usize) -> Vec<Routin
     let used = per_layer.first().and_then(|s| s.first()).map_or(1, Vec::len);
     per_layer.iter().map(|steps| RoutingStats::of_layer(n_expert, steps, cache_size(n_expert, used))).collect()
 }
+
+/// The last logits of a prompt of 4 tokens read in one step, then 2 tokens one at a time.
+pub fn prompt_then_decode(model: &Model) -> Vec<f32> {
+    let mut seq = SeqState::new(&model.cfg, 16, 4);
+    let mut scratch = Scratch::default();
+    let prompt: Vec<Row> = [11u32, 22, 33, 44]
+        .iter()
+        .enumerate()
+        .map(|(pos, &token)| Row { token, pos, seq: 0, logits: pos == 3 })
+        .collect();
+    let mut logits = model.forward(&prompt, &mut [&mut seq], &mut scratch).unwrap();
+    for (pos, token) in [(4, 55u32), (5, 66)] {
+        logits = model.forward(&[Row { token, pos, seq: 0, logits: true }], &mut [&mut seq], &mut scratch).unwrap();
+    }
+    logits.remove(0)
+}
