@@ -13,7 +13,7 @@ mod x86 {
 
     use crate::activations::ARow;
     use crate::dispatch::RowsDot;
-    use crate::simd::{f16_to_f32, hsum_ps, read_u16};
+    use crate::simd::{f16_to_f32, hsum_ps, prefetch_ahead, read_u16};
 
     /// A float weight format: how to widen it to f32.
     pub(crate) trait FloatFormat {
@@ -112,6 +112,9 @@ mod x86 {
                 let mut acc = [[[_mm256_setzero_ps(); C]; R]; 4];
                 let mut i = 0;
                 while R * C < 4 && i + 32 <= n {
+                    for r in 0..R {
+                        prefetch_ahead(w.add(r * row_bytes + i * F::BYTES), 32 * F::BYTES);
+                    }
                     for (u, acc) in acc.iter_mut().enumerate() {
                         step::<F, R, C>(w, row_bytes, a, i + 8 * u, acc);
                     }

@@ -16,7 +16,7 @@ mod x86 {
 
     use crate::activations::ARow;
     use crate::dispatch::RowsDot;
-    use crate::simd::{Dot, bcast_f16, hsum_ps, loadu, read_u32};
+    use crate::simd::{Dot, bcast_f16, hsum_ps, loadu, prefetch_ahead, read_u32};
 
     /// Per-row, per-super-block data decoded before the quants.
     #[derive(Clone, Copy)]
@@ -336,6 +336,9 @@ mod x86 {
             let zero = _mm256_setzero_si256();
             let mut acc = [[_mm256_setzero_ps(); C]; R];
             for b in 0..nb {
+                for r in 0..R {
+                    prefetch_ahead(w.add(r * row_bytes + b * F::BYTES), F::BYTES);
+                }
                 let mut prep = [Prep::zeroed(); R];
                 for (r, prep) in prep.iter_mut().enumerate() {
                     *prep = F::prepare(w.add(r * row_bytes + b * F::BYTES));

@@ -18,7 +18,7 @@ mod x86 {
 
     use crate::activations::ARow;
     use crate::dispatch::RowsDot;
-    use crate::simd::{Dot, gather_f16, hsum_ps, load_ps_n, loadu, nibbles, read_u32};
+    use crate::simd::{Dot, gather_f16, hsum_ps, load_ps_n, loadu, nibbles, prefetch_ahead, read_u32};
 
     /// A 32-element block format.
     pub(crate) trait Format {
@@ -199,6 +199,7 @@ mod x86 {
             let mut scales = [[_mm256_setzero_ps(); C]; R];
             for r in 0..R {
                 let p = w.add(r * row_bytes + b0 * F::BYTES);
+                prefetch_ahead(p, n * F::BYTES);
                 let dw = F::scales(p, n);
                 let has_min = F::OFFSET_LOG2.is_none();
                 let mw = if has_min { F::mins(p, n) } else { _mm256_setzero_ps() };

@@ -3,6 +3,26 @@
 
 use std::arch::x86_64::*;
 
+/// How far ahead of the bytes a kernel reads next their row is prefetched. Past a row's end
+/// that is the next row's start: a matrix's rows are stored one after another and decode
+/// reads them in order. On a 2-core Xeon (AVX-512) one thread's decode of a qwen3 shape went
+/// from 12.3 to 21.6 tokens/s (512: 14.7, 4096: 18.6, 32768: 20.4); the hardware prefetcher
+/// alone keeps too few lines in flight.
+pub(crate) const PREFETCH_AHEAD: usize = 16384;
+
+/// Prefetches into L1 the `len` bytes [`PREFETCH_AHEAD`] past `p` (a hint: addresses past
+/// the mapping are harmless).
+///
+/// # Safety
+/// Needs SSE; `p` points into the weights being read.
+#[inline(always)]
+pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
+    let ahead = p.wrapping_add(PREFETCH_AHEAD);
+    for line in (0..len).step_by(64) {
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+    }
+}
+
 /// The integer dot product step, per instruction set.
 pub(crate) trait Dot {
     /// The largest unsigned byte [`Dot::dpbusd`] multiplies exactly by any quantized activation.
