@@ -1283,53 +1283,24 @@ impl Backend for Cuda {
         let out = self.act(x.len)?;
         let r = self.runs_of(il, rows)?;
         let blocks = channels.div_ceil(256) as u32;
-        if r.longest >= CHUNKED_MIN_ROWS {
-            // A thread per (row, channel), then the windows advanced.
-            self.launch(
-                "conv_silu_rows",
-                (blocks, r.n as u32, r.longest.div_ceil(64) as u32),
-                (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(x)),
-                    Arg::Ptr(self.p(&out)),
-                    Arg::Ptr(self.vptr(taps)?),
-                    Arg::I32(channels as i32),
-                    Arg::I32(kernel as i32),
-                    Arg::Ptr(r.rows),
-                    Arg::Ptr(r.runs),
-                    Arg::Ptr(r.info),
-                ],
-            )?;
-            self.launch(
-                "conv_window",
-                (blocks, r.n as u32, 1),
-                (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(x)),
-                    Arg::I32(channels as i32),
-                    Arg::I32(kernel as i32),
-                    Arg::Ptr(r.rows),
-                    Arg::Ptr(r.runs),
-                    Arg::Ptr(r.info),
-                ],
-            )?;
+        let args = [
+            Arg::Ptr(self.p(x)),
+            Arg::Ptr(self.p(&out)),
+            Arg::Ptr(self.vptr(taps)?),
+            Arg::I32(channels as i32),
+            Arg::I32(kernel as i32),
+            Arg::Ptr(r.rows),
+            Arg::Ptr(r.runs),
+            Arg::Ptr(r.info),
+        ];
+        if r.longest < CHUNKED_MIN_ROWS {
+            self.launch("conv_silu", (blocks, r.n as u32, 1), (256, 1, 1), &args)?;
             return Ok(out);
         }
-        self.launch(
-            "conv_silu",
-            (blocks, r.n as u32, 1),
-            (256, 1, 1),
-            &[
-                Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.p(&out)),
-                Arg::Ptr(self.vptr(taps)?),
-                Arg::I32(channels as i32),
-                Arg::I32(kernel as i32),
-                Arg::Ptr(r.rows),
-                Arg::Ptr(r.runs),
-                Arg::Ptr(r.info),
-            ],
-        )?;
+        // A thread per (row, channel), then the windows advanced (the same arguments but the
+        // output and the taps).
+        self.launch("conv_silu_rows", (blocks, r.n as u32, r.longest.div_ceil(64) as u32), (256, 1, 1), &args)?;
+        self.launch("conv_window", (blocks, r.n as u32, 1), (256, 1, 1), &[&args[..1], &args[3..]].concat())?;
         Ok(out)
     }
 
