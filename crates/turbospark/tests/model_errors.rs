@@ -26,10 +26,19 @@ fn expect_error(args: &[&str], expected: &str) {
 }
 
 fn variant(name: &str, edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<ts_testkit::TensorEntry>)) -> PathBuf {
+    variant_of(&fixture(), name, edit)
+}
+
+/// A copy of `fixture` edited by `edit`, in the temporary directory.
+fn variant_of(
+    fixture: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<ts_testkit::TensorEntry>),
+) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ts-model-errors-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{name}.gguf"));
-    ts_testkit::rewrite_gguf(&fixture(), &path, edit).unwrap();
+    ts_testkit::rewrite_gguf(fixture, &path, edit).unwrap();
     path
 }
 
@@ -69,6 +78,26 @@ fn wrong_shape() {
         w.2.swap(0, 1);
     });
     expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "tensor 'blk.0.ffn_down.weight': shape");
+}
+
+#[test]
+fn inconsistent_gemma4_layer_settings() {
+    // The gemma4 fixture: 6 layers (sliding, sliding, global) x 2, 4 heads, the last 3 KV-shared.
+    let gemma4 = ts_testkit::fixtures_dir().join("gemma4/model-f32.gguf");
+    let set = |key: &'static str, value: Value| {
+        move |md: &mut Vec<(String, Value)>, _: &mut Vec<ts_testkit::TensorEntry>| {
+            md.iter_mut().find(|(k, _)| k == key).unwrap().1 = value;
+        }
+    };
+    // The two layers before a KV-shared tail must be sliding, then global: with 5 shared, there is one.
+    let p = variant_of(&gemma4, "g4-shared", set("gemma4.attention.shared_kv_layers", Value::U32(5)));
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "gemma4.attention.shared_kv_layers");
+    // 3 kv heads for every layer (a scalar is read as every layer's).
+    let p = variant_of(&gemma4, "g4-kv", set("gemma4.attention.head_count_kv", Value::U32(3)));
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "gemma4.attention.head_count_kv");
+    let p =
+        variant_of(&gemma4, "g4-pattern", |md, _| md.retain(|(k, _)| k != "gemma4.attention.sliding_window_pattern"));
+    expect_error(&["logits", "-m", s(&p), "--tokens", "1,2"], "gemma4.attention.sliding_window_pattern");
 }
 
 #[test]
