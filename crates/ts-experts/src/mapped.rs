@@ -59,9 +59,10 @@ impl ResidentExperts {
                 *words = vec![0u64; len.div_ceil(8)];
                 let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
                 // Packed experts in one read; strided ones (halves of a fused tensor) one at a time.
-                let reads: Vec<(usize, u64, usize)> = match p.stride == p.expert_bytes {
-                    true => vec![(0, p.file_offset, len)],
-                    false => (0..l.n_expert).map(|e| (e * p.expert_bytes, p.offset(e), p.expert_bytes)).collect(),
+                let reads: Vec<(usize, u64, usize)> = if p.stride == p.expert_bytes {
+                    vec![(0, p.file_offset, len)]
+                } else {
+                    (0..l.n_expert).map(|e| (e * p.expert_bytes, p.offset(e), p.expert_bytes)).collect()
                 };
                 for (at, offset, n) in reads {
                     file.file().read_exact_at(&mut buf[at..at + n], offset).map_err(|source| ExpertError::Read {

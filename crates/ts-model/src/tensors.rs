@@ -649,13 +649,11 @@ fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> 
         None => (ld.matrix(Role::FfnGateExps, il, &[e, f, n])?, ld.matrix(Role::FfnUpExps, il, &[e, f, n])?),
     };
     // The router reads a weightless norm scaled by `scale / sqrt(n_embd)` (Gemma 4).
-    let router_norm = match wiring.beside_dense {
-        true => {
-            let scale = ld.vector(Role::FfnGateInp, il, "scale", &[e])?;
-            Some(scale.iter().map(|s| s / (e as f32).sqrt()).collect())
-        }
-        false => None,
-    };
+    let router_norm = wiring
+        .beside_dense
+        .then(|| ld.vector(Role::FfnGateInp, il, "scale", &[e]))
+        .transpose()?
+        .map(|scale| scale.iter().map(|s| s / (e as f32).sqrt()).collect());
     Ok(Ffn::Moe(MoeWeights {
         router: ld.matrix(Role::FfnGateInp, il, &[e, n])?,
         router_bias: ld.required_if(

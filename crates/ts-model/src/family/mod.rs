@@ -19,7 +19,6 @@ mod qwen3next;
 use crate::ModelError;
 use crate::config::{ArchConfig, DeltaNetConfig, GatedActivation, Gating, KeyHeadOf, Keys, Mixer, QkNorm, RopeLayout};
 use crate::tensors::Role;
-use ts_gguf::{Array, Value};
 
 /// The architectures this engine runs, by `general.architecture`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,9 +236,8 @@ pub(crate) fn hybrid_layers(k: &Keys, cfg: &mut ArchConfig, key_head_of: KeyHead
     if conv_kernel < 2 {
         return Err(bad("ssm.conv_kernel", format!("{conv_kernel} must be at least 2")));
     }
-    let recurrent: Vec<bool> = match k.get("attention.recurrent_layers") {
-        Some(Value::Array(Array::Bool(flags))) if flags.len() >= cfg.n_layer => flags[..cfg.n_layer].to_vec(),
-        Some(_) => return Err(bad("attention.recurrent_layers", format!("expected {} flags", cfg.n_layer))),
+    let recurrent: Vec<bool> = match k.flags("attention.recurrent_layers", cfg.n_layer)? {
+        Some(flags) => flags,
         None => {
             let interval = k.usize("full_attention_interval")?.unwrap_or(4);
             if interval == 0 {
