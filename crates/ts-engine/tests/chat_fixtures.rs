@@ -24,15 +24,15 @@ struct Case {
     text: String,
     ids: Vec<u32>,
     /// Tool declarations; conversations with tools wait for tool-call
-    /// support in the chat layer (issue 18) and are counted as skipped.
+    /// support in the chat layer (issue 18): their test is ignored.
     #[serde(default)]
     tools: Option<serde_json::Value>,
 }
 
-#[test]
-fn fixture_templates_render_as_transformers() {
+/// Renders and tokenizes every case of the fixtures' `chat.json` with tool
+/// declarations (`with_tools`) or without; returns how many cases compared ids.
+fn check_cases(with_tools: bool) -> usize {
     let mut ids_compared = 0;
-    let mut skipped = 0;
     for family in ["qwen3_5_moe", "qwen3_next", "gemma4", "gemma4_moe"] {
         let dir = ts_testkit::fixtures_dir().join(family);
         let file = ts_gguf::GgufFile::open(dir.join("model-f32.gguf")).unwrap();
@@ -40,11 +40,7 @@ fn fixture_templates_render_as_transformers() {
         let template = ChatTemplate::from_metadata(file.metadata(), &tokenizer).unwrap().expect("a chat template");
         let expected: Expected = serde_json::from_slice(&std::fs::read(dir.join("chat.json")).unwrap()).unwrap();
         assert!(expected.cases.len() >= 8, "{family}: {} cases", expected.cases.len());
-        for case in &expected.cases {
-            if case.tools.is_some() {
-                skipped += 1;
-                continue;
-            }
+        for case in expected.cases.iter().filter(|c| c.tools.is_some() == with_tools) {
             let kwargs = TemplateKwargs::new().set("enable_thinking", case.enable_thinking).unwrap();
             let text = template.render_with(&case.messages, case.add_generation_prompt, &kwargs).unwrap();
             let what = format!("{family} {} (thinking {})", case.name, case.enable_thinking);
@@ -55,8 +51,19 @@ fn fixture_templates_render_as_transformers() {
             }
         }
     }
-    if skipped > 0 {
-        println!("skipped {skipped} cases with tool declarations (tool calls are not rendered yet)");
-    }
+    ids_compared
+}
+
+#[test]
+fn fixture_templates_render_as_transformers() {
+    let ids_compared = check_cases(false);
     assert!(ids_compared >= 24, "{ids_compared} cases compared ids");
+}
+
+/// Gemma 4's conversations with tool declarations and tool calls (8 cases).
+#[test]
+#[ignore = "tool declarations and tool calls are not passed to chat templates yet (issue 18)"]
+fn fixture_templates_with_tools_render_as_transformers() {
+    let ids_compared = check_cases(true);
+    assert!(ids_compared >= 8, "{ids_compared} cases compared ids");
 }
