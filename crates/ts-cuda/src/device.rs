@@ -7,10 +7,13 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Kernel sources, compiled together: `matmul.cu` includes `activation.cuh`
-/// and `quant.cuh`; `ops.cu` follows it and uses the activations too.
+/// and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`) and `ops.cu` follow it
+/// and use them too.
 const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
+const VDOT_CUH: &str = include_str!("../kernels/vdot.cuh");
+const MATVEC_Q8_CU: &str = include_str!("../kernels/matvec_q8.cu");
 const OPS_CU: &str = include_str!("../kernels/ops.cu");
 const DELTA_NET_CU: &str = include_str!("../kernels/delta_net.cu");
 
@@ -125,6 +128,24 @@ impl Gpu {
         .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
     }
 
+    /// Launches kernel `name`, whose one parameter is the `#[repr(C)]` struct `params`
+    /// (laid out as the kernel's C struct).
+    pub fn launch_with<P: Copy>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
+        let mut value = *params;
+        let mut args = [&mut value as *mut P as *mut c_void];
+        unsafe {
+            cudarc::driver::result::launch_kernel(f.cu_function(), grid, block, 0, self.stream.cu_stream(), &mut args)
+        }
+        .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
+    }
+
     /// A 1-D grid-stride launch over `n` elements.
     pub fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), CudaError> {
         let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
@@ -193,7 +214,8 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
 pub fn kernel_source() -> String {
     let matmul =
         MATMUL_CU.replace("#include \"activation.cuh\"", ACTIVATION_CUH).replace("#include \"quant.cuh\"", QUANT_CUH);
-    format!("{matmul}\n{OPS_CU}\n{DELTA_NET_CU}\n")
+    let matvec_q8 = MATVEC_Q8_CU.replace("#include \"vdot.cuh\"", &VDOT_CUH.replace("#include \"quant.cuh\"", ""));
+    format!("{matmul}\n{matvec_q8}\n{OPS_CU}\n{DELTA_NET_CU}\n")
 }
 
 /// NVRTC for the device's architecture (`sm_XY`).

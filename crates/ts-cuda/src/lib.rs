@@ -9,6 +9,7 @@
 //! with cuBLAS.
 
 pub mod device;
+mod matvec_q8;
 mod moe;
 pub mod tier;
 
@@ -30,6 +31,7 @@ use ts_model::weights::Weight;
 use ts_model::{Backend, Model, ModelError, Row, SeqState};
 
 pub use device::CudaError as Error;
+pub use matvec_q8::q8_suffix;
 
 /// The kernel-name suffix of a weight type the GPU reads directly.
 pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
@@ -69,7 +71,7 @@ const DELTA_SCAN_WARPS: usize = 8;
 /// convolution; shorter ones the token-by-token kernels.
 const CHUNKED_MIN_ROWS: usize = 16;
 /// Activation rows one matvec launch serves.
-const MATVEC_ROWS: usize = 8;
+pub(crate) const MATVEC_ROWS: usize = 8;
 
 /// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or
 /// a piece of the step arena (decode steps, so that a captured graph's
@@ -154,8 +156,9 @@ struct Graphs {
     arena_used: usize,
     arena_on: bool,
     /// One recording per kind of one-row step: without logits (a prompt's
-    /// last-but-one token, say) and with them; they launch different kernels.
-    decode: [Option<SendGraph>; 2],
+    /// last-but-one token, say) or with them, plus 2 with exact activations;
+    /// they launch different kernels.
+    decode: [Option<SendGraph>; 4],
     /// Which recording the current step uses.
     kind: usize,
 }
@@ -197,6 +200,12 @@ pub struct Cuda {
     tier: Option<Mutex<ExpertTier>>,
     /// Groups of experts handed out since the compute stream was last waited for.
     groups_since_sync: std::sync::atomic::AtomicUsize,
+    /// Counts the writes to device memory (launches and copies) other than the
+    /// 8-bit matvecs', so that [`Cuda::quantized`] can reuse activations quantized
+    /// for the previous matvec (q, k and v of one input) while nothing has written since.
+    writes: std::sync::atomic::AtomicU64,
+    /// The activations the last 8-bit matvec quantized.
+    q8_last: Mutex<Option<matvec_q8::Q8Cached>>,
     /// Experts of a MoE layer (0 for a dense model).
     n_expert: usize,
 }
@@ -257,13 +266,15 @@ impl Cuda {
             ropes: Vec::new(),
             windows: Vec::new(),
             step: Mutex::new(None),
-            graphs: Mutex::new(Graphs { arena, arena_used: 0, arena_on: false, decode: [None, None], kind: 0 }),
+            graphs: Mutex::new(Graphs { arena, arena_used: 0, arena_on: false, decode: Default::default(), kind: 0 }),
             mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
             blas,
             weight_bytes: 0,
             tier: None,
             groups_since_sync: std::sync::atomic::AtomicUsize::new(0),
+            writes: std::sync::atomic::AtomicU64::new(0),
+            q8_last: Mutex::new(None),
             n_expert: 0,
         })
     }
@@ -522,13 +533,36 @@ impl Cuda {
         block: (u32, u32, u32),
         args: &[Arg],
     ) -> Result<(), ModelError> {
+        self.wrote();
         if self.replaying() {
             return Ok(());
         }
         self.gpu.launch(name, grid, block, 0, args).map_err(err)
     }
 
+    /// Notes a write to device memory (see `writes`); before the replay check, so
+    /// that recording and replay make the same choices.
+    fn wrote(&self) {
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// [`Gpu::launch_with`](device::Gpu::launch_with): a kernel whose parameter is one struct.
+    fn launch_with<P: Copy>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        params: &P,
+    ) -> Result<(), ModelError> {
+        self.wrote();
+        if self.replaying() {
+            return Ok(());
+        }
+        self.gpu.launch_with(name, grid, block, params).map_err(err)
+    }
+
     fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
+        self.wrote();
         if self.replaying() {
             return Ok(());
         }
@@ -544,7 +578,9 @@ impl Cuda {
     }
 
     /// `y[m][n_out] = x[m][k] · Wᵀ (+ bias)` for `n_out` rows of type `ty` at device address
-    /// `w`; `bias` is the device address of `[n_out]` floats, or 0 for none.
+    /// `w`; `bias` is the device address of `[n_out]` floats, or 0 for none. Unless `exact`,
+    /// 32 rows and more take the f16 tensor cores and fewer 8-bit activations where the type
+    /// has integer dot products ([`q8_suffix`]); else f32 activations.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
@@ -572,6 +608,9 @@ impl Cuda {
                 )?;
             }
             return Ok(());
+        }
+        if !exact && let Some(sfx) = q8_suffix(ty) {
+            return self.matmul_q8(sfx, w, n_out, k, x, m, y, bias);
         }
         let grid = (n_out.div_ceil(4) as u32, 1, 1);
         for r0 in (0..m).step_by(MATVEC_ROWS) {
@@ -687,6 +726,7 @@ impl Cuda {
         if n == 0 {
             return Ok(());
         }
+        self.wrote();
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, n * 4, self.gpu.stream.cu_stream()) }
             .map_err(|e| err(e.into()))
     }
@@ -733,6 +773,7 @@ impl Cuda {
 
     /// Uploads host f32 values as an activation (tests).
     pub fn act_from_host(&self, v: &[f32]) -> Result<Act, ModelError> {
+        self.wrote();
         let buf = self.gpu.upload(v).map_err(err)?;
         Ok(Act { ptr: self.gpu.ptr(&buf), len: v.len(), _own: Some(buf) })
     }
@@ -831,7 +872,16 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn begin_step(&self, rows: &[Row], seqs: &mut [&mut SeqState<GpuState>]) -> Result<(), ModelError> {
+    fn begin_step(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+        scratch: &GpuScratch,
+    ) -> Result<(), ModelError> {
+        self.wrote();
+        // Drops the last step's quantized activations here, not inside a capture (a buffer
+        // of a many-row step freed while recording is an invalid graph).
+        self.q8_last.lock().expect("q8 lock").take();
         let mut g = self.graphs.lock().expect("graph lock");
         self.abandon_capture();
         let m = rows.len();
@@ -890,7 +940,7 @@ impl Backend for Cuda {
                 n_chunks: 0,
                 longest: 0,
             });
-            g.decode = [None, None];
+            g.decode = Default::default();
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
@@ -917,7 +967,7 @@ impl Backend for Cuda {
         g.arena_used = 0;
         g.arena_on = m == 1;
         if self.use_graphs && m == 1 && self.tier.is_none() {
-            g.kind = rows[0].logits as usize;
+            g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
             if g.decode[g.kind].is_some() {
                 self.set_mode(Mode::Replay);
             } else {

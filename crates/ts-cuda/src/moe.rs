@@ -7,6 +7,7 @@
 //! pairs by expert on the host and multiply each expert once on its rows.
 
 use crate::device::Arg;
+use crate::matvec_q8::{IndexedMatvec, MoeGateUpQ8, q8_suffix};
 use crate::{Act, Cuda, err, type_suffix};
 use cudarc::driver::CudaSlice;
 use std::sync::OnceLock;
@@ -14,7 +15,6 @@ use ts_model::ModelError;
 use ts_model::backend::ExpertsAt;
 use ts_model::config::{GatedActivation, Gating, MoeConfig};
 use ts_model::tensors::MoeWeights;
-use ts_model::weights::Weight;
 
 /// Steps of at most this many rows run their experts as expert-indexed matvecs on
 /// the device; larger ones group rows by expert on the host.
@@ -229,6 +229,27 @@ impl Cuda {
         if w.gate_exps.ty == w.up_exps.ty {
             // Gate, up, their biases and the activation in one kernel (same type: same stride).
             let (kind, alpha, limit) = activation_args(act);
+            if !exact && let Some(sfx) = q8_suffix(w.gate_exps.ty) {
+                let p = MoeGateUpQ8 {
+                    w_gate: src.proj[0].base,
+                    w_up: src.proj[1].base,
+                    index: src.proj[0].index,
+                    ids: r.ids.ptr,
+                    h: self.p(&h),
+                    gate_bias: bias(&w.gate_bias)?,
+                    up_bias: bias(&w.up_bias)?,
+                    expert_stride: src.proj[0].stride as i64,
+                    x_group: k as i32,
+                    n_out: f as i32,
+                    k: e as i32,
+                    kind,
+                    alpha,
+                    limit,
+                    ..Default::default()
+                };
+                self.gate_up_q8(sfx, p, x, pairs)?;
+                return Ok(h);
+            }
             let sfx = type_suffix(w.gate_exps.ty).expect("checked at upload");
             self.launch(
                 &format!("moe_gate_up_{sfx}"),
@@ -255,8 +276,20 @@ impl Cuda {
             return Ok(h);
         }
         let (mut g, u) = (self.act(pairs * f)?, self.act(pairs * f)?);
-        self.indexed_matvec(&w.gate_exps, &src.proj[0], x, k, &g, f, e, pairs)?;
-        self.indexed_matvec(&w.up_exps, &src.proj[1], x, k, &u, f, e, pairs)?;
+        for (t, p, out) in [(&w.gate_exps, 0, &g), (&w.up_exps, 1, &u)] {
+            let mv = IndexedMatvec {
+                ty: t.ty,
+                w: src.proj[p].base,
+                expert_stride: src.proj[p].stride,
+                index: src.proj[p].index,
+                x_group: k,
+                y: self.p(out),
+                n_out: f,
+                k: e,
+                slots: pairs,
+            };
+            self.indexed_matvec(&mv, x, exact)?;
+        }
         for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
             if let Some(b) = b {
                 self.bias_indexed(t, self.vptr(b)?, r, &src.proj[0], f)?;
@@ -290,7 +323,18 @@ impl Cuda {
             });
         }
         let src = self.sources(w, r, at)?;
-        self.indexed_matvec(&w.down_exps, &src.proj[2], h, 1, y, e, f, pairs)?;
+        let mv = IndexedMatvec {
+            ty: w.down_exps.ty,
+            w: src.proj[2].base,
+            expert_stride: src.proj[2].stride,
+            index: src.proj[2].index,
+            x_group: 1,
+            y: self.p(y),
+            n_out: e,
+            k: f,
+            slots: pairs,
+        };
+        self.indexed_matvec(&mv, h, exact)?;
         if let Some(b) = &w.down_bias {
             self.bias_indexed(y, self.vptr(b)?, r, &src.proj[2], e)?;
         }
@@ -330,34 +374,25 @@ impl Cuda {
         )
     }
 
-    /// One expert-indexed matvec per pair, into `out` `[pairs][n_out]`; pair p reads
-    /// row `p / x_group` of `x` `[.][k]`.
-    #[allow(clippy::too_many_arguments)]
-    fn indexed_matvec(
-        &self,
-        t: &Weight,
-        src: &Source,
-        x: &Act,
-        x_group: usize,
-        out: &Act,
-        n_out: usize,
-        k: usize,
-        pairs: usize,
-    ) -> Result<(), ModelError> {
-        let sfx = type_suffix(t.ty).expect("checked at upload");
+    /// `mv` on activations `x`: 8-bit unless `exact` or the type has no integer dot products.
+    fn indexed_matvec(&self, mv: &IndexedMatvec, x: &Act, exact: bool) -> Result<(), ModelError> {
+        if !exact && let Some(sfx) = q8_suffix(mv.ty) {
+            return self.indexed_matvec_q8(sfx, mv, x);
+        }
+        let sfx = type_suffix(mv.ty).expect("checked at upload");
         self.launch(
             &format!("moe_matvec_{sfx}"),
-            (n_out.div_ceil(4) as u32, pairs as u32, 1),
+            (mv.n_out.div_ceil(4) as u32, mv.slots as u32, 1),
             (32, 4, 1),
             &[
-                Arg::Ptr(src.base),
-                Arg::I64(src.stride as i64),
-                Arg::Ptr(src.index),
+                Arg::Ptr(mv.w),
+                Arg::I64(mv.expert_stride as i64),
+                Arg::Ptr(mv.index),
                 Arg::Ptr(self.p(x)),
-                Arg::I32(x_group as i32),
-                Arg::Ptr(self.p(out)),
-                Arg::I32(n_out as i32),
-                Arg::I32(k as i32),
+                Arg::I32(mv.x_group as i32),
+                Arg::Ptr(mv.y),
+                Arg::I32(mv.n_out as i32),
+                Arg::I32(mv.k as i32),
             ],
         )
     }

@@ -1,7 +1,10 @@
 //! The CUDA kernels' block decoding (kernels/quant.cuh), compiled as host C++ and checked
 //! element for element against ts-quant's reference dequantization, which is bit-identical to
-//! llama.cpp's; and kernels/matmul.cu compiled with NVRTC (ignored here: CI has no CUDA
-//! toolkit; tools/gpu-run.sh runs it on the GPU machine).
+//! llama.cpp's; their integer dot products with 8-bit activations (kernels/vdot.cuh) against
+//! the dequantized weights times those activations in f64; and every kernel compiled with
+//! NVRTC (ignored here: CI has no CUDA toolkit; tools/gpu-run.sh runs it on the GPU machine).
+
+mod common;
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
@@ -53,18 +56,18 @@ impl Drop for Harness {
 }
 
 impl Harness {
-    /// Compiles tests/dequant_host.cpp; a missing `c++` is a failure (CI has one).
-    fn build() -> Harness {
+    /// Compiles tests/`name`.cpp; a missing `c++` is a failure (CI has one).
+    fn build(name: &str) -> Harness {
         if let Err(e) = Command::new("c++").arg("--version").output() {
-            panic!("no c++ on PATH ({e}): this test compiles kernels/quant.cuh as host C++");
+            panic!("no c++ on PATH ({e}): this test compiles the kernels' headers as host C++");
         }
-        let dir = std::env::temp_dir().join(format!("ts-cuda-dequant-host-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ts-cuda-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let harness = Harness { exe: dir.join("dequant_host"), dir };
+        let harness = Harness { exe: dir.join(name), dir };
         let out = Command::new("c++")
             .args(["-O1", "-std=c++17", "-Wall", "-Wextra", "-I"])
             .arg(kernels_dir())
-            .arg(crate_dir().join("tests/dequant_host.cpp"))
+            .arg(crate_dir().join(format!("tests/{name}.cpp")))
             .arg("-o")
             .arg(&harness.exe)
             .output()
@@ -166,7 +169,7 @@ fn check(h: &Harness, ty: GgmlType, name: &str, align: usize, k: usize, data: &[
 
 #[test]
 fn dequant32_matches_ts_quant() {
-    let h = Harness::build();
+    let h = Harness::build("dequant_host");
     let mut rng = Rng::new(0x5eed_c0da);
     for (ty, name, align) in TYPES {
         assert!(ts_quant::is_supported(ty), "{ty}");
@@ -183,6 +186,82 @@ fn dequant32_matches_ts_quant() {
             let rows = 3;
             let data: Vec<u8> = (0..rows * row_bytes(ty, k)).map(|_| rng.next_u64() as u8).collect();
             check(&h, ty, name, align, k, &data, true);
+        }
+    }
+}
+
+/// The types with integer dot products (kernels/vdot.cuh's TS_Q8_TYPES): type, suffix, row alignment.
+const Q8_TYPES: [(GgmlType, &str, usize); 8] = [
+    (GgmlType::Q4_0, "q4_0", 2),
+    (GgmlType::Q4_1, "q4_1", 2),
+    (GgmlType::Q5_0, "q5_0", 2),
+    (GgmlType::Q5_1, "q5_1", 2),
+    (GgmlType::Q4_K, "q4_k", 2),
+    (GgmlType::Q5_K, "q5_k", 2),
+    (GgmlType::Q6_K, "q6_k", 2),
+    (GgmlType::MXFP4, "mxfp4", 1),
+];
+
+/// Rows of type `ty` as models hold them: `values` quantized, or for a type ts-quant cannot
+/// quantize (MXFP4) random codes under exponents near 1.
+fn quantized_rows(rng: &mut Rng, ty: GgmlType, values: &[f32]) -> Vec<u8> {
+    let mut data = vec![0u8; values.len() / ty.block_size() as usize * ty.type_size() as usize];
+    if ts_quant::quantize(ty, values, &mut data).is_err() {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = if i % 17 == 0 { 118 + (rng.next_u64() % 8) as u8 } else { rng.next_u64() as u8 };
+        }
+    }
+    data
+}
+
+#[test]
+fn vdot_matches_the_dequantized_product() {
+    let h = Harness::build("vdot_host");
+    let mut rng = Rng::new(0x00d0_7a11);
+    for (ty, name, align) in Q8_TYPES {
+        let ks: &[usize] = if ty.block_size() == 256 { &[768, 2816] } else { &[288, 2880] };
+        for &k in ks {
+            let rows = 5;
+            let v = values(&mut rng, k, rows);
+            let data = quantized_rows(&mut rng, ty, &v);
+            let mut w = vec![0f32; rows * k];
+            ts_quant::dequantize(ty, &data, &mut w).unwrap();
+            // Two activation rows: one with a spread of magnitudes, one with a zero block.
+            let mut x = rng.normals(2 * k, 1.0, 0.1);
+            x[k..k + 32].fill(0.0);
+            x[7] = 30.0;
+            let (q, ds) = common::quantize_q8(&x);
+            let (want, mag) = common::reference_matmul(&w, &common::dequantize_q8(&q, &ds), rows, k, 2);
+            let xq: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+            let xds: Vec<u8> = ds.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+            for offset in [0, 1, 2, 3, 8].into_iter().filter(|o| o % align == 0) {
+                let tag = format!("{name}-{k}-{offset}");
+                let path = |s: &str| h.dir.join(format!("{tag}.{s}"));
+                std::fs::write(path("w"), &data).unwrap();
+                std::fs::write(path("xq"), &xq).unwrap();
+                std::fs::write(path("xds"), &xds).unwrap();
+                let status = Command::new(&h.exe)
+                    .args([name, &k.to_string(), &rows.to_string()])
+                    .args([path("w"), path("xq"), path("xds"), path("out")])
+                    .arg(offset.to_string())
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "harness failed for {tag}");
+                let got = floats(&std::fs::read(path("out")).unwrap());
+                for o in 0..rows {
+                    let (alone, pair) = (got[3 * o], [got[3 * o + 1], got[3 * o + 2]]);
+                    assert_eq!(alone.to_bits(), pair[0].to_bits(), "{tag} row {o}: dot<1> and dot<2> differ");
+                    for r in 0..2 {
+                        let (e, g) = (want[r * rows + o], pair[r]);
+                        // f32 products of exact integer sums, summed in f32.
+                        let bound = 1e-5 * mag[r * rows + o];
+                        assert!(
+                            ((e - g).abs() as f64) <= bound,
+                            "{tag} weight row {o}, activation row {r}: expected {e:e}, got {g:e} (bound {bound:e})"
+                        );
+                    }
+                }
+            }
         }
     }
 }
@@ -247,9 +326,23 @@ fn nvrtc_compiles() {
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }
     }
-    for kernel in
-        ["rms_norm", "attention", "route", "columns", "mul_sigmoid", "conv_silu", "l2_norm_heads", "delta_rule"]
-    {
+    for (_, name, _) in Q8_TYPES {
+        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
+            let entry = format!(".entry {kernel}_{name}(");
+            assert!(ptx.contains(&entry), "no {entry} in the PTX");
+        }
+    }
+    for kernel in [
+        "quantize_q8_1",
+        "rms_norm",
+        "attention",
+        "route",
+        "columns",
+        "mul_sigmoid",
+        "conv_silu",
+        "l2_norm_heads",
+        "delta_rule",
+    ] {
         assert!(ptx.contains(&format!(".entry {kernel}(")), "no .entry {kernel}( in the PTX");
     }
     // Register arrays that spill to local memory would cost a round trip per element

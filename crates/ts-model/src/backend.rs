@@ -75,8 +75,14 @@ pub trait Backend: Sized + Send + Sync {
     /// Makes `dst` a copy of `src`'s first `n_past` positions.
     fn copy_state(&self, src: &Self::State, dst: &mut Self::State, n_past: usize) -> Result<(), ModelError>;
 
-    /// Called once at the start of each forward step with its rows and sequences.
-    fn begin_step(&self, _rows: &[Row], _seqs: &mut [&mut SeqState<Self::State>]) -> Result<(), ModelError> {
+    /// Called once at the start of each forward step with its rows, sequences and
+    /// the scratch its ops will get (whose mode can choose the kernels).
+    fn begin_step(
+        &self,
+        _rows: &[Row],
+        _seqs: &mut [&mut SeqState<Self::State>],
+        _scratch: &Self::Scratch,
+    ) -> Result<(), ModelError> {
         Ok(())
     }
 

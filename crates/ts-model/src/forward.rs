@@ -269,7 +269,7 @@ impl<B: Backend> Model<B> {
             }
         }
 
-        be.begin_step(rows, seqs)?;
+        be.begin_step(rows, seqs, scratch)?;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
         if let Some(s) = cfg.embed_scale {
@@ -409,6 +409,21 @@ impl<B: Backend> Model<B> {
         let a = cfg.attn(il);
         let (hd, hdv) = (a.head_dim, a.head_dim_v);
         let q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
+        // Keys and values next, before any op on q: three projections of one input in a row
+        // (a backend may reuse its quantized copy of it). A layer sharing an earlier layer's
+        // keys and values computes only its queries.
+        let kv = match (&layer.wk, a.kv_from) {
+            (Some(wk), None) => {
+                let k = be.linear(wk, layer.bk.as_deref(), normed, m, scratch)?;
+                // Without a V projection (Gemma 4's global layers) V is the raw K projection.
+                let v = match &layer.wv {
+                    Some(wv) => be.linear(wv, layer.bv.as_deref(), normed, m, scratch)?,
+                    None => be.copy(&k)?,
+                };
+                Some((k, v))
+            }
+            _ => None,
+        };
         // A gated attention's query projection holds per head [q | gate].
         let (mut q, gate) = match cfg.attn_output_gate {
             true => {
@@ -426,15 +441,8 @@ impl<B: Backend> Model<B> {
         }
         let rope = self.ropes[il].as_ref().expect("an attention layer has a rope table");
         be.rope(il, rope, &mut q, hd, rows)?;
-        // A layer sharing an earlier layer's keys and values computes only its queries.
-        let kv = match (&layer.wk, a.kv_from) {
-            (Some(wk), None) => {
-                let mut k = be.linear(wk, layer.bk.as_deref(), normed, m, scratch)?;
-                // Without a V projection (Gemma 4's global layers) V is the raw K projection.
-                let mut v = match &layer.wv {
-                    Some(wv) => be.linear(wv, layer.bv.as_deref(), normed, m, scratch)?,
-                    None => be.copy(&k)?,
-                };
+        let kv = match kv {
+            Some((mut k, mut v)) => {
                 if let Some((_, kp)) = piece {
                     be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
                 }
@@ -444,7 +452,7 @@ impl<B: Backend> Model<B> {
                 }
                 Some((k, v))
             }
-            _ => None,
+            None => None,
         };
         let shape = AttnShape {
             n_head: cfg.n_head,

@@ -1,0 +1,212 @@
+#include "vdot.cuh"
+
+// Matvecs of quantized weights with 8-bit activations (vdot.cuh), for steps of few rows:
+// decode, and the expert-indexed matvecs of the MoE flow. One set per type of TS_Q8_TYPES.
+//
+//   quantize_q8_1(x, q, ds, n)   x f32 [n] (n a multiple of 32) to TsQ8; any 1-D launch.
+//   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
+//   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
+//       moe_gate_up_<t> of matmul.cu.
+// Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares TS_Q8_ROWS weight rows,
+// each lane taking units j, j + lanes, ... (vdot.cuh), so that a row of few units still keeps
+// a warp busy; a block is (32, 4): 4 * 32 / lanes * TS_Q8_ROWS rows. Grid x: ceil(n_out /
+// rows per block); y: slots (MoE).
+
+// Sum over each group of `lanes` lanes (a power of two).
+__device__ __forceinline__ float ts_lanes_sum(float v, int lanes) {
+    for (int off = lanes >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed char* __restrict__ q,
+                                         float2* __restrict__ ds, long long n) {
+    // Warps cover whole blocks of 32: blockDim.x and the stride are multiples of 32.
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = x[i];
+        float amax = fabsf(v);
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        const float d = amax / 127.0f;
+        const int qi = d == 0.0f ? 0 : (int)roundf(v / d);
+        int sum = qi;
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        q[i] = (signed char)qi;
+        if ((threadIdx.x & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
+    }
+}
+
+// Weight rows per lane group, sharing their activation loads (matvec_q8.rs's ROWS_PER_GROUP).
+// 2 measured slower on the H200 (qwen3-30b-a3b decode 196 against 205 tok/s): half the groups.
+#define TS_Q8_ROWS 1
+
+// This thread's place: its group's TS_Q8_ROWS adjacent weight rows (clamped to the last, so
+// that every lane takes part in the shuffles) and its first unit.
+struct TsQ8Lane {
+    int row[TS_Q8_ROWS];
+    bool live[TS_Q8_ROWS];
+    int j;
+};
+
+__device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) {
+    const int per_warp = 32 / lanes;
+    const int group = (blockIdx.x * 4 + threadIdx.y) * per_warp + threadIdx.x / lanes;
+    TsQ8Lane l;
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) {
+        const int o = group * TS_Q8_ROWS + i;
+        l.row[i] = min(o, n_out - 1);
+        l.live[i] = o < n_out;
+    }
+    l.j = (int)threadIdx.x & (lanes - 1);
+    return l;
+}
+
+// acc[i][r] = weight row i (at w + row[i] * row_bytes) . activation row r of x, summed over
+// the group's lanes. The rows of one unit read the same activations, loaded once.
+template <class V, int M>
+__device__ __forceinline__ void ts_q8_rows(const ts_u8* __restrict__ w, const TsQ8Lane& l, const TsQ8& x,
+                                           int lanes, float (&acc)[TS_Q8_ROWS][M]) {
+    const ts_u64 rb = V::row_bytes(x.k);
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) {
+        TS_UNROLL
+        for (int r = 0; r < M; r++) acc[i][r] = 0.0f;
+    }
+    const int units = x.k >> 5;
+    for (int u = l.j; u < units; u += lanes) {
+        TS_UNROLL
+        for (int i = 0; i < TS_Q8_ROWS; i++) V::template dot<M>(w + l.row[i] * rb, u, x, acc[i]);
+    }
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) {
+        TS_UNROLL
+        for (int r = 0; r < M; r++) acc[i][r] = ts_lanes_sum(acc[i][r], lanes);
+    }
+}
+
+// Kernel parameters (crates/ts-cuda/src/matvec_q8.rs mirrors them).
+struct MatvecQ8 {
+    const ts_u8* w;
+    const signed char* xq;
+    const float2* xds;
+    float* y;
+    const float* bias;  // [n_out] or null
+    int n_out, k, m, lanes;
+};
+
+struct MoeMatvecQ8 {
+    const ts_u8* w;  // expert 0 (or slot 0)
+    const int* index;  // [slots]: expert (slot) of each slot s; negative skips it
+    const signed char* xq;
+    const float2* xds;
+    float* y;  // [slots][n_out]
+    long long expert_stride;  // bytes
+    int x_group;  // slot s reads activation row s / x_group
+    int n_out, k, lanes;
+};
+
+struct MoeGateUpQ8 {
+    const ts_u8* w_gate;
+    const ts_u8* w_up;
+    const int* index;  // as MoeMatvecQ8
+    const int* ids;  // [slots]: the routed expert (bias rows)
+    const signed char* xq;
+    const float2* xds;
+    float* h;  // [slots][n_out]
+    const float* gate_bias;  // [n_expert][n_out] or null
+    const float* up_bias;
+    long long expert_stride;
+    int x_group, n_out, k, lanes;
+    int kind;  // activation.cuh
+    float alpha, limit;
+};
+
+template <class V>
+__device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+    const int blocks = p.k >> 5;
+    for (int r0 = 0; r0 < p.m; r0 += 2) {
+        const TsQ8 x{p.xq + (ts_u64)r0 * p.k, p.xds + (ts_u64)r0 * blocks, p.k};
+        if (p.m - r0 >= 2) {
+            float acc[TS_Q8_ROWS][2];
+            ts_q8_rows<V, 2>(p.w, l, x, p.lanes, acc);
+            TS_UNROLL
+            for (int i = 0; i < TS_Q8_ROWS; i++) {
+                if (l.live[i] && l.j == 0) {
+                    const float b = p.bias ? p.bias[l.row[i]] : 0.0f;
+                    p.y[(ts_u64)r0 * p.n_out + l.row[i]] = acc[i][0] + b;
+                    p.y[(ts_u64)(r0 + 1) * p.n_out + l.row[i]] = acc[i][1] + b;
+                }
+            }
+        } else {
+            float acc[TS_Q8_ROWS][1];
+            ts_q8_rows<V, 1>(p.w, l, x, p.lanes, acc);
+            TS_UNROLL
+            for (int i = 0; i < TS_Q8_ROWS; i++) {
+                if (l.live[i] && l.j == 0) {
+                    p.y[(ts_u64)r0 * p.n_out + l.row[i]] = acc[i][0] + (p.bias ? p.bias[l.row[i]] : 0.0f);
+                }
+            }
+        }
+    }
+}
+
+template <class V>
+__device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
+    const int s = blockIdx.y;
+    const int e = p.index[s];
+    if (e < 0) return;  // a slot of another group of experts
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+    const int xr = s / p.x_group;
+    const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
+    float acc[TS_Q8_ROWS][1];
+    ts_q8_rows<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) {
+        if (l.live[i] && l.j == 0) p.y[(ts_u64)s * p.n_out + l.row[i]] = acc[i][0];
+    }
+}
+
+template <class V>
+__device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
+    const int s = blockIdx.y;
+    const int e = p.index[s];
+    if (e < 0) return;
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+    const int xr = s / p.x_group;
+    const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
+    // Gate and up rows in one loop: all their loads in flight together.
+    const ts_u64 rb = V::row_bytes(p.k);
+    float g[TS_Q8_ROWS][1], u[TS_Q8_ROWS][1];
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) g[i][0] = u[i][0] = 0.0f;
+    const int units = p.k >> 5;
+    for (int c = l.j; c < units; c += p.lanes) {
+        TS_UNROLL
+        for (int i = 0; i < TS_Q8_ROWS; i++) {
+            const long long at = e * p.expert_stride + (long long)l.row[i] * rb;
+            V::template dot<1>(p.w_gate + at, c, x, g[i]);
+            V::template dot<1>(p.w_up + at, c, x, u[i]);
+        }
+    }
+    TS_UNROLL
+    for (int i = 0; i < TS_Q8_ROWS; i++) {
+        const float gs = ts_lanes_sum(g[i][0], p.lanes), us = ts_lanes_sum(u[i][0], p.lanes);
+        if (l.live[i] && l.j == 0) {
+            const long long bi = (long long)p.ids[s] * p.n_out + l.row[i];
+            const float gv = p.gate_bias ? gs + p.gate_bias[bi] : gs;
+            const float uv = p.up_bias ? us + p.up_bias[bi] : us;
+            p.h[(ts_u64)s * p.n_out + l.row[i]] = ts_gated(p.kind, gv, uv, p.alpha, p.limit);
+        }
+    }
+}
+
+#define TS_DEFINE_Q8_KERNELS(t)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) matvec_q8_##t(const MatvecQ8 p) { ts_matvec_q8<vdot_##t>(p); } \
+    extern "C" __global__ void __launch_bounds__(128) moe_matvec_q8_##t(const MoeMatvecQ8 p) {                       \
+        ts_moe_matvec_q8<vdot_##t>(p);                                                                                \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q8_##t(const MoeGateUpQ8 p) {                      \
+        ts_moe_gate_up_q8<vdot_##t>(p);                                                                               \
+    }
+
+TS_Q8_TYPES(TS_DEFINE_Q8_KERNELS)

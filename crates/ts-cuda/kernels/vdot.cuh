@@ -1,0 +1,331 @@
+// Integer dot products of GGUF weight rows with activations quantized to 8 bits.
+//
+// Activations (TsQ8): each row of k floats in blocks of 32, x[i] ~ d * q[i] with
+// d = max|x| / 127 and q = round(x / d) (0 where d is 0); per block ds = (d, d * sum(q)).
+// q is int8 [rows][k], ds [rows][k / 32]. The layout follows what llama.cpp's MMVQ reads
+// (block_q8_1), with d and the sum kept in f32.
+//
+//   vdot_<t>::dot<M>(row, u, x, acc)  acc[r] += the dot product of unit u of the row at `row`
+//       (32 of its weights) with the same elements of activation row r < M.
+// A unit is the weights one lane reads at once: a whole block for the 32-element types; for
+// the k-quants 32 weights whose quant bytes are contiguous (half of two chunks for Q4_K and
+// Q5_K, a quarter of four for Q6_K), so no byte is loaded twice. Units per row: k / 32.
+//
+// Weights are decoded to int8 (nibbles, offsets folded into a per-block correction) and
+// multiplied four at a time with dp4a; the block scales multiply the integer sums once.
+// Also compiles as host C++17 (tests/vdot_host.cpp).
+
+#pragma once
+
+#include "quant.cuh"
+
+#ifdef TS_HOST
+struct ts_f2 {
+    float x, y;
+};
+#else
+typedef float2 ts_f2;
+#endif
+
+struct TsQ8 {
+    const signed char* q;
+    const ts_f2* ds;
+    int k;
+};
+
+// Signed 8-bit dot product of the four bytes of a and b, plus c.
+__device__ __forceinline__ int ts_dp4a(int a, int b, int c) {
+#ifdef TS_HOST
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+#else
+    return __dp4a(a, b, c);
+#endif
+}
+
+// Sum of the four signed bytes of b, plus c.
+__device__ __forceinline__ int ts_sum4(int b, int c) { return ts_dp4a(0x01010101, b, c); }
+
+// N int8 activations (N = 8 or 16) at p: aligned to N bytes.
+template <int N>
+__device__ __forceinline__ void ts_xq(const signed char* p, int* v) {
+#ifdef TS_HOST
+    memcpy(v, p, N);
+#else
+    if (N == 16) {
+        const int4 t = __ldg(reinterpret_cast<const int4*>(p));
+        v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+    } else {
+        const int2 t = __ldg(reinterpret_cast<const int2*>(p));
+        v[0] = t.x, v[1] = t.y;
+    }
+#endif
+}
+
+__device__ __forceinline__ ts_f2 ts_xds(const ts_f2* p) {
+#ifdef TS_HOST
+    return *p;
+#else
+    return __ldg(p);
+#endif
+}
+
+// Activation row r of x: its quants and its blocks' (d, sum).
+__device__ __forceinline__ const signed char* ts_xrow(const TsQ8& x, int r) { return x.q + (ts_u64)r * x.k; }
+__device__ __forceinline__ const ts_f2* ts_xds_row(const TsQ8& x, int r) { return x.ds + (ts_u64)r * (x.k >> 5); }
+
+// ---- 32-element blocks: unit u is block u ----
+
+// The nibble blocks: byte j of the 16 quant bytes holds element j (low) and j + 16 (high).
+// sum(q * xq) over the block for lo[4] (elements 0..15) and hi[4] (16..31).
+__device__ __forceinline__ int ts_dot_halves(const ts_u32* lo, const ts_u32* hi, const int* xv) {
+    int s = 0;
+    TS_UNROLL
+    for (int i = 0; i < 4; i++) s = ts_dp4a((int)lo[i], xv[i], ts_dp4a((int)hi[i], xv[4 + i], s));
+    return s;
+}
+
+__device__ __forceinline__ void ts_xblock(const TsQ8& x, int r, int u, int* xv) {
+    ts_xq<16>(ts_xrow(x, r) + 32 * u, xv);
+    ts_xq<16>(ts_xrow(x, r) + 32 * u + 16, xv + 4);
+}
+
+// Q4_0: x = (q - 8) * d, so the block's sum is d * (dx * sum(q * xq) - 8 * dx * sum(xq)).
+struct vdot_q4_0 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_0(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const ts_u8* b = row + (ts_u64)u * 18;
+        const float d = ts_h2f(ts_ld16(b));
+        ts_u32 q[4], lo[4], hi[4];
+        ts_ld_16(b + 2, q);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) lo[i] = q[i] & 0x0f0f0f0fu, hi[i] = (q[i] >> 4) & 0x0f0f0f0fu;
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            int xv[8];
+            ts_xblock(x, r, u, xv);
+            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
+            acc[r] += d * (ds.x * (float)ts_dot_halves(lo, hi, xv) - 8.0f * ds.y);
+        }
+    }
+};
+
+// Q4_1: x = q * d + m: d * dx * sum(q * xq) + m * dx * sum(xq).
+struct vdot_q4_1 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_1(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const ts_u8* b = row + (ts_u64)u * 20;
+        const ts_u32 dm = ts_ldu32(b);
+        const float d = ts_h2f(dm & 0xffff), m = ts_h2f(dm >> 16);
+        ts_u32 q[4], lo[4], hi[4];
+        ts_ld_16(b + 4, q);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) lo[i] = q[i] & 0x0f0f0f0fu, hi[i] = (q[i] >> 4) & 0x0f0f0f0fu;
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            int xv[8];
+            ts_xblock(x, r, u, xv);
+            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
+            acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + m * ds.y;
+        }
+    }
+};
+
+// Q5_0: x = (q - 16) * d, q's fifth bit from qh.
+struct vdot_q5_0 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_0(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const ts_u8* b = row + (ts_u64)u * 22;
+        const float d = ts_h2f(ts_ld16(b));
+        const ts_u32 qh = ts_ldu32(b + 2);
+        ts_u32 q[4], lo[4], hi[4];
+        ts_ld_16(b + 6, q);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (q[i] & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * i));
+            hi[i] = ((q[i] >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * i));
+        }
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            int xv[8];
+            ts_xblock(x, r, u, xv);
+            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
+            acc[r] += d * (ds.x * (float)ts_dot_halves(lo, hi, xv) - 16.0f * ds.y);
+        }
+    }
+};
+
+// Q5_1: x = q * d + m, q's fifth bit from qh.
+struct vdot_q5_1 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_1(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const ts_u8* b = row + (ts_u64)u * 24;
+        ts_u32 h[2];
+        ts_ld_8(b, h);
+        const float d = ts_h2f(h[0] & 0xffff), m = ts_h2f(h[0] >> 16);
+        ts_u32 q[4], lo[4], hi[4];
+        ts_ld_16(b + 8, q);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (q[i] & 0x0f0f0f0fu) | ts_spread4(h[1] >> (4 * i));
+            hi[i] = ((q[i] >> 4) & 0x0f0f0f0fu) | ts_spread4(h[1] >> (16 + 4 * i));
+        }
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            int xv[8];
+            ts_xblock(x, r, u, xv);
+            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
+            acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + m * ds.y;
+        }
+    }
+};
+
+// MXFP4: the E2M1 codes through the doubled table as int8 (ts_mxfp4_lut4 gives value + 128),
+// times the halved E8M0 scale.
+struct vdot_mxfp4 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_mxfp4(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const ts_u8* b = row + (ts_u64)u * 17;
+        const ts_u32 e = ts_ldu8(b);
+        const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+        ts_u32 q[4], lo[4], hi[4];
+        ts_ld_16(b + 1, q);
+        TS_UNROLL
+        for (int i = 0; i < 4; i++) {
+            lo[i] = ts_mxfp4_lut4(q[i] & 0x0f0f0f0fu) ^ 0x80808080u;
+            hi[i] = ts_mxfp4_lut4((q[i] >> 4) & 0x0f0f0f0fu) ^ 0x80808080u;
+        }
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            int xv[8];
+            ts_xblock(x, r, u, xv);
+            acc[r] += d * ts_xds(ts_xds_row(x, r) + u).x * (float)ts_dot_halves(lo, hi, xv);
+        }
+    }
+};
+
+// ---- k-quants: unit u is part (u & 7) of superblock u >> 3 ----
+
+// Q4_K and Q5_K: part v = 2i + h holds elements 16h..16h+15 of chunks 2i (low nibbles of
+// qs[32i + 16h + l]) and 2i + 1 (high nibbles). x = scale * q - min per chunk, so a half
+// chunk's sum is dx * (scale * sum(q * xq) - min * sum(xq)).
+template <int M>
+__device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* lo, const ts_u32* hi, int sb, int v,
+                                               const TsQ8& x, float (&acc)[M]) {
+    const int i = v >> 1, h = v & 1;
+    float sc0, mn0, sc1, mn1;
+    ts_k4_scale_min(hd, 2 * i, &sc0, &mn0);
+    ts_k4_scale_min(hd, 2 * i + 1, &sc1, &mn1);
+    const int c0 = 8 * sb + 2 * i;  // x block of chunk 2i; c0 + 1 of chunk 2i + 1
+    TS_UNROLL
+    for (int r = 0; r < M; r++) {
+        int xa[4], xb[4];
+        ts_xq<16>(ts_xrow(x, r) + 32 * c0 + 16 * h, xa);
+        ts_xq<16>(ts_xrow(x, r) + 32 * c0 + 32 + 16 * h, xb);
+        int sa = 0, sb_ = 0, na = 0, nb = 0;
+        TS_UNROLL
+        for (int n = 0; n < 4; n++) {
+            sa = ts_dp4a((int)lo[n], xa[n], sa);
+            sb_ = ts_dp4a((int)hi[n], xb[n], sb_);
+            na = ts_sum4(xa[n], na);
+            nb = ts_sum4(xb[n], nb);
+        }
+        const ts_f2 da = ts_xds(ts_xds_row(x, r) + c0), db = ts_xds(ts_xds_row(x, r) + c0 + 1);
+        acc[r] += da.x * (sc0 * (float)sa - mn0 * (float)na) + db.x * (sc1 * (float)sb_ - mn1 * (float)nb);
+    }
+}
+
+struct vdot_q4_k {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_k(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const int sb = u >> 3, v = u & 7;
+        const ts_u8* b = row + (ts_u64)sb * 144;
+        ts_u32 hd[4], q[4], lo[4], hi[4];
+        ts_ld_16(b, hd);
+        ts_ld_16(b + 16 + 32 * (v >> 1) + 16 * (v & 1), q);
+        TS_UNROLL
+        for (int n = 0; n < 4; n++) lo[n] = q[n] & 0x0f0f0f0fu, hi[n] = (q[n] >> 4) & 0x0f0f0f0fu;
+        ts_dot_k4_part<M>(hd, lo, hi, sb, v, x, acc);
+    }
+};
+
+// Q5_K: the fifth bit of element 32j + l is bit j of qh[l].
+struct vdot_q5_k {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_k(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const int sb = u >> 3, v = u & 7, i = v >> 1, h = v & 1;
+        const ts_u8* b = row + (ts_u64)sb * 176;
+        ts_u32 hd[4], qh[4], q[4], lo[4], hi[4];
+        ts_ld_16(b, hd);
+        ts_ld_16(b + 16 + 16 * h, qh);
+        ts_ld_16(b + 48 + 32 * i + 16 * h, q);
+        TS_UNROLL
+        for (int n = 0; n < 4; n++) {
+            lo[n] = (q[n] & 0x0f0f0f0fu) | (((qh[n] >> (2 * i)) & 0x01010101u) << 4);
+            hi[n] = ((q[n] >> 4) & 0x0f0f0f0fu) | (((qh[n] >> (2 * i + 1)) & 0x01010101u) << 4);
+        }
+        ts_dot_k4_part<M>(hd, lo, hi, sb, v, x, acc);
+    }
+};
+
+// Q6_K: part v = 4n + p holds elements l0 = 8p .. l0 + 7 of the four chunks 4n + c of half n:
+// low bits in ql[64n + l] (c = 0, 2: low, high nibble) and ql[64n + 32 + l] (c = 1, 3), high
+// bits in qh[32n + l] >> 2c. x = d * sc * (q - 32), sc one int8 per 16 elements.
+struct vdot_q6_k {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q6_k(k); }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        const int sb = u >> 3, v = u & 7, n = v >> 2, l0 = 8 * (v & 3), g = (v & 3) >> 1;
+        const ts_u8* b = row + (ts_u64)sb * 210;
+        ts_u32 qa[2], qb[2], qh[2], sc[2];
+        ts_ld_8(b + 64 * n + l0, qa);
+        ts_ld_8(b + 64 * n + 32 + l0, qb);
+        ts_ld_8(b + 128 + 32 * n + l0, qh);
+        ts_ld_8(b + 192 + 8 * n, sc);  // chunk 4n + c, group g: byte 2c + g
+        const float d = ts_h2f(ts_ld16(b + 208));
+        ts_u32 w[4][2];
+        TS_UNROLL
+        for (int t = 0; t < 2; t++) {
+            w[0][t] = (qa[t] & 0x0f0f0f0fu) | ((qh[t] & 0x03030303u) << 4);
+            w[1][t] = (qb[t] & 0x0f0f0f0fu) | (((qh[t] >> 2) & 0x03030303u) << 4);
+            w[2][t] = ((qa[t] >> 4) & 0x0f0f0f0fu) | (((qh[t] >> 4) & 0x03030303u) << 4);
+            w[3][t] = ((qb[t] >> 4) & 0x0f0f0f0fu) | (((qh[t] >> 6) & 0x03030303u) << 4);
+        }
+        float scale[4];
+        TS_UNROLL
+        for (int c = 0; c < 4; c++) scale[c] = d * (float)(signed char)(sc[c >> 1] >> (8 * (2 * (c & 1) + g)));
+        const int c0 = 8 * sb + 4 * n;  // x block of chunk 4n
+        TS_UNROLL
+        for (int r = 0; r < M; r++) {
+            float s = 0.0f;
+            TS_UNROLL
+            for (int c = 0; c < 4; c++) {
+                int xv[2];
+                ts_xq<8>(ts_xrow(x, r) + 32 * (c0 + c) + l0, xv);
+                const int qx = ts_dp4a((int)w[c][0], xv[0], ts_dp4a((int)w[c][1], xv[1], 0));
+                const int sx = ts_sum4(xv[0], ts_sum4(xv[1], 0));
+                s += scale[c] * ts_xds(ts_xds_row(x, r) + c0 + c).x * (float)(qx - 32 * sx);
+            }
+            acc[r] += s;
+        }
+    }
+};
+
+// The types with an integer dot product (the others multiply f32 activations; Q8_0 too, whose
+// matvec is bound by memory, not decoding).
+#define TS_Q8_TYPES(X) \
+    X(q4_0)            \
+    X(q4_1)            \
+    X(q5_0)            \
+    X(q5_1)            \
+    X(q4_k)            \
+    X(q5_k)            \
+    X(q6_k)            \
+    X(mxfp4)

@@ -1,0 +1,251 @@
+//! Matvecs of quantized weights with the activations quantized to 8 bits once
+//! per call (kernels/matvec_q8.cu, kernels/vdot.cuh): integer dot products per
+//! block instead of decoding every weight to f32, as llama.cpp's MMVQ does.
+//! Steps of few rows take them unless exact (f32) activations are asked for.
+
+use crate::device::Arg;
+use crate::{Act, Cuda};
+use ts_gguf::GgmlType;
+use ts_model::ModelError;
+
+/// The kernel-name suffix of a type with integer dot products (vdot.cuh's `TS_Q8_TYPES`).
+/// Q8_0 is not one: its f32 matvec is faster (gpt-oss-20b decode on the H200: 267 tok/s
+/// with f32 activations, 227 with 8-bit ones), being bound by memory, not decoding.
+pub fn q8_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::MXFP4 => "mxfp4",
+        _ => return None,
+    })
+}
+
+/// `m` rows of `k` activations quantized on the device (vdot.cuh's `TsQ8`): int8
+/// `[m][k]`, then per block of 32 the f32 pair (d, d·Σq) `[m][k / 32]`; `ptr` is
+/// the start of a buffer held by [`Q8Cached`].
+#[derive(Clone, Copy)]
+pub(crate) struct Q8Act {
+    ptr: u64,
+    m: usize,
+    k: usize,
+}
+
+/// The activations the last 8-bit matvec read: those at `src`, quantized into
+/// `buf`, valid while the backend's write count is still `writes`.
+pub(crate) struct Q8Cached {
+    src: u64,
+    writes: u64,
+    q: Q8Act,
+    _buf: Act,
+}
+
+impl Q8Act {
+    /// The quants of row `r` on.
+    fn q(&self, r: usize) -> u64 {
+        self.ptr + (r * self.k) as u64
+    }
+
+    /// The (d, sum) pairs of row `r` on.
+    fn ds(&self, r: usize) -> u64 {
+        self.ptr + (self.m * self.k + 8 * r * (self.k / 32)) as u64
+    }
+}
+
+/// matvec_q8.cu's `MatvecQ8`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MatvecQ8 {
+    w: u64,
+    xq: u64,
+    xds: u64,
+    y: u64,
+    bias: u64,
+    n_out: i32,
+    k: i32,
+    m: i32,
+    lanes: i32,
+}
+
+/// matvec_q8.cu's `MoeMatvecQ8`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeMatvecQ8 {
+    w: u64,
+    index: u64,
+    xq: u64,
+    xds: u64,
+    y: u64,
+    expert_stride: i64,
+    x_group: i32,
+    n_out: i32,
+    k: i32,
+    lanes: i32,
+}
+
+/// matvec_q8.cu's `MoeGateUpQ8`: [`Cuda::gate_up_q8`] fills the activations and lanes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MoeGateUpQ8 {
+    pub w_gate: u64,
+    pub w_up: u64,
+    pub index: u64,
+    pub ids: u64,
+    pub xq: u64,
+    pub xds: u64,
+    pub h: u64,
+    pub gate_bias: u64,
+    pub up_bias: u64,
+    pub expert_stride: i64,
+    pub x_group: i32,
+    pub n_out: i32,
+    pub k: i32,
+    pub lanes: i32,
+    pub kind: i32,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
+/// One expert-indexed matvec over `slots` slots: slot s multiplies expert
+/// (or cache slot) `index[s]` of `w` (`expert_stride` bytes apart) by
+/// activation row `s / x_group` into row s of `y` `[slots][n_out]`.
+pub(crate) struct IndexedMatvec {
+    pub ty: GgmlType,
+    pub w: u64,
+    pub expert_stride: usize,
+    pub index: u64,
+    pub x_group: usize,
+    pub y: u64,
+    pub n_out: usize,
+    pub k: usize,
+    pub slots: usize,
+}
+
+/// Weight rows a group of lanes takes together (matvec_q8.cu's `TS_Q8_ROWS`).
+const ROWS_PER_GROUP: usize = 1;
+
+/// Lanes per group of weight rows (4 to 32): about four units (32 weights) each,
+/// and more lanes when there are too few rows to fill the GPU with threads.
+fn lanes_for(k: usize, rows: usize) -> i32 {
+    let groups = rows.div_ceil(ROWS_PER_GROUP);
+    let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
+    while lanes < 32 && groups * lanes < 64 * 1024 {
+        lanes *= 2;
+    }
+    lanes as i32
+}
+
+/// Rows of W a (32, 4) block takes with `lanes` lanes per group.
+fn rows_per_block(lanes: i32) -> usize {
+    4 * 32 / lanes as usize * ROWS_PER_GROUP
+}
+
+impl Cuda {
+    /// `x` `[m][k]` (device address) quantized to 8 bits: the previous 8-bit
+    /// matvec's copy when it read the same activations and nothing has written
+    /// to the device since (q, k and v of one input), else quantized anew.
+    fn quantized(&self, x: u64, m: usize, k: usize) -> Result<Q8Act, ModelError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut last = self.q8_last.lock().expect("q8 lock");
+        if let Some(c) = last.as_ref()
+            && c.src == x
+            && c.q.m == m
+            && c.q.k == k
+            && c.writes == self.writes.load(Relaxed)
+        {
+            return Ok(c.q);
+        }
+        let buf = self.act((m * k + 8 * m * (k / 32)).div_ceil(4))?;
+        let q = Q8Act { ptr: buf.ptr, m, k };
+        self.launch_1d(
+            "quantize_q8_1",
+            m * k,
+            &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64((m * k) as i64)],
+        )?;
+        *last = Some(Q8Cached { src: x, writes: 0, q, _buf: buf });
+        Ok(q)
+    }
+
+    /// Marks the cached activations valid after an 8-bit matvec's own launches
+    /// (which write only their outputs, never the activations they read).
+    fn keep_quantized(&self) {
+        if let Some(c) = self.q8_last.lock().expect("q8 lock").as_mut() {
+            c.writes = self.writes.load(std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// `y[m][n_out] = x · Wᵀ (+ bias)` for `n_out` rows of type `ty` (one of
+    /// [`q8_suffix`]) at `w`, with `x` quantized to 8 bits.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn matmul_q8(
+        &self,
+        sfx: &str,
+        w: u64,
+        n_out: usize,
+        k: usize,
+        x: u64,
+        m: usize,
+        y: u64,
+        bias: u64,
+    ) -> Result<(), ModelError> {
+        let xq = self.quantized(x, m, k)?;
+        let lanes = lanes_for(k, n_out);
+        let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
+        for r0 in (0..m).step_by(crate::MATVEC_ROWS) {
+            let p = MatvecQ8 {
+                w,
+                xq: xq.q(r0),
+                xds: xq.ds(r0),
+                y: y + (4 * r0 * n_out) as u64,
+                bias,
+                n_out: n_out as i32,
+                k: k as i32,
+                m: (m - r0).min(crate::MATVEC_ROWS) as i32,
+                lanes,
+            };
+            self.launch_with(&format!("matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
+        }
+        self.keep_quantized();
+        Ok(())
+    }
+
+    /// [`IndexedMatvec`] with `x` `[slots / x_group][k]` quantized to 8 bits.
+    pub(crate) fn indexed_matvec_q8(&self, sfx: &str, mv: &IndexedMatvec, x: &Act) -> Result<(), ModelError> {
+        let xq = self.quantized(x.ptr, mv.slots / mv.x_group, mv.k)?;
+        let lanes = lanes_for(mv.k, mv.n_out * mv.slots);
+        let p = MoeMatvecQ8 {
+            w: mv.w,
+            index: mv.index,
+            xq: xq.q(0),
+            xds: xq.ds(0),
+            y: mv.y,
+            expert_stride: mv.expert_stride as i64,
+            x_group: mv.x_group as i32,
+            n_out: mv.n_out as i32,
+            k: mv.k as i32,
+            lanes,
+        };
+        let grid = (mv.n_out.div_ceil(rows_per_block(lanes)) as u32, mv.slots as u32, 1);
+        self.launch_with(&format!("moe_matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
+        self.keep_quantized();
+        Ok(())
+    }
+
+    /// Gate and up of `slots` slots, their biases and the activation in one
+    /// kernel, with `x` `[slots / x_group][k]` quantized to 8 bits; `p`'s
+    /// activation fields are filled here.
+    pub(crate) fn gate_up_q8(&self, sfx: &str, p: MoeGateUpQ8, x: &Act, slots: usize) -> Result<(), ModelError> {
+        let k = p.k as usize;
+        let xq = self.quantized(x.ptr, slots / p.x_group as usize, k)?;
+        let lanes = lanes_for(k, p.n_out as usize * slots);
+        let p = MoeGateUpQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
+        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, slots as u32, 1);
+        self.launch_with(&format!("moe_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p)?;
+        self.keep_quantized();
+        Ok(())
+    }
+}

@@ -1,0 +1,82 @@
+// Host harness for kernels/vdot.cuh: the integer dot products of weight rows with 8-bit
+// activations, with the same code the kernels run, one lane taking every unit in order.
+//
+//   vdot_host TYPE K N_ROWS W XQ XDS OUT OFFSET
+//     W: N_ROWS rows of K elements of TYPE, placed OFFSET bytes past a 16-byte boundary;
+//     XQ: 2 rows of K int8; XDS: 2 rows of K/32 (d, sum) f32 pairs. OUT: per weight row three
+//     floats: its dot with activation row 0 alone (dot<1>), then with rows 0 and 1 (dot<2>).
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "vdot.cuh"
+
+typedef void (*Dot1)(const ts_u8*, int, const TsQ8&, float (&)[1]);
+typedef void (*Dot2)(const ts_u8*, int, const TsQ8&, float (&)[2]);
+
+static bool read_exact(const char* path, void* dst, size_t size) {
+    FILE* f = fopen(path, "rb");
+    if (!f) return false;
+    const bool ok = fread(dst, 1, size, f) == size && fgetc(f) == EOF;
+    fclose(f);
+    return ok;
+}
+
+int main(int argc, char** argv) {
+    if (argc != 9) {
+        fprintf(stderr, "usage: %s TYPE K N_ROWS W XQ XDS OUT OFFSET\n", argv[0]);
+        return 2;
+    }
+    const char* type = argv[1];
+    const int k = atoi(argv[2]);
+    const int n_rows = atoi(argv[3]);
+    const int offset = atoi(argv[8]);
+
+    Dot1 dot1 = nullptr;
+    Dot2 dot2 = nullptr;
+    ts_u64 (*row_bytes)(int) = nullptr;
+#define TS_PICK(t)                        \
+    if (strcmp(type, #t) == 0) {          \
+        dot1 = vdot_##t::dot<1>;          \
+        dot2 = vdot_##t::dot<2>;          \
+        row_bytes = vdot_##t::row_bytes;  \
+    }
+    TS_Q8_TYPES(TS_PICK)
+#undef TS_PICK
+    if (!dot1 || k <= 0 || k % 32 != 0 || n_rows <= 0 || offset < 0 || offset > 15) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+
+    const size_t rb = row_bytes(k);
+    const size_t size = rb * n_rows;
+    // Slack on each side: loads may touch the aligned words around a row's bytes.
+    std::vector<ts_u32> storage((size + 64) / 4);
+    ts_u8* w = reinterpret_cast<ts_u8*>(storage.data()) + 16 + offset;
+    std::vector<signed char> xq(2 * (size_t)k);
+    std::vector<ts_f2> xds(2 * (size_t)k / 32);
+    if (!read_exact(argv[4], w, size) || !read_exact(argv[5], xq.data(), xq.size()) ||
+        !read_exact(argv[6], xds.data(), xds.size() * sizeof(ts_f2))) {
+        fprintf(stderr, "cannot read the inputs\n");
+        return 1;
+    }
+    const TsQ8 x{xq.data(), xds.data(), k};
+
+    std::vector<float> out(3 * (size_t)n_rows);
+    for (int o = 0; o < n_rows; o++) {
+        float a1[1] = {0.0f}, a2[2] = {0.0f, 0.0f};
+        for (int u = 0; u < k / 32; u++) {
+            dot1(w + o * rb, u, x, a1);
+            dot2(w + o * rb, u, x, a2);
+        }
+        out[3 * o] = a1[0];
+        out[3 * o + 1] = a2[0];
+        out[3 * o + 2] = a2[1];
+    }
+    FILE* f = fopen(argv[7], "wb");
+    if (!f) return 1;
+    fwrite(out.data(), 4, out.size(), f);
+    return fclose(f) == 0 ? 0 : 1;
+}
