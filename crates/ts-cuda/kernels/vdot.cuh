@@ -85,12 +85,23 @@ __device__ __forceinline__ int ts_dot_halves(const ts_u32* lo, const ts_u32* hi,
     return s;
 }
 
-__device__ __forceinline__ void ts_xblock(const TsQ8& x, int r, int u, int* xv) {
-    ts_xq<16>(ts_xrow(x, r) + 32 * u, xv);
-    ts_xq<16>(ts_xrow(x, r) + 32 * u + 16, xv + 4);
+// Block u of a 32-element type whose quants are lo (elements 0..15) and hi (16..31), with
+// x = d * q + c: acc[r] += d * dx * sum(q * xq) + c * dx * sum(xq) (the second factor is the
+// activations' block sum, ds.y).
+template <int M>
+__device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi, int u, const TsQ8& x, float d,
+                                             float c, float (&acc)[M]) {
+    TS_UNROLL
+    for (int r = 0; r < M; r++) {
+        int xv[8];
+        ts_xq<16>(ts_xrow(x, r) + 32 * u, xv);
+        ts_xq<16>(ts_xrow(x, r) + 32 * u + 16, xv + 4);
+        const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
+        acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + c * ds.y;
+    }
 }
 
-// Q4_0: x = (q - 8) * d, so the block's sum is d * (dx * sum(q * xq) - 8 * dx * sum(xq)).
+// Q4_0: x = (q - 8) * d.
 struct vdot_q4_0 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_0(k); }
     template <int M>
@@ -101,17 +112,11 @@ struct vdot_q4_0 {
         ts_ld_16(b + 2, q);
         TS_UNROLL
         for (int i = 0; i < 4; i++) lo[i] = q[i] & 0x0f0f0f0fu, hi[i] = (q[i] >> 4) & 0x0f0f0f0fu;
-        TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            int xv[8];
-            ts_xblock(x, r, u, xv);
-            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
-            acc[r] += d * (ds.x * (float)ts_dot_halves(lo, hi, xv) - 8.0f * ds.y);
-        }
+        ts_dot_block<M>(lo, hi, u, x, d, -8.0f * d, acc);
     }
 };
 
-// Q4_1: x = q * d + m: d * dx * sum(q * xq) + m * dx * sum(xq).
+// Q4_1: x = q * d + m.
 struct vdot_q4_1 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_1(k); }
     template <int M>
@@ -123,13 +128,7 @@ struct vdot_q4_1 {
         ts_ld_16(b + 4, q);
         TS_UNROLL
         for (int i = 0; i < 4; i++) lo[i] = q[i] & 0x0f0f0f0fu, hi[i] = (q[i] >> 4) & 0x0f0f0f0fu;
-        TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            int xv[8];
-            ts_xblock(x, r, u, xv);
-            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
-            acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + m * ds.y;
-        }
+        ts_dot_block<M>(lo, hi, u, x, d, m, acc);
     }
 };
 
@@ -148,13 +147,7 @@ struct vdot_q5_0 {
             lo[i] = (q[i] & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * i));
             hi[i] = ((q[i] >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * i));
         }
-        TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            int xv[8];
-            ts_xblock(x, r, u, xv);
-            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
-            acc[r] += d * (ds.x * (float)ts_dot_halves(lo, hi, xv) - 16.0f * ds.y);
-        }
+        ts_dot_block<M>(lo, hi, u, x, d, -16.0f * d, acc);
     }
 };
 
@@ -174,13 +167,7 @@ struct vdot_q5_1 {
             lo[i] = (q[i] & 0x0f0f0f0fu) | ts_spread4(h[1] >> (4 * i));
             hi[i] = ((q[i] >> 4) & 0x0f0f0f0fu) | ts_spread4(h[1] >> (16 + 4 * i));
         }
-        TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            int xv[8];
-            ts_xblock(x, r, u, xv);
-            const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
-            acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + m * ds.y;
-        }
+        ts_dot_block<M>(lo, hi, u, x, d, m, acc);
     }
 };
 
@@ -200,12 +187,7 @@ struct vdot_mxfp4 {
             lo[i] = ts_mxfp4_lut4(q[i] & 0x0f0f0f0fu) ^ 0x80808080u;
             hi[i] = ts_mxfp4_lut4((q[i] >> 4) & 0x0f0f0f0fu) ^ 0x80808080u;
         }
-        TS_UNROLL
-        for (int r = 0; r < M; r++) {
-            int xv[8];
-            ts_xblock(x, r, u, xv);
-            acc[r] += d * ts_xds(ts_xds_row(x, r) + u).x * (float)ts_dot_halves(lo, hi, xv);
-        }
+        ts_dot_block<M>(lo, hi, u, x, d, 0.0f, acc);
     }
 };
 

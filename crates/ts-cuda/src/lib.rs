@@ -73,6 +73,21 @@ const CHUNKED_MIN_ROWS: usize = 16;
 /// Activation rows one matvec launch serves.
 pub(crate) const MATVEC_ROWS: usize = 8;
 
+/// One `y[m][n_out] = x[m][k] · Wᵀ (+ bias)`: `n_out` rows of type `ty` at device
+/// address `w`, activations at `x`, output at `y`, `bias` the address of `[n_out]`
+/// floats or 0 for none.
+#[derive(Clone, Copy, Debug)]
+pub struct Matmul {
+    pub ty: GgmlType,
+    pub w: u64,
+    pub n_out: usize,
+    pub k: usize,
+    pub x: u64,
+    pub m: usize,
+    pub y: u64,
+    pub bias: u64,
+}
+
 /// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or
 /// a piece of the step arena (decode steps, so that a captured graph's
 /// addresses hold on replay).
@@ -577,29 +592,17 @@ impl Cuda {
         self.set_mode(Mode::Direct);
     }
 
-    /// `y[m][n_out] = x[m][k] · Wᵀ (+ bias)` for `n_out` rows of type `ty` at device address
-    /// `w`; `bias` is the device address of `[n_out]` floats, or 0 for none. Unless `exact`,
-    /// 32 rows and more take the f16 tensor cores and fewer 8-bit activations where the type
-    /// has integer dot products ([`q8_suffix`]); else f32 activations.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(
-        &self,
-        ty: GgmlType,
-        w: u64,
-        n_out: usize,
-        k: usize,
-        x: u64,
-        m: usize,
-        y: u64,
-        bias: u64,
-        exact: bool,
-    ) -> Result<(), ModelError> {
+    /// `mm` ([`Matmul`]). Unless `exact`, 32 rows and more take the f16 tensor cores and
+    /// fewer 8-bit activations where the type has integer dot products ([`q8_suffix`]);
+    /// else f32 activations.
+    pub fn matmul(&self, mm: &Matmul, exact: bool) -> Result<(), ModelError> {
+        let Matmul { ty, w, n_out, k, x, m, y, bias } = *mm;
         let sfx = type_suffix(ty).ok_or_else(|| ModelError::Compute(format!("cuda: type {ty} unsupported")))?;
         if m >= GEMM_MIN_ROWS
             && !exact
             && let Some(blas) = &self.blas
         {
-            self.gemm_f16(blas, sfx, w, n_out, k, x, m, y)?;
+            self.gemm_f16(blas, sfx, mm)?;
             if bias != 0 {
                 self.launch_1d(
                     "add_bias",
@@ -610,7 +613,7 @@ impl Cuda {
             return Ok(());
         }
         if !exact && let Some(sfx) = q8_suffix(ty) {
-            return self.matmul_q8(sfx, w, n_out, k, x, m, y, bias);
+            return self.matmul_q8(sfx, mm);
         }
         let grid = (n_out.div_ceil(4) as u32, 1, 1);
         for r0 in (0..m).step_by(MATVEC_ROWS) {
@@ -634,20 +637,10 @@ impl Cuda {
     }
 
     /// The weight dequantized to f16, the activations rounded to f16, one cuBLAS
-    /// GemmEx with f32 accumulation. Row-major `y = x · Wᵀ` is column-major
-    /// `yᵀ = W · xᵀ`: W is `k × n_out` column-major, transposed.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_f16(
-        &self,
-        blas: &CudaBlas,
-        sfx: &str,
-        w: u64,
-        n_out: usize,
-        k: usize,
-        x: u64,
-        m: usize,
-        y: u64,
-    ) -> Result<(), ModelError> {
+    /// GemmEx with f32 accumulation (the bias is left to the caller). Row-major
+    /// `y = x · Wᵀ` is column-major `yᵀ = W · xᵀ`: W is `k × n_out` column-major, transposed.
+    fn gemm_f16(&self, blas: &CudaBlas, sfx: &str, mm: &Matmul) -> Result<(), ModelError> {
+        let Matmul { w, n_out, k, x, m, y, .. } = *mm;
         let mut half = self.half.lock().expect("f16 staging lock");
         if half.0.len() < n_out * k {
             half.0 = self.gpu.alloc(n_out * k).map_err(err)?;
@@ -1046,7 +1039,8 @@ impl Backend for Cuda {
         let n_out = w.n_rows();
         let y = self.act(m * n_out)?;
         let bias = bias.map_or(Ok(0), |b| self.vptr(b))?;
-        self.matmul(w.ty, self.wptr(w)?, n_out, w.row_len(), self.p(x), m, self.p(&y), bias, s.exact)?;
+        let mm = Matmul { ty: w.ty, w: self.wptr(w)?, n_out, k: w.row_len(), x: self.p(x), m, y: self.p(&y), bias };
+        self.matmul(&mm, s.exact)?;
         Ok(y)
     }
 

@@ -4,7 +4,7 @@
 //! Steps of few rows take them unless exact (f32) activations are asked for.
 
 use crate::device::Arg;
-use crate::{Act, Cuda};
+use crate::{Act, Cuda, Matmul};
 use ts_gguf::GgmlType;
 use ts_model::ModelError;
 
@@ -12,17 +12,9 @@ use ts_model::ModelError;
 /// Q8_0 is not one: its f32 matvec is faster (gpt-oss-20b decode on the H200: 267 tok/s
 /// with f32 activations, 227 with 8-bit ones), being bound by memory, not decoding.
 pub fn q8_suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::Q4_1 => "q4_1",
-        GgmlType::Q5_0 => "q5_0",
-        GgmlType::Q5_1 => "q5_1",
-        GgmlType::Q4_K => "q4_k",
-        GgmlType::Q5_K => "q5_k",
-        GgmlType::Q6_K => "q6_k",
-        GgmlType::MXFP4 => "mxfp4",
-        _ => return None,
-    })
+    use GgmlType::*;
+    let q8 = matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K | MXFP4);
+    q8.then(|| crate::type_suffix(ty)).flatten()
 }
 
 /// `m` rows of `k` activations quantized on the device (vdot.cuh's `TsQ8`): int8
@@ -178,20 +170,10 @@ impl Cuda {
         }
     }
 
-    /// `y[m][n_out] = x · Wᵀ (+ bias)` for `n_out` rows of type `ty` (one of
-    /// [`q8_suffix`]) at `w`, with `x` quantized to 8 bits.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn matmul_q8(
-        &self,
-        sfx: &str,
-        w: u64,
-        n_out: usize,
-        k: usize,
-        x: u64,
-        m: usize,
-        y: u64,
-        bias: u64,
-    ) -> Result<(), ModelError> {
+    /// `mm`, of a type with integer dot products (kernel suffix `sfx`), with the
+    /// activations quantized to 8 bits.
+    pub(crate) fn matmul_q8(&self, sfx: &str, mm: &Matmul) -> Result<(), ModelError> {
+        let Matmul { w, n_out, k, x, m, y, bias, .. } = *mm;
         let xq = self.quantized(x, m, k)?;
         let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);

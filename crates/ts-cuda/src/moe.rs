@@ -8,7 +8,7 @@
 
 use crate::device::Arg;
 use crate::matvec_q8::{IndexedMatvec, MoeGateUpQ8, q8_suffix};
-use crate::{Act, Cuda, err, type_suffix};
+use crate::{Act, Cuda, Matmul, err, type_suffix};
 use cudarc::driver::CudaSlice;
 use std::sync::OnceLock;
 use ts_model::ModelError;
@@ -202,8 +202,10 @@ impl Cuda {
                 self.gather(x, rows_d, &xs, me, e)?;
                 let g = self.p(&h) + (4 * start * f) as u64;
                 let u = self.act(me * f)?;
-                self.matmul(w.gate_exps.ty, base[0], f, e, self.p(&xs), me, g, 0, exact)?;
-                self.matmul(w.up_exps.ty, base[1], f, e, self.p(&xs), me, self.p(&u), 0, exact)?;
+                let gate =
+                    Matmul { ty: w.gate_exps.ty, w: base[0], n_out: f, k: e, x: self.p(&xs), m: me, y: g, bias: 0 };
+                self.matmul(&gate, exact)?;
+                self.matmul(&Matmul { ty: w.up_exps.ty, w: base[1], y: self.p(&u), ..gate }, exact)?;
                 for (t, b) in [(g, &w.gate_bias), (self.p(&u), &w.up_bias)] {
                     if let Some(b) = b {
                         self.bias_rows(t, self.vptr(b)? + (ex * f * 4) as u64, me, f)?;
@@ -315,7 +317,8 @@ impl Cuda {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
             return self.by_expert(w, r, at, |base, ex, start, me, _rows| {
                 let (hs, d) = (self.p(h) + (4 * start * f) as u64, self.p(y) + (4 * start * e) as u64);
-                self.matmul(w.down_exps.ty, base[2], e, f, hs, me, d, 0, exact)?;
+                let down = Matmul { ty: w.down_exps.ty, w: base[2], n_out: e, k: f, x: hs, m: me, y: d, bias: 0 };
+                self.matmul(&down, exact)?;
                 match &w.down_bias {
                     Some(b) => self.bias_rows(d, self.vptr(b)? + (ex * e * 4) as u64, me, e),
                     None => Ok(()),

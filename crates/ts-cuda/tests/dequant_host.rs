@@ -190,18 +190,6 @@ fn dequant32_matches_ts_quant() {
     }
 }
 
-/// The types with integer dot products (kernels/vdot.cuh's TS_Q8_TYPES): type, suffix, row alignment.
-const Q8_TYPES: [(GgmlType, &str, usize); 8] = [
-    (GgmlType::Q4_0, "q4_0", 2),
-    (GgmlType::Q4_1, "q4_1", 2),
-    (GgmlType::Q5_0, "q5_0", 2),
-    (GgmlType::Q5_1, "q5_1", 2),
-    (GgmlType::Q4_K, "q4_k", 2),
-    (GgmlType::Q5_K, "q5_k", 2),
-    (GgmlType::Q6_K, "q6_k", 2),
-    (GgmlType::MXFP4, "mxfp4", 1),
-];
-
 /// Rows of type `ty` as models hold them: `values` quantized, or for a type ts-quant cannot
 /// quantize (MXFP4) random codes under exponents near 1.
 fn quantized_rows(rng: &mut Rng, ty: GgmlType, values: &[f32]) -> Vec<u8> {
@@ -218,7 +206,7 @@ fn quantized_rows(rng: &mut Rng, ty: GgmlType, values: &[f32]) -> Vec<u8> {
 fn vdot_matches_the_dequantized_product() {
     let h = Harness::build("vdot_host");
     let mut rng = Rng::new(0x00d0_7a11);
-    for (ty, name, align) in Q8_TYPES {
+    for (ty, name, align) in TYPES.into_iter().filter(|t| ts_cuda::q8_suffix(t.0).is_some()) {
         let ks: &[usize] = if ty.block_size() == 256 { &[768, 2816] } else { &[288, 2880] };
         for &k in ks {
             let rows = 5;
@@ -326,7 +314,7 @@ fn nvrtc_compiles() {
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }
     }
-    for (_, name, _) in Q8_TYPES {
+    for (_, name, _) in TYPES.into_iter().filter(|t| ts_cuda::q8_suffix(t.0).is_some()) {
         for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
             let entry = format!(".entry {kernel}_{name}(");
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
