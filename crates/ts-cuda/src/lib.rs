@@ -7,30 +7,41 @@
 //! GGUF block layouts and read directly by the matvec kernels; prefill of 32
 //! rows or more dequantizes a weight to f16 and multiplies on the tensor cores
 //! with cuBLAS.
+//!
+//! By role: `device` (context, NVRTC, launches), `step` (a step's buffers, the
+//! arena, CUDA graphs, every launch), `matmul` and `matvec_q8` (dense matmuls),
+//! `attention` (KV caches, rope, attention), `recurrent` (DeltaNet layers),
+//! `moe` (routing and the expert matmuls), `tier` (the VRAM expert cache); this
+//! file holds the backend, its weights and the small ops.
 
+mod attention;
 pub mod device;
+mod matmul;
 mod matvec_q8;
 mod moe;
+mod recurrent;
+mod step;
 pub mod tier;
 
-use cudarc::cublas::{CudaBlas, sys as blas};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
 use device::{Arg, CudaError, Gpu};
 use moe::{GpuExpertGroup, GpuRoutes, activation_args};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
+use step::{ARENA_BYTES, Graphs, Mode, Step};
 use tier::ExpertTier;
 use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
 use ts_model::backend::AttnShape;
 use ts_model::backend::ExpertsAt;
 use ts_model::config::{AttnLayer, GatedActivation, Mixer, MoeConfig};
-use ts_model::state::ring_slots;
 use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Backend, Model, ModelError, Row, SeqState};
 
 pub use device::CudaError as Error;
+pub use matmul::Matmul;
 pub use matvec_q8::q8_suffix;
 
 /// The kernel-name suffix of a weight type the GPU reads directly.
@@ -56,36 +67,6 @@ pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
 
 fn err(e: CudaError) -> ModelError {
     ModelError::Compute(format!("cuda: {e}"))
-}
-
-/// Rows below this go through the matvec kernels, 8 at a time; from it on, cuBLAS.
-const GEMM_MIN_ROWS: usize = 32;
-/// Warps per block of the delta_rule kernel (delta_net.cu's DN_WARPS).
-const DELTA_RULE_WARPS: usize = 4;
-/// Rows per chunk of the chunked delta rule (delta_net.cu's DN_CHUNK).
-const DELTA_CHUNK: usize = 64;
-/// Columns of S per warp and warps per block of delta_chunk_scan.
-const DELTA_SCAN_COLS: usize = 2;
-const DELTA_SCAN_WARPS: usize = 8;
-/// Runs from this many rows on take the chunked delta rule and the row-parallel
-/// convolution; shorter ones the token-by-token kernels.
-const CHUNKED_MIN_ROWS: usize = 16;
-/// Activation rows one matvec launch serves.
-pub(crate) const MATVEC_ROWS: usize = 8;
-
-/// One `y[m][n_out] = x[m][k] · Wᵀ (+ bias)`: `n_out` rows of type `ty` at device
-/// address `w`, activations at `x`, output at `y`, `bias` the address of `[n_out]`
-/// floats or 0 for none.
-#[derive(Clone, Copy, Debug)]
-pub struct Matmul {
-    pub ty: GgmlType,
-    pub w: u64,
-    pub n_out: usize,
-    pub k: usize,
-    pub x: u64,
-    pub m: usize,
-    pub y: u64,
-    pub bias: u64,
 }
 
 /// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or
@@ -117,71 +98,6 @@ pub struct GpuState {
 pub struct GpuRecurrent {
     layers: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
-
-/// Per forward step, in buffers that keep their addresses from step to step:
-/// each row's token and position, and per layer each row's cache (`RowKv` of
-/// ops.cu: k pointer, v pointer, slots | pos << 32).
-struct Step {
-    m: usize,
-    tokens_host: Vec<u32>,
-    tokens: CudaSlice<i32>,
-    pos: CudaSlice<i32>,
-    kv: CudaSlice<u64>,
-    /// For recurrent layers: the rows grouped by sequence (`run_rows`), and per
-    /// run `RunInfo` of delta_net.cu (start, len, fresh, first chunk); `n_runs`
-    /// of them, `n_chunks` chunks of `DELTA_CHUNK` rows in all, the longest run
-    /// `longest` rows.
-    run_rows: CudaSlice<i32>,
-    runs: CudaSlice<i32>,
-    n_runs: usize,
-    n_chunks: usize,
-    longest: usize,
-}
-
-/// A recurrent layer's view of the step: device addresses of its rows' `RowKv`s,
-/// the rows grouped by sequence and the `RunInfo`s, and the runs' counts.
-#[derive(Clone, Copy)]
-struct Runs {
-    info: u64,
-    rows: u64,
-    runs: u64,
-    n: usize,
-    n_chunks: usize,
-    longest: usize,
-}
-
-/// Bytes of the arena single-row steps allocate their activations from.
-const ARENA_BYTES: usize = 256 << 20;
-
-/// How launches are treated during a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-enum Mode {
-    /// Launched as they come.
-    Direct = 0,
-    /// Recorded into a CUDA graph (the first single-row step).
-    Capture = 1,
-    /// Skipped: the graph recorded earlier runs them all at the end of the step.
-    Replay = 2,
-}
-
-/// A decode step recorded once and replayed: one launch instead of hundreds.
-struct Graphs {
-    arena: CudaSlice<u8>,
-    arena_used: usize,
-    arena_on: bool,
-    /// One recording per kind of one-row step: without logits (a prompt's
-    /// last-but-one token, say) or with them, plus 2 with exact activations;
-    /// they launch different kernels.
-    decode: [Option<SendGraph>; 4],
-    /// Which recording the current step uses.
-    kind: usize,
-}
-
-struct SendGraph(cudarc::driver::CudaGraph);
-// SAFETY: used only under the `Graphs` mutex, on the backend's one stream.
-unsafe impl Send for SendGraph {}
-unsafe impl Sync for SendGraph {}
 
 /// Buffers reused across steps.
 #[derive(Default)]
@@ -482,32 +398,6 @@ impl Cuda {
         Ok(self.gpu.ptr(buf))
     }
 
-    /// `len` 4-byte elements: from the step arena when it is on, else a new allocation.
-    fn act(&self, len: usize) -> Result<Act, ModelError> {
-        let mut g = self.graphs.lock().expect("graph lock");
-        if g.arena_on {
-            let bytes = (len * 4).div_ceil(256) * 256;
-            if g.arena_used + bytes > ARENA_BYTES {
-                return Err(ModelError::Compute(format!(
-                    "cuda: a one-row step needs more than the {} MiB activation arena",
-                    ARENA_BYTES >> 20
-                )));
-            }
-            let ptr = self.gpu.ptr(&g.arena) + g.arena_used as u64;
-            g.arena_used += bytes;
-            return Ok(Act { ptr, len, _own: None });
-        }
-        drop(g);
-        let buf = self.gpu.alloc::<f32>(len).map_err(err)?;
-        Ok(Act { ptr: self.gpu.ptr(&buf), len, _own: Some(buf) })
-    }
-
-    fn zeros(&self, len: usize) -> Result<Act, ModelError> {
-        let a = self.act(len)?;
-        self.launch_1d("fill", len, &[Arg::Ptr(a.ptr), Arg::F32(0.0), Arg::I64(len as i64)])?;
-        Ok(a)
-    }
-
     fn p(&self, a: &Act) -> u64 {
         a.ptr
     }
@@ -523,189 +413,6 @@ impl Cuda {
             .map_err(|e| err(e.into()))?;
         self.gpu.sync().map_err(err)?;
         Ok(out)
-    }
-
-    fn mode(&self) -> Mode {
-        match self.mode.load(std::sync::atomic::Ordering::Relaxed) {
-            1 => Mode::Capture,
-            2 => Mode::Replay,
-            _ => Mode::Direct,
-        }
-    }
-
-    fn set_mode(&self, m: Mode) {
-        self.mode.store(m as u8, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn replaying(&self) -> bool {
-        self.mode() == Mode::Replay
-    }
-
-    fn launch(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        args: &[Arg],
-    ) -> Result<(), ModelError> {
-        self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
-        self.gpu.launch(name, grid, block, 0, args).map_err(err)
-    }
-
-    /// Notes a write to device memory (see `writes`); before the replay check, so
-    /// that recording and replay make the same choices.
-    fn wrote(&self) {
-        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// [`Gpu::launch_with`](device::Gpu::launch_with): a kernel whose parameter is one struct.
-    fn launch_with<P: Copy>(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        params: &P,
-    ) -> Result<(), ModelError> {
-        self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
-        self.gpu.launch_with(name, grid, block, params).map_err(err)
-    }
-
-    fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
-        self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
-        self.gpu.launch_1d(name, n, args).map_err(err)
-    }
-
-    /// Ends a capture a failed step left open, dropping what it recorded.
-    fn abandon_capture(&self) {
-        if self.mode() == Mode::Capture {
-            let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-        }
-        self.set_mode(Mode::Direct);
-    }
-
-    /// `mm` ([`Matmul`]). Unless `exact`, 32 rows and more take the f16 tensor cores and
-    /// fewer 8-bit activations where the type has integer dot products ([`q8_suffix`]);
-    /// else f32 activations.
-    pub fn matmul(&self, mm: &Matmul, exact: bool) -> Result<(), ModelError> {
-        let Matmul { ty, w, n_out, k, x, m, y, bias } = *mm;
-        let sfx = type_suffix(ty).ok_or_else(|| ModelError::Compute(format!("cuda: type {ty} unsupported")))?;
-        if m >= GEMM_MIN_ROWS
-            && !exact
-            && let Some(blas) = &self.blas
-        {
-            self.gemm_f16(blas, sfx, mm)?;
-            if bias != 0 {
-                self.launch_1d(
-                    "add_bias",
-                    m * n_out,
-                    &[Arg::Ptr(y), Arg::Ptr(bias), Arg::I32(n_out as i32), Arg::I64((m * n_out) as i64)],
-                )?;
-            }
-            return Ok(());
-        }
-        if !exact && let Some(sfx) = q8_suffix(ty) {
-            return self.matmul_q8(sfx, mm);
-        }
-        let grid = (n_out.div_ceil(4) as u32, 1, 1);
-        for r0 in (0..m).step_by(MATVEC_ROWS) {
-            let mc = (m - r0).min(MATVEC_ROWS);
-            self.launch(
-                &format!("matvec_{sfx}"),
-                grid,
-                (32, 4, 1),
-                &[
-                    Arg::Ptr(w),
-                    Arg::Ptr(x + (r0 * k * 4) as u64),
-                    Arg::Ptr(y + (r0 * n_out * 4) as u64),
-                    Arg::I32(n_out as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(mc as i32),
-                    Arg::Ptr(bias),
-                ],
-            )?;
-        }
-        Ok(())
-    }
-
-    /// The weight dequantized to f16, the activations rounded to f16, one cuBLAS
-    /// GemmEx with f32 accumulation (the bias is left to the caller). Row-major
-    /// `y = x · Wᵀ` is column-major `yᵀ = W · xᵀ`: W is `k × n_out` column-major, transposed.
-    fn gemm_f16(&self, blas: &CudaBlas, sfx: &str, mm: &Matmul) -> Result<(), ModelError> {
-        let Matmul { w, n_out, k, x, m, y, .. } = *mm;
-        let mut half = self.half.lock().expect("f16 staging lock");
-        if half.0.len() < n_out * k {
-            half.0 = self.gpu.alloc(n_out * k).map_err(err)?;
-        }
-        if half.1.len() < m * k {
-            half.1 = self.gpu.alloc(m * k).map_err(err)?;
-        }
-        let (wh, xh) = (self.gpu.ptr(&half.0), self.gpu.ptr(&half.1));
-        self.launch_1d(
-            &format!("dequant_f16_{sfx}"),
-            n_out * k / 32,
-            &[Arg::Ptr(w), Arg::Ptr(wh), Arg::I32(n_out as i32), Arg::I32(k as i32)],
-        )?;
-        self.launch_1d("f32_to_f16", m * k, &[Arg::Ptr(x), Arg::Ptr(xh), Arg::I64((m * k) as i64)])?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *blas.handle(),
-                blas::cublasOperation_t::CUBLAS_OP_T,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                n_out as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const _,
-                wh as *const _,
-                blas::cudaDataType_t::CUDA_R_16F,
-                k as i32,
-                xh as *const _,
-                blas::cudaDataType_t::CUDA_R_16F,
-                k as i32,
-                &beta as *const f32 as *const _,
-                y as *mut _,
-                blas::cudaDataType_t::CUDA_R_32F,
-                n_out as i32,
-                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| ModelError::Compute(format!("cuda: cuBLAS GemmEx: {e:?}")))
-    }
-
-    /// Caches for `n_ctx` positions of attention layers with these sliding windows,
-    /// filled `max_chunk` rows at a time (a sliding layer keeps a ring, as on the CPU).
-    pub fn kv_for(
-        &self,
-        windows: &[Option<usize>],
-        kv_dim: usize,
-        v_dim: usize,
-        n_ctx: usize,
-        max_chunk: usize,
-    ) -> Result<GpuState, ModelError> {
-        let layers = windows.iter().map(|&w| self.kv_layer(w, kv_dim, v_dim, n_ctx, max_chunk));
-        Ok(GpuState { layers: layers.collect::<Result<_, _>>()? })
-    }
-
-    fn kv_layer(
-        &self,
-        window: Option<usize>,
-        kv_dim: usize,
-        v_dim: usize,
-        n_ctx: usize,
-        max_chunk: usize,
-    ) -> Result<GpuLayerState, ModelError> {
-        let slots = ring_slots(window, n_ctx, max_chunk);
-        Ok(GpuLayerState::Kv { k: self.state_zeros(slots * kv_dim)?, v: self.state_zeros(slots * v_dim)?, slots })
     }
 
     fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {
@@ -737,31 +444,6 @@ impl Cuda {
         let r = self.route_on_device(logits, m, moe, scale.as_ref().map_or(0, |s| self.gpu.ptr(s)))?;
         let k = moe.n_expert_used;
         Ok((self.download(r.ids.ptr, m * k)?, self.download(r.wts.ptr, m * k)?))
-    }
-
-    /// The current step's per-row state of layer `il` (`RowKv`s), its rows grouped
-    /// by sequence and the runs (`RunInfo`s): device addresses, and the run count.
-    fn runs_of(&self, il: usize, rows: &[Row]) -> Result<Runs, ModelError> {
-        let step = self.step.lock().expect("step lock");
-        let st = step
-            .as_ref()
-            .filter(|s| s.m == rows.len() && s.n_runs > 0)
-            .ok_or_else(|| ModelError::Compute("cuda: a recurrent layer outside a step".into()))?;
-        Ok(Runs {
-            info: self.gpu.ptr(&st.kv) + (il * rows.len() * 24) as u64,
-            rows: self.gpu.ptr(&st.run_rows),
-            runs: self.gpu.ptr(&st.runs),
-            n: st.n_runs,
-            n_chunks: st.n_chunks,
-            longest: st.longest,
-        })
-    }
-
-    /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
-    pub fn push_rope(&mut self, inv_freq: &[f32], window: Option<usize>) -> Result<(), ModelError> {
-        self.ropes.push(Some(self.gpu.upload(inv_freq).map_err(err)?));
-        self.windows.push(window.unwrap_or(0) as i32);
-        Ok(())
     }
 
     /// Uploads host f32 values as an activation (tests).
@@ -871,133 +553,11 @@ impl Backend for Cuda {
         seqs: &mut [&mut SeqState<GpuState>],
         scratch: &GpuScratch,
     ) -> Result<(), ModelError> {
-        self.wrote();
-        // Drops the last step's quantized activations here, not inside a capture (a buffer
-        // of a many-row step freed while recording is an invalid graph).
-        self.q8_last.lock().expect("q8 lock").take();
-        let mut g = self.graphs.lock().expect("graph lock");
-        self.abandon_capture();
-        let m = rows.len();
-        let n_layer = seqs.first().map_or(0, |s| s.state.layers.len());
-        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
-        let mut kv = Vec::with_capacity(n_layer * m * 3);
-        for il in 0..n_layer {
-            for r in rows {
-                let layers = &seqs[r.seq].state.layers;
-                // A layer sharing another's keys and values reads (and stores nothing into) its cache.
-                let own = match &layers[il] {
-                    GpuLayerState::SharedKv(from) => &layers[*from],
-                    other => other,
-                };
-                kv.extend(match own {
-                    GpuLayerState::Kv { k, v, slots } => {
-                        [self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]
-                    }
-                    GpuLayerState::SharedKv(_) => [0, 0, (r.pos as u64) << 32],
-                    GpuLayerState::Recurrent { conv, ssm } => {
-                        [self.gpu.ptr(conv), self.gpu.ptr(ssm), (r.pos as u64) << 32]
-                    }
-                });
-            }
-        }
-        // Recurrent layers read each sequence's rows in order, as runs.
-        let recurrent =
-            seqs.first().is_some_and(|s| s.state.layers.iter().any(|l| matches!(l, GpuLayerState::Recurrent { .. })));
-        let (mut run_rows, mut runs) = (Vec::new(), Vec::new());
-        let (mut n_chunks, mut longest) = (0, 0);
-        if recurrent {
-            for run in ts_model::state::sequence_runs(rows, seqs)? {
-                let len = run.rows.len();
-                runs.extend([run_rows.len() as i32, len as i32, run.fresh as i32, n_chunks as i32]);
-                run_rows.extend(run.rows.iter().map(|&i| i as i32));
-                n_chunks += len.div_ceil(DELTA_CHUNK);
-                longest = longest.max(len);
-            }
-        }
-        let mut step = self.step.lock().expect("step lock");
-        // The buffers keep their addresses while they are large enough; a graph
-        // recorded against older ones is dropped when they move.
-        let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
-        if !fits {
-            let cap = m.max(8);
-            *step = Some(Step {
-                m,
-                tokens_host: Vec::new(),
-                tokens: self.gpu.alloc(cap).map_err(err)?,
-                pos: self.gpu.alloc(cap).map_err(err)?,
-                kv: self.gpu.alloc((n_layer * cap * 3).max(1)).map_err(err)?,
-                run_rows: self.gpu.alloc(cap).map_err(err)?,
-                runs: self.gpu.alloc(4 * cap).map_err(err)?,
-                n_runs: 0,
-                n_chunks: 0,
-                longest: 0,
-            });
-            g.decode = Default::default();
-        }
-        let st = step.as_mut().expect("step buffers");
-        st.m = m;
-        st.n_runs = runs.len() / 4;
-        st.n_chunks = n_chunks;
-        st.longest = longest;
-        st.tokens_host = tokens.clone();
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let stream = self.gpu.stream.cu_stream();
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.tokens), &ids, stream)
-                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.pos), &pos, stream))
-                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.kv), &kv, stream))
-                .and_then(|()| match recurrent {
-                    true => cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.run_rows), &run_rows, stream)
-                        .and_then(|()| {
-                            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.runs), &runs, stream)
-                        }),
-                    false => Ok(()),
-                })
-        }
-        .map_err(|e| err(e.into()))?;
-        // Pageable copies return once the bytes are staged; the kernels after them see them in order.
-        g.arena_used = 0;
-        g.arena_on = m == 1;
-        if self.use_graphs && m == 1 && self.tier.is_none() {
-            g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
-            if g.decode[g.kind].is_some() {
-                self.set_mode(Mode::Replay);
-            } else {
-                self.gpu
-                    .stream
-                    .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| err(e.into()))?;
-                self.set_mode(Mode::Capture);
-            }
-        }
-        Ok(())
+        self.start_step(rows, seqs, scratch)
     }
 
     fn end_step(&self) -> Result<(), ModelError> {
-        let mut g = self.graphs.lock().expect("graph lock");
-        let mode = self.mode();
-        self.set_mode(Mode::Direct);
-        match mode {
-            Mode::Capture => {
-                let graph = self
-                    .gpu
-                    .stream
-                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| err(e.into()))?
-                    .ok_or_else(|| ModelError::Compute("cuda: the decode step recorded no work".into()))?;
-                graph.launch().map_err(|e| err(e.into()))?;
-                let kind = g.kind;
-                g.decode[kind] = Some(SendGraph(graph));
-            }
-            Mode::Replay => {
-                let graph = g.decode[g.kind].as_ref().expect("replay has a graph");
-                graph.0.launch().map_err(|e| err(e.into()))?;
-            }
-            Mode::Direct => {}
-        }
-        g.arena_on = false;
-        Ok(())
+        self.finish_step()
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Act, ModelError> {
@@ -1104,33 +664,7 @@ impl Backend for Cuda {
     }
 
     fn rope(&self, il: usize, rope: &Rope, x: &mut Act, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
-        let step = self.step.lock().expect("step lock");
-        let step = step
-            .as_ref()
-            .filter(|s| s.m == rows.len())
-            .ok_or_else(|| ModelError::Compute("cuda: rope outside a step".into()))?;
-        let n_heads = x.len / rows.len() / head_dim;
-        self.launch(
-            "rope",
-            ((rows.len() * n_heads) as u32, 1, 1),
-            (64, 1, 1),
-            &[
-                Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.gpu.ptr(&step.pos)),
-                Arg::Ptr(
-                    self.gpu.ptr(
-                        self.ropes[il]
-                            .as_ref()
-                            .ok_or_else(|| ModelError::Compute(format!("cuda: layer {il} has no rope")))?,
-                    ),
-                ),
-                Arg::I32(n_heads as i32),
-                Arg::I32(head_dim as i32),
-                Arg::I32(rope.n_rot as i32),
-                Arg::I32(rope.interleaved as i32),
-                Arg::F32(rope.mscale),
-            ],
-        )
+        self.run_rope(il, rope, x, head_dim, rows)
     }
 
     fn attention(
@@ -1142,53 +676,7 @@ impl Backend for Cuda {
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
-        let step = self.step.lock().expect("step lock");
-        let step = step
-            .as_ref()
-            .filter(|s| s.m == rows.len())
-            .ok_or_else(|| ModelError::Compute("cuda: attention outside a step".into()))?;
-        let m = rows.len();
-        let info = self.gpu.ptr(&step.kv) + (il * m * 24) as u64;
-        let (kv_dim, v_dim) = (shape.n_head_kv * shape.head_dim, shape.n_head_kv * shape.head_dim_v);
-        // A layer sharing another's cache stores nothing (its RowKv entries point at that cache).
-        if let Some((k, v)) = kv {
-            self.launch(
-                "kv_store",
-                (m as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(k)),
-                    Arg::Ptr(self.p(v)),
-                    Arg::Ptr(info),
-                    Arg::I32(kv_dim as i32),
-                    Arg::I32(v_dim as i32),
-                ],
-            )?;
-        }
-        let out = self.act(m * shape.n_head * shape.head_dim_v)?;
-        let sinks = match shape.sinks {
-            Some(s) => self.vptr(s)?,
-            None => 0,
-        };
-        self.launch(
-            if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
-            (shape.n_head as u32, m as u32, 1),
-            (128, 1, 1),
-            &[
-                Arg::Ptr(self.p(q)),
-                Arg::Ptr(self.p(&out)),
-                Arg::Ptr(info),
-                Arg::I32(shape.n_head as i32),
-                Arg::I32(shape.n_head_kv as i32),
-                Arg::I32(shape.head_dim as i32),
-                Arg::I32(shape.head_dim_v as i32),
-                Arg::F32(shape.scale),
-                Arg::F32(shape.softcap.unwrap_or(0.0)),
-                Arg::Ptr(sinks),
-                Arg::I32(self.windows[il]),
-            ],
-        )?;
-        Ok(out)
+        self.run_attention(il, shape, q, kv, rows)
     }
 
     fn route(
@@ -1320,32 +808,7 @@ impl Backend for Cuda {
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
-        if !(2..=8).contains(&kernel) {
-            return Err(ModelError::Compute(format!("cuda: a convolution of {kernel} taps (the kernel takes 2 to 8)")));
-        }
-        let channels = taps.len() / kernel;
-        let out = self.act(x.len)?;
-        let r = self.runs_of(il, rows)?;
-        let blocks = channels.div_ceil(256) as u32;
-        let args = [
-            Arg::Ptr(self.p(x)),
-            Arg::Ptr(self.p(&out)),
-            Arg::Ptr(self.vptr(taps)?),
-            Arg::I32(channels as i32),
-            Arg::I32(kernel as i32),
-            Arg::Ptr(r.rows),
-            Arg::Ptr(r.runs),
-            Arg::Ptr(r.info),
-        ];
-        if r.longest < CHUNKED_MIN_ROWS {
-            self.launch("conv_silu", (blocks, r.n as u32, 1), (256, 1, 1), &args)?;
-            return Ok(out);
-        }
-        // A thread per (row, channel), then the windows advanced (the same arguments but the
-        // output and the taps).
-        self.launch("conv_silu_rows", (blocks, r.n as u32, r.longest.div_ceil(64) as u32), (256, 1, 1), &args)?;
-        self.launch("conv_window", (blocks, r.n as u32, 1), (256, 1, 1), &[&args[..1], &args[3..]].concat())?;
-        Ok(out)
+        self.run_conv_silu(il, taps, kernel, x, rows)
     }
 
     fn delta_net(
@@ -1358,79 +821,7 @@ impl Backend for Cuda {
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
-        let d = p.shape;
-        let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.d_k, d.d_v);
-        if dk > 256 {
-            return Err(ModelError::Compute(format!("cuda: key heads of {dk} (the kernel holds 256)")));
-        }
-        let m = rows.len();
-        let r = self.runs_of(il, rows)?;
-        let qk = self.act(m * 2 * nk * dk)?;
-        self.launch(
-            "l2_norm_heads",
-            (m as u32, (2 * nk) as u32, 1),
-            (32, 1, 1),
-            &[
-                Arg::Ptr(self.p(qkv)),
-                Arg::Ptr(self.p(&qk)),
-                Arg::I32(d.conv_dim() as i32),
-                Arg::I32(nk as i32),
-                Arg::I32(dk as i32),
-                Arg::F32(p.eps),
-                Arg::F32(1.0 / (dk as f32).sqrt()),
-            ],
-        )?;
-        let out = self.act(m * nv * dv)?;
-        let tiled = (d.key_head_of == ts_model::config::KeyHeadOf::Tiled) as i32;
-        // delta_rule's and delta_chunk_prep's inputs, then (after their output) the shapes.
-        let inputs = [
-            Arg::Ptr(self.p(&qk)),
-            Arg::Ptr(self.p(qkv)),
-            Arg::Ptr(self.p(beta)),
-            Arg::Ptr(self.p(alpha)),
-            Arg::Ptr(self.vptr(p.a)?),
-            Arg::Ptr(self.vptr(p.dt_bias)?),
-        ];
-        let shape = [nk, nv, dk, dv].map(|x| Arg::I32(x as i32));
-        let shape = [&[Arg::I32(d.conv_dim() as i32)][..], &shape, &[Arg::I32(tiled)]].concat();
-        if r.longest >= CHUNKED_MIN_ROWS && dv.is_multiple_of(DELTA_SCAN_COLS) {
-            // Every chunk's W, U, M at once, then the chunks of each run in order.
-            let per_chunk = DELTA_CHUNK + DELTA_CHUNK * (2 * dk + dv) + DELTA_CHUNK * DELTA_CHUNK;
-            let prep = self.act(r.n_chunks * nv * per_chunk)?;
-            self.launch(
-                "delta_chunk_prep",
-                (nv as u32, r.n as u32, r.longest.div_ceil(DELTA_CHUNK) as u32),
-                (256, 1, 1),
-                &[&inputs[..], &[Arg::Ptr(self.p(&prep))], &shape, &[Arg::Ptr(r.rows), Arg::Ptr(r.runs)]].concat(),
-            )?;
-            self.launch(
-                "delta_chunk_scan",
-                (nv as u32, r.n as u32, dv.div_ceil(DELTA_SCAN_COLS * DELTA_SCAN_WARPS) as u32),
-                (32 * DELTA_SCAN_WARPS as u32, 1, 1),
-                &[
-                    Arg::Ptr(self.p(&qk)),
-                    Arg::Ptr(self.p(&prep)),
-                    Arg::Ptr(self.p(&out)),
-                    Arg::I32(nk as i32),
-                    Arg::I32(nv as i32),
-                    Arg::I32(dk as i32),
-                    Arg::I32(dv as i32),
-                    Arg::I32(tiled),
-                    Arg::Ptr(r.rows),
-                    Arg::Ptr(r.runs),
-                    Arg::Ptr(r.info),
-                ],
-            )?;
-            return Ok(out);
-        }
-        self.launch(
-            "delta_rule",
-            (nv as u32, r.n as u32, dv.div_ceil(DELTA_RULE_WARPS) as u32),
-            (32 * DELTA_RULE_WARPS as u32, 1, 1),
-            &[&inputs[..], &[Arg::Ptr(self.p(&out))], &shape, &[Arg::Ptr(r.rows), Arg::Ptr(r.runs), Arg::Ptr(r.info)]]
-                .concat(),
-        )?;
-        Ok(out)
+        self.run_delta_net(il, p, qkv, beta, alpha, rows)
     }
 
     fn sigmoid_gate(&self, y: &mut Act, x: &Act, gate: &[f32]) -> Result<(), ModelError> {

@@ -1,0 +1,327 @@
+//! A forward step on the device: its row buffers (tokens, positions, each
+//! layer's cache pointers, the recurrent layers' runs), the activation arena of
+//! one-row steps, and their recording as a CUDA graph replayed on later steps;
+//! kernel launches go through here, so that a replayed step launches nothing.
+
+use crate::device::Arg;
+use crate::recurrent::DELTA_CHUNK;
+use crate::{Act, Cuda, GpuLayerState, GpuScratch, GpuState, err};
+use cudarc::driver::CudaSlice;
+use ts_model::{ModelError, Row, SeqState};
+
+/// Per forward step, in buffers that keep their addresses from step to step:
+/// each row's token and position, and per layer each row's cache (`RowKv` of
+/// ops.cu: k pointer, v pointer, slots | pos << 32).
+pub(crate) struct Step {
+    pub(crate) m: usize,
+    pub(crate) tokens_host: Vec<u32>,
+    pub(crate) tokens: CudaSlice<i32>,
+    pub(crate) pos: CudaSlice<i32>,
+    pub(crate) kv: CudaSlice<u64>,
+    /// For recurrent layers: the rows grouped by sequence (`run_rows`), and per
+    /// run `RunInfo` of delta_net.cu (start, len, fresh, first chunk); `n_runs`
+    /// of them, `n_chunks` chunks of `DELTA_CHUNK` rows in all, the longest run
+    /// `longest` rows.
+    pub(crate) run_rows: CudaSlice<i32>,
+    pub(crate) runs: CudaSlice<i32>,
+    pub(crate) n_runs: usize,
+    pub(crate) n_chunks: usize,
+    pub(crate) longest: usize,
+}
+
+/// A recurrent layer's view of the step: device addresses of its rows' `RowKv`s,
+/// the rows grouped by sequence and the `RunInfo`s, and the runs' counts.
+#[derive(Clone, Copy)]
+pub(crate) struct Runs {
+    pub(crate) info: u64,
+    pub(crate) rows: u64,
+    pub(crate) runs: u64,
+    pub(crate) n: usize,
+    pub(crate) n_chunks: usize,
+    pub(crate) longest: usize,
+}
+
+/// Bytes of the arena single-row steps allocate their activations from.
+pub(crate) const ARENA_BYTES: usize = 256 << 20;
+
+/// How launches are treated during a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Mode {
+    /// Launched as they come.
+    Direct = 0,
+    /// Recorded into a CUDA graph (the first single-row step).
+    Capture = 1,
+    /// Skipped: the graph recorded earlier runs them all at the end of the step.
+    Replay = 2,
+}
+
+/// A decode step recorded once and replayed: one launch instead of hundreds.
+pub(crate) struct Graphs {
+    pub(crate) arena: CudaSlice<u8>,
+    pub(crate) arena_used: usize,
+    pub(crate) arena_on: bool,
+    /// One recording per kind of one-row step: without logits (a prompt's
+    /// last-but-one token, say) or with them, plus 2 with exact activations;
+    /// they launch different kernels.
+    pub(crate) decode: [Option<SendGraph>; 4],
+    /// Which recording the current step uses.
+    pub(crate) kind: usize,
+}
+
+pub(crate) struct SendGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: used only under the `Graphs` mutex, on the backend's one stream.
+unsafe impl Send for SendGraph {}
+
+unsafe impl Sync for SendGraph {}
+
+impl Cuda {
+    /// `len` 4-byte elements: from the step arena when it is on, else a new allocation.
+    pub(crate) fn act(&self, len: usize) -> Result<Act, ModelError> {
+        let mut g = self.graphs.lock().expect("graph lock");
+        if g.arena_on {
+            let bytes = (len * 4).div_ceil(256) * 256;
+            if g.arena_used + bytes > ARENA_BYTES {
+                return Err(ModelError::Compute(format!(
+                    "cuda: a one-row step needs more than the {} MiB activation arena",
+                    ARENA_BYTES >> 20
+                )));
+            }
+            let ptr = self.gpu.ptr(&g.arena) + g.arena_used as u64;
+            g.arena_used += bytes;
+            return Ok(Act { ptr, len, _own: None });
+        }
+        drop(g);
+        let buf = self.gpu.alloc::<f32>(len).map_err(err)?;
+        Ok(Act { ptr: self.gpu.ptr(&buf), len, _own: Some(buf) })
+    }
+
+    pub(crate) fn zeros(&self, len: usize) -> Result<Act, ModelError> {
+        let a = self.act(len)?;
+        self.launch_1d("fill", len, &[Arg::Ptr(a.ptr), Arg::F32(0.0), Arg::I64(len as i64)])?;
+        Ok(a)
+    }
+
+    pub(crate) fn mode(&self) -> Mode {
+        match self.mode.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => Mode::Capture,
+            2 => Mode::Replay,
+            _ => Mode::Direct,
+        }
+    }
+
+    pub(crate) fn set_mode(&self, m: Mode) {
+        self.mode.store(m as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn replaying(&self) -> bool {
+        self.mode() == Mode::Replay
+    }
+
+    pub(crate) fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<(), ModelError> {
+        self.wrote();
+        if self.replaying() {
+            return Ok(());
+        }
+        self.gpu.launch(name, grid, block, 0, args).map_err(err)
+    }
+
+    /// Notes a write to device memory (see `writes`); before the replay check, so
+    /// that recording and replay make the same choices.
+    pub(crate) fn wrote(&self) {
+        self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// [`Gpu::launch_with`](device::Gpu::launch_with): a kernel whose parameter is one struct.
+    pub(crate) fn launch_with<P: Copy>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        params: &P,
+    ) -> Result<(), ModelError> {
+        self.wrote();
+        if self.replaying() {
+            return Ok(());
+        }
+        self.gpu.launch_with(name, grid, block, params).map_err(err)
+    }
+
+    pub(crate) fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
+        self.wrote();
+        if self.replaying() {
+            return Ok(());
+        }
+        self.gpu.launch_1d(name, n, args).map_err(err)
+    }
+
+    /// Ends a capture a failed step left open, dropping what it recorded.
+    pub(crate) fn abandon_capture(&self) {
+        if self.mode() == Mode::Capture {
+            let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        }
+        self.set_mode(Mode::Direct);
+    }
+
+    /// The current step's per-row state of layer `il` (`RowKv`s), its rows grouped
+    /// by sequence and the runs (`RunInfo`s): device addresses, and the run count.
+    pub(crate) fn runs_of(&self, il: usize, rows: &[Row]) -> Result<Runs, ModelError> {
+        let step = self.step.lock().expect("step lock");
+        let st = step
+            .as_ref()
+            .filter(|s| s.m == rows.len() && s.n_runs > 0)
+            .ok_or_else(|| ModelError::Compute("cuda: a recurrent layer outside a step".into()))?;
+        Ok(Runs {
+            info: self.gpu.ptr(&st.kv) + (il * rows.len() * 24) as u64,
+            rows: self.gpu.ptr(&st.run_rows),
+            runs: self.gpu.ptr(&st.runs),
+            n: st.n_runs,
+            n_chunks: st.n_chunks,
+            longest: st.longest,
+        })
+    }
+
+    /// [`ts_model::Backend::begin_step`].
+    pub(crate) fn start_step(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+        scratch: &GpuScratch,
+    ) -> Result<(), ModelError> {
+        self.wrote();
+        // Drops the last step's quantized activations here, not inside a capture (a buffer
+        // of a many-row step freed while recording is an invalid graph).
+        self.q8_last.lock().expect("q8 lock").take();
+        let mut g = self.graphs.lock().expect("graph lock");
+        self.abandon_capture();
+        let m = rows.len();
+        let n_layer = seqs.first().map_or(0, |s| s.state.layers.len());
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
+        let mut kv = Vec::with_capacity(n_layer * m * 3);
+        for il in 0..n_layer {
+            for r in rows {
+                let layers = &seqs[r.seq].state.layers;
+                // A layer sharing another's keys and values reads (and stores nothing into) its cache.
+                let own = match &layers[il] {
+                    GpuLayerState::SharedKv(from) => &layers[*from],
+                    other => other,
+                };
+                kv.extend(match own {
+                    GpuLayerState::Kv { k, v, slots } => {
+                        [self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]
+                    }
+                    GpuLayerState::SharedKv(_) => [0, 0, (r.pos as u64) << 32],
+                    GpuLayerState::Recurrent { conv, ssm } => {
+                        [self.gpu.ptr(conv), self.gpu.ptr(ssm), (r.pos as u64) << 32]
+                    }
+                });
+            }
+        }
+        // Recurrent layers read each sequence's rows in order, as runs.
+        let recurrent =
+            seqs.first().is_some_and(|s| s.state.layers.iter().any(|l| matches!(l, GpuLayerState::Recurrent { .. })));
+        let (mut run_rows, mut runs) = (Vec::new(), Vec::new());
+        let (mut n_chunks, mut longest) = (0, 0);
+        if recurrent {
+            for run in ts_model::state::sequence_runs(rows, seqs)? {
+                let len = run.rows.len();
+                runs.extend([run_rows.len() as i32, len as i32, run.fresh as i32, n_chunks as i32]);
+                run_rows.extend(run.rows.iter().map(|&i| i as i32));
+                n_chunks += len.div_ceil(DELTA_CHUNK);
+                longest = longest.max(len);
+            }
+        }
+        let mut step = self.step.lock().expect("step lock");
+        // The buffers keep their addresses while they are large enough; a graph
+        // recorded against older ones is dropped when they move.
+        let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
+        if !fits {
+            let cap = m.max(8);
+            *step = Some(Step {
+                m,
+                tokens_host: Vec::new(),
+                tokens: self.gpu.alloc(cap).map_err(err)?,
+                pos: self.gpu.alloc(cap).map_err(err)?,
+                kv: self.gpu.alloc((n_layer * cap * 3).max(1)).map_err(err)?,
+                run_rows: self.gpu.alloc(cap).map_err(err)?,
+                runs: self.gpu.alloc(4 * cap).map_err(err)?,
+                n_runs: 0,
+                n_chunks: 0,
+                longest: 0,
+            });
+            g.decode = Default::default();
+        }
+        let st = step.as_mut().expect("step buffers");
+        st.m = m;
+        st.n_runs = runs.len() / 4;
+        st.n_chunks = n_chunks;
+        st.longest = longest;
+        st.tokens_host = tokens.clone();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let stream = self.gpu.stream.cu_stream();
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.tokens), &ids, stream)
+                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.pos), &pos, stream))
+                .and_then(|()| cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.kv), &kv, stream))
+                .and_then(|()| match recurrent {
+                    true => cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.run_rows), &run_rows, stream)
+                        .and_then(|()| {
+                            cudarc::driver::result::memcpy_htod_async(self.gpu.ptr(&st.runs), &runs, stream)
+                        }),
+                    false => Ok(()),
+                })
+        }
+        .map_err(|e| err(e.into()))?;
+        // Pageable copies return once the bytes are staged; the kernels after them see them in order.
+        g.arena_used = 0;
+        g.arena_on = m == 1;
+        if self.use_graphs && m == 1 && self.tier.is_none() {
+            g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
+            if g.decode[g.kind].is_some() {
+                self.set_mode(Mode::Replay);
+            } else {
+                self.gpu
+                    .stream
+                    .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| err(e.into()))?;
+                self.set_mode(Mode::Capture);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`ts_model::Backend::end_step`].
+    pub(crate) fn finish_step(&self) -> Result<(), ModelError> {
+        let mut g = self.graphs.lock().expect("graph lock");
+        let mode = self.mode();
+        self.set_mode(Mode::Direct);
+        match mode {
+            Mode::Capture => {
+                let graph = self
+                    .gpu
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                    .map_err(|e| err(e.into()))?
+                    .ok_or_else(|| ModelError::Compute("cuda: the decode step recorded no work".into()))?;
+                graph.launch().map_err(|e| err(e.into()))?;
+                let kind = g.kind;
+                g.decode[kind] = Some(SendGraph(graph));
+            }
+            Mode::Replay => {
+                let graph = g.decode[g.kind].as_ref().expect("replay has a graph");
+                graph.0.launch().map_err(|e| err(e.into()))?;
+            }
+            Mode::Direct => {}
+        }
+        g.arena_on = false;
+        Ok(())
+    }
+}
