@@ -5,8 +5,9 @@
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
-# llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz (tools/peer-pack.sh) in the
-# background; `side LIKE...`: synthetic files, ours beside that llama-bench.)
+# llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz (tools/peer-pack.sh), and
+# ik_llama.cpp's from .peer/ik-cuda.tar.xz (tools/peer-pack-ik.sh) when packed, in the
+# background; `side LIKE...`: synthetic files, ours beside those llama-benches.)
 set -u
 what=${1:-all}
 export TURBOSPARK_ROOT=$PWD
@@ -97,6 +98,15 @@ if [[ $what == peer-build ]]; then
         -DLLAMA_BUILD_APP=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
         && cmake --build /tmp/lcbuild -j16 --target llama-bench; echo built $?' > /tmp/lcbuild.log 2>&1 &
     echo "llama.cpp build started (log /tmp/lcbuild.log)"
+    # ik_llama.cpp (tools/peer-pack-ik.sh), built beside it when packed.
+    if [[ -f .peer/ik-cuda.tar.xz ]]; then
+        rm -rf /tmp/ikpeer && mkdir -p /tmp/ikpeer && tar -xJf .peer/ik-cuda.tar.xz -C /tmp/ikpeer
+        setsid nohup bash -c 'cmake -S /tmp/ikpeer/ik_llama.cpp -B /tmp/ikbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+            -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON \
+            -DCMAKE_BUILD_TYPE=Release && cmake --build /tmp/ikbuild -j16 --target llama-bench; echo built $?' \
+            > /tmp/ikbuild.log 2>&1 &
+        echo "ik_llama.cpp build started (log /tmp/ikbuild.log)"
+    fi
 fi
 if [[ $what == before-after ]]; then
     # `before-after [LIKE...]` (default: gpt-oss-20b qwen3-30b-a3b).
@@ -138,6 +148,17 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
                 | grep -E "^\||error"
             echo "== $like, llama.cpp: every layer's experts on the CPU (16 threads)"
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -ncmoe "$n_layer" -t 16 -p 512 -n 64 -r 2 2>&1 \
+                | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
+        fi
+        if [[ -f /tmp/ikbuild.log ]]; then
+            for i in $(seq 60); do grep -q "^built" /tmp/ikbuild.log && break; sleep 10; done
+            tail -1 /tmp/ikbuild.log
+            # Its fused MoE is on by default; -rtr (run-time repack) is for experts on the CPU.
+            echo "== $like, ik_llama.cpp: every layer on the GPU"
+            /tmp/ikbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
+                | grep -E "^\||error"
+            echo "== $like, ik_llama.cpp: every layer's experts on the CPU (16 threads)"
+            /tmp/ikbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 --n-cpu-moe "$n_layer" -rtr 1 -t 16 -p 512 -n 64 -r 2 2>&1 \
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
     done
