@@ -1,0 +1,111 @@
+// The routed experts' small kernels: routing, per-expert biases, gathering a
+// step's rows by expert and the weighted combine (the matmuls are in matmul.cu and
+// matvec_q8.cu). Uses ops.cu's helpers (ops.cu comes first in the one compiled source).
+
+// x[s][i] += bias[ids[s]][i]: per-expert biases of MoE slots s, those with
+// mask[s] >= 0 (all when mask is null).
+extern "C" __global__ void add_bias_indexed(float* x, const float* bias, const int* ids, const int* mask, int width,
+                                            long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        if (!mask || mask[i / width] >= 0) x[i] += bias[(long long)ids[i / width] * width + i % width];
+}
+
+// out[j] = x[rows[j]] for rows of `width`. grid.x = n rows.
+extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
+    const float* src = x + (long long)rows[blockIdx.x] * width;
+    float* dst = out + (long long)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
+}
+
+// out[r] = sum_j w[r*k + j] * y[r*k + j] for rows of `width`: a token's k expert outputs.
+// grid = (any, m): blocks of a row share its width.
+// pair (r, j)'s row of y is index[r*k + j] (its place among the pairs grouped by
+// expert), or r*k + j when index is null.
+extern "C" __global__ void moe_combine(const float* y, const float* w, const int* index, float* out, int k,
+                                       int width) {
+    const int r = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            long long row = index ? index[r * k + j] : (long long)r * k + j;
+            acc += w[r * k + j] * y[row * width + i];
+        }
+        out[(long long)r * width + i] = acc;
+    }
+}
+
+#define MAX_EXPERTS 1024
+
+// Routes each row from its router logits [m][n_expert]: gating 0 = softmax then
+// top-k, 1 = top-k then softmax over the k; renormalize divides the k weights by
+// their sum (floored like llama.cpp); then each weight times its expert's
+// scale [n_expert] where scale is not null (Gemma 4). Ties keep the lower
+// index. grid.x = m, one warp.
+extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize,
+                                 const float* scale, int* ids, float* weights) {
+    __shared__ float v[MAX_EXPERTS];
+    __shared__ float sel_w[64];
+    int lane = threadIdx.x;
+    const float* l = logits + (long long)blockIdx.x * n_expert;
+    float mx = -INFINITY;
+    for (int i = lane; i < n_expert; i += WARP) {
+        v[i] = l[i];
+        mx = fmaxf(mx, l[i]);
+    }
+    mx = warp_max(mx);
+    if (gating == 0) {
+        float s = 0.0f;
+        for (int i = lane; i < n_expert; i += WARP) {
+            v[i] = expf(v[i] - mx);
+            s += v[i];
+        }
+        s = warp_sum(s);
+        for (int i = lane; i < n_expert; i += WARP) v[i] /= s;
+    }
+    __syncwarp();
+    for (int j = 0; j < k; j++) {
+        float best = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = lane; i < n_expert; i += WARP) {
+            if (v[i] > best || (v[i] == best && i < bi)) {
+                best = v[i];
+                bi = i;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            ids[blockIdx.x * k + j] = bi;
+            sel_w[j] = best;
+            v[bi] = -INFINITY;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        if (gating == 1) {
+            float m0 = sel_w[0], s = 0.0f;
+            for (int j = 0; j < k; j++) {
+                sel_w[j] = expf(sel_w[j] - m0);
+                s += sel_w[j];
+            }
+            for (int j = 0; j < k; j++) sel_w[j] /= s;
+        }
+        if (renormalize) {
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) s += sel_w[j];
+            s = fmaxf(s, 6.103515625e-5f);
+            for (int j = 0; j < k; j++) sel_w[j] /= s;
+        }
+        for (int j = 0; j < k; j++) {
+            float w = sel_w[j];
+            if (scale) w *= scale[ids[blockIdx.x * k + j]];
+            weights[blockIdx.x * k + j] = w;
+        }
+    }
+}
