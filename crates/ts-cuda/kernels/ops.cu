@@ -35,13 +35,17 @@ __device__ float block_sum(float v) {
     return r;
 }
 
-// out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces).
-// w may be null (scale 1). out may alias x. Each thread keeps its first
-// RMS_HELD elements in registers between the two passes (all of them when
-// blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
+// out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces), after
+// x[p] += y[p] when ADD (the residual add fused into the next norm: one kernel, and the
+// same floats as `add` then `rms_norm`). w may be null (scale 1). Without ADD out may alias
+// x. Each thread keeps its first RMS_HELD elements in registers between the two passes (all
+// of them when blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
 #define RMS_HELD 4
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int width, float eps) {
-    const float* xp = x + (long long)blockIdx.x * width;
+template <bool ADD>
+__device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const float* w, float* out, int width,
+                                            float eps) {
+    float* xp = x + (long long)blockIdx.x * width;
+    const float* yp = ADD ? y + (long long)blockIdx.x * width : nullptr;
     float* op = out + (long long)blockIdx.x * width;
     float held[RMS_HELD];
     float ss = 0.0f;
@@ -49,9 +53,20 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     for (int j = 0; j < RMS_HELD; j++) {
         int i = threadIdx.x + j * blockDim.x;
         held[j] = i < width ? xp[i] : 0.0f;
+        if (ADD && i < width) {
+            held[j] += yp[i];
+            xp[i] = held[j];
+        }
         ss += held[j] * held[j];
     }
-    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) ss += xp[i] * xp[i];
+    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) {
+        float v = xp[i];
+        if (ADD) {
+            v += yp[i];
+            xp[i] = v;  // read back below by this same thread
+        }
+        ss += v * v;
+    }
     ss = block_sum(ss);
     float scale = rsqrtf(ss / width + eps);
 #pragma unroll
@@ -60,6 +75,14 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
         if (i < width) op[i] = held[j] * scale * (w ? w[i] : 1.0f);
     }
     for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) op[i] = xp[i] * scale * (w ? w[i] : 1.0f);
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int width, float eps) {
+    ts_rms_norm<false>(const_cast<float*>(x), nullptr, w, out, width, eps);
+}
+
+extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int width, float eps) {
+    ts_rms_norm<true>(x, y, w, out, width, eps);
 }
 
 // x[i] += y[i]

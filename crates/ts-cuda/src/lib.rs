@@ -635,6 +635,24 @@ impl Backend for Cuda {
         Ok(out)
     }
 
+    fn add_rms_norm_to(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
+        let out = self.act(x.len)?;
+        self.launch(
+            "add_rms_norm",
+            ((x.len / w.len()) as u32, 1, 1),
+            (norm_threads(w.len()), 1, 1),
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(self.p(y)),
+                Arg::Ptr(self.vptr(w)?),
+                Arg::Ptr(self.p(&out)),
+                Arg::I32(w.len() as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(out)
+    }
+
     fn add(&self, x: &mut Act, y: &Act) -> Result<(), ModelError> {
         self.launch_1d("add", x.len, &[Arg::Ptr(self.p(x)), Arg::Ptr(self.p(y)), Arg::I64(x.len as i64)])
     }

@@ -323,6 +323,7 @@ fn nvrtc_compiles() {
     for kernel in [
         "quantize_q8_1",
         "rms_norm",
+        "add_rms_norm",
         "attention",
         "route",
         "columns",

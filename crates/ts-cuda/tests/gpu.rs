@@ -167,6 +167,12 @@ fn elementwise_ops_match_the_cpu() {
     cpu.add(&mut a, &y).unwrap();
     cuda.add(&mut b, &up(&y)).unwrap();
     check("add", cuda.to_host(&b).unwrap(), &a, 0.0);
+    // The fused residual add and norm: the sum left in x, the norm of it returned.
+    let (mut a, mut b) = (x.clone(), up(&x));
+    let want = cpu.add_rms_norm_to(&mut a, &y, &w, 1e-6).unwrap();
+    let got = cuda.add_rms_norm_to(&mut b, &up(&y), &w, 1e-6).unwrap();
+    check("add_rms_norm (sum)", cuda.to_host(&b).unwrap(), &a, 0.0);
+    check("add_rms_norm (norm)", cuda.to_host(&got).unwrap(), &want, 1e-6);
     let (mut a, mut b) = (x.clone(), up(&x));
     cpu.scale(&mut a, 0.125).unwrap();
     cuda.scale(&mut b, 0.125).unwrap();

@@ -108,6 +108,12 @@ pub trait Backend: Sized + Send + Sync {
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
     /// [`Backend::rms_norm`] into a new matrix, `x` untouched.
     fn rms_norm_to(&self, x: &Self::Act, w: &[f32], eps: f32) -> Result<Self::Act, ModelError>;
+    /// `x += y`, then [`Backend::rms_norm_to`] of the sum (a residual add and the next norm,
+    /// which a backend may do in one kernel; the same floats either way).
+    fn add_rms_norm_to(&self, x: &mut Self::Act, y: &Self::Act, w: &[f32], eps: f32) -> Result<Self::Act, ModelError> {
+        self.add(x, y)?;
+        self.rms_norm_to(x, w, eps)
+    }
     /// `x += y`.
     fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<(), ModelError>;
     fn scale(&self, x: &mut Self::Act, s: f32) -> Result<(), ModelError>;

@@ -276,8 +276,13 @@ impl<B: Backend> Model<B> {
             be.scale(&mut x, s)?;
         }
         let per_layer_inputs = self.per_layer_inputs(&tokens, &x, scratch)?;
+        // A layer's FFN output not yet added into x: added by the next layer's first norm.
+        let mut pending: Option<B::Act> = None;
         for (il, layer) in self.weights.layers.iter().enumerate() {
-            let normed = be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let normed = match pending.take() {
+                Some(ffn) => be.add_rms_norm_to(&mut x, &ffn, &layer.attn_norm, cfg.rms_eps)?,
+                None => be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?,
+            };
             let mut attn = match &layer.mixer {
                 MixerWeights::Attention(w) => self.attention(il, w, rows, seqs, &normed, scratch)?,
                 MixerWeights::DeltaNet(w) => self.delta_net(il, w, rows, seqs, &normed, scratch)?,
@@ -285,15 +290,17 @@ impl<B: Backend> Model<B> {
             if let Some(w) = &layer.attn_post_norm {
                 be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
             }
-            be.add(&mut x, &attn)?;
-
-            let normed = be.rms_norm_to(&x, &layer.ffn_norm, cfg.rms_eps)?;
+            let normed = be.add_rms_norm_to(&mut x, &attn, &layer.ffn_norm, cfg.rms_eps)?;
             let mut ffn = match &layer.ffn {
                 Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
                 Ffn::Moe(w) => self.moe_ffn(il, w, &x, &normed, m, scratch)?,
             };
             if let Some(w) = &layer.ffn_post_norm {
                 be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
+            }
+            if layer.per_layer.is_none() && layer.output_scale.is_none() {
+                pending = Some(ffn);
+                continue;
             }
             be.add(&mut x, &ffn)?;
             if let (Some(pw), Some(inputs)) = (&layer.per_layer, &per_layer_inputs) {
@@ -308,6 +315,9 @@ impl<B: Backend> Model<B> {
             if let Some(s) = layer.output_scale {
                 be.scale(&mut x, s)?;
             }
+        }
+        if let Some(ffn) = pending {
+            be.add(&mut x, &ffn)?;
         }
         for r in rows {
             let s = &mut seqs[r.seq];
