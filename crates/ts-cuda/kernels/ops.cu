@@ -77,12 +77,13 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) op[i] = xp[i] * scale * (w ? w[i] : 1.0f);
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int width, float eps) {
-    ts_rms_norm<false>(const_cast<float*>(x), nullptr, w, out, width, eps);
-}
-
-extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float* out, int width, float eps) {
-    ts_rms_norm<true>(x, y, w, out, width, eps);
+// y null: the norm alone (out may alias x); else the add first.
+extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, float* out, int width, float eps) {
+    if (y) {
+        ts_rms_norm<true>(x, y, w, out, width, eps);
+    } else {
+        ts_rms_norm<false>(x, nullptr, w, out, width, eps);
+    }
 }
 
 // x[i] += y[i]

@@ -454,6 +454,29 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// The `rms_norm` kernel over the `len / piece` pieces at `x`: `x += y` first unless `y`
+    /// is 0, then `out = norm(x) * w` (`w` 0: no scale). Device addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rows(
+        &self,
+        x: u64,
+        y: u64,
+        w: u64,
+        out: u64,
+        len: usize,
+        piece: usize,
+        eps: f32,
+    ) -> Result<(), ModelError> {
+        self.launch(
+            "rms_norm",
+            ((len / piece) as u32, 1, 1),
+            (norm_threads(piece), 1, 1),
+            &[Arg::Ptr(x), Arg::Ptr(y), Arg::Ptr(w), Arg::Ptr(out), Arg::I32(piece as i32), Arg::F32(eps)],
+        )
+    }
+}
+
 /// Threads of an `rms_norm` block for pieces of `width`: enough that each
 /// holds its 4 elements in registers (ops.cu's RMS_HELD), 32 to 1024.
 fn norm_threads(width: usize) -> u32 {
@@ -605,51 +628,19 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
-        let wp = match w {
-            Some(w) => self.vptr(w)?,
-            None => 0,
-        };
-        let xp = self.p(x);
-        self.launch(
-            "rms_norm",
-            ((x.len / piece) as u32, 1, 1),
-            (norm_threads(piece), 1, 1),
-            &[Arg::Ptr(xp), Arg::Ptr(wp), Arg::Ptr(xp), Arg::I32(piece as i32), Arg::F32(eps)],
-        )
+        let w = w.map_or(Ok(0), |w| self.vptr(w))?;
+        self.norm_rows(x.ptr, 0, w, x.ptr, x.len, piece, eps)
     }
 
     fn rms_norm_to(&self, x: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        self.launch(
-            "rms_norm",
-            ((x.len / w.len()) as u32, 1, 1),
-            (norm_threads(w.len()), 1, 1),
-            &[
-                Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.vptr(w)?),
-                Arg::Ptr(self.p(&out)),
-                Arg::I32(w.len() as i32),
-                Arg::F32(eps),
-            ],
-        )?;
+        self.norm_rows(x.ptr, 0, self.vptr(w)?, out.ptr, x.len, w.len(), eps)?;
         Ok(out)
     }
 
     fn add_rms_norm_to(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        self.launch(
-            "add_rms_norm",
-            ((x.len / w.len()) as u32, 1, 1),
-            (norm_threads(w.len()), 1, 1),
-            &[
-                Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.p(y)),
-                Arg::Ptr(self.vptr(w)?),
-                Arg::Ptr(self.p(&out)),
-                Arg::I32(w.len() as i32),
-                Arg::F32(eps),
-            ],
-        )?;
+        self.norm_rows(x.ptr, y.ptr, self.vptr(w)?, out.ptr, x.len, w.len(), eps)?;
         Ok(out)
     }
 

@@ -323,7 +323,6 @@ fn nvrtc_compiles() {
     for kernel in [
         "quantize_q8_1",
         "rms_norm",
-        "add_rms_norm",
         "attention",
         "route",
         "columns",
