@@ -21,17 +21,8 @@ __device__ __forceinline__ float ts_lanes_sum(float v, int lanes) {
 extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed char* __restrict__ q,
                                          float2* __restrict__ ds, long long n) {
     // Warps cover whole blocks of 32: blockDim.x and the stride are multiples of 32.
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float v = x[i];
-        float amax = fabsf(v);
-        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        const float d = amax / 127.0f;
-        const int qi = d == 0.0f ? 0 : (int)roundf(v / d);
-        int sum = qi;
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        q[i] = (signed char)qi;
-        if ((threadIdx.x & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
-    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        ts_q8_store_warp(x[i], i, q, ds);
 }
 
 // Weight rows per lane group, sharing their activation loads (matvec_q8.rs's ROWS_PER_GROUP).

@@ -37,16 +37,20 @@ __device__ float block_sum(float v) {
 
 // out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces), after
 // x[p] += y[p] when ADD (the residual add fused into the next norm: one kernel, and the
-// same floats as `add` then `rms_norm`). w may be null (scale 1). Without ADD out may alias
-// x. Each thread keeps its first RMS_HELD elements in registers between the two passes (all
-// of them when blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
+// same floats as `add` then `rms_norm`); and, where q is not null (width a multiple of 32),
+// out also quantized to 8 bits into q [pieces][width] and ds [pieces][width / 32], as
+// quantize_q8_1 would. w may be null (scale 1). Without ADD out may alias x. Each thread keeps
+// its first RMS_HELD elements in registers between the two passes (all of them when
+// blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
 #define RMS_HELD 4
 template <bool ADD>
-__device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const float* w, float* out, int width,
-                                            float eps) {
+__device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const float* w, float* out, signed char* q,
+                                            float2* ds, int width, float eps) {
     float* xp = x + (long long)blockIdx.x * width;
     const float* yp = ADD ? y + (long long)blockIdx.x * width : nullptr;
     float* op = out + (long long)blockIdx.x * width;
+    signed char* qp = q ? q + (long long)blockIdx.x * width : nullptr;
+    float2* dp = q ? ds + (long long)blockIdx.x * (width / 32) : nullptr;
     float held[RMS_HELD];
     float ss = 0.0f;
 #pragma unroll
@@ -69,20 +73,30 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     }
     ss = block_sum(ss);
     float scale = rsqrtf(ss / width + eps);
+    // With q, `i < width` is the same for a whole warp (width and blockDim.x are multiples of 32).
 #pragma unroll
     for (int j = 0; j < RMS_HELD; j++) {
         int i = threadIdx.x + j * blockDim.x;
-        if (i < width) op[i] = held[j] * scale * (w ? w[i] : 1.0f);
+        if (i < width) {
+            const float v = held[j] * scale * (w ? w[i] : 1.0f);
+            op[i] = v;
+            if (qp) ts_q8_store_warp(v, i, qp, dp);
+        }
     }
-    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) op[i] = xp[i] * scale * (w ? w[i] : 1.0f);
+    for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) {
+        const float v = xp[i] * scale * (w ? w[i] : 1.0f);
+        op[i] = v;
+        if (qp) ts_q8_store_warp(v, i, qp, dp);
+    }
 }
 
-// y null: the norm alone (out may alias x); else the add first.
-extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, float* out, int width, float eps) {
+// y null: the norm alone (out may alias x); else the add first. q, ds null: no 8-bit copy.
+extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, float* out, signed char* q, float2* ds,
+                                    int width, float eps) {
     if (y) {
-        ts_rms_norm<true>(x, y, w, out, width, eps);
+        ts_rms_norm<true>(x, y, w, out, q, ds, width, eps);
     } else {
-        ts_rms_norm<false>(x, nullptr, w, out, width, eps);
+        ts_rms_norm<false>(x, nullptr, w, out, q, ds, width, eps);
     }
 }
 

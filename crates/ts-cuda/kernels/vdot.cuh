@@ -70,6 +70,22 @@ __device__ __forceinline__ ts_f2 ts_xds(const ts_f2* p) {
 #endif
 }
 
+#ifndef TS_HOST
+// Quantizes element i of a row (v) into q[i], its warp's 32 consecutive elements (i of lane 0
+// a multiple of 32) forming one block, whose (d, sum) lane 0 writes to ds[i / 32]. Every lane
+// of the warp must call it. The one definition of the format on the device.
+__device__ __forceinline__ void ts_q8_store_warp(float v, long long i, signed char* q, float2* ds) {
+    float amax = fabsf(v);
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d = amax / 127.0f;
+    const int qi = d == 0.0f ? 0 : (int)roundf(v / d);
+    int sum = qi;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    q[i] = (signed char)qi;
+    if ((threadIdx.x & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
+}
+#endif
+
 // Activation row r of x: its quants and its blocks' (d, sum).
 __device__ __forceinline__ const signed char* ts_xrow(const TsQ8& x, int r) { return x.q + (ts_u64)r * x.k; }
 __device__ __forceinline__ const ts_f2* ts_xds_row(const TsQ8& x, int r) { return x.ds + (ts_u64)r * (x.k >> 5); }

@@ -454,26 +454,50 @@ impl Cuda {
     }
 }
 
+/// One `rms_norm` launch over the `len / piece` pieces at `x` (device addresses): `x += y`
+/// first unless `y` is 0, then `out = norm(x) * w` (`w` 0: no scale).
+struct NormRows {
+    x: u64,
+    y: u64,
+    w: u64,
+    out: u64,
+    len: usize,
+    piece: usize,
+    eps: f32,
+}
+
 impl Cuda {
-    /// The `rms_norm` kernel over the `len / piece` pieces at `x`: `x += y` first unless `y`
-    /// is 0, then `out = norm(x) * w` (`w` 0: no scale). Device addresses.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_rows(
-        &self,
-        x: u64,
-        y: u64,
-        w: u64,
-        out: u64,
-        len: usize,
-        piece: usize,
-        eps: f32,
-    ) -> Result<(), ModelError> {
+    /// `n`, with `out` also quantized to 8 bits into `q8` where given.
+    fn norm_rows(&self, n: &NormRows, q8: Option<&matvec_q8::Q8Act>) -> Result<(), ModelError> {
+        let (q, ds) = q8.map_or((0, 0), |q| (q.q(0), q.ds(0)));
         self.launch(
             "rms_norm",
-            ((len / piece) as u32, 1, 1),
-            (norm_threads(piece), 1, 1),
-            &[Arg::Ptr(x), Arg::Ptr(y), Arg::Ptr(w), Arg::Ptr(out), Arg::I32(piece as i32), Arg::F32(eps)],
+            ((n.len / n.piece) as u32, 1, 1),
+            (norm_threads(n.piece), 1, 1),
+            &[
+                Arg::Ptr(n.x),
+                Arg::Ptr(n.y),
+                Arg::Ptr(n.w),
+                Arg::Ptr(n.out),
+                Arg::Ptr(q),
+                Arg::Ptr(ds),
+                Arg::I32(n.piece as i32),
+                Arg::F32(n.eps),
+            ],
         )
+    }
+
+    /// A norm whose output feeds matmuls: for few rows (the 8-bit matvecs' steps) it also
+    /// writes the output's 8-bit copy, which the next 8-bit matvec on it then reuses.
+    fn norm_rows_quantized(&self, n: &NormRows) -> Result<(), ModelError> {
+        let rows = n.len / n.piece;
+        if rows >= matmul::GEMM_MIN_ROWS || !n.piece.is_multiple_of(32) {
+            return self.norm_rows(n, None);
+        }
+        let (q, buf) = self.q8_buffer(rows, n.piece)?;
+        self.norm_rows(n, Some(&q))?;
+        self.remember_quantized(n.out, q, buf);
+        Ok(())
     }
 }
 
@@ -629,18 +653,20 @@ impl Backend for Cuda {
 
     fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
         let w = w.map_or(Ok(0), |w| self.vptr(w))?;
-        self.norm_rows(x.ptr, 0, w, x.ptr, x.len, piece, eps)
+        self.norm_rows(&NormRows { x: x.ptr, y: 0, w, out: x.ptr, len: x.len, piece, eps }, None)
     }
 
     fn rms_norm_to(&self, x: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        self.norm_rows(x.ptr, 0, self.vptr(w)?, out.ptr, x.len, w.len(), eps)?;
+        let rows = NormRows { x: x.ptr, y: 0, w: self.vptr(w)?, out: out.ptr, len: x.len, piece: w.len(), eps };
+        self.norm_rows_quantized(&rows)?;
         Ok(out)
     }
 
     fn add_rms_norm_to(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        self.norm_rows(x.ptr, y.ptr, self.vptr(w)?, out.ptr, x.len, w.len(), eps)?;
+        let rows = NormRows { x: x.ptr, y: y.ptr, w: self.vptr(w)?, out: out.ptr, len: x.len, piece: w.len(), eps };
+        self.norm_rows_quantized(&rows)?;
         Ok(out)
     }
 

@@ -9,7 +9,7 @@ use ts_gguf::GgmlType;
 use ts_model::ModelError;
 
 /// Rows below this go through the matvec kernels, 8 at a time; from it on, cuBLAS.
-const GEMM_MIN_ROWS: usize = 32;
+pub(crate) const GEMM_MIN_ROWS: usize = 32;
 
 /// Activation rows one matvec launch serves.
 pub(crate) const MATVEC_ROWS: usize = 8;
@@ -53,25 +53,29 @@ impl Cuda {
         if !exact && let Some(sfx) = q8_suffix(ty) {
             return self.matmul_q8(sfx, mm);
         }
-        let grid = (n_out.div_ceil(4) as u32, 1, 1);
-        for r0 in (0..m).step_by(MATVEC_ROWS) {
-            let mc = (m - r0).min(MATVEC_ROWS);
-            self.launch(
-                &format!("matvec_{sfx}"),
-                grid,
-                (32, 4, 1),
-                &[
-                    Arg::Ptr(w),
-                    Arg::Ptr(x + (r0 * k * 4) as u64),
-                    Arg::Ptr(y + (r0 * n_out * 4) as u64),
-                    Arg::I32(n_out as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(mc as i32),
-                    Arg::Ptr(bias),
-                ],
-            )?;
-        }
-        Ok(())
+        // These write only y: an 8-bit copy of other activations stays valid (a MoE layer's
+        // f32 router between its norm and its experts).
+        self.keeping_quantized(&[(y, 4 * m * n_out)], || {
+            let grid = (n_out.div_ceil(4) as u32, 1, 1);
+            for r0 in (0..m).step_by(MATVEC_ROWS) {
+                let mc = (m - r0).min(MATVEC_ROWS);
+                self.launch(
+                    &format!("matvec_{sfx}"),
+                    grid,
+                    (32, 4, 1),
+                    &[
+                        Arg::Ptr(w),
+                        Arg::Ptr(x + (r0 * k * 4) as u64),
+                        Arg::Ptr(y + (r0 * n_out * 4) as u64),
+                        Arg::I32(n_out as i32),
+                        Arg::I32(k as i32),
+                        Arg::I32(mc as i32),
+                        Arg::Ptr(bias),
+                    ],
+                )?;
+            }
+            Ok(())
+        })
     }
 
     /// The weight dequantized to f16, the activations rounded to f16, one cuBLAS

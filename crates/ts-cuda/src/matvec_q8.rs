@@ -39,12 +39,12 @@ pub(crate) struct Q8Cached {
 
 impl Q8Act {
     /// The quants of row `r` on.
-    fn q(&self, r: usize) -> u64 {
+    pub(crate) fn q(&self, r: usize) -> u64 {
         self.ptr + (r * self.k) as u64
     }
 
     /// The (d, sum) pairs of row `r` on.
-    fn ds(&self, r: usize) -> u64 {
+    pub(crate) fn ds(&self, r: usize) -> u64 {
         self.ptr + (self.m * self.k + 8 * r * (self.k / 32)) as u64
     }
 }
@@ -138,13 +138,25 @@ fn rows_per_block(lanes: i32) -> usize {
 }
 
 impl Cuda {
-    /// `x` `[m][k]` (device address) quantized to 8 bits: the previous 8-bit
-    /// matvec's copy when it read the same activations and nothing has written
-    /// to the device since (q, k and v of one input), else quantized anew.
+    /// A buffer for `m` rows of `k` activations quantized to 8 bits.
+    pub(crate) fn q8_buffer(&self, m: usize, k: usize) -> Result<(Q8Act, Act), ModelError> {
+        let buf = self.act((m * k + 8 * m * (k / 32)).div_ceil(4))?;
+        Ok((Q8Act { ptr: buf.ptr, m, k }, buf))
+    }
+
+    /// Records `q` (held in `buf`) as the 8-bit copy of the activations at `src`, as they are
+    /// now (the launch that wrote both is the last write).
+    pub(crate) fn remember_quantized(&self, src: u64, q: Q8Act, buf: Act) {
+        let writes = self.writes.load(std::sync::atomic::Ordering::Relaxed);
+        *self.q8_last.lock().expect("q8 lock") = Some(Q8Cached { src, writes, q, _buf: buf });
+    }
+
+    /// `x` `[m][k]` (device address) quantized to 8 bits: the copy made last (by an 8-bit
+    /// matvec, or by the norm that wrote x) when it is of the same activations and nothing
+    /// has written to the device since (q, k and v of one input), else quantized anew.
     fn quantized(&self, x: u64, m: usize, k: usize) -> Result<Q8Act, ModelError> {
         use std::sync::atomic::Ordering::Relaxed;
-        let mut last = self.q8_last.lock().expect("q8 lock");
-        if let Some(c) = last.as_ref()
+        if let Some(c) = self.q8_last.lock().expect("q8 lock").as_ref()
             && c.src == x
             && c.q.m == m
             && c.q.k == k
@@ -152,30 +164,46 @@ impl Cuda {
         {
             return Ok(c.q);
         }
-        let buf = self.act((m * k + 8 * m * (k / 32)).div_ceil(4))?;
-        let q = Q8Act { ptr: buf.ptr, m, k };
+        let (q, buf) = self.q8_buffer(m, k)?;
         self.launch_1d(
             "quantize_q8_1",
             m * k,
             &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64((m * k) as i64)],
         )?;
-        *last = Some(Q8Cached { src: x, writes: 0, q, _buf: buf });
+        self.remember_quantized(x, q, buf);
         Ok(q)
     }
 
-    /// Marks the cached activations valid after an 8-bit matvec's own launches
-    /// (which write only their outputs, never the activations they read).
-    fn keep_quantized(&self) {
-        if let Some(c) = self.q8_last.lock().expect("q8 lock").as_mut() {
-            c.writes = self.writes.load(std::sync::atomic::Ordering::Relaxed);
+    /// Runs `launches`, which write only the device bytes `writes` (start, length), keeping
+    /// the cached 8-bit copy valid if it was before and its activations are not among them.
+    pub(crate) fn keeping_quantized<T>(
+        &self,
+        writes: &[(u64, usize)],
+        launches: impl FnOnce() -> Result<T, ModelError>,
+    ) -> Result<T, ModelError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let keep = self.q8_last.lock().expect("q8 lock").as_ref().is_some_and(|c| {
+            let src = (c.src, (4 * c.q.m * c.q.k) as u64);
+            c.writes == self.writes.load(Relaxed)
+                && writes.iter().all(|&(at, len)| at + len as u64 <= src.0 || src.0 + src.1 <= at)
+        });
+        let out = launches()?;
+        if keep && let Some(c) = self.q8_last.lock().expect("q8 lock").as_mut() {
+            c.writes = self.writes.load(Relaxed);
         }
+        Ok(out)
     }
 
     /// `mm`, of a type with integer dot products (kernel suffix `sfx`), with the
     /// activations quantized to 8 bits.
     pub(crate) fn matmul_q8(&self, sfx: &str, mm: &Matmul) -> Result<(), ModelError> {
-        let Matmul { w, n_out, k, x, m, y, bias, .. } = *mm;
-        let xq = self.quantized(x, m, k)?;
+        let xq = self.quantized(mm.x, mm.m, mm.k)?;
+        self.keeping_quantized(&[(mm.y, 4 * mm.m * mm.n_out)], || self.matvecs_q8(sfx, &xq, mm))
+    }
+
+    /// The launches of [`Cuda::matmul_q8`], `xq` standing for `mm.x`.
+    fn matvecs_q8(&self, sfx: &str, xq: &Q8Act, mm: &Matmul) -> Result<(), ModelError> {
+        let Matmul { w, n_out, k, m, y, bias, .. } = *mm;
         let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
         for r0 in (0..m).step_by(MATVEC_ROWS) {
@@ -192,7 +220,6 @@ impl Cuda {
             };
             self.launch_with(&format!("matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
         }
-        self.keep_quantized();
         Ok(())
     }
 
@@ -213,9 +240,8 @@ impl Cuda {
             lanes,
         };
         let grid = (mv.n_out.div_ceil(rows_per_block(lanes)) as u32, mv.slots as u32, 1);
-        self.launch_with(&format!("moe_matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
-        self.keep_quantized();
-        Ok(())
+        let out = (mv.y, 4 * mv.slots * mv.n_out);
+        self.keeping_quantized(&[out], || self.launch_with(&format!("moe_matvec_q8_{sfx}"), grid, (32, 4, 1), &p))
     }
 
     /// Gate and up of `slots` slots, their biases and the activation in one
@@ -227,8 +253,7 @@ impl Cuda {
         let lanes = lanes_for(k, p.n_out as usize * slots);
         let p = MoeGateUpQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
         let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, slots as u32, 1);
-        self.launch_with(&format!("moe_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p)?;
-        self.keep_quantized();
-        Ok(())
+        let out = (p.h, 4 * slots * p.n_out as usize);
+        self.keeping_quantized(&[out], || self.launch_with(&format!("moe_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p))
     }
 }

@@ -82,24 +82,27 @@ impl Cuda {
         let k = moe.n_expert_used;
         let ids = self.act(m * k)?;
         let wts = self.act(m * k)?;
-        self.launch(
-            "route",
-            (m as u32, 1, 1),
-            (32, 1, 1),
-            &[
-                Arg::Ptr(self.p(logits)),
-                Arg::I32(moe.n_expert as i32),
-                Arg::I32(k as i32),
-                Arg::I32(match moe.gating {
-                    Gating::Softmax => 0,
-                    Gating::SoftmaxOverTopK => 1,
-                }),
-                Arg::I32(moe.renormalize as i32),
-                Arg::Ptr(scale),
-                Arg::Ptr(ids.ptr),
-                Arg::Ptr(self.p(&wts)),
-            ],
-        )?;
+        // Writes only the routes: the layer's normed input keeps its 8-bit copy for the experts.
+        self.keeping_quantized(&[(ids.ptr, 4 * m * k), (wts.ptr, 4 * m * k)], || {
+            self.launch(
+                "route",
+                (m as u32, 1, 1),
+                (32, 1, 1),
+                &[
+                    Arg::Ptr(self.p(logits)),
+                    Arg::I32(moe.n_expert as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(match moe.gating {
+                        Gating::Softmax => 0,
+                        Gating::SoftmaxOverTopK => 1,
+                    }),
+                    Arg::I32(moe.renormalize as i32),
+                    Arg::Ptr(scale),
+                    Arg::Ptr(ids.ptr),
+                    Arg::Ptr(self.p(&wts)),
+                ],
+            )
+        })?;
         Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new() })
     }
 

@@ -191,6 +191,46 @@ fn elementwise_ops_match_the_cpu() {
     }
 }
 
+/// A norm feeding few rows writes the 8-bit copy its next matmul reads (instead of a quantize
+/// kernel): the matmul on it equals, bit for bit, the same matmul on the same floats uploaded
+/// anew (quantized by `quantize_q8_1`); with the residual add too, and for q, k and v alike.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn norm_quantized_copy_equals_the_quantize_kernel() {
+    let mut cuda = gpu();
+    let mut rng = Rng::new(11);
+    let (m, e, n_out) = (3, 2048, 512);
+    let x = rng.normals(m * e, 2.0, 0.1);
+    let y = rng.normals(m * e, 1.0, 0.0);
+    let w = rng.normals(e, 0.5, 1.0);
+    cuda.upload_vec(&w).unwrap();
+    let weights: Vec<_> = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::MXFP4]
+        .into_iter()
+        .map(|ty| random_weight(&mut rng, ty, n_out, e).0)
+        .collect();
+    for wt in &weights {
+        cuda.upload_weight(wt).unwrap();
+    }
+    let mut s = cuda.scratch(false);
+    for add in [false, true] {
+        let mut xd = cuda.act_from_host(&x).unwrap();
+        let normed = if add {
+            cuda.add_rms_norm_to(&mut xd, &cuda.act_from_host(&y).unwrap(), &w, 1e-6).unwrap()
+        } else {
+            cuda.rms_norm_to(&xd, &w, 1e-6).unwrap()
+        };
+        let fused: Vec<Vec<f32>> = weights
+            .iter()
+            .map(|wt| cuda.to_host(&cuda.linear(wt, None, &normed, m, &mut s).unwrap()).unwrap())
+            .collect();
+        let again = cuda.act_from_host(&cuda.to_host(&normed).unwrap()).unwrap();
+        for (wt, want) in weights.iter().zip(&fused) {
+            let got = cuda.to_host(&cuda.linear(wt, None, &again, m, &mut s).unwrap()).unwrap();
+            assert!(got == *want, "{} (add {add}): the norm's 8-bit copy differs from quantize_q8_1's", wt.ty);
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn rope_matches_the_cpu() {
