@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|peer-build|side]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|side]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -91,6 +91,17 @@ quarter() {
     "$B"/turbospark inspect --json "$1" | python3 -c 'import json,sys
 d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in t["name"]) // 4)'
 }
+if [[ $what == batched ]]; then
+    # `batched LIKE...`: generation of 1, 4 and 16 sequences at once, all in VRAM (llama.cpp's
+    # llama-batched-bench -npl is the peer).
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        echo "== $like, turbospark: 1, 4, 16 sequences"
+        "$B"/turbospark bench -m "$f" --device cuda -p 128 -n 64 -r 2 --parallel 1,4,16 2>&1 \
+            | tee -a "$OUT/batched-$like.log" | grep -E "^\||error"
+    done
+fi
 if [[ $what == peer-build ]]; then
     rm -rf /tmp/peer && mkdir -p /tmp/peer && tar -xJf .peer/llama-cuda.tar.xz -C /tmp/peer
     setsid nohup bash -c 'cmake -S /tmp/peer/llama.cpp -B /tmp/lcbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \

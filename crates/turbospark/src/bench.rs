@@ -1,12 +1,15 @@
 //! `turbospark bench`: prompt processing and generation speed, measured the
 //! way llama-bench does (random tokens from an empty context; pp = one
-//! prefill of N tokens, tg = N single-token steps), as mean ± sd over runs.
+//! prefill of N tokens, tg = N single-token steps), as mean ± sd over runs;
+//! with `--parallel`, generation of several sequences at once, as
+//! llama-batched-bench's `-npl` (each step one row per sequence).
 
 use crate::GlobalOptions;
 use crate::generate::{ModelArgs, load};
 use anyhow::{Result, bail};
 use serde_json::json;
 use std::time::Instant;
+use ts_engine::decode::{Logits, Piece};
 use ts_engine::session::{Engine, peak_rss_bytes};
 
 #[derive(clap::Args)]
@@ -27,6 +30,11 @@ pub struct BenchArgs {
     /// with streamed experts the warm-up also fills the cache.
     #[arg(long)]
     no_warmup: bool,
+    /// Also generate with this many sequences at once, e.g. `1,4,16` (llama-batched-bench's
+    /// `-npl`): each sequence first holds a prompt of `-p` tokens (untimed), then `-n` steps of
+    /// one row per sequence; reported as `tgN xS`, tokens of all sequences per second.
+    #[arg(long = "parallel", alias = "npl", value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
+    parallel: Vec<u32>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -106,6 +114,34 @@ fn run_on<B: ts_model::Backend>(
         if let (Some(a), Some(b)) = (snapshot(), before) {
             cache_lines.push((format!("tg{}", args.n_gen), a.since(&b), args.n_gen * args.repetitions));
         }
+    }
+
+    for &n_seq in &args.parallel {
+        let n_seq = n_seq as usize;
+        let mut tps = Vec::new();
+        let mut scratch = engine.scratch();
+        for rep in 0..warm + args.repetitions.max(1) {
+            let mut seqs = (0..n_seq)
+                .map(|_| engine.new_sequence(args.n_prompt + args.n_gen.max(1)))
+                .collect::<Result<Vec<_>, _>>()?;
+            for seq in &mut seqs {
+                if args.n_prompt > 0 {
+                    engine.prefill(seq, &tokens(args.n_prompt), false)?;
+                }
+            }
+            let steps: Vec<Vec<u32>> = (0..args.n_gen).map(|_| tokens(n_seq)).collect();
+            let t = Instant::now();
+            for step in &steps {
+                let pieces: Vec<Piece> =
+                    step.iter().map(|tok| Piece { tokens: std::slice::from_ref(tok), logits: Logits::Last }).collect();
+                let mut refs: Vec<_> = seqs.iter_mut().collect();
+                engine.step(&mut refs, &pieces, &mut scratch)?;
+            }
+            if rep >= warm {
+                tps.push((n_seq * args.n_gen) as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        results.push((format!("tg{} x{n_seq}", args.n_gen), mean_sd(&tps)));
     }
 
     let cfg = &engine.model.cfg;

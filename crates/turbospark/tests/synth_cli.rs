@@ -53,6 +53,20 @@ fn writes_a_cut_down_model_the_engine_runs() {
     let out = turbospark(&["bench", "-m", path, "-p", "4", "-n", "2", "-r", "1"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("| qwen3moe |"));
+
+    // Several sequences generating at once (llama-batched-bench's -npl).
+    let out = turbospark(&["bench", "-m", path, "-p", "4", "-n", "2", "-r", "1", "--parallel", "1,3", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tests: Vec<&str> = json["tests"].as_array().unwrap().iter().map(|t| t["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["pp4", "tg2", "tg2 x1", "tg2 x3"]);
+    for t in json["tests"].as_array().unwrap() {
+        let tps = t["tokens_per_second"].as_f64().unwrap();
+        assert!(tps.is_finite() && tps > 0.0, "{t}");
+    }
+    let out = turbospark(&["bench", "-m", path, "-p", "0", "-n", "2", "--parallel", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--parallel"), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
