@@ -73,7 +73,6 @@ pub(crate) struct SendGraph(cudarc::driver::CudaGraph);
 
 // SAFETY: used only under the `Graphs` mutex, on the backend's one stream.
 unsafe impl Send for SendGraph {}
-
 unsafe impl Sync for SendGraph {}
 
 impl Cuda {
@@ -97,13 +96,14 @@ impl Cuda {
         Ok(Act { ptr: self.gpu.ptr(&buf), len, _own: Some(buf) })
     }
 
+    /// `len` zeros ([`Cuda::act`]).
     pub(crate) fn zeros(&self, len: usize) -> Result<Act, ModelError> {
         let a = self.act(len)?;
         self.launch_1d("fill", len, &[Arg::Ptr(a.ptr), Arg::F32(0.0), Arg::I64(len as i64)])?;
         Ok(a)
     }
 
-    pub(crate) fn mode(&self) -> Mode {
+    fn mode(&self) -> Mode {
         match self.mode.load(std::sync::atomic::Ordering::Relaxed) {
             1 => Mode::Capture,
             2 => Mode::Replay,
@@ -111,14 +111,15 @@ impl Cuda {
         }
     }
 
-    pub(crate) fn set_mode(&self, m: Mode) {
+    fn set_mode(&self, m: Mode) {
         self.mode.store(m as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub(crate) fn replaying(&self) -> bool {
+    fn replaying(&self) -> bool {
         self.mode() == Mode::Replay
     }
 
+    /// Launches kernel `name`, or only notes it while a recorded step replays.
     pub(crate) fn launch(
         &self,
         name: &str,
@@ -163,7 +164,7 @@ impl Cuda {
     }
 
     /// Ends a capture a failed step left open, dropping what it recorded.
-    pub(crate) fn abandon_capture(&self) {
+    fn abandon_capture(&self) {
         if self.mode() == Mode::Capture {
             let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         }
