@@ -7,10 +7,11 @@
 //   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
 //       moe_gate_up_<t> of matmul.cu.
-// Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares TS_Q8_ROWS weight rows,
-// each lane taking units j, j + lanes, ... (vdot.cuh), so that a row of few units still keeps
-// a warp busy; a block is (32, 4): 4 * 32 / lanes * TS_Q8_ROWS rows. Grid x: ceil(n_out /
-// rows per block); y: slots (MoE).
+// Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares a weight row, each lane
+// taking units j, j + lanes, ... (vdot.cuh), so that a row of few units still keeps a warp
+// busy; a block is (32, 4): 4 * 32 / lanes rows. Grid x: ceil(n_out / rows per block); y:
+// slots (MoE). (Two rows per group, sharing their activation loads, measured slower on the
+// H200: qwen3-30b-a3b decode 196 against 205 tok/s, half the groups.)
 
 // Sum over each group of `lanes` lanes (a power of two).
 __device__ __forceinline__ float ts_lanes_sum(float v, int lanes) {
@@ -25,56 +26,34 @@ extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed cha
         ts_q8_store_warp(x[i], i, q, ds);
 }
 
-// Weight rows per lane group, sharing their activation loads (matvec_q8.rs's ROWS_PER_GROUP).
-// 2 measured slower on the H200 (qwen3-30b-a3b decode 196 against 205 tok/s): half the groups.
-#define TS_Q8_ROWS 1
-
-// This thread's place: its group's TS_Q8_ROWS adjacent weight rows (clamped to the last, so
-// that every lane takes part in the shuffles) and its first unit.
+// This thread's place: its group's weight row (clamped to the last, so that every lane takes
+// part in the shuffles), whether that row exists, and its first unit.
 struct TsQ8Lane {
-    int row[TS_Q8_ROWS];
-    bool live[TS_Q8_ROWS];
+    int row;
+    bool live;
     int j;
 };
 
 __device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) {
-    const int per_warp = 32 / lanes;
-    const int group = (blockIdx.x * 4 + threadIdx.y) * per_warp + threadIdx.x / lanes;
-    TsQ8Lane l;
-    TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) {
-        const int o = group * TS_Q8_ROWS + i;
-        l.row[i] = min(o, n_out - 1);
-        l.live[i] = o < n_out;
-    }
-    l.j = (int)threadIdx.x & (lanes - 1);
-    return l;
+    const int o = (blockIdx.x * 4 + threadIdx.y) * (32 / lanes) + threadIdx.x / lanes;
+    return TsQ8Lane{min(o, n_out - 1), o < n_out, (int)threadIdx.x & (lanes - 1)};
 }
 
-// acc[i][r] = weight row i (at w + row[i] * row_bytes) . activation row r of x, summed over
-// the group's lanes. The rows of one unit read the same activations, loaded once.
+// acc[r] = the lane's row (at w + row * row_bytes) . activation row r of x, summed over the
+// group's lanes.
 template <class V, int M>
-__device__ __forceinline__ void ts_q8_rows(const ts_u8* __restrict__ w, const TsQ8Lane& l, const TsQ8& x,
-                                           int lanes, float (&acc)[TS_Q8_ROWS][M]) {
-    const ts_u64 rb = V::row_bytes(x.k);
+__device__ __forceinline__ void ts_q8_row(const ts_u8* __restrict__ w, const TsQ8Lane& l, const TsQ8& x, int lanes,
+                                          float (&acc)[M]) {
+    const ts_u8* row = w + l.row * V::row_bytes(x.k);
     TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) {
-        TS_UNROLL
-        for (int r = 0; r < M; r++) acc[i][r] = 0.0f;
-    }
+    for (int r = 0; r < M; r++) acc[r] = 0.0f;
     const int units = x.k >> 5;
     // Two units per trip, so that their loads are in flight together: a build with this
     // measured 205 tok/s of qwen3-30b-a3b decode on the H200, one without it 187.
 #pragma unroll 2
-    for (int u = l.j; u < units; u += lanes) {
-        TS_UNROLL
-        for (int i = 0; i < TS_Q8_ROWS; i++) V::template dot<M>(w + l.row[i] * rb, u, x, acc[i]);
-    }
+    for (int u = l.j; u < units; u += lanes) V::template dot<M>(row, u, x, acc);
     TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) {
-        TS_UNROLL
-        for (int r = 0; r < M; r++) acc[i][r] = ts_lanes_sum(acc[i][r], lanes);
-    }
+    for (int r = 0; r < M; r++) acc[r] = ts_lanes_sum(acc[r], lanes);
 }
 
 // Kernel parameters (crates/ts-cuda/src/matvec_q8.rs mirrors them).
@@ -114,32 +93,28 @@ struct MoeGateUpQ8 {
     float alpha, limit;
 };
 
+// Activation rows r0 .. r0 + M - 1 of a MatvecQ8.
+template <class V, int M>
+__device__ __forceinline__ void ts_matvec_q8_rows(const MatvecQ8& p, const TsQ8Lane& l, int r0) {
+    const TsQ8 x{p.xq + (ts_u64)r0 * p.k, p.xds + (ts_u64)r0 * (p.k >> 5), p.k};
+    float acc[M];
+    ts_q8_row<V, M>(p.w, l, x, p.lanes, acc);
+    if (l.live && l.j == 0) {
+        const float b = p.bias ? p.bias[l.row] : 0.0f;
+        TS_UNROLL
+        for (int r = 0; r < M; r++) p.y[(ts_u64)(r0 + r) * p.n_out + l.row] = acc[r] + b;
+    }
+}
+
+// m rows in passes of at most two, so that registers (and occupancy) suit m = 1.
 template <class V>
 __device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
     const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
-    const int blocks = p.k >> 5;
     for (int r0 = 0; r0 < p.m; r0 += 2) {
-        const TsQ8 x{p.xq + (ts_u64)r0 * p.k, p.xds + (ts_u64)r0 * blocks, p.k};
         if (p.m - r0 >= 2) {
-            float acc[TS_Q8_ROWS][2];
-            ts_q8_rows<V, 2>(p.w, l, x, p.lanes, acc);
-            TS_UNROLL
-            for (int i = 0; i < TS_Q8_ROWS; i++) {
-                if (l.live[i] && l.j == 0) {
-                    const float b = p.bias ? p.bias[l.row[i]] : 0.0f;
-                    p.y[(ts_u64)r0 * p.n_out + l.row[i]] = acc[i][0] + b;
-                    p.y[(ts_u64)(r0 + 1) * p.n_out + l.row[i]] = acc[i][1] + b;
-                }
-            }
+            ts_matvec_q8_rows<V, 2>(p, l, r0);
         } else {
-            float acc[TS_Q8_ROWS][1];
-            ts_q8_rows<V, 1>(p.w, l, x, p.lanes, acc);
-            TS_UNROLL
-            for (int i = 0; i < TS_Q8_ROWS; i++) {
-                if (l.live[i] && l.j == 0) {
-                    p.y[(ts_u64)r0 * p.n_out + l.row[i]] = acc[i][0] + (p.bias ? p.bias[l.row[i]] : 0.0f);
-                }
-            }
+            ts_matvec_q8_rows<V, 1>(p, l, r0);
         }
     }
 }
@@ -152,12 +127,9 @@ __device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
     const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
     const int xr = s / p.x_group;
     const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
-    float acc[TS_Q8_ROWS][1];
-    ts_q8_rows<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
-    TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) {
-        if (l.live[i] && l.j == 0) p.y[(ts_u64)s * p.n_out + l.row[i]] = acc[i][0];
-    }
+    float acc[1];
+    ts_q8_row<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
+    if (l.live && l.j == 0) p.y[(ts_u64)s * p.n_out + l.row] = acc[0];
 }
 
 template <class V>
@@ -168,30 +140,21 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
     const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
     const int xr = s / p.x_group;
     const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
-    // Gate and up rows in one loop: all their loads in flight together.
-    const ts_u64 rb = V::row_bytes(p.k);
-    float g[TS_Q8_ROWS][1], u[TS_Q8_ROWS][1];
-    TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) g[i][0] = u[i][0] = 0.0f;
+    // Gate and up rows in one loop: both rows' loads in flight together.
+    const long long at = e * p.expert_stride + (long long)l.row * V::row_bytes(p.k);
+    float g[1] = {0.0f}, u[1] = {0.0f};
     const int units = p.k >> 5;
 #pragma unroll 2
     for (int c = l.j; c < units; c += p.lanes) {
-        TS_UNROLL
-        for (int i = 0; i < TS_Q8_ROWS; i++) {
-            const long long at = e * p.expert_stride + (long long)l.row[i] * rb;
-            V::template dot<1>(p.w_gate + at, c, x, g[i]);
-            V::template dot<1>(p.w_up + at, c, x, u[i]);
-        }
+        V::template dot<1>(p.w_gate + at, c, x, g);
+        V::template dot<1>(p.w_up + at, c, x, u);
     }
-    TS_UNROLL
-    for (int i = 0; i < TS_Q8_ROWS; i++) {
-        const float gs = ts_lanes_sum(g[i][0], p.lanes), us = ts_lanes_sum(u[i][0], p.lanes);
-        if (l.live[i] && l.j == 0) {
-            const long long bi = (long long)p.ids[s] * p.n_out + l.row[i];
-            const float gv = p.gate_bias ? gs + p.gate_bias[bi] : gs;
-            const float uv = p.up_bias ? us + p.up_bias[bi] : us;
-            p.h[(ts_u64)s * p.n_out + l.row[i]] = ts_gated(p.kind, gv, uv, p.alpha, p.limit);
-        }
+    const float gs = ts_lanes_sum(g[0], p.lanes), us = ts_lanes_sum(u[0], p.lanes);
+    if (l.live && l.j == 0) {
+        const long long bi = (long long)p.ids[s] * p.n_out + l.row;
+        const float gv = p.gate_bias ? gs + p.gate_bias[bi] : gs;
+        const float uv = p.up_bias ? us + p.up_bias[bi] : us;
+        p.h[(ts_u64)s * p.n_out + l.row] = ts_gated(p.kind, gv, uv, p.alpha, p.limit);
     }
 }
 

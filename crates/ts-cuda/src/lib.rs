@@ -102,7 +102,7 @@ pub struct GpuRecurrent {
 /// Buffers reused across steps.
 #[derive(Default)]
 pub struct GpuScratch {
-    /// Multiply in f32 throughout (no f16 tensor-core prefill).
+    /// Multiply in f32 throughout (no f16 tensor-core prefill, no 8-bit activations).
     exact: bool,
 }
 

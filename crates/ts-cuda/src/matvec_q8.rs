@@ -28,8 +28,8 @@ pub(crate) struct Q8Act {
     k: usize,
 }
 
-/// The activations the last 8-bit matvec read: those at `src`, quantized into
-/// `buf`, valid while the backend's write count is still `writes`.
+/// The last 8-bit copy made (by an 8-bit matvec's quantization or by a norm): of the
+/// activations at `src`, in `buf`, valid while the backend's write count is still `writes`.
 pub(crate) struct Q8Cached {
     src: u64,
     writes: u64,
@@ -118,23 +118,19 @@ pub(crate) struct IndexedMatvec {
     pub slots: usize,
 }
 
-/// Weight rows a group of lanes takes together (matvec_q8.cu's `TS_Q8_ROWS`).
-const ROWS_PER_GROUP: usize = 1;
-
-/// Lanes per group of weight rows (4 to 32): about four units (32 weights) each,
-/// and more lanes when there are too few rows to fill the GPU with threads.
+/// Lanes per weight row (4 to 32): about four units (32 weights) each, and more
+/// lanes when there are too few rows to fill the GPU with threads.
 fn lanes_for(k: usize, rows: usize) -> i32 {
-    let groups = rows.div_ceil(ROWS_PER_GROUP);
     let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
-    while lanes < 32 && groups * lanes < 64 * 1024 {
+    while lanes < 32 && rows * lanes < 64 * 1024 {
         lanes *= 2;
     }
     lanes as i32
 }
 
-/// Rows of W a (32, 4) block takes with `lanes` lanes per group.
+/// Rows of W a (32, 4) block takes with `lanes` lanes per row.
 fn rows_per_block(lanes: i32) -> usize {
-    4 * 32 / lanes as usize * ROWS_PER_GROUP
+    4 * 32 / lanes as usize
 }
 
 impl Cuda {

@@ -190,6 +190,11 @@ fn dequant32_matches_ts_quant() {
     }
 }
 
+/// The types with integer dot products (kernels/vdot.cuh's TS_Q8_TYPES), as [`TYPES`] lists them.
+fn q8_types() -> impl Iterator<Item = (GgmlType, &'static str, usize)> {
+    TYPES.into_iter().filter(|t| ts_cuda::q8_suffix(t.0).is_some())
+}
+
 /// Rows of type `ty` as models hold them: `values` quantized, or for a type ts-quant cannot
 /// quantize (MXFP4) random codes under exponents near 1.
 fn quantized_rows(rng: &mut Rng, ty: GgmlType, values: &[f32]) -> Vec<u8> {
@@ -206,7 +211,7 @@ fn quantized_rows(rng: &mut Rng, ty: GgmlType, values: &[f32]) -> Vec<u8> {
 fn vdot_matches_the_dequantized_product() {
     let h = Harness::build("vdot_host");
     let mut rng = Rng::new(0x00d0_7a11);
-    for (ty, name, align) in TYPES.into_iter().filter(|t| ts_cuda::q8_suffix(t.0).is_some()) {
+    for (ty, name, align) in q8_types() {
         let ks: &[usize] = if ty.block_size() == 256 { &[768, 2816] } else { &[288, 2880] };
         for &k in ks {
             let rows = 5;
@@ -314,7 +319,7 @@ fn nvrtc_compiles() {
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }
     }
-    for (_, name, _) in TYPES.into_iter().filter(|t| ts_cuda::q8_suffix(t.0).is_some()) {
+    for (_, name, _) in q8_types() {
         for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
             let entry = format!(".entry {kernel}_{name}(");
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
