@@ -7,13 +7,14 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Kernel sources, compiled together as one: `matmul.cu` includes
-/// `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`) and the
-/// files by op follow it, `ops.cu` (with the helpers the others use) first.
+/// `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`), `moe_mm_q8.cu`
+/// (which uses it) and the files by op follow it, `ops.cu` (with the helpers the others use) first.
 const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
 const VDOT_CUH: &str = include_str!("../kernels/vdot.cuh");
 const MATVEC_Q8_CU: &str = include_str!("../kernels/matvec_q8.cu");
+const MOE_MM_Q8_CU: &str = include_str!("../kernels/moe_mm_q8.cu");
 const OPS_CU: &str = include_str!("../kernels/ops.cu");
 const ATTENTION_CU: &str = include_str!("../kernels/attention.cu");
 const MOE_CU: &str = include_str!("../kernels/moe.cu");
@@ -217,7 +218,7 @@ pub fn kernel_source() -> String {
     let matmul =
         MATMUL_CU.replace("#include \"activation.cuh\"", ACTIVATION_CUH).replace("#include \"quant.cuh\"", QUANT_CUH);
     let matvec_q8 = MATVEC_Q8_CU.replace("#include \"vdot.cuh\"", &VDOT_CUH.replace("#include \"quant.cuh\"", ""));
-    format!("{matmul}\n{matvec_q8}\n{OPS_CU}\n{ATTENTION_CU}\n{MOE_CU}\n{DELTA_NET_CU}\n")
+    format!("{matmul}\n{matvec_q8}\n{MOE_MM_Q8_CU}\n{OPS_CU}\n{ATTENTION_CU}\n{MOE_CU}\n{DELTA_NET_CU}\n")
 }
 
 /// NVRTC for the device's architecture (`sm_XY`).

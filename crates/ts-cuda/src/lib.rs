@@ -19,6 +19,7 @@ pub mod device;
 mod matmul;
 mod matvec_q8;
 mod moe;
+mod moe_mm;
 mod recurrent;
 mod step;
 pub mod tier;

@@ -120,7 +120,7 @@ pub(crate) struct IndexedMatvec {
 
 /// Lanes per weight row (4 to 32): about four units (32 weights) each, and more
 /// lanes when there are too few rows to fill the GPU with threads.
-fn lanes_for(k: usize, rows: usize) -> i32 {
+pub(crate) fn lanes_for(k: usize, rows: usize) -> i32 {
     let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
     while lanes < 32 && rows * lanes < 64 * 1024 {
         lanes *= 2;
@@ -129,7 +129,7 @@ fn lanes_for(k: usize, rows: usize) -> i32 {
 }
 
 /// Rows of W a (32, 4) block takes with `lanes` lanes per row.
-fn rows_per_block(lanes: i32) -> usize {
+pub(crate) fn rows_per_block(lanes: i32) -> usize {
     4 * 32 / lanes as usize
 }
 

@@ -4,10 +4,13 @@
 //! the weighted sum. A step of at most [`DEVICE_MOE_ROWS`] rows runs every
 //! (row, slot) pair as one slot of an expert-indexed matvec, without a host
 //! round trip (so decode steps replay as a CUDA graph); larger steps group
-//! pairs by expert on the host and multiply each expert once on its rows.
+//! pairs by expert on the host and multiply every expert's pairs in one grouped
+//! launch per projection (moe_mm.rs), or, for exact activations and types without
+//! integer dot products, each expert once on its rows.
 
 use crate::device::Arg;
 use crate::matvec_q8::{IndexedMatvec, MoeGateUpQ8, q8_suffix};
+use crate::moe_mm::{MoeMmGateUpQ8, MoeMmQ8};
 use crate::{Act, Cuda, Matmul, err, type_suffix};
 use cudarc::driver::CudaSlice;
 use std::sync::OnceLock;
@@ -39,6 +42,21 @@ pub struct GpuRoutes {
 struct Grouping {
     offsets: Vec<usize>,
     device: CudaSlice<i32>,
+}
+
+impl Grouping {
+    /// The device address of each grouped pair's row, `[m * k]` i32.
+    fn rows(&self, gpu: &crate::device::Gpu, r: &GpuRoutes) -> u64 {
+        gpu.ptr(&self.device) + (4 * r.m * r.k) as u64
+    }
+}
+
+/// The experts of a many-row step: each (expert, its index among the projections'
+/// matrices: the expert in the stacked tensors, its slot in the VRAM cache), and per
+/// projection (gate, up, down) the address of matrix 0 and the bytes between matrices.
+struct GroupedExperts {
+    experts: Vec<(usize, usize)>,
+    proj: [(u64, usize); 3],
 }
 
 /// Experts the VRAM cache holds for one layer: `slots[i]` holds the group's i-th
@@ -197,9 +215,35 @@ impl Cuda {
         let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
         let (pairs, k) = (r.m * r.k, r.k);
         let h = self.act(pairs * f)?;
+        let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
         if r.m > DEVICE_MOE_ROWS {
             // h in the order of the pairs grouped by expert: each expert's rows in place.
             let (kind, alpha, limit) = activation_args(act);
+            if !exact
+                && w.gate_exps.ty == w.up_exps.ty
+                && let Some(sfx) = q8_suffix(w.gate_exps.ty)
+            {
+                // Every expert's tiles in one launch (gate and up of one type: one stride).
+                let (g, grouped) = self.grouped_experts(w, r, at)?;
+                let tiles = self.tiles(&g.offsets, &grouped.experts)?;
+                let (xq, _buf) = self.gather_quantized(x, g.rows(&self.gpu, r), pairs, e)?;
+                let p = MoeMmGateUpQ8 {
+                    w_gate: grouped.proj[0].0,
+                    w_up: grouped.proj[1].0,
+                    h: self.p(&h),
+                    gate_bias: bias(&w.gate_bias)?,
+                    up_bias: bias(&w.up_bias)?,
+                    expert_stride: grouped.proj[0].1 as i64,
+                    n_out: f as i32,
+                    k: e as i32,
+                    kind,
+                    alpha,
+                    limit,
+                    ..Default::default()
+                };
+                self.moe_mm_gate_up_q8(sfx, p, &tiles, &xq)?;
+                return Ok(h);
+            }
             self.by_expert(w, r, at, |base, ex, start, me, rows_d| {
                 let xs = self.act(me * e)?;
                 self.gather(x, rows_d, &xs, me, e)?;
@@ -230,7 +274,6 @@ impl Cuda {
             return Ok(h);
         }
         let src = self.sources(w, r, at)?;
-        let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
         if w.gate_exps.ty == w.up_exps.ty {
             // Gate, up, their biases and the activation in one kernel (same type: same stride).
             let (kind, alpha, limit) = activation_args(act);
@@ -318,6 +361,21 @@ impl Cuda {
         let pairs = r.m * r.k;
         if r.m > DEVICE_MOE_ROWS {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
+            if !exact && let Some(sfx) = q8_suffix(w.down_exps.ty) {
+                let (g, grouped) = self.grouped_experts(w, r, at)?;
+                let tiles = self.tiles(&g.offsets, &grouped.experts)?;
+                let (hq, _buf) = self.quantized_padded(self.p(h), pairs, f)?;
+                let p = MoeMmQ8 {
+                    w: grouped.proj[2].0,
+                    y: self.p(y),
+                    bias: w.down_bias.as_ref().map_or(Ok(0), |b| self.vptr(b))?,
+                    expert_stride: grouped.proj[2].1 as i64,
+                    n_out: e as i32,
+                    k: f as i32,
+                    ..Default::default()
+                };
+                return self.moe_mm_q8(sfx, p, &tiles, &hq);
+            }
             return self.by_expert(w, r, at, |base, ex, start, me, _rows| {
                 let (hs, d) = (self.p(h) + (4 * start * f) as u64, self.p(y) + (4 * start * e) as u64);
                 let down = Matmul { ty: w.down_exps.ty, w: base[2], n_out: e, k: f, x: hs, m: me, y: d, bias: 0 };
@@ -420,6 +478,37 @@ impl Cuda {
         )
     }
 
+    /// The experts `at` that some pair of `r` goes to (many-row steps), with the pairs
+    /// grouped by expert.
+    fn grouped_experts<'r>(
+        &self,
+        w: &MoeWeights,
+        r: &'r GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+    ) -> Result<(&'r Grouping, GroupedExperts), ModelError> {
+        let n_expert = w.gate_exps.dims[2];
+        let g = self.grouping(r, n_expert)?;
+        let used = |e: usize| g.offsets[e + 1] > g.offsets[e];
+        let grouped = match at {
+            ExpertsAt::Stacked => {
+                let mut proj = [(0u64, 0usize); 3];
+                for (p, t) in [&w.gate_exps, &w.up_exps, &w.down_exps].into_iter().enumerate() {
+                    proj[p] = (self.wptr(t)?, t.matrix_stride());
+                }
+                GroupedExperts { experts: (0..n_expert).filter(|&e| used(e)).map(|e| (e, e)).collect(), proj }
+            }
+            ExpertsAt::Group { ids, group, .. } => {
+                let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
+                let t = tier.lock().expect("expert tier lock");
+                GroupedExperts {
+                    experts: ids.iter().zip(&group.slots).filter(|&(&e, _)| used(e)).map(|(&e, &s)| (e, s)).collect(),
+                    proj: [0, 1, 2].map(|p| (t.proj_base(&self.gpu, p), t.slot_bytes())),
+                }
+            }
+        };
+        Ok((g, grouped))
+    }
+
     /// Calls `f(per projection the expert's address, expert, its first place among
     /// the pairs grouped by expert, its pair count, their rows on the device)` for
     /// each expert `at` that some pair of `r` goes to (many-row steps).
@@ -430,36 +519,17 @@ impl Cuda {
         at: &ExpertsAt<'_, GpuExpertGroup>,
         mut f: impl FnMut([u64; 3], usize, usize, usize, u64) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
-        let n_expert = w.gate_exps.dims[2];
-        let g = self.grouping(r, n_expert)?;
-        let rows = self.gpu.ptr(&g.device) + (4 * r.m * r.k) as u64;
-        let experts: Vec<(usize, [u64; 3])> = match at {
-            ExpertsAt::Stacked => {
-                let ws = [&w.gate_exps, &w.up_exps, &w.down_exps];
-                let mut experts = Vec::new();
-                for ex in (0..n_expert).filter(|&e| g.offsets[e + 1] > g.offsets[e]) {
-                    let mut base = [0u64; 3];
-                    for (p, t) in ws.iter().enumerate() {
-                        base[p] = self.wptr(t)? + (ex * t.matrix_stride()) as u64;
-                    }
-                    experts.push((ex, base));
-                }
-                experts
-            }
-            ExpertsAt::Group { ids, group, .. } => {
-                let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
-                let t = tier.lock().expect("expert tier lock");
-                ids.iter()
-                    .zip(&group.slots)
-                    .map(|(&ex, &s)| (ex, [0, 1, 2].map(|p| t.proj_base(&self.gpu, p) + (s * t.slot_bytes()) as u64)))
-                    .collect()
-            }
-        };
-        for (ex, base) in experts {
+        let (g, grouped) = self.grouped_experts(w, r, at)?;
+        let rows = g.rows(&self.gpu, r);
+        for &(ex, index) in &grouped.experts {
             let (start, n) = (g.offsets[ex], g.offsets[ex + 1] - g.offsets[ex]);
-            if n > 0 {
-                f(base, ex, start, n, rows + (4 * start) as u64)?;
-            }
+            f(
+                grouped.proj.map(|(base, stride)| base + (index * stride) as u64),
+                ex,
+                start,
+                n,
+                rows + (4 * start) as u64,
+            )?;
         }
         Ok(())
     }

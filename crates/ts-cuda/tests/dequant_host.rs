@@ -320,13 +320,14 @@ fn nvrtc_compiles() {
         }
     }
     for (_, name, _) in q8_types() {
-        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
+        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8", "moe_mm_q8", "moe_mm_gate_up_q8"] {
             let entry = format!(".entry {kernel}_{name}(");
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }
     }
     for kernel in [
         "quantize_q8_1",
+        "gather_quantize_q8_1",
         "rms_norm",
         "attention",
         "route",

@@ -31,6 +31,13 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 
 /// Random weights of type `ty`, `[n_out][k]`, and their f32 values.
 fn random_weight(rng: &mut Rng, ty: GgmlType, n_out: usize, k: usize) -> (Weight, Vec<f32>) {
+    random_tensor(rng, ty, vec![k, n_out])
+}
+
+/// Random weights of type `ty` with GGUF dims `dims` (rows of `dims[0]`), and their f32 values.
+fn random_tensor(rng: &mut Rng, ty: GgmlType, dims: Vec<usize>) -> (Weight, Vec<f32>) {
+    let k = dims[0];
+    let n_out: usize = dims[1..].iter().product();
     let values = rng.normals(n_out * k, 0.05, 0.0);
     let row_bytes = k / ty.block_size() as usize * ty.type_size() as usize;
     let mut bytes = vec![0u8; n_out * row_bytes];
@@ -42,7 +49,7 @@ fn random_weight(rng: &mut Rng, ty: GgmlType, n_out: usize, k: usize) -> (Weight
     }
     let mut deq = vec![0f32; n_out * k];
     ts_quant::dequantize(ty, &bytes, &mut deq).unwrap();
-    (Weight::from_bytes("w", ty, vec![k, n_out], bytes), deq)
+    (Weight::from_bytes("w", ty, dims, bytes), deq)
 }
 
 #[test]
@@ -290,6 +297,116 @@ fn router_matches_the_cpu() {
             assert!(err < 1e-5, "row {r}: weights {err:e}");
         }
     }
+}
+
+/// What the kernels' 8-bit activations stand for (common::quantize_q8), for the types that
+/// take them; `x` itself for the others.
+fn as_multiplied(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+    if ts_cuda::q8_suffix(ty).is_none() {
+        return x.to_vec();
+    }
+    let (q, ds) = common::quantize_q8(x);
+    common::dequantize_q8(&q, &ds)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn routed_experts_match_the_reference() {
+    let mut cuda = gpu();
+    let mut rng = Rng::new(13);
+    let (n_expert, k_used, e, f) = (16, 4, 512, 256);
+    let clamped = GatedActivation::SwiGluClamped { alpha: 1.702, limit: 7.0 };
+    // (gate and up type, down type, activation, biases): qwen3-30b-a3b's, gpt-oss's, and
+    // a down type without integer dot products (its experts one by one).
+    let cases = [
+        (GgmlType::Q4_K, GgmlType::Q6_K, GatedActivation::SwiGlu, false),
+        (GgmlType::MXFP4, GgmlType::MXFP4, clamped, true),
+        (GgmlType::Q5_0, GgmlType::Q8_0, GatedActivation::SwiGlu, false),
+    ];
+    let moe = MoeConfig {
+        n_expert,
+        n_expert_used: k_used,
+        n_ff_exp: f,
+        gating: Gating::SoftmaxOverTopK,
+        renormalize: false,
+        shared: None,
+    };
+    let mut failures = Vec::new();
+    for (gu_ty, down_ty, act, biased) in cases {
+        let (gate, gate_f) = random_tensor(&mut rng, gu_ty, vec![e, f, n_expert]);
+        let (up, up_f) = random_tensor(&mut rng, gu_ty, vec![e, f, n_expert]);
+        let (down, down_f) = random_tensor(&mut rng, down_ty, vec![f, e, n_expert]);
+        let bias = |rng: &mut Rng, n: usize| biased.then(|| rng.normals(n, 0.5, 0.0));
+        let w = ts_model::tensors::MoeWeights {
+            router: random_weight(&mut rng, GgmlType::F32, n_expert, e).0,
+            router_bias: None,
+            gate_exps: gate,
+            up_exps: up,
+            down_exps: down,
+            gate_bias: bias(&mut rng, n_expert * f),
+            up_bias: bias(&mut rng, n_expert * f),
+            down_bias: bias(&mut rng, n_expert * e),
+            expert_scale: None,
+            input_norm: None,
+            router_norm: None,
+            output_norm: None,
+            shared: None,
+        };
+        for t in [&w.gate_exps, &w.up_exps, &w.down_exps] {
+            cuda.upload_weight(t).unwrap();
+        }
+        for b in [&w.gate_bias, &w.up_bias, &w.down_bias].into_iter().flatten() {
+            cuda.upload_vec(b).unwrap();
+        }
+        // 5 rows: the expert-indexed matvecs; 40 and 200: the grouped kernels, one expert
+        // favoured so that it gets full tiles and the others short ones.
+        for m in [5, 40, 200] {
+            let x = rng.normals(m * e, 1.0, 0.0);
+            let mut logits = rng.normals(m * n_expert, 1.0, 0.0);
+            logits.iter_mut().step_by(n_expert).for_each(|l| *l += 1.5);
+            let s = &mut Backend::scratch(&cuda, false);
+            let routes = Backend::route(&cuda, &cuda.act_from_host(&logits).unwrap(), m, &moe, None).unwrap();
+            let xd = cuda.act_from_host(&x).unwrap();
+            let at = ts_model::backend::ExpertsAt::Stacked;
+            let h = Backend::expert_gate_up(&cuda, &w, act, &xd, &routes, &at, s).unwrap();
+            let mut y = Backend::uninit(&cuda, m * k_used * e).unwrap();
+            Backend::expert_down(&cuda, &w, &h, &routes, &at, &mut y, s).unwrap();
+            let got = cuda.to_host(&Backend::combine(&cuda, &y, &routes, e).unwrap()).unwrap();
+            let mut want = vec![0f32; m * e];
+            for r in 0..m {
+                let route = ts_model::moe::route(&moe, &logits[r * n_expert..(r + 1) * n_expert], None);
+                let xr = as_multiplied(gu_ty, &x[r * e..(r + 1) * e]);
+                for (&ex, &wt) in route.experts.iter().zip(&route.weights) {
+                    let rows = |t: &[f32], n: usize, k: usize| t[ex * n * k..(ex + 1) * n * k].to_vec();
+                    let (mut g, _) = common::reference_matmul(&rows(&gate_f, f, e), &xr, f, e, 1);
+                    let (u, _) = common::reference_matmul(&rows(&up_f, f, e), &xr, f, e, 1);
+                    if let (Some(gb), Some(ub)) = (&w.gate_bias, &w.up_bias) {
+                        g.iter_mut().zip(&gb[ex * f..]).for_each(|(v, b)| *v += b);
+                        let u: Vec<f32> = u.iter().zip(&ub[ex * f..]).map(|(v, b)| v + b).collect();
+                        ts_model::cpu::gated_activation(act, &mut g, &u);
+                    } else {
+                        ts_model::cpu::gated_activation(act, &mut g, &u);
+                    }
+                    let hq = as_multiplied(down_ty, &g);
+                    let (mut d, _) = common::reference_matmul(&rows(&down_f, e, f), &hq, e, f, 1);
+                    if let Some(db) = &w.down_bias {
+                        d.iter_mut().zip(&db[ex * e..]).for_each(|(v, b)| *v += b);
+                    }
+                    want[r * e..(r + 1) * e].iter_mut().zip(&d).for_each(|(o, v)| *o += wt * v);
+                }
+            }
+            let err = rel_err(&got, &want);
+            println!("{gu_ty}/{down_ty} {act:?} m={m}: {err:.2e}");
+            // Summation order, and now and then an activation of h a quant step apart; an
+            // expert of 32 pairs or more of a type without integer dot products goes through
+            // the f16 tensor cores (weights and activations rounded to f16).
+            let bound = if ts_cuda::q8_suffix(down_ty).is_none() && m >= 32 { 4e-3 } else { 2e-3 };
+            if err.is_nan() || err > bound {
+                failures.push(format!("{gu_ty}/{down_ty} m={m}: {err:e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

@@ -1,0 +1,156 @@
+//! Grouped expert matmuls for steps of many rows (kernels/moe_mm_q8.cu): the
+//! pairs grouped by expert on the host are cut into tiles of at most
+//! [`MM_TILE`] pairs of one expert, and one launch per projection multiplies
+//! every tile with 8-bit activations, instead of a launch (and an f16 copy of
+//! the expert for cuBLAS) per expert.
+
+use crate::device::Arg;
+use crate::matvec_q8::{Q8Act, lanes_for, rows_per_block};
+use crate::{Act, Cuda, err};
+use cudarc::driver::CudaSlice;
+use ts_model::ModelError;
+
+/// Pairs per tile (moe_mm_q8.cu's `TS_MM_TILE`).
+pub(crate) const MM_TILE: usize = 8;
+
+/// moe_mm_q8.cu's `MoeMmQ8`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MoeMmQ8 {
+    pub w: u64,
+    pub tiles: u64,
+    pub xq: u64,
+    pub xds: u64,
+    pub y: u64,
+    pub bias: u64,
+    pub expert_stride: i64,
+    pub n_out: i32,
+    pub k: i32,
+    pub lanes: i32,
+}
+
+/// moe_mm_q8.cu's `MoeMmGateUpQ8`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MoeMmGateUpQ8 {
+    pub w_gate: u64,
+    pub w_up: u64,
+    pub tiles: u64,
+    pub xq: u64,
+    pub xds: u64,
+    pub h: u64,
+    pub gate_bias: u64,
+    pub up_bias: u64,
+    pub expert_stride: i64,
+    pub n_out: i32,
+    pub k: i32,
+    pub lanes: i32,
+    pub kind: i32,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
+/// One group of experts' pairs in tiles, on the device: per tile (the expert's
+/// index among the weights, the expert, its first pair in the grouped order,
+/// its pair count), `[n][4]` i32.
+pub(crate) struct Tiles {
+    device: CudaSlice<i32>,
+    n: usize,
+}
+
+/// The tiles of `experts` (expert, index among the weights), whose pairs are
+/// `offsets[e]..offsets[e + 1]` in the grouped order.
+fn tile_table(offsets: &[usize], experts: &[(usize, usize)]) -> Vec<i32> {
+    let mut t = Vec::new();
+    for &(e, index) in experts {
+        for start in (offsets[e]..offsets[e + 1]).step_by(MM_TILE) {
+            let rows = (offsets[e + 1] - start).min(MM_TILE);
+            t.extend([index as i32, e as i32, start as i32, rows as i32]);
+        }
+    }
+    t
+}
+
+impl Cuda {
+    /// [`Tiles`] of `experts` (see [`tile_table`]).
+    pub(crate) fn tiles(&self, offsets: &[usize], experts: &[(usize, usize)]) -> Result<Tiles, ModelError> {
+        let table = tile_table(offsets, experts);
+        let device = self.gpu.upload(&table).map_err(err)?;
+        Ok(Tiles { device, n: table.len() / 4 })
+    }
+
+    /// `out[p] = x[rows[p]]` (`rows` a device address) quantized to 8 bits for
+    /// `pairs` pairs of width `k`, with [`MM_TILE`] rows after them for the last tile.
+    pub(crate) fn gather_quantized(
+        &self,
+        x: &Act,
+        rows: u64,
+        pairs: usize,
+        k: usize,
+    ) -> Result<(Q8Act, Act), ModelError> {
+        let (q, buf) = self.q8_buffer(pairs + MM_TILE, k)?;
+        self.launch_1d(
+            "gather_quantize_q8_1",
+            pairs * k,
+            &[
+                Arg::Ptr(self.p(x)),
+                Arg::Ptr(rows),
+                Arg::Ptr(q.q(0)),
+                Arg::Ptr(q.ds(0)),
+                Arg::I32(k as i32),
+                Arg::I64((pairs * k) as i64),
+            ],
+        )?;
+        Ok((q, buf))
+    }
+
+    /// `pairs` rows of `k` activations at `x` (grouped order) quantized to 8 bits, with
+    /// [`MM_TILE`] rows after them for the last tile.
+    pub(crate) fn quantized_padded(&self, x: u64, pairs: usize, k: usize) -> Result<(Q8Act, Act), ModelError> {
+        let (q, buf) = self.q8_buffer(pairs + MM_TILE, k)?;
+        self.launch_1d(
+            "quantize_q8_1",
+            pairs * k,
+            &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64((pairs * k) as i64)],
+        )?;
+        Ok((q, buf))
+    }
+
+    /// Gate, up, their biases and the activation of every tile (kernel suffix `sfx`);
+    /// `p`'s tiles, activations and lanes are filled here.
+    pub(crate) fn moe_mm_gate_up_q8(
+        &self,
+        sfx: &str,
+        p: MoeMmGateUpQ8,
+        tiles: &Tiles,
+        xq: &Q8Act,
+    ) -> Result<(), ModelError> {
+        let lanes = lanes_for(p.k as usize, p.n_out as usize * tiles.n);
+        let p = MoeMmGateUpQ8 { tiles: self.gpu.ptr(&tiles.device), xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
+        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, tiles.n as u32, 1);
+        self.launch_with(&format!("moe_mm_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p)
+    }
+
+    /// One projection (and its bias) of every tile (kernel suffix `sfx`); `p`'s
+    /// tiles, activations and lanes are filled here.
+    pub(crate) fn moe_mm_q8(&self, sfx: &str, p: MoeMmQ8, tiles: &Tiles, xq: &Q8Act) -> Result<(), ModelError> {
+        let lanes = lanes_for(p.k as usize, p.n_out as usize * tiles.n);
+        let p = MoeMmQ8 { tiles: self.gpu.ptr(&tiles.device), xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
+        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, tiles.n as u32, 1);
+        self.launch_with(&format!("moe_mm_q8_{sfx}"), grid, (32, 4, 1), &p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_cover_each_experts_pairs_once() {
+        // Expert 0: 0 pairs, 1: 3, 2: 17, 3: 8.
+        let offsets = [0, 0, 3, 20, 28];
+        let t = tile_table(&offsets, &[(1, 5), (2, 0), (3, 9)]);
+        let tiles: Vec<[i32; 4]> = t.chunks(4).map(|c| [c[0], c[1], c[2], c[3]]).collect();
+        assert_eq!(tiles, vec![[5, 1, 0, 3], [0, 2, 3, 8], [0, 2, 11, 8], [0, 2, 19, 1], [9, 3, 20, 8]]);
+    }
+}
