@@ -219,12 +219,12 @@ impl Cuda {
         if r.m > DEVICE_MOE_ROWS {
             // h in the order of the pairs grouped by expert: each expert's rows in place.
             let (kind, alpha, limit) = activation_args(act);
-            if !exact
-                && w.gate_exps.ty == w.up_exps.ty
-                && let Some(sfx) = q8_suffix(w.gate_exps.ty)
+            let sfx = q8_suffix(w.gate_exps.ty).filter(|_| !exact && w.gate_exps.ty == w.up_exps.ty);
+            if let Some(sfx) = sfx
+                && let (g, grouped) = self.grouped_experts(w, r, at, 0..GROUPED_MAX_PAIRS)?
+                && !grouped.experts.is_empty()
             {
                 // Every expert's tiles in one launch (gate and up of one type: one stride).
-                let (g, grouped) = self.grouped_experts(w, r, at)?;
                 let tiles = self.tiles(&g.offsets, &grouped.experts)?;
                 let (xq, _buf) = self.gather_quantized(x, g.rows(&self.gpu, r), pairs, e)?;
                 let p = MoeMmGateUpQ8 {
@@ -242,9 +242,9 @@ impl Cuda {
                     ..Default::default()
                 };
                 self.moe_mm_gate_up_q8(sfx, p, &tiles, &xq)?;
-                return Ok(h);
             }
-            self.by_expert(w, r, at, |base, ex, start, me, rows_d| {
+            let rest = if sfx.is_some() { GROUPED_MAX_PAIRS..usize::MAX } else { 0..usize::MAX };
+            self.by_expert(w, r, at, rest, |base, ex, start, me, rows_d| {
                 let xs = self.act(me * e)?;
                 self.gather(x, rows_d, &xs, me, e)?;
                 let g = self.p(&h) + (4 * start * f) as u64;
@@ -361,8 +361,11 @@ impl Cuda {
         let pairs = r.m * r.k;
         if r.m > DEVICE_MOE_ROWS {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
-            if !exact && let Some(sfx) = q8_suffix(w.down_exps.ty) {
-                let (g, grouped) = self.grouped_experts(w, r, at)?;
+            let sfx = q8_suffix(w.down_exps.ty).filter(|_| !exact);
+            if let Some(sfx) = sfx
+                && let (g, grouped) = self.grouped_experts(w, r, at, 0..GROUPED_MAX_PAIRS)?
+                && !grouped.experts.is_empty()
+            {
                 let tiles = self.tiles(&g.offsets, &grouped.experts)?;
                 let (hq, _buf) = self.quantized_padded(self.p(h), pairs, f)?;
                 let p = MoeMmQ8 {
@@ -374,9 +377,10 @@ impl Cuda {
                     k: f as i32,
                     ..Default::default()
                 };
-                return self.moe_mm_q8(sfx, p, &tiles, &hq);
+                self.moe_mm_q8(sfx, p, &tiles, &hq)?;
             }
-            return self.by_expert(w, r, at, |base, ex, start, me, _rows| {
+            let rest = if sfx.is_some() { GROUPED_MAX_PAIRS..usize::MAX } else { 0..usize::MAX };
+            return self.by_expert(w, r, at, rest, |base, ex, start, me, _rows| {
                 let (hs, d) = (self.p(h) + (4 * start * f) as u64, self.p(y) + (4 * start * e) as u64);
                 let down = Matmul { ty: w.down_exps.ty, w: base[2], n_out: e, k: f, x: hs, m: me, y: d, bias: 0 };
                 self.matmul(&down, exact)?;
@@ -478,17 +482,21 @@ impl Cuda {
         )
     }
 
-    /// The experts `at` that some pair of `r` goes to (many-row steps), with the pairs
-    /// grouped by expert.
+    /// The experts `at` whose count of pairs of `r` is in `pairs` and not 0 (many-row
+    /// steps), with the pairs grouped by expert.
     fn grouped_experts<'r>(
         &self,
         w: &MoeWeights,
         r: &'r GpuRoutes,
         at: &ExpertsAt<'_, GpuExpertGroup>,
+        pairs: std::ops::Range<usize>,
     ) -> Result<(&'r Grouping, GroupedExperts), ModelError> {
         let n_expert = w.gate_exps.dims[2];
         let g = self.grouping(r, n_expert)?;
-        let used = |e: usize| g.offsets[e + 1] > g.offsets[e];
+        let used = |e: usize| {
+            let n = g.offsets[e + 1] - g.offsets[e];
+            n > 0 && pairs.contains(&n)
+        };
         let grouped = match at {
             ExpertsAt::Stacked => {
                 let mut proj = [(0u64, 0usize); 3];
@@ -511,15 +519,16 @@ impl Cuda {
 
     /// Calls `f(per projection the expert's address, expert, its first place among
     /// the pairs grouped by expert, its pair count, their rows on the device)` for
-    /// each expert `at` that some pair of `r` goes to (many-row steps).
+    /// each expert `at` whose count of pairs of `r` is in `pairs` and not 0 (many-row steps).
     fn by_expert(
         &self,
         w: &MoeWeights,
         r: &GpuRoutes,
         at: &ExpertsAt<'_, GpuExpertGroup>,
+        pairs: std::ops::Range<usize>,
         mut f: impl FnMut([u64; 3], usize, usize, usize, u64) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
-        let (g, grouped) = self.grouped_experts(w, r, at)?;
+        let (g, grouped) = self.grouped_experts(w, r, at, pairs)?;
         let rows = g.rows(&self.gpu, r);
         for &(ex, index) in &grouped.experts {
             let (start, n) = (g.offsets[ex], g.offsets[ex + 1] - g.offsets[ex]);
@@ -544,6 +553,12 @@ impl Cuda {
         )
     }
 }
+
+/// Experts with fewer pairs than this in a many-row step take the grouped kernels (8-bit
+/// activations, moe_mm.rs); the others their own f16 tensor-core matmuls. Measured on the
+/// H200, pp512 at 0 (all on their own), 32, 64, 128 and no limit: gpt-oss-20b 3,627, 5,063,
+/// 4,952, 4,094, 3,173 tok/s; qwen3-30b-a3b 1,308, 2,583, 3,227, 3,514, 3,260.
+pub const GROUPED_MAX_PAIRS: usize = 64;
 
 /// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
 pub(crate) fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
