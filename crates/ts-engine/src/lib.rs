@@ -4,3 +4,4 @@ pub mod memory;
 pub mod reuse;
 pub mod sampler;
 pub mod session;
+pub mod speculative;

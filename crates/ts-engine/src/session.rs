@@ -5,9 +5,10 @@
 use crate::chat::ChatTemplate;
 use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
+use crate::speculative::{Drafter, SpecOptions};
 use std::path::Path;
 use std::time::{Duration, Instant};
-use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState};
+use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState, Snapshot};
 use ts_tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +60,10 @@ pub struct GenerationStats {
     pub generation_time: Duration,
     /// Why generation stopped.
     pub stop: StopReason,
+    /// Speculative decoding: steps that checked guesses, guesses checked, guesses kept.
+    pub spec_steps: usize,
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,6 +88,11 @@ impl GenerationStats {
 
     pub fn generation_tps(&self) -> f64 {
         self.generated_tokens as f64 / self.generation_time.as_secs_f64().max(1e-9)
+    }
+
+    /// The fraction of checked guesses kept.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted as f64 / self.drafted.max(1) as f64
     }
 }
 
@@ -207,11 +217,31 @@ impl<B: Backend> Engine<B> {
     pub fn decode(
         &self,
         seq: &mut SeqState<B::State>,
-        mut logits: Vec<f32>,
+        logits: Vec<f32>,
         history: &[u32],
         max_tokens: usize,
         sampler: &SamplerConfig,
         special: bool,
+        on_text: impl FnMut(&str) -> bool,
+    ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
+        self.decode_with(seq, logits, history, max_tokens, sampler, special, None, on_text)
+    }
+
+    /// [`Engine::decode`], with `spec` guessing tokens ahead: each step runs the next
+    /// token and the drafter's guesses after it as rows of one forward pass, samples
+    /// every row in turn as a one-token step would, and keeps the guesses up to the
+    /// first that differs from the sample; the sequence is rewound past the others
+    /// (a model with recurrent layers goes back to a snapshot and runs the kept tokens again).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_with<'d>(
+        &self,
+        seq: &mut SeqState<B::State>,
+        logits: Vec<f32>,
+        history: &[u32],
+        max_tokens: usize,
+        sampler: &SamplerConfig,
+        special: bool,
+        mut spec: Option<(&mut (dyn Drafter + 'd), &SpecOptions)>,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
         let t1 = Instant::now();
@@ -219,28 +249,103 @@ impl<B: Backend> Engine<B> {
         let mut scratch = self.scratch();
         let mut generated = Vec::new();
         let mut stats = GenerationStats::default();
-        loop {
-            let next = decoding.next(&logits, seq.n_ctx - seq.n_past)?;
-            let keep_going = next.text.is_empty() || on_text(&next.text);
-            if let Some(stop) = next.stop {
-                stats.stop = stop;
-                if stop != StopReason::EndOfGeneration {
-                    generated.extend(next.token);
+        // The text so far, for the drafter, and the positions of the sequence that hold it
+        // (past them: rows of guesses the target did not keep).
+        let mut context = history.to_vec();
+        let mut held = seq.n_past;
+        // Rows to sample in turn; the guesses the rows after the first were run on; where a
+        // model with recurrent layers was before them.
+        let mut rows = vec![logits];
+        let mut guesses: Vec<u32> = Vec::new();
+        let mut snapshot = None;
+        'generation: loop {
+            let mut next_token = None;
+            for (i, row) in rows.iter().enumerate() {
+                let next = decoding.next(row, seq.n_ctx - held)?;
+                let keep_going = next.text.is_empty() || on_text(&next.text);
+                if let Some(stop) = next.stop {
+                    stats.stop = stop;
+                    if stop != StopReason::EndOfGeneration {
+                        generated.extend(next.token);
+                    }
+                    break 'generation;
                 }
+                let token = next.token.expect("a token when generation goes on");
+                generated.push(token);
+                if !keep_going {
+                    stats.stop = StopReason::Caller;
+                    break 'generation;
+                }
+                if guesses.get(i) == Some(&token) {
+                    // Already run: the next row is its logits.
+                    stats.accepted += 1;
+                    context.push(token);
+                    held += 1;
+                    continue;
+                }
+                next_token = Some(token);
                 break;
             }
-            let token = next.token.expect("a token when generation goes on");
-            generated.push(token);
-            if !keep_going {
-                stats.stop = StopReason::Caller;
-                break;
-            }
-            let piece = Piece { tokens: &[token], logits: Logits::Last };
-            logits = self.step(&mut [&mut *seq], &[piece], &mut scratch)?.remove(0).remove(0);
+            self.rewind(seq, held, &context, snapshot.take(), &mut scratch)?;
+            let token = next_token.expect("the last row gives a token to run");
+            context.push(token);
+            held += 1;
+            // Guesses must fit the context and the token limit.
+            let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
+            guesses = match spec.as_mut() {
+                Some((drafter, o)) if room > 0 => {
+                    let mut g = drafter.draft(&context, o.draft_max.min(room))?;
+                    g.truncate(room);
+                    if g.len() < o.draft_min.max(1) {
+                        g.clear();
+                    }
+                    g
+                }
+                _ => Vec::new(),
+            };
+            let mut piece = vec![token];
+            piece.extend_from_slice(&guesses);
+            let logits = if guesses.is_empty() {
+                Logits::Last
+            } else {
+                stats.spec_steps += 1;
+                stats.drafted += guesses.len();
+                snapshot = self.model.is_recurrent().then(|| self.model.snapshot(seq)).transpose()?;
+                Logits::All
+            };
+            rows = self.step(&mut [&mut *seq], &[Piece { tokens: &piece, logits }], &mut scratch)?.remove(0);
         }
+        self.rewind(seq, held, &context, snapshot.take(), &mut scratch)?;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))
+    }
+
+    /// Takes `seq` back to its first `held` positions (those of `context`'s end it
+    /// keeps): attention layers only forget the rest; with recurrent layers, back to
+    /// `snapshot` (taken before the guesses) and the kept tokens run again.
+    fn rewind(
+        &self,
+        seq: &mut SeqState<B::State>,
+        held: usize,
+        context: &[u32],
+        snapshot: Option<Snapshot<B::Recurrent>>,
+        scratch: &mut B::Scratch,
+    ) -> Result<(), EngineError> {
+        if seq.n_past <= held {
+            return Ok(());
+        }
+        match snapshot {
+            Some(snap) => {
+                self.model.restore(seq, &snap)?;
+                let again = &context[context.len() - (held - snap.n_past)..];
+                if !again.is_empty() {
+                    self.step(&mut [&mut *seq], &[Piece { tokens: again, logits: Logits::None }], scratch)?;
+                }
+            }
+            None => seq.n_past = held,
+        }
+        Ok(())
     }
 
     /// llama.cpp's perplexity: the text split into chunks of `n_ctx` tokens (BOS

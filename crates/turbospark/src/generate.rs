@@ -10,6 +10,7 @@ use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes
 use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
+use ts_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, SpecOptions};
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// When to guess and fetch the next layer's experts early (`--expert-prefetch`).
@@ -99,6 +100,99 @@ impl SamplingArgs {
     }
 }
 
+/// Speculative decoding, with llama.cpp's flags: guesses checked by the model in one step.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SpecArgs {
+    /// A small model with the same vocabulary that guesses the next tokens (`--md` too).
+    #[arg(long = "draft-model", visible_alias = "md", value_name = "PATH", conflicts_with = "spec_ngram")]
+    draft_model: Option<PathBuf>,
+    /// Guess by copying what followed the latest earlier occurrence of the last few tokens
+    /// (prompt lookup): no second model.
+    #[arg(long)]
+    spec_ngram: bool,
+    /// Most guesses per step [default: 16].
+    #[arg(long, value_name = "N")]
+    draft_max: Option<usize>,
+    /// Fewer guesses than this are not checked [default: 0].
+    #[arg(long, value_name = "N")]
+    draft_min: Option<usize>,
+    /// The draft model stops guessing at a token it gives less than this probability [default: 0.75].
+    #[arg(long, value_name = "P")]
+    draft_p_min: Option<f32>,
+}
+
+impl SpecArgs {
+    /// The guessing options, or None without a drafter (its options then refused by name).
+    pub fn options(&self) -> Result<Option<SpecOptions>> {
+        let d = SpecOptions::default();
+        let opts = SpecOptions {
+            draft_max: self.draft_max.unwrap_or(d.draft_max),
+            draft_min: self.draft_min.unwrap_or(d.draft_min),
+            p_min: self.draft_p_min.unwrap_or(d.p_min),
+        };
+        if self.draft_model.is_none() && !self.spec_ngram {
+            for (set, flag) in [
+                (self.draft_max.is_some(), "--draft-max"),
+                (self.draft_min.is_some(), "--draft-min"),
+                (self.draft_p_min.is_some(), "--draft-p-min"),
+            ] {
+                if set {
+                    bail!("{flag} needs a drafter: --draft-model PATH or --spec-ngram");
+                }
+            }
+            return Ok(None);
+        }
+        if self.spec_ngram && self.draft_p_min.is_some() {
+            bail!("--draft-p-min applies to a --draft-model, not to --spec-ngram");
+        }
+        if !(0.0..=1.0).contains(&opts.p_min) {
+            bail!("--draft-p-min must be between 0 and 1");
+        }
+        Ok(Some(opts))
+    }
+
+    /// The draft model, loaded for the CPU with the target's threads (every weight resident).
+    pub fn load_draft(&self, global: &GlobalOptions, args: &ModelArgs) -> Result<Option<Engine>> {
+        let Some(path) = &self.draft_model else { return Ok(None) };
+        let opts = LoadOptions { threads: global.threads()?, experts: ExpertPlacement::Mapped };
+        let mut draft =
+            Engine::load(path, &opts).with_context(|| format!("loading --draft-model {}", path.display()))?;
+        draft.n_batch = args.batch;
+        draft.exact_activations = args.exact_activations;
+        Ok(Some(draft))
+    }
+}
+
+/// The drafter `spec` asks for: the draft model `draft` (checked against `engine`'s
+/// vocabulary), prompt lookup, or none.
+fn drafter<'d, B: Backend>(
+    spec: &SpecArgs,
+    engine: &Engine<B>,
+    draft: Option<&'d Engine<B>>,
+    n_ctx: usize,
+    p_min: f32,
+) -> Result<Option<Box<dyn Drafter + 'd>>> {
+    Ok(match draft {
+        Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, p_min)?)),
+        None if spec.spec_ngram => Some(Box::new(NgramDrafter::default())),
+        None => None,
+    })
+}
+
+/// Speculation's line on stderr: guesses kept and tokens per checking step.
+fn report_spec(stats: &GenerationStats) {
+    if stats.spec_steps > 0 || stats.drafted > 0 {
+        eprintln!(
+            "speculative: {} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step",
+            stats.accepted,
+            stats.drafted,
+            100.0 * stats.acceptance(),
+            stats.spec_steps,
+            (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64
+        );
+    }
+}
+
 #[derive(clap::Args)]
 pub struct RunArgs {
     /// The prompt, continued as plain text (no chat template).
@@ -117,6 +211,8 @@ pub struct RunArgs {
     model: ModelArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 #[derive(clap::Args)]
@@ -134,6 +230,8 @@ pub struct ChatArgs {
     model: ModelArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 #[derive(clap::Args)]
@@ -335,22 +433,49 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
         (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
         (None, None) => bail!("no prompt given: pass -p TEXT or -f FILE"),
     };
+    let spec = args.spec.options()?;
     let (engine, n_ctx, cuda) = load(global, &args.model)?;
-    crate::on_device!(global, engine, cuda, |engine| run_on(&engine, n_ctx, args, prompt))
+    let draft = args.spec.load_draft(global, &args.model)?;
+    crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
+        &engine,
+        draft.as_ref(),
+        n_ctx,
+        args,
+        spec.as_ref(),
+        prompt
+    ))
 }
 
-fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: String) -> Result<()> {
+fn run_on<B: Backend>(
+    engine: &Engine<B>,
+    draft: Option<&Engine<B>>,
+    n_ctx: usize,
+    args: &RunArgs,
+    spec: Option<&SpecOptions>,
+    prompt: String,
+) -> Result<()> {
     let sampler = args.sampling.config();
     let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx)?;
+    let p_min = spec.map_or(0.0, |o| o.p_min);
+    let mut drafter = drafter(&args.spec, engine, draft, n_ctx, p_min)?;
+    let t0 = std::time::Instant::now();
+    let logits =
+        engine.prefill(&mut seq, &tokens, false)?.pop().ok_or_else(|| anyhow::anyhow!("the prompt is empty"))?;
+    let prompt_time = t0.elapsed();
     let mut out = std::io::stdout().lock();
     let mut closed = false;
-    let (_, stats) = engine.generate(&mut seq, &tokens, args.n_predict, &sampler, false, |text| {
-        closed = out.write_all(text.as_bytes()).and_then(|()| out.flush()).is_err();
-        !closed
-    })?;
+    let guessing = drafter.as_deref_mut().zip(spec);
+    let (_, mut stats) =
+        engine.decode_with(&mut seq, logits, &tokens, args.n_predict, &sampler, false, guessing, |text| {
+            closed = out.write_all(text.as_bytes()).and_then(|()| out.flush()).is_err();
+            !closed
+        })?;
+    stats.prompt_tokens = tokens.len();
+    stats.prompt_time = prompt_time;
     drop(out);
     report(&stats);
+    report_spec(&stats);
     eprintln!("seed {}", sampler.seed);
     if args.stats {
         match engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats()) {
@@ -364,11 +489,26 @@ fn run_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &RunArgs, prompt: 
 }
 
 pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
+    let spec = args.spec.options()?;
     let (engine, n_ctx, cuda) = load(global, &args.model)?;
-    crate::on_device!(global, engine, cuda, |engine| chat_on(&engine, n_ctx, args))
+    let draft = args.spec.load_draft(global, &args.model)?;
+    crate::on_device!(global, engine, draft, cuda, |engine, draft| chat_on(
+        &engine,
+        draft.as_ref(),
+        n_ctx,
+        args,
+        spec.as_ref()
+    ))
 }
 
-fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Result<()> {
+fn chat_on<B: Backend>(
+    engine: &Engine<B>,
+    draft: Option<&Engine<B>>,
+    n_ctx: usize,
+    args: &ChatArgs,
+    spec: Option<&SpecOptions>,
+) -> Result<()> {
+    let mut drafter = drafter(&args.spec, engine, draft, n_ctx, spec.map_or(0.0, |o| o.p_min))?;
     let chatml;
     let template = match &engine.template {
         Some(t) => t,
@@ -443,8 +583,9 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
             }
         };
         let sampler = args.sampling.config();
+        let guessing = drafter.as_deref_mut().zip(spec);
         let (generated, mut stats) =
-            engine.decode(&mut cached.seq, logits, &tokens, args.n_predict, &sampler, harmony, |t| {
+            engine.decode_with(&mut cached.seq, logits, &tokens, args.n_predict, &sampler, harmony, guessing, |t| {
                 emit(t, &mut out);
                 true
             })?;
@@ -457,6 +598,7 @@ fn chat_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &ChatArgs) -> Res
         cached.ran(&generated[..ran]);
         if interactive {
             report(&stats);
+            report_spec(&stats);
         }
         messages.push(ChatMessage::assistant(reply));
     }

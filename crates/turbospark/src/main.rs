@@ -68,9 +68,36 @@ enum Command {
 }
 
 /// Runs `$body` with `$engine` (an `Engine` loaded for the CPU) moved to the
-/// device `--device` names: the body is compiled once per backend.
+/// device `--device` names: the body is compiled once per backend. The second
+/// form moves an optional draft model (`Option<Engine>`) along with it.
 #[macro_export]
 macro_rules! on_device {
+    ($global:expr, $loaded:expr, $draft:expr, $cuda:expr, |$engine:ident, $d:ident| $body:expr) => {{
+        match $global.device()? {
+            $crate::Device::Cpu => {
+                let $engine = $loaded;
+                let $d = $draft;
+                $body
+            }
+            $crate::Device::Cuda(ordinal) => {
+                let $engine = $loaded
+                    .into_backend(|m| {
+                        let cuda = ts_cuda::Cuda::with_options(ordinal, m, &$cuda)?;
+                        eprintln!("cuda:{ordinal}: {}", cuda.describe());
+                        Ok(cuda)
+                    })
+                    .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?;
+                let $d = match $draft {
+                    Some(d) => Some(
+                        d.into_backend(|m| ts_cuda::Cuda::new(ordinal, m))
+                            .map_err(|e| anyhow::anyhow!("--draft-model on cuda:{ordinal}: {e}"))?,
+                    ),
+                    None => None,
+                };
+                $body
+            }
+        }
+    }};
     ($global:expr, $loaded:expr, $cuda:expr, |$engine:ident| $body:expr) => {{
         match $global.device()? {
             $crate::Device::Cpu => {

@@ -1,0 +1,201 @@
+//! Speculative decoding's guessers. A [`Drafter`] guesses the tokens after a
+//! context; [`crate::session::Engine::decode_with`] checks every guess in one
+//! forward step of the target (one row per guess) and keeps the run the target
+//! itself samples. Both drafters here guess deterministically (text copied from
+//! the context, or a draft model's most likely token), so keeping a guess only
+//! when the target's own sample equals it leaves the output distribution the
+//! target's: Leviathan et al.'s acceptance rule with a one-hot draft distribution.
+
+use crate::decode::{Logits, Piece};
+use crate::session::{Engine, EngineError};
+use ts_model::{Backend, SeqState};
+use ts_tokenizer::Tokenizer;
+
+/// How many tokens to guess per step (llama.cpp's `--draft-max`, `--draft-min`, `--draft-p-min`).
+#[derive(Clone, Debug)]
+pub struct SpecOptions {
+    /// Most guesses per step.
+    pub draft_max: usize,
+    /// Fewer guesses than this are not checked (a plain one-token step instead).
+    pub draft_min: usize,
+    /// A draft model stops guessing at a token it gives less than this probability.
+    pub p_min: f32,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        SpecOptions { draft_max: 16, draft_min: 0, p_min: 0.75 }
+    }
+}
+
+/// Guesses the tokens that follow a context.
+pub trait Drafter {
+    /// Up to `max` guesses of the tokens after `context` (every token of the text so far).
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError>;
+}
+
+/// Prompt lookup: the tokens that followed the latest earlier occurrence of the
+/// context's last `n` tokens, for the longest `n` from `max_n` down to `min_n`
+/// that occurs (llama.cpp's `--spec-type ngram-simple` and prompt lookup decoding).
+#[derive(Clone, Debug)]
+pub struct NgramDrafter {
+    pub min_n: usize,
+    pub max_n: usize,
+}
+
+impl Default for NgramDrafter {
+    fn default() -> Self {
+        NgramDrafter { min_n: 2, max_n: 4 }
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError> {
+        let len = context.len();
+        for n in (self.min_n.max(1)..=self.max_n).rev() {
+            if n >= len {
+                continue;
+            }
+            let tail = &context[len - n..];
+            // The latest earlier occurrence (it must end before the tail itself starts to end).
+            if let Some(start) = (0..len - n).rev().find(|&i| &context[i..i + n] == tail) {
+                let from = start + n;
+                return Ok(context[from..(from + max).min(len)].to_vec());
+            }
+        }
+        Ok(Vec::new())
+    }
+}
+
+/// A small model with the target's vocabulary guesses greedily, one token at a
+/// time, keeping its own sequence in step with the context (what it has run
+/// and the context share a prefix; the rest is rewound and run again).
+pub struct ModelDrafter<'e, B: Backend> {
+    engine: &'e Engine<B>,
+    seq: SeqState<B::State>,
+    /// The tokens `seq` holds.
+    fed: Vec<u32>,
+    p_min: f32,
+}
+
+impl<'e, B: Backend> ModelDrafter<'e, B> {
+    /// A drafter of `engine`'s model for contexts of up to `n_ctx` tokens, after
+    /// checking that its vocabulary is the target's (`target`).
+    pub fn new(engine: &'e Engine<B>, target: &Tokenizer, n_ctx: usize, p_min: f32) -> Result<Self, EngineError> {
+        if engine.model.is_recurrent() {
+            return Err(EngineError::Invalid(
+                "--draft-model: a draft model with recurrent layers is not supported (its state cannot be rewound)"
+                    .into(),
+            ));
+        }
+        check_same_vocab(target, engine.tokenizer()?)?;
+        let seq = engine.new_sequence(n_ctx)?;
+        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min })
+    }
+}
+
+impl<B: Backend> Drafter for ModelDrafter<'_, B> {
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError> {
+        if max == 0 || context.is_empty() {
+            return Ok(Vec::new());
+        }
+        // What the draft sequence holds that the context still has; the last context token
+        // is always run again, for its logits.
+        let common = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count().min(context.len() - 1);
+        self.seq.n_past = common;
+        self.fed.truncate(common);
+        let room = self.seq.n_ctx.saturating_sub(context.len());
+        let max = max.min(room);
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut logits =
+            self.engine.prefill(&mut self.seq, &context[common..], false)?.pop().expect("one row of logits");
+        self.fed.extend_from_slice(&context[common..]);
+        let mut scratch = self.engine.scratch();
+        let mut drafts = Vec::new();
+        loop {
+            let (token, p) = top_probability(&logits);
+            if p < self.p_min {
+                break;
+            }
+            drafts.push(token);
+            if drafts.len() == max {
+                break;
+            }
+            let piece = Piece { tokens: &[token], logits: Logits::Last };
+            logits = self.engine.step(&mut [&mut self.seq], &[piece], &mut scratch)?.remove(0).remove(0);
+            self.fed.push(token);
+        }
+        Ok(drafts)
+    }
+}
+
+/// The most likely token of `logits` and its softmax probability.
+fn top_probability(logits: &[f32]) -> (u32, f32) {
+    let (best, max) = logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) });
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    (best as u32, (1.0 / sum) as f32)
+}
+
+/// A draft model must give every token id the target's text (llama.cpp allows the two
+/// vocabularies' sizes to differ by padding; ids past the shorter must not be guessed).
+fn check_same_vocab(target: &Tokenizer, draft: &Tokenizer) -> Result<(), EngineError> {
+    let (nt, nd) = (target.vocab_size(), draft.vocab_size());
+    const PADDING: usize = 128;
+    if nt.abs_diff(nd) > PADDING {
+        return Err(EngineError::Invalid(format!(
+            "--draft-model: its vocabulary has {nd} tokens, the target's {nt}: not the same vocabulary"
+        )));
+    }
+    if target.model() != draft.model() || target.bos() != draft.bos() || target.eos() != draft.eos() {
+        return Err(EngineError::Invalid(format!(
+            "--draft-model: its tokenizer ({} , BOS {:?}, EOS {:?}) is not the target's ({}, BOS {:?}, EOS {:?})",
+            draft.model(),
+            draft.bos(),
+            draft.eos(),
+            target.model(),
+            target.bos(),
+            target.eos()
+        )));
+    }
+    for id in 0..nt.min(nd) as u32 {
+        if target.token_text(id)? != draft.token_text(id)? {
+            return Err(EngineError::Invalid(format!(
+                "--draft-model: token {id} is {:?} in the draft model and {:?} in the target: not the same vocabulary",
+                draft.token_text(id)?,
+                target.token_text(id)?
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lookup_copies_what_followed_the_latest_match() {
+        let mut d = NgramDrafter { min_n: 1, max_n: 3 };
+        // "5 6 7" occurred twice; the later occurrence is followed by 9 1.
+        let ctx = [5, 6, 7, 8, 1, 5, 6, 7, 9, 1, 2, 5, 6, 7];
+        assert_eq!(d.draft(&ctx, 2).unwrap(), vec![9, 1]);
+        assert_eq!(d.draft(&ctx, 10).unwrap(), vec![9, 1, 2, 5, 6, 7]);
+        // Only the last token matches an earlier one: the 1-gram.
+        assert_eq!(d.draft(&[4, 2, 3, 4], 2).unwrap(), vec![2, 3]);
+        // No earlier occurrence at all.
+        assert!(d.draft(&[1, 2, 3], 4).unwrap().is_empty());
+        assert!(NgramDrafter { min_n: 2, max_n: 2 }.draft(&[4, 2, 3, 4], 2).unwrap().is_empty());
+    }
+
+    #[test]
+    fn top_probability_is_the_softmax_of_the_best() {
+        let (t, p) = top_probability(&[0.0, 2.0_f32.ln(), 0.0]);
+        assert_eq!(t, 1);
+        assert!((p - 0.5).abs() < 1e-6);
+    }
+}
