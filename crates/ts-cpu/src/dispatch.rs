@@ -94,6 +94,7 @@ pub(crate) fn matmul(
     x: &QuantizedRows,
     out: &mut [f32],
     out_stride: usize,
+    panels: bool,
 ) -> Result<(), CpuError> {
     if !isa.is_available() {
         return Err(CpuError::IsaUnavailable(isa));
@@ -125,7 +126,7 @@ pub(crate) fn matmul(
     }
 
     let (tile, rows_per_task) = match kernels(isa, weight_ty) {
-        Some(Kernels { panel: Some((panel, min_batch)), .. }) if m >= min_batch => {
+        Some(Kernels { panel: Some((panel, min_batch)), .. }) if panels && m >= min_batch => {
             (Some(panel), panel_rows_per_task(n_out, m, k))
         }
         Some(kernels) => (Some(kernels.direct), direct_rows_per_task(n_out, row_bytes, m)),

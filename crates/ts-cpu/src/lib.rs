@@ -95,7 +95,21 @@ pub fn matmul_strided(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
-    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride)
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride, true)
+}
+
+/// [`matmul`] computing every activation row as a one-row call would, bit for bit: no
+/// batch (panel) kernels, whose block sums run in another order. For steps whose rows
+/// must equal their one-row results (speculative decoding's checking steps).
+pub fn matmul_rows_alone(
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+) -> Result<(), CpuError> {
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, n_out, false)
 }
 
 /// [`matmul_strided`] with kernels for a given instruction set, for tests and benchmarks.
@@ -110,7 +124,7 @@ pub fn matmul_with_isa(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
-    dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride)
+    dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride, true)
 }
 
 /// The activation format weights of `weight_ty` are multiplied with, or `Unsupported`.

@@ -5,7 +5,7 @@
 use crate::chat::ChatTemplate;
 use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
-use crate::speculative::{Drafter, SpecOptions};
+use crate::speculative::{DraftLength, Drafter, SpecOptions};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState, Snapshot};
@@ -247,6 +247,9 @@ impl<B: Backend> Engine<B> {
         let t1 = Instant::now();
         let mut decoding = Decoding::new(self.tokenizer()?, sampler, history, max_tokens, special, Vec::new())?;
         let mut scratch = self.scratch();
+        // Checking steps give each row what a one-row step gives (the same output as without guesses).
+        let mut checking = self.scratch();
+        self.model.backend.rows_alone(&mut checking);
         let mut generated = Vec::new();
         let mut stats = GenerationStats::default();
         // The text so far, for the drafter, and the positions of the sequence that hold it
@@ -258,7 +261,11 @@ impl<B: Backend> Engine<B> {
         let mut rows = vec![logits];
         let mut guesses: Vec<u32> = Vec::new();
         let mut snapshot = None;
+        // How many guesses pay, and the last step's time (measured once its guesses are judged).
+        let mut length = DraftLength::default();
+        let mut last_step: Option<f64> = None;
         'generation: loop {
+            let accepted_before = stats.accepted;
             let mut next_token = None;
             for (i, row) in rows.iter().enumerate() {
                 let next = decoding.next(row, seq.n_ctx - held)?;
@@ -286,7 +293,13 @@ impl<B: Backend> Engine<B> {
                 next_token = Some(token);
                 break;
             }
-            self.rewind(seq, held, &context, snapshot.take(), &mut scratch)?;
+            if let Some(secs) = last_step.take() {
+                match guesses.len() {
+                    0 => length.plain(secs),
+                    n => length.checked(secs, n, stats.accepted - accepted_before),
+                }
+            }
+            self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
             let token = next_token.expect("the last row gives a token to run");
             context.push(token);
             held += 1;
@@ -294,7 +307,7 @@ impl<B: Backend> Engine<B> {
             let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
             guesses = match spec.as_mut() {
                 Some((drafter, o)) if room > 0 => {
-                    let mut g = drafter.draft(&context, o.draft_max.min(room))?;
+                    let mut g = drafter.draft(&context, length.limit(o.draft_max.min(room)))?;
                     g.truncate(room);
                     if g.len() < o.draft_min.max(1) {
                         g.clear();
@@ -305,17 +318,19 @@ impl<B: Backend> Engine<B> {
             };
             let mut piece = vec![token];
             piece.extend_from_slice(&guesses);
-            let logits = if guesses.is_empty() {
-                Logits::Last
+            let (logits, s) = if guesses.is_empty() {
+                (Logits::Last, &mut scratch)
             } else {
                 stats.spec_steps += 1;
                 stats.drafted += guesses.len();
                 snapshot = self.model.is_recurrent().then(|| self.model.snapshot(seq)).transpose()?;
-                Logits::All
+                (Logits::All, &mut checking)
             };
-            rows = self.step(&mut [&mut *seq], &[Piece { tokens: &piece, logits }], &mut scratch)?.remove(0);
+            let started = Instant::now();
+            rows = self.step(&mut [&mut *seq], &[Piece { tokens: &piece, logits }], s)?.remove(0);
+            last_step = Some(started.elapsed().as_secs_f64());
         }
-        self.rewind(seq, held, &context, snapshot.take(), &mut scratch)?;
+        self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))

@@ -28,6 +28,62 @@ impl Default for SpecOptions {
     }
 }
 
+/// The number of guesses worth checking, learnt as the generation goes: the time of a
+/// plain step, the extra time per checked guess and the fraction of guesses kept
+/// (moving averages) give the expected tokens per second of each length, `(1 - a^(n+1)) /
+/// (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain steps) when
+/// guessing does not pay, with a check every [`DraftLength::PROBE`] plain steps to see
+/// whether that has changed.
+#[derive(Clone, Debug)]
+pub struct DraftLength {
+    plain_secs: Option<f64>,
+    secs_per_guess: f64,
+    kept: f64,
+    plain_since_check: usize,
+}
+
+impl Default for DraftLength {
+    fn default() -> Self {
+        // Optimistic until measured: guesses cost nothing and half are kept.
+        DraftLength { plain_secs: None, secs_per_guess: 0.0, kept: 0.5, plain_since_check: 0 }
+    }
+}
+
+impl DraftLength {
+    /// Plain steps between two checks while guessing does not pay.
+    pub const PROBE: usize = 16;
+    const WEIGHT: f64 = 0.25;
+
+    /// How many of up to `max` guesses to check now.
+    pub fn limit(&self, max: usize) -> usize {
+        let Some(t) = self.plain_secs else { return max };
+        let a = self.kept.clamp(0.0, 0.999);
+        let rate = |n: usize| (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64);
+        let best = (0..=max).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap_or(0);
+        if best == 0 && self.plain_since_check >= Self::PROBE { max.min(2) } else { best }
+    }
+
+    /// A plain step took `secs`.
+    pub fn plain(&mut self, secs: f64) {
+        self.plain_secs = Some(self.plain_secs.map_or(secs, |t| t + Self::WEIGHT * (secs - t)));
+        self.plain_since_check += 1;
+    }
+
+    /// A checking step of `guesses` guesses took `secs` and kept `kept`.
+    pub fn checked(&mut self, secs: f64, guesses: usize, kept: usize) {
+        self.plain_since_check = 0;
+        if guesses == 0 {
+            return;
+        }
+        let frac = kept as f64 / guesses as f64;
+        self.kept += Self::WEIGHT * (frac - self.kept);
+        if let Some(t) = self.plain_secs {
+            let per = ((secs - t) / guesses as f64).max(0.0);
+            self.secs_per_guess += Self::WEIGHT * (per - self.secs_per_guess);
+        }
+    }
+}
+
 /// Guesses the tokens that follow a context.
 pub trait Drafter {
     /// Up to `max` guesses of the tokens after `context` (every token of the text so far).
@@ -190,6 +246,27 @@ mod tests {
         // No earlier occurrence at all.
         assert!(d.draft(&[1, 2, 3], 4).unwrap().is_empty());
         assert!(NgramDrafter { min_n: 2, max_n: 2 }.draft(&[4, 2, 3, 4], 2).unwrap().is_empty());
+    }
+
+    #[test]
+    fn draft_length_follows_cost_and_acceptance() {
+        let mut d = DraftLength::default();
+        assert_eq!(d.limit(8), 8, "optimistic before any measurement");
+        d.plain(0.010);
+        // Cheap guesses, nearly all kept: the longest.
+        for _ in 0..20 {
+            d.checked(0.011, 8, 8);
+        }
+        assert_eq!(d.limit(8), 8);
+        // Guesses that cost a plain step each and are never kept: none, then a probe.
+        for _ in 0..20 {
+            d.checked(0.010 + 8.0 * 0.010, 8, 0);
+        }
+        assert_eq!(d.limit(8), 0);
+        for _ in 0..DraftLength::PROBE {
+            d.plain(0.010);
+        }
+        assert_eq!(d.limit(8), 2);
     }
 
     #[test]

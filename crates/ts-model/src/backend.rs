@@ -66,6 +66,11 @@ pub trait Backend: Sized + Send + Sync {
     /// What computes, in a word (`cpu`, `cuda`), for reports.
     fn name(&self) -> &'static str;
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
+    /// Makes steps with `s` compute every row as a one-row step would, bit for bit
+    /// (speculative decoding's checking steps), where the backend's batch kernels differ.
+    fn rows_alone(&self, s: &mut Self::Scratch) {
+        let _ = s;
+    }
     /// State for `n_ctx` positions of `model`, filled `max_chunk` rows at a time.
     fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<Self::State, ModelError>;
     /// A copy of the recurrent layers' state.

@@ -33,6 +33,10 @@ impl Backend for Cpu {
         if exact_activations { Scratch::exact() } else { Scratch::default() }
     }
 
+    fn rows_alone(&self, s: &mut Scratch) {
+        s.rows_alone = true;
+    }
+
     fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<CpuState, ModelError> {
         Ok(CpuState::new(&model.cfg, n_ctx, max_chunk))
     }

@@ -33,6 +33,9 @@ pub struct Scratch {
     /// the fly) instead of quantizing them to 8 bits as llama.cpp does: slower,
     /// and equal to a float32 reference run on the dequantized weights.
     pub exact_activations: bool,
+    /// Compute every row as a one-row step would, bit for bit (no batch kernels): the
+    /// checking steps of speculative decoding, whose rows must give what one-row steps give.
+    pub rows_alone: bool,
 }
 
 impl Scratch {
@@ -63,7 +66,8 @@ pub fn linear_bytes(
         return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
     }
     scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    ts_cpu::matmul(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
+    let matmul = if scratch.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul };
+    matmul(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
 }
 
 /// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
@@ -99,6 +103,7 @@ fn linear_dequantized(
     let tile = (DEQUANTIZED_TILE / k).max(1);
     scratch.xq.quantize(ts_gguf::GgmlType::F32, &x[..m * k], k).map_err(|e| e.to_string())?;
     let xq = &scratch.xq;
+    let matmul = if scratch.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul };
     let starts: Vec<usize> = (0..n_out).step_by(tile).collect();
     // Per tile: its rows' results for each activation row, [m][rows].
     let parts: Vec<Result<Vec<f32>, String>> = starts
@@ -109,7 +114,7 @@ fn linear_dequantized(
             ts_quant::dequantize(w.ty, &bytes[r0 * row_bytes..(r0 + rows) * row_bytes], weights)
                 .map_err(|e| e.to_string())?;
             let mut y = vec![0f32; m * rows];
-            ts_cpu::matmul(ts_gguf::GgmlType::F32, bytemuck::cast_slice(weights), rows, k, xq, &mut y)
+            matmul(ts_gguf::GgmlType::F32, bytemuck::cast_slice(weights), rows, k, xq, &mut y)
                 .map_err(|e| e.to_string())?;
             Ok(y)
         })

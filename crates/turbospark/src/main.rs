@@ -68,8 +68,8 @@ enum Command {
 }
 
 /// Runs `$body` with `$engine` (an `Engine` loaded for the CPU) moved to the
-/// device `--device` names: the body is compiled once per backend. The second
-/// form moves an optional draft model (`Option<Engine>`) along with it.
+/// device `--device` names: the body is compiled once per backend. The form with
+/// `$draft` (an `Option<Engine>`) moves a draft model along with it.
 #[macro_export]
 macro_rules! on_device {
     ($global:expr, $loaded:expr, $draft:expr, $cuda:expr, |$engine:ident, $d:ident| $body:expr) => {{
@@ -98,24 +98,7 @@ macro_rules! on_device {
             }
         }
     }};
-    ($global:expr, $loaded:expr, $cuda:expr, |$engine:ident| $body:expr) => {{
-        match $global.device()? {
-            $crate::Device::Cpu => {
-                let $engine = $loaded;
-                $body
-            }
-            $crate::Device::Cuda(ordinal) => {
-                let $engine = $loaded
-                    .into_backend(|m| {
-                        let cuda = ts_cuda::Cuda::with_options(ordinal, m, &$cuda)?;
-                        eprintln!("cuda:{ordinal}: {}", cuda.describe());
-                        Ok(cuda)
-                    })
-                    .map_err(|e| anyhow::anyhow!("--device cuda:{ordinal}: {e}"))?;
-                $body
-            }
-        }
-    }};
+    ($global:expr, $loaded:expr, $cuda:expr, |$engine:ident| $body:expr) => {{ $crate::on_device!($global, $loaded, None::<ts_engine::session::Engine>, $cuda, |$engine, _draft| $body) }};
 }
 
 /// Where computation runs.
