@@ -191,21 +191,24 @@ impl<B: Backend> Engine<B> {
     /// Generates up to `max_tokens` after `prompt`, calling `on_text` with each
     /// piece of text as soon as it is whole UTF-8; `on_text` returns false to
     /// stop. With `special`, control tokens appear as their text (harmony's
-    /// markers, for one).
-    pub fn generate(
+    /// markers, for one); with `spec`, a drafter guesses ahead ([`Engine::decode_with`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate<'d>(
         &self,
         seq: &mut SeqState<B::State>,
         prompt: &[u32],
         max_tokens: usize,
         sampler: &SamplerConfig,
         special: bool,
+        spec: Option<(&mut (dyn Drafter + 'd), &SpecOptions)>,
         on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
         let t0 = Instant::now();
         let logits =
             self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
         let prompt_time = t0.elapsed();
-        let (generated, mut stats) = self.decode(seq, logits, prompt, max_tokens, sampler, special, on_text)?;
+        let (generated, mut stats) =
+            self.decode_with(seq, logits, prompt, max_tokens, sampler, special, spec, on_text)?;
         stats.prompt_tokens = prompt.len();
         stats.prompt_time = prompt_time;
         Ok((generated, stats))

@@ -11,22 +11,24 @@ use crate::session::{Engine, EngineError};
 use ts_model::{Backend, SeqState};
 use ts_tokenizer::Tokenizer;
 
-/// How many tokens to guess per step (llama.cpp's `--draft-max`, `--draft-min`, `--draft-p-min`).
+/// How many tokens to guess per step (llama.cpp's `--draft-max`, `--draft-min`; a draft
+/// model's `--draft-p-min` is its own, [`ModelDrafter::new`]).
 #[derive(Clone, Debug)]
 pub struct SpecOptions {
     /// Most guesses per step.
     pub draft_max: usize,
     /// Fewer guesses than this are not checked (a plain one-token step instead).
     pub draft_min: usize,
-    /// A draft model stops guessing at a token it gives less than this probability.
-    pub p_min: f32,
 }
 
 impl Default for SpecOptions {
     fn default() -> Self {
-        SpecOptions { draft_max: 16, draft_min: 0, p_min: 0.75 }
+        SpecOptions { draft_max: 16, draft_min: 0 }
     }
 }
+
+/// llama.cpp's default `--draft-p-min`.
+pub const DEFAULT_P_MIN: f32 = 0.75;
 
 /// The number of guesses worth checking, learnt as the generation goes: the time of a
 /// plain step, the extra time per checked guess and the fraction of guesses kept
@@ -136,7 +138,8 @@ pub struct ModelDrafter<'e, B: Backend> {
 
 impl<'e, B: Backend> ModelDrafter<'e, B> {
     /// A drafter of `engine`'s model for contexts of up to `n_ctx` tokens, after
-    /// checking that its vocabulary is the target's (`target`).
+    /// checking that its vocabulary is the target's (`target`); it stops guessing at a
+    /// token it gives less than `p_min` probability.
     pub fn new(engine: &'e Engine<B>, target: &Tokenizer, n_ctx: usize, p_min: f32) -> Result<Self, EngineError> {
         if engine.model.is_recurrent() {
             return Err(EngineError::Invalid(
@@ -187,14 +190,10 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
     }
 }
 
-/// The most likely token of `logits` and its softmax probability.
+/// The most likely token of `logits` (the first of ties) and its softmax probability.
 fn top_probability(logits: &[f32]) -> (u32, f32) {
-    let (best, max) = logits
-        .iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) });
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    (best as u32, (1.0 / sum) as f32)
+    let best = logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b });
+    (best as u32, crate::session::log_softmax_at(logits, best).exp() as f32)
 }
 
 /// A draft model must give every token id the target's text (llama.cpp allows the two

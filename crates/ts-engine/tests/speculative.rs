@@ -1,5 +1,6 @@
 //! Speculative decoding keeps the target's output: on every fixture family,
-//! greedy and seeded sampling give the same tokens with guesses (prompt lookup;
+//! greedy and seeded sampling (greedy only on the hybrid families, whose
+//! multi-row steps are not bit-identical) give the same tokens with guesses (prompt lookup;
 //! guesses of the plain run's tokens with every third wrong, so that the hybrid
 //! families' recurrent state is restored and run again; and a draft model:
 //! another type variant of the same fixture) as without; a draft model of
@@ -26,10 +27,9 @@ fn generate(
 ) -> (Vec<u32>, GenerationStats) {
     let tokens = engine.tokenizer().unwrap().encode(PROMPT, true, false).unwrap();
     let mut seq = engine.new_sequence(256).unwrap();
-    let logits = engine.prefill(&mut seq, &tokens, false).unwrap().pop().unwrap();
-    let opts = SpecOptions { draft_max: 5, draft_min: 0, p_min: 0.0 };
+    let opts = SpecOptions { draft_max: 5, draft_min: 0 };
     let spec = drafter.map(|d| (d, &opts));
-    let (out, stats) = engine.decode_with(&mut seq, logits, &tokens, n, sampler, false, spec, |_| true).unwrap();
+    let (out, stats) = engine.generate(&mut seq, &tokens, n, sampler, false, spec, |_| true).unwrap();
     // The sequence holds the prompt and every generated token but the last (sampled, not run;
     // an end-of-generation token is not among the generated).
     let last_not_run = usize::from(stats.stop != StopReason::EndOfGeneration);
@@ -53,10 +53,6 @@ impl Drafter for ScriptedDrafter {
     }
 }
 
-fn greedy() -> SamplerConfig {
-    SamplerConfig { temperature: 0.0, ..SamplerConfig::default() }
-}
-
 fn seeded() -> SamplerConfig {
     SamplerConfig { temperature: 0.9, top_k: 40, top_p: 0.95, seed: 1234, ..SamplerConfig::default() }
 }
@@ -71,23 +67,25 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
         let variants: Vec<_> = fixtures.iter().filter(|f| f.family == family).collect();
         let target_fx = variants.iter().find(|f| f.variant == "q8_0").unwrap_or(&variants[0]);
         let target = engine(&target_fx.model);
-        for (name, sampler) in [("greedy", greedy()), ("seeded", seeded())] {
-            if name == "seeded" && target.model.is_recurrent() {
-                // The hybrid families' multi-row steps differ from one-row steps in the last
-                // bits (measured: 1e-6 of logits of a few units on qwen3_next), enough to move
-                // a seeded sample now and then; greedy output is compared above.
-                println!(
-                    "{family}: seeded comparison skipped (multi-row steps are not bit-identical to one-row steps)"
-                );
-                continue;
+        for (name, sampler) in [("greedy", SamplerConfig::greedy()), ("seeded", seeded())] {
+            // The hybrid families' multi-row steps differ from one-row steps in the last bits
+            // (measured: 1e-6 of logits of a few units on qwen3_next), enough to move a seeded
+            // sample now and then: there the runs are checked for the sequence they leave
+            // (in `generate`) and for rejected guesses, not token for token.
+            let token_for_token = name == "greedy" || !target.model.is_recurrent();
+            if !token_for_token {
+                println!("{family} {name}: not compared token for token (multi-row steps not bit-identical)");
             }
+            let same = |got: &[u32], want: &[u32], what: &str| {
+                assert!(!token_for_token || got == want, "{family} {name}: {what} changed the output");
+            };
             let (plain, _) = generate(&target, &sampler, 40, None);
             let (lookup, s) = generate(&target, &sampler, 40, Some(&mut NgramDrafter::default()));
             println!(
                 "{family}/{} {name} prompt lookup: {} steps, {}/{} guesses kept",
                 target_fx.variant, s.spec_steps, s.accepted, s.drafted
             );
-            assert_eq!(lookup, plain, "{family} {name}: prompt lookup changed the output");
+            same(&lookup, &plain, "prompt lookup");
             drafted += s.drafted;
             let prompt_len = target.tokenizer().unwrap().encode(PROMPT, true, false).unwrap().len();
             let mut scripted = ScriptedDrafter { truth: plain.clone(), prompt_len };
@@ -96,7 +94,7 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
                 "{family}/{} {name} scripted guesses: {} steps, {}/{} guesses kept",
                 target_fx.variant, s.spec_steps, s.accepted, s.drafted
             );
-            assert_eq!(guessed, plain, "{family} {name}: scripted guesses changed the output");
+            same(&guessed, &plain, "scripted guesses");
             assert!(plain.len() < 3 || s.drafted > s.accepted, "{family} {name}: no guess was rejected");
             drafted += s.drafted;
             rejected += s.drafted - s.accepted;
@@ -113,7 +111,7 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
                     "{family}/{} {name} drafted by {}: {} steps, {}/{} guesses kept",
                     target_fx.variant, draft_fx.variant, s.spec_steps, s.accepted, s.drafted
                 );
-                assert_eq!(guessed, plain, "{family} {name}: the {} draft changed the output", draft_fx.variant);
+                same(&guessed, &plain, &format!("the {} draft", draft_fx.variant));
                 assert!(s.spec_steps > 0, "{family}: the draft model guessed nothing");
                 drafted += s.drafted;
                 rejected += s.drafted - s.accepted;

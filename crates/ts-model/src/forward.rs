@@ -42,7 +42,15 @@ impl Scratch {
     pub fn exact() -> Scratch {
         Scratch { exact_activations: true, ..Scratch::default() }
     }
+
+    /// ts-cpu's matmul for this scratch's mode (`rows_alone`: no batch kernels).
+    fn cpu_matmul(&self) -> CpuMatmul {
+        if self.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul }
+    }
 }
+
+/// The signature of [`ts_cpu::matmul`] and [`ts_cpu::matmul_rows_alone`].
+type CpuMatmul = fn(ts_gguf::GgmlType, &[u8], usize, usize, &QuantizedRows, &mut [f32]) -> Result<(), ts_cpu::CpuError>;
 
 /// `out[m][n_out] = x[m][k] · Wᵀ`, with `W` of shape `[k, n_out]` in ggml order.
 pub fn linear(w: &Weight, x: &[f32], m: usize, scratch: &mut Scratch, out: &mut Vec<f32>) -> Result<(), ModelError> {
@@ -66,8 +74,7 @@ pub fn linear_bytes(
         return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
     }
     scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    let matmul = if scratch.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul };
-    matmul(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
+    scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
 }
 
 /// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
@@ -103,7 +110,7 @@ fn linear_dequantized(
     let tile = (DEQUANTIZED_TILE / k).max(1);
     scratch.xq.quantize(ts_gguf::GgmlType::F32, &x[..m * k], k).map_err(|e| e.to_string())?;
     let xq = &scratch.xq;
-    let matmul = if scratch.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul };
+    let matmul = scratch.cpu_matmul();
     let starts: Vec<usize> = (0..n_out).step_by(tile).collect();
     // Per tile: its rows' results for each activation row, [m][rows].
     let parts: Vec<Result<Vec<f32>, String>> = starts

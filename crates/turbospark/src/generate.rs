@@ -10,7 +10,7 @@ use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes
 use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
-use ts_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{DEFAULT_P_MIN, Drafter, ModelDrafter, NgramDrafter, SpecOptions};
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// When to guess and fetch the next layer's experts early (`--expert-prefetch`).
@@ -128,7 +128,6 @@ impl SpecArgs {
         let opts = SpecOptions {
             draft_max: self.draft_max.unwrap_or(d.draft_max),
             draft_min: self.draft_min.unwrap_or(d.draft_min),
-            p_min: self.draft_p_min.unwrap_or(d.p_min),
         };
         if self.draft_model.is_none() && !self.spec_ngram {
             for (set, flag) in [
@@ -145,10 +144,15 @@ impl SpecArgs {
         if self.spec_ngram && self.draft_p_min.is_some() {
             bail!("--draft-p-min applies to a --draft-model, not to --spec-ngram");
         }
-        if !(0.0..=1.0).contains(&opts.p_min) {
+        if !(0.0..=1.0).contains(&self.p_min()) {
             bail!("--draft-p-min must be between 0 and 1");
         }
         Ok(Some(opts))
+    }
+
+    /// The draft model's `--draft-p-min`.
+    fn p_min(&self) -> f32 {
+        self.draft_p_min.unwrap_or(DEFAULT_P_MIN)
     }
 
     /// The draft model, loaded for the CPU with the target's threads (every weight resident).
@@ -170,10 +174,9 @@ fn drafter<'d, B: Backend>(
     engine: &Engine<B>,
     draft: Option<&'d Engine<B>>,
     n_ctx: usize,
-    p_min: f32,
 ) -> Result<Option<Box<dyn Drafter + 'd>>> {
     Ok(match draft {
-        Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, p_min)?)),
+        Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, spec.p_min())?)),
         None if spec.spec_ngram => Some(Box::new(NgramDrafter::default())),
         None => None,
     })
@@ -457,22 +460,14 @@ fn run_on<B: Backend>(
     let sampler = args.sampling.config();
     let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx)?;
-    let p_min = spec.map_or(0.0, |o| o.p_min);
-    let mut drafter = drafter(&args.spec, engine, draft, n_ctx, p_min)?;
-    let t0 = std::time::Instant::now();
-    let logits =
-        engine.prefill(&mut seq, &tokens, false)?.pop().ok_or_else(|| anyhow::anyhow!("the prompt is empty"))?;
-    let prompt_time = t0.elapsed();
+    let mut drafter = drafter(&args.spec, engine, draft, n_ctx)?;
     let mut out = std::io::stdout().lock();
     let mut closed = false;
     let guessing = drafter.as_deref_mut().zip(spec);
-    let (_, mut stats) =
-        engine.decode_with(&mut seq, logits, &tokens, args.n_predict, &sampler, false, guessing, |text| {
-            closed = out.write_all(text.as_bytes()).and_then(|()| out.flush()).is_err();
-            !closed
-        })?;
-    stats.prompt_tokens = tokens.len();
-    stats.prompt_time = prompt_time;
+    let (_, stats) = engine.generate(&mut seq, &tokens, args.n_predict, &sampler, false, guessing, |text| {
+        closed = out.write_all(text.as_bytes()).and_then(|()| out.flush()).is_err();
+        !closed
+    })?;
     drop(out);
     report(&stats);
     report_spec(&stats);
@@ -508,7 +503,7 @@ fn chat_on<B: Backend>(
     args: &ChatArgs,
     spec: Option<&SpecOptions>,
 ) -> Result<()> {
-    let mut drafter = drafter(&args.spec, engine, draft, n_ctx, spec.map_or(0.0, |o| o.p_min))?;
+    let mut drafter = drafter(&args.spec, engine, draft, n_ctx)?;
     let chatml;
     let template = match &engine.template {
         Some(t) => t,
