@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|side]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|side|sweep|ncu-detail]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -57,11 +57,11 @@ fi
 if [[ $what == profile ]]; then
     # Time per kernel of a few decode steps (Nsight Compute, clocks left alone).
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for like in gpt-oss-20b qwen3-30b-a3b; do
+    for like in ${LIKES:-gpt-oss-20b qwen3-30b-a3b}; do
         f=/tmp/$like.gguf
         [[ -f $f ]] || "$B"/turbospark synth --like "$like" -o "$f" 2>&1 | tail -1
         "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c 1500 \
-            "$B"/turbospark bench -m "$f" --device cuda -p 0 -n 8 -r 1 > "$OUT/profile-$like.log" 2>&1
+            "$B"/${BIN:-turbospark} bench -m "$f" --device cuda -p 0 -n 8 -r 1 > "$OUT/profile-$like.log" 2>&1
         echo "== $like: time per kernel over the first 1500 launches of 8 decode steps"
         python3 tools/ncu-summary.py "$OUT/profile-$like.log" | tee "$OUT/profile-$like.txt"
         rm -f "$OUT/profile-$like.log"
@@ -173,6 +173,33 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
     done
+fi
+if [[ $what == sweep ]]; then
+    # `sweep LIKE...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM) under each setting
+    # of a build's measurement knobs, one process per setting.
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        IFS=';' read -ra settings <<< "${SWEEP:-}"
+        for setting in "${settings[@]}"; do
+            echo "== $like, pp512 with $setting"
+            env $setting "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 3 2>&1 | tee -a "$OUT/sweep-$like.log" \
+                | grep -E "^\|.*pp|error"
+        done
+    done
+fi
+if [[ $what == ncu-detail ]]; then
+    # `ncu-detail LIKE REGEX`: Nsight Compute's speed-of-light, occupancy and warp-stall
+    # sections for the first two launches of the kernels matching REGEX in a pp512 of the
+    # 8-layer synthetic model.
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    like=$2
+    f=/tmp/$like-8l.gguf
+    [[ -f $f ]] || "$B"/turbospark synth --like "$like" --layers 8 -o "$f" 2>&1 | tail -1
+    "$ncu" --clock-control none -k "regex:$3" -c 2 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
+        "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 1 2>&1 | tee "$OUT/ncu-detail-$like.log" \
+        | grep -vE "^ *-+ *$|^ *$|^==PROF==" | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|Active Warps|Block Limit|Executed Ipc|OPT|sec|^  [a-z_]" | head -${LINES_MAX:-80}
 fi
 if ((failed)); then
     echo "gpu-run.sh: tests failed (logs in $OUT)" >&2

@@ -128,3 +128,132 @@ extern "C" __global__ void attention_wide(const float* q, float* out, const RowK
                                           int window) {
     attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
 }
+
+// Attention for a prompt: rows of one sequence, heads and values of at most 128. A block takes
+// 32 queries of one KV head (query j: flat index 32 * blockIdx.x + j over (row, head in the
+// group), rows m, n_head / n_head_kv heads per group; blockIdx.y the KV head) and walks the
+// positions they see 16 at a time, each tile of keys and values read once into shared memory
+// for all 32 (the per-row kernel above reads them once per query). A warp owns 8 queries; the
+// two half-warps split the scores' dot products (even and odd elements), lane % 16 the
+// position, and each key or value element read from shared memory serves the 8 queries.
+// Same arguments as `attention` plus m; grid (ceil(m * group / 32), n_head_kv), block 128.
+#define PROMPT_TILE 16
+#define PROMPT_QUERIES 32
+#define PROMPT_MAX_HEAD 128
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_prompt(const float* q, float* out, const RowKv* info, int m, int n_head, int n_head_kv, int hd,
+                     int hdv, float scale, float softcap, const float* sinks, int window) {
+    const int group = n_head / n_head_kv, kvh = blockIdx.y;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, pl = lane & 15, half = lane >> 4;
+    const int n_flat = m * group, flat0 = blockIdx.x * PROMPT_QUERIES;
+    const int kv_dim = n_head_kv * hd, v_dim = n_head_kv * hdv;
+    __shared__ float qs[PROMPT_QUERIES][PROMPT_MAX_HEAD];
+    // Row stride hd + 2: the 32 lanes' (position, parity) pairs fall in distinct banks.
+    __shared__ float ks[PROMPT_TILE][PROMPT_MAX_HEAD + 2];
+    __shared__ float vs[PROMPT_TILE][PROMPT_MAX_HEAD];
+    __shared__ float ps[4][8][PROMPT_TILE];
+    __shared__ int range[2];
+
+    for (int i = threadIdx.x; i < PROMPT_QUERIES * hd; i += blockDim.x) {
+        const int j = i / hd, e = i - j * hd, flat = flat0 + j;
+        const int row = flat / group, h = kvh * group + flat % group;
+        qs[j][e] = flat < n_flat ? q[((long long)row * n_head + h) * hd + e] : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+        int lo = 0x7fffffff, hi = -1;
+        for (int row = flat0 / group; row <= (min(flat0 + PROMPT_QUERIES, n_flat) - 1) / group; row++) {
+            const int pos = info[row].pos;
+            lo = min(lo, window > 0 ? max(0, pos + 1 - window) : 0);
+            hi = max(hi, pos);
+        }
+        range[0] = lo, range[1] = hi;
+    }
+    __syncthreads();
+    const RowKv seq = info[0];
+    const float* K = (const float*)seq.k + kvh * hd;
+    const float* V = (const float*)seq.v + kvh * hdv;
+
+    // This warp's queries: position, first position seen, running max, sum and output.
+    int qpos[8], qfirst[8];
+    float mx[8], sum[8], acc[8][PROMPT_MAX_HEAD / WARP];
+#pragma unroll
+    for (int qq = 0; qq < 8; qq++) {
+        const int flat = flat0 + warp * 8 + qq;
+        const int pos = flat < n_flat ? info[flat / group].pos : -1;
+        qpos[qq] = pos;
+        qfirst[qq] = window > 0 ? max(0, pos + 1 - window) : 0;
+        mx[qq] = -INFINITY, sum[qq] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PROMPT_MAX_HEAD / WARP; j++) acc[qq][j] = 0.0f;
+    }
+
+    for (int p0 = range[0]; p0 <= range[1]; p0 += PROMPT_TILE) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < PROMPT_TILE * hd; i += blockDim.x) {
+            const int l = i / hd, e = i - l * hd, p = p0 + l;
+            ks[l][e] = p <= range[1] ? K[(long long)(p % seq.slots) * kv_dim + e] : 0.0f;
+        }
+        for (int i = threadIdx.x; i < PROMPT_TILE * hdv; i += blockDim.x) {
+            const int l = i / hdv, e = i - l * hdv, p = p0 + l;
+            vs[l][e] = p <= range[1] ? V[(long long)(p % seq.slots) * v_dim + e] : 0.0f;
+        }
+        __syncthreads();
+        // Scores of the warp's 8 queries at position p0 + pl, each key element read once for all 8.
+        float d[8];
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) d[qq] = 0.0f;
+#pragma unroll 4
+        for (int e = half; e < hd; e += 2) {
+            const float kv = ks[pl][e];
+#pragma unroll
+            for (int qq = 0; qq < 8; qq++) d[qq] += qs[warp * 8 + qq][e] * kv;
+        }
+        const int p = p0 + pl;
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) {
+            float s = (d[qq] + __shfl_xor_sync(0xffffffffu, d[qq], 16)) * scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            const bool seen = p >= qfirst[qq] && p <= qpos[qq];
+            float tmax = seen ? s : -INFINITY;
+            for (int off = 8; off > 0; off >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+            const float nm = fmaxf(mx[qq], tmax);
+            // nm is -inf only while the query has seen no position (then nothing is seen here either).
+            const float corr = nm == -INFINITY ? 1.0f : expf(mx[qq] - nm), e = seen ? expf(s - nm) : 0.0f;
+            float es = e;
+            for (int off = 8; off > 0; off >>= 1) es += __shfl_xor_sync(0xffffffffu, es, off);
+            sum[qq] = sum[qq] * corr + es;
+            mx[qq] = nm;
+            if (half == 0) ps[warp][qq][pl] = e;
+#pragma unroll
+            for (int j = 0; j < PROMPT_MAX_HEAD / WARP; j++) acc[qq][j] *= corr;
+        }
+        __syncwarp();
+        // Values: each row of the tile read once for all 8 queries.
+        for (int l = 0; l < PROMPT_TILE; l++) {
+            float v[PROMPT_MAX_HEAD / WARP];
+#pragma unroll
+            for (int j = 0; j < PROMPT_MAX_HEAD / WARP; j++) v[j] = lane + j * WARP < hdv ? vs[l][lane + j * WARP] : 0.0f;
+#pragma unroll
+            for (int qq = 0; qq < 8; qq++) {
+                const float w = ps[warp][qq][l];
+#pragma unroll
+                for (int j = 0; j < PROMPT_MAX_HEAD / WARP; j++) acc[qq][j] += w * v[j];
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int qq = 0; qq < 8; qq++) {
+        const int flat = flat0 + warp * 8 + qq;
+        if (flat >= n_flat) continue;
+        const int row = flat / group, h = kvh * group + flat % group;
+        const float top = sinks ? fmaxf(sinks[h], mx[qq]) : mx[qq];
+        const float keep = expf(mx[qq] - top);
+        const float denom = sum[qq] * keep + (sinks ? expf(sinks[h] - top) : 0.0f);
+        float* o = out + ((long long)row * n_head + h) * hdv;
+#pragma unroll
+        for (int j = 0; j < PROMPT_MAX_HEAD / WARP; j++)
+            if (lane + j * WARP < hdv) o[lane + j * WARP] = acc[qq][j] * keep / denom;
+    }
+}

@@ -13,6 +13,10 @@
 //
 // Weights are decoded to int8 (nibbles, offsets folded into a per-block correction) and
 // multiplied four at a time with dp4a; the block scales multiply the integer sums once.
+//
+//   vdot_<t>::frag(row, c, s)  elements 4s..4s+3 and 16+4s..16+4s+3 of 32-element chunk c of
+//       the row as int8 (TsFrag): the part of an int8 tensor-core fragment one lane holds.
+//   vdot_<t>::split  whether the chunk's two halves have scales of their own (Q6_K).
 // Also compiles as host C++17 (tests/vdot_host.cpp).
 
 #pragma once
@@ -86,6 +90,25 @@ __device__ __forceinline__ void ts_q8_store_warp(float v, long long i, signed ch
 }
 #endif
 
+// Elements 4s..4s+3 (q[0]) and 16+4s..16+4s+3 (q[1]) of a 32-element chunk as int8, one
+// per byte: the weights are d[h] * q[h] + m (m times the activations' block sum corrects
+// what the int8 values leave out).
+struct TsFrag {
+    ts_u32 q[2];
+    float d[2];
+    float m;
+};
+
+// Four nibbles or five-bit values as int8 minus an offset: (q + 128 - o) ^ 128 per byte,
+// no carries between bytes for q < o + 128.
+__device__ __forceinline__ ts_u32 ts_minus(ts_u32 q, ts_u32 o) { return (q + (128u - o) * 0x01010101u) ^ 0x80808080u; }
+
+__device__ __forceinline__ TsFrag ts_frag(ts_u32 q0, ts_u32 q1, float d0, float d1, float m) {
+    TsFrag f;
+    f.q[0] = q0, f.q[1] = q1, f.d[0] = d0, f.d[1] = d1, f.m = m;
+    return f;
+}
+
 // Activation row r of x: its quants and its blocks' (d, sum).
 __device__ __forceinline__ const signed char* ts_xrow(const TsQ8& x, int r) { return x.q + (ts_u64)r * x.k; }
 __device__ __forceinline__ const ts_f2* ts_xds_row(const TsQ8& x, int r) { return x.ds + (ts_u64)r * (x.k >> 5); }
@@ -120,6 +143,13 @@ __device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi,
 // Q4_0: x = (q - 8) * d.
 struct vdot_q4_0 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_0(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 18;
+        const float d = ts_h2f(ts_ld16(b));
+        const ts_u32 q = ts_ldu32(b + 2 + 4 * s);
+        return ts_frag(ts_minus(q & 0x0f0f0f0fu, 8), ts_minus((q >> 4) & 0x0f0f0f0fu, 8), d, d, 0.0f);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 18;
@@ -135,6 +165,13 @@ struct vdot_q4_0 {
 // Q4_1: x = q * d + m.
 struct vdot_q4_1 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_1(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 20;
+        const ts_u32 dm = ts_ldu32(b), q = ts_ldu32(b + 4 + 4 * s);
+        const float d = ts_h2f(dm & 0xffff);
+        return ts_frag(q & 0x0f0f0f0fu, (q >> 4) & 0x0f0f0f0fu, d, d, ts_h2f(dm >> 16));
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 20;
@@ -151,6 +188,14 @@ struct vdot_q4_1 {
 // Q5_0: x = (q - 16) * d, q's fifth bit from qh.
 struct vdot_q5_0 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_0(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 22;
+        const float d = ts_h2f(ts_ld16(b));
+        const ts_u32 qh = ts_ldu32(b + 2), q = ts_ldu32(b + 6 + 4 * s);
+        return ts_frag(ts_minus((q & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * s)), 16),
+                       ts_minus(((q >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * s)), 16), d, d, 0.0f);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 22;
@@ -170,6 +215,16 @@ struct vdot_q5_0 {
 // Q5_1: x = q * d + m, q's fifth bit from qh.
 struct vdot_q5_1 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_1(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 24;
+        ts_u32 h[2];
+        ts_ld_8(b, h);
+        const float d = ts_h2f(h[0] & 0xffff);
+        const ts_u32 q = ts_ldu32(b + 8 + 4 * s);
+        return ts_frag((q & 0x0f0f0f0fu) | ts_spread4(h[1] >> (4 * s)),
+                       ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(h[1] >> (16 + 4 * s)), d, d, ts_h2f(h[0] >> 16));
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 24;
@@ -191,6 +246,15 @@ struct vdot_q5_1 {
 // times the halved E8M0 scale.
 struct vdot_mxfp4 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_mxfp4(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 17;
+        const ts_u32 e = ts_ldu8(b);
+        const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+        const ts_u32 q = ts_ldu32(b + 1 + 4 * s);
+        return ts_frag(ts_mxfp4_lut4(q & 0x0f0f0f0fu) ^ 0x80808080u, ts_mxfp4_lut4((q >> 4) & 0x0f0f0f0fu) ^ 0x80808080u,
+                       d, d, 0.0f);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 17;
@@ -240,6 +304,17 @@ __device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* l
 
 struct vdot_q4_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_k(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)(c >> 3) * 144;
+        const int j = c & 7, sh = 4 * (j & 1);
+        ts_u32 h[4];
+        ts_ld_16(b, h);
+        float scale, min;
+        ts_k4_scale_min(h, j, &scale, &min);
+        const ts_u8* q = b + 16 + 32 * (j >> 1) + 4 * s;
+        return ts_frag((ts_ldu32(q) >> sh) & 0x0f0f0f0fu, (ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu, scale, scale, -min);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7;
@@ -256,6 +331,19 @@ struct vdot_q4_k {
 // Q5_K: the fifth bit of element 32j + l is bit j of qh[l].
 struct vdot_q5_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_k(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)(c >> 3) * 176;
+        const int j = c & 7, sh = 4 * (j & 1);
+        ts_u32 h[4];
+        ts_ld_16(b, h);
+        float scale, min;
+        ts_k4_scale_min(h, j, &scale, &min);
+        const ts_u8* q = b + 48 + 32 * (j >> 1) + 4 * s;
+        const ts_u32 q0 = ((ts_ldu32(q) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 16 + 4 * s) >> j) & 0x01010101u) << 4);
+        const ts_u32 q1 = ((ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 32 + 4 * s) >> j) & 0x01010101u) << 4);
+        return ts_frag(q0, q1, scale, scale, -min);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7, i = v >> 1, h = v & 1;
@@ -278,6 +366,19 @@ struct vdot_q5_k {
 // bits in qh[32n + l] >> 2c. x = d * sc * (q - 32), sc one int8 per 16 elements.
 struct vdot_q6_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q6_k(k); }
+    static const bool split = true;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)(c >> 3) * 210;
+        const int j = c & 7, half = j >> 2, r = j & 3, lsh = 4 * (r >> 1), hsh = 2 * r;
+        const ts_u8* ql = b + 64 * half + 32 * (r & 1) + 4 * s;
+        const ts_u8* qh = b + 128 + 32 * half + 4 * s;
+        const ts_u32 sc = ts_ld16(b + 192 + 2 * j);
+        const float d = ts_h2f(ts_ld16(b + 208));
+        const ts_u32 u0 = ((ts_ldu32(ql) >> lsh) & 0x0f0f0f0fu) | (((ts_ldu32(qh) >> hsh) & 0x03030303u) << 4);
+        const ts_u32 u1 = ((ts_ldu32(ql + 16) >> lsh) & 0x0f0f0f0fu) | (((ts_ldu32(qh + 16) >> hsh) & 0x03030303u) << 4);
+        return ts_frag(ts_minus(u0, 32), ts_minus(u1, 32), ts_mul(d, (float)(signed char)(sc & 0xff)),
+                       ts_mul(d, (float)(signed char)(sc >> 8)), 0.0f);
+    }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7, n = v >> 2, l0 = 8 * (v & 3), g = (v & 3) >> 1;

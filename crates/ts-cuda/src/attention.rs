@@ -117,14 +117,10 @@ impl Cuda {
             Some(s) => self.vptr(s)?,
             None => 0,
         };
-        self.launch(
-            if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
-            (shape.n_head as u32, m as u32, 1),
-            (128, 1, 1),
-            &[
-                Arg::Ptr(self.p(q)),
-                Arg::Ptr(self.p(&out)),
-                Arg::Ptr(info),
+        let args = |rows: Option<i32>| {
+            let mut a = vec![Arg::Ptr(self.p(q)), Arg::Ptr(self.p(&out)), Arg::Ptr(info)];
+            a.extend(rows.map(Arg::I32));
+            a.extend([
                 Arg::I32(shape.n_head as i32),
                 Arg::I32(shape.n_head_kv as i32),
                 Arg::I32(shape.head_dim as i32),
@@ -133,8 +129,35 @@ impl Cuda {
                 Arg::F32(shape.softcap.unwrap_or(0.0)),
                 Arg::Ptr(sinks),
                 Arg::I32(self.windows[il]),
-            ],
+            ]);
+            a
+        };
+        if prompt_attention(shape, rows) {
+            let group = shape.n_head / shape.n_head_kv;
+            let grid = ((m * group).div_ceil(PROMPT_QUERIES) as u32, shape.n_head_kv as u32, 1);
+            self.launch("attention_prompt", grid, (128, 1, 1), &args(Some(m as i32)))?;
+            return Ok(out);
+        }
+        self.launch(
+            if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
+            (shape.n_head as u32, m as u32, 1),
+            (128, 1, 1),
+            &args(None),
         )?;
         Ok(out)
     }
+}
+
+/// Queries per block of attention.cu's `attention_prompt`.
+const PROMPT_QUERIES: usize = 32;
+
+/// Whether `attention_prompt` takes these rows: at least 16 of one sequence (a prompt), heads
+/// and values of at most 128 (its shared memory), whole groups of query heads per KV head.
+fn prompt_attention(shape: &AttnShape, rows: &[Row]) -> bool {
+    rows.len() >= 16
+        && rows.iter().all(|r| r.seq == rows[0].seq)
+        && shape.head_dim <= 128
+        && shape.head_dim_v <= 128
+        && shape.head_dim.is_multiple_of(2)
+        && shape.n_head.is_multiple_of(shape.n_head_kv)
 }

@@ -44,7 +44,6 @@ use ts_model::{Backend, Model, ModelError, Row, SeqState};
 pub use device::CudaError as Error;
 pub use matmul::Matmul;
 pub use matvec_q8::q8_suffix;
-pub use moe::GROUPED_MAX_PAIRS;
 
 /// The kernel-name suffix of a weight type the GPU reads directly.
 pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {

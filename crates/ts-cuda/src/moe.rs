@@ -221,7 +221,7 @@ impl Cuda {
             let (kind, alpha, limit) = activation_args(act);
             let sfx = q8_suffix(w.gate_exps.ty).filter(|_| !exact && w.gate_exps.ty == w.up_exps.ty);
             if let Some(sfx) = sfx
-                && let (g, grouped) = self.grouped_experts(w, r, at, 0..GROUPED_MAX_PAIRS)?
+                && let (g, grouped) = self.grouped_experts(w, r, at)?
                 && !grouped.experts.is_empty()
             {
                 // Every expert's tiles in one launch (gate and up of one type: one stride).
@@ -243,8 +243,10 @@ impl Cuda {
                 };
                 self.moe_mm_gate_up_q8(sfx, p, &tiles, &xq)?;
             }
-            let rest = if sfx.is_some() { GROUPED_MAX_PAIRS..usize::MAX } else { 0..usize::MAX };
-            self.by_expert(w, r, at, rest, |base, ex, start, me, rows_d| {
+            if sfx.is_some() {
+                return Ok(h);
+            }
+            self.by_expert(w, r, at, |base, ex, start, me, rows_d| {
                 let xs = self.act(me * e)?;
                 self.gather(x, rows_d, &xs, me, e)?;
                 let g = self.p(&h) + (4 * start * f) as u64;
@@ -363,7 +365,7 @@ impl Cuda {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
             let sfx = q8_suffix(w.down_exps.ty).filter(|_| !exact);
             if let Some(sfx) = sfx
-                && let (g, grouped) = self.grouped_experts(w, r, at, 0..GROUPED_MAX_PAIRS)?
+                && let (g, grouped) = self.grouped_experts(w, r, at)?
                 && !grouped.experts.is_empty()
             {
                 let tiles = self.tiles(&g.offsets, &grouped.experts)?;
@@ -379,8 +381,10 @@ impl Cuda {
                 };
                 self.moe_mm_q8(sfx, p, &tiles, &hq)?;
             }
-            let rest = if sfx.is_some() { GROUPED_MAX_PAIRS..usize::MAX } else { 0..usize::MAX };
-            return self.by_expert(w, r, at, rest, |base, ex, start, me, _rows| {
+            if sfx.is_some() {
+                return Ok(());
+            }
+            return self.by_expert(w, r, at, |base, ex, start, me, _rows| {
                 let (hs, d) = (self.p(h) + (4 * start * f) as u64, self.p(y) + (4 * start * e) as u64);
                 let down = Matmul { ty: w.down_exps.ty, w: base[2], n_out: e, k: f, x: hs, m: me, y: d, bias: 0 };
                 self.matmul(&down, exact)?;
@@ -482,21 +486,16 @@ impl Cuda {
         )
     }
 
-    /// The experts `at` whose count of pairs of `r` is in `pairs` and not 0 (many-row
-    /// steps), with the pairs grouped by expert.
+    /// The experts `at` with pairs in `r` (many-row steps), with the pairs grouped by expert.
     fn grouped_experts<'r>(
         &self,
         w: &MoeWeights,
         r: &'r GpuRoutes,
         at: &ExpertsAt<'_, GpuExpertGroup>,
-        pairs: std::ops::Range<usize>,
     ) -> Result<(&'r Grouping, GroupedExperts), ModelError> {
         let n_expert = w.gate_exps.dims[2];
         let g = self.grouping(r, n_expert)?;
-        let used = |e: usize| {
-            let n = g.offsets[e + 1] - g.offsets[e];
-            n > 0 && pairs.contains(&n)
-        };
+        let used = |e: usize| g.offsets[e + 1] > g.offsets[e];
         let grouped = match at {
             ExpertsAt::Stacked => {
                 let mut proj = [(0u64, 0usize); 3];
@@ -519,16 +518,15 @@ impl Cuda {
 
     /// Calls `f(per projection the expert's address, expert, its first place among
     /// the pairs grouped by expert, its pair count, their rows on the device)` for
-    /// each expert `at` whose count of pairs of `r` is in `pairs` and not 0 (many-row steps).
+    /// each expert `at` with pairs in `r` (many-row steps).
     fn by_expert(
         &self,
         w: &MoeWeights,
         r: &GpuRoutes,
         at: &ExpertsAt<'_, GpuExpertGroup>,
-        pairs: std::ops::Range<usize>,
         mut f: impl FnMut([u64; 3], usize, usize, usize, u64) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
-        let (g, grouped) = self.grouped_experts(w, r, at, pairs)?;
+        let (g, grouped) = self.grouped_experts(w, r, at)?;
         let rows = g.rows(&self.gpu, r);
         for &(ex, index) in &grouped.experts {
             let (start, n) = (g.offsets[ex], g.offsets[ex + 1] - g.offsets[ex]);
@@ -553,12 +551,6 @@ impl Cuda {
         )
     }
 }
-
-/// Experts with fewer pairs than this in a many-row step take the grouped kernels (8-bit
-/// activations, moe_mm.rs); the others their own f16 tensor-core matmuls. Measured on the
-/// H200, pp512 at 0 (all on their own), 32, 64, 128 and no limit: gpt-oss-20b 3,627, 5,063,
-/// 4,952, 4,094, 3,173 tok/s; qwen3-30b-a3b 1,308, 2,583, 3,227, 3,514, 3,260.
-pub const GROUPED_MAX_PAIRS: usize = 64;
 
 /// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
 pub(crate) fn activation_args(act: GatedActivation) -> (i32, f32, f32) {

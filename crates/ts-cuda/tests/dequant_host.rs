@@ -237,9 +237,18 @@ fn vdot_matches_the_dequantized_product() {
                     .args([name, &k.to_string(), &rows.to_string()])
                     .args([path("w"), path("xq"), path("xds"), path("out")])
                     .arg(offset.to_string())
+                    .arg(path("frags"))
                     .status()
                     .unwrap();
                 assert!(status.success(), "harness failed for {tag}");
+                // The tensor-core fragments give the dequantized weights (signed zeros aside).
+                let frags = floats(&std::fs::read(path("frags")).unwrap());
+                for (i, (e, g)) in w.iter().zip(&frags).enumerate() {
+                    assert!(
+                        e == g || (e.is_nan() && g.is_nan()),
+                        "{tag} fragment element {i}: expected {e:e}, got {g:e}"
+                    );
+                }
                 let got = floats(&std::fs::read(path("out")).unwrap());
                 for o in 0..rows {
                     let (alone, pair) = (got[3 * o], [got[3 * o + 1], got[3 * o + 2]]);
@@ -320,8 +329,12 @@ fn nvrtc_compiles() {
         }
     }
     for (_, name, _) in q8_types() {
-        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8", "moe_mm_q8", "moe_mm_gate_up_q8"] {
+        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
             let entry = format!(".entry {kernel}_{name}(");
+            assert!(ptx.contains(&entry), "no {entry} in the PTX");
+        }
+        for kernel in ["moe_mm_q8_", "moe_mm_gate_up_q8_"] {
+            let entry = format!(".entry {kernel}{name}_32(");
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }
     }

@@ -1,10 +1,12 @@
 // Host harness for kernels/vdot.cuh: the integer dot products of weight rows with 8-bit
 // activations, with the same code the kernels run, one lane taking every unit in order.
 //
-//   vdot_host TYPE K N_ROWS W XQ XDS OUT OFFSET
+//   vdot_host TYPE K N_ROWS W XQ XDS OUT OFFSET FRAGS
 //     W: N_ROWS rows of K elements of TYPE, placed OFFSET bytes past a 16-byte boundary;
 //     XQ: 2 rows of K int8; XDS: 2 rows of K/32 (d, sum) f32 pairs. OUT: per weight row three
 //     floats: its dot with activation row 0 alone (dot<1>), then with rows 0 and 1 (dot<2>).
+//     FRAGS: the weights as the tensor-core fragments give them (frag: d[h] * q + m), K floats
+//     per row.
 
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +17,7 @@
 
 typedef void (*Dot1)(const ts_u8*, int, const TsQ8&, float (&)[1]);
 typedef void (*Dot2)(const ts_u8*, int, const TsQ8&, float (&)[2]);
+typedef TsFrag (*Frag)(const ts_u8*, int, int);
 
 static bool read_exact(const char* path, void* dst, size_t size) {
     FILE* f = fopen(path, "rb");
@@ -25,8 +28,8 @@ static bool read_exact(const char* path, void* dst, size_t size) {
 }
 
 int main(int argc, char** argv) {
-    if (argc != 9) {
-        fprintf(stderr, "usage: %s TYPE K N_ROWS W XQ XDS OUT OFFSET\n", argv[0]);
+    if (argc != 10) {
+        fprintf(stderr, "usage: %s TYPE K N_ROWS W XQ XDS OUT OFFSET FRAGS\n", argv[0]);
         return 2;
     }
     const char* type = argv[1];
@@ -36,11 +39,13 @@ int main(int argc, char** argv) {
 
     Dot1 dot1 = nullptr;
     Dot2 dot2 = nullptr;
+    Frag frag = nullptr;
     ts_u64 (*row_bytes)(int) = nullptr;
 #define TS_PICK(t)                        \
     if (strcmp(type, #t) == 0) {          \
         dot1 = vdot_##t::dot<1>;          \
         dot2 = vdot_##t::dot<2>;          \
+        frag = vdot_##t::frag;            \
         row_bytes = vdot_##t::row_bytes;  \
     }
     TS_Q8_TYPES(TS_PICK)
@@ -78,5 +83,21 @@ int main(int argc, char** argv) {
     FILE* f = fopen(argv[7], "wb");
     if (!f) return 1;
     fwrite(out.data(), 4, out.size(), f);
+    if (fclose(f) != 0) return 1;
+
+    // Lane s of a fragment holds elements 4s.. (half 0) and 16 + 4s.. (half 1) of the chunk.
+    std::vector<float> weights((size_t)n_rows * k);
+    for (int o = 0; o < n_rows; o++)
+        for (int c = 0; c < k / 32; c++)
+            for (int s = 0; s < 4; s++) {
+                const TsFrag fr = frag(w + o * rb, c, s);
+                for (int h = 0; h < 2; h++)
+                    for (int i = 0; i < 4; i++)
+                        weights[(size_t)o * k + 32 * c + 16 * h + 4 * s + i] =
+                            fr.d[h] * (float)(signed char)(fr.q[h] >> (8 * i)) + fr.m;
+            }
+    f = fopen(argv[9], "wb");
+    if (!f) return 1;
+    fwrite(weights.data(), 4, weights.size(), f);
     return fclose(f) == 0 ? 0 : 1;
 }
