@@ -54,9 +54,15 @@ d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in
             2>&1 | tee "$OUT/bench-$like-no-prefetch.log"
     done
 fi
+# The 8-layer cut of synthetic model `$1` in /tmp (written once per machine), and Nsight Compute.
+synth8() {
+    local f=/tmp/$1-8l.gguf
+    [[ -f $f ]] || "$B"/turbospark synth --like "$1" --layers 8 -o "$f" 2>&1 | tail -1 >&2
+    echo "$f"
+}
+ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ $what == profile ]]; then
     # Time per kernel of a few decode steps (Nsight Compute, clocks left alone).
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for like in ${LIKES:-gpt-oss-20b qwen3-30b-a3b}; do
         f=/tmp/$like.gguf
         [[ -f $f ]] || "$B"/turbospark synth --like "$like" -o "$f" 2>&1 | tail -1
@@ -70,10 +76,8 @@ fi
 if [[ $what == profile-prefill ]]; then
     # `profile-prefill LIKE`: time per kernel of 512-token prompts on the first 8 layers
     # of a synthetic model (every expert in VRAM).
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     like=$2
-    f=/tmp/$like-8l.gguf
-    [[ -f $f ]] || "$B"/turbospark synth --like "$like" --layers 8 -o "$f" 2>&1 | tail -1
+    f=$(synth8 "$like")
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c 3000 \
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 1 > "$OUT/profile-prefill-$like.log" 2>&1
     echo "== $like (8 layers): time per kernel over the first 3000 launches of pp512"
@@ -192,10 +196,8 @@ if [[ $what == ncu-detail ]]; then
     # `ncu-detail LIKE REGEX`: Nsight Compute's speed-of-light, occupancy and warp-stall
     # sections for the first two launches of the kernels matching REGEX in a pp512 of the
     # 8-layer synthetic model.
-    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     like=$2
-    f=/tmp/$like-8l.gguf
-    [[ -f $f ]] || "$B"/turbospark synth --like "$like" --layers 8 -o "$f" 2>&1 | tail -1
+    f=$(synth8 "$like")
     "$ncu" --clock-control none -k "regex:$3" -c 2 --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 1 2>&1 | tee "$OUT/ncu-detail-$like.log" \

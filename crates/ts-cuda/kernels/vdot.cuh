@@ -302,19 +302,23 @@ __device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* l
     }
 }
 
+// Q4_K and Q5_K fragments: chunk c's low four bits (qs at byte qs_at of a superblock of `bytes`)
+// with its scale and min.
+__device__ __forceinline__ TsFrag ts_k4_frag(const ts_u8* row, int c, int s, int bytes, int qs_at) {
+    const ts_u8* b = row + (ts_u64)(c >> 3) * bytes;
+    const int j = c & 7, sh = 4 * (j & 1);
+    ts_u32 h[4];
+    ts_ld_16(b, h);
+    float scale, min;
+    ts_k4_scale_min(h, j, &scale, &min);
+    const ts_u8* q = b + qs_at + 32 * (j >> 1) + 4 * s;
+    return ts_frag((ts_ldu32(q) >> sh) & 0x0f0f0f0fu, (ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu, scale, scale, -min);
+}
+
 struct vdot_q4_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_k(k); }
     static const bool split = false;
-    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
-        const ts_u8* b = row + (ts_u64)(c >> 3) * 144;
-        const int j = c & 7, sh = 4 * (j & 1);
-        ts_u32 h[4];
-        ts_ld_16(b, h);
-        float scale, min;
-        ts_k4_scale_min(h, j, &scale, &min);
-        const ts_u8* q = b + 16 + 32 * (j >> 1) + 4 * s;
-        return ts_frag((ts_ldu32(q) >> sh) & 0x0f0f0f0fu, (ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu, scale, scale, -min);
-    }
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) { return ts_k4_frag(row, c, s, 144, 16); }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7;
@@ -333,16 +337,12 @@ struct vdot_q5_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q5_k(k); }
     static const bool split = false;
     static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        TsFrag f = ts_k4_frag(row, c, s, 176, 48);
         const ts_u8* b = row + (ts_u64)(c >> 3) * 176;
-        const int j = c & 7, sh = 4 * (j & 1);
-        ts_u32 h[4];
-        ts_ld_16(b, h);
-        float scale, min;
-        ts_k4_scale_min(h, j, &scale, &min);
-        const ts_u8* q = b + 48 + 32 * (j >> 1) + 4 * s;
-        const ts_u32 q0 = ((ts_ldu32(q) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 16 + 4 * s) >> j) & 0x01010101u) << 4);
-        const ts_u32 q1 = ((ts_ldu32(q + 16) >> sh) & 0x0f0f0f0fu) | (((ts_ldu32(b + 32 + 4 * s) >> j) & 0x01010101u) << 4);
-        return ts_frag(q0, q1, scale, scale, -min);
+        const int j = c & 7;
+        f.q[0] |= ((ts_ldu32(b + 16 + 4 * s) >> j) & 0x01010101u) << 4;
+        f.q[1] |= ((ts_ldu32(b + 32 + 4 * s) >> j) & 0x01010101u) << 4;
+        return f;
     }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
