@@ -63,7 +63,7 @@ pub enum CpuError {
     RowOutOfRange { row: usize, m: usize },
     #[error("instruction set {0} is not available on this CPU")]
     IsaUnavailable(Isa),
-    #[error("{0}")]
+    #[error(transparent)]
     Quant(#[from] ts_quant::QuantError),
 }
 

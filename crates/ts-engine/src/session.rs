@@ -13,13 +13,13 @@ use ts_tokenizer::Tokenizer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("{0}")]
+    #[error(transparent)]
     Model(#[from] ModelError),
-    #[error("{0}")]
+    #[error(transparent)]
     Tokenizer(#[from] ts_tokenizer::TokenizerError),
-    #[error("{0}")]
+    #[error(transparent)]
     Gguf(#[from] ts_gguf::GgufError),
-    #[error("{0}")]
+    #[error(transparent)]
     Sampler(#[from] crate::sampler::SamplerError),
     #[error("the prompt has {tokens} tokens, more than the context of {n_ctx} (raise -c)")]
     PromptTooLong { tokens: usize, n_ctx: usize },

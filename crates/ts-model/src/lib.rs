@@ -29,7 +29,7 @@ use ts_gguf::GgufFile;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{0}")]
+    #[error(transparent)]
     Gguf(#[from] ts_gguf::GgufError),
     #[error("unknown architecture '{name}' (supported: {known})")]
     UnknownArchitecture { name: String, known: String },
@@ -47,7 +47,7 @@ pub enum ModelError {
     TokenOutOfRange { token: u32, n_vocab: usize },
     #[error("{0}")]
     Compute(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Experts(#[from] ts_experts::ExpertError),
 }
 

@@ -2,14 +2,17 @@
 //! way llama-bench does (random tokens from an empty context; pp = one
 //! prefill of N tokens, tg = N single-token steps), as mean ± sd over runs;
 //! with `--parallel`, generation of several sequences at once, as
-//! llama-batched-bench's `-npl` (each step one row per sequence).
+//! llama-batched-bench's `-npl` (each step one row per sequence); with a drafter
+//! (`--spec-ngram`, `--draft-model`), greedy generation after a random prompt
+//! with and without it.
 
 use crate::GlobalOptions;
-use crate::generate::{ModelArgs, load};
-use anyhow::{Result, bail};
+use crate::generate::{ModelArgs, SpecArgs, drafter, load};
+use anyhow::{Context, Result, bail};
 use serde_json::json;
 use std::time::Instant;
 use ts_engine::decode::{Logits, Piece};
+use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, peak_rss_bytes};
 
 #[derive(clap::Args)]
@@ -35,6 +38,10 @@ pub struct BenchArgs {
     /// one row per sequence; reported as `tgN xS`, tokens of all sequences per second.
     #[arg(long = "parallel", alias = "npl", value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=256))]
     parallel: Vec<u32>,
+    /// With a drafter: `gN greedy` and `gN greedy+spec`, greedy generation of up to `-n`
+    /// tokens after a random prompt of `-p` tokens (at least 1), without and with guesses.
+    #[command(flatten)]
+    spec: SpecArgs,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -51,13 +58,22 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
         bail!("--repetitions must be at least 1");
     }
     let threads = global.threads()?;
+    args.spec.options()?;
     let (engine, _, cuda) = load(global, &args.model)?;
+    let draft = args.spec.load_draft(global, &args.model)?;
     let path = global.model(None)?;
-    crate::on_device!(global, engine, cuda, |engine| run_on(&engine, threads, args, &path))
+    crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
+        &engine,
+        draft.as_ref(),
+        threads,
+        args,
+        &path
+    ))
 }
 
 fn run_on<B: ts_model::Backend>(
     engine: &Engine<B>,
+    draft: Option<&Engine<B>>,
     threads: usize,
     args: &BenchArgs,
     path: &std::path::Path,
@@ -144,6 +160,48 @@ fn run_on<B: ts_model::Backend>(
         results.push((format!("tg{} x{n_seq}", args.n_gen), mean_sd(&tps)));
     }
 
+    let mut spec_lines = Vec::new();
+    if let Some(opts) = args.spec.options()? {
+        // Greedy, the end-of-generation tokens banned (llama.cpp's --ignore-eos): every run
+        // generates -n tokens.
+        let eog = engine.tokenizer().context("bench with a drafter generates text: it needs the model's tokenizer")?;
+        let sampler = SamplerConfig {
+            logit_bias: eog.eog_tokens().iter().map(|&t| (t, f32::NEG_INFINITY)).collect(),
+            ..SamplerConfig::greedy()
+        };
+        let n_ctx = args.n_prompt.max(1) + args.n_gen + 1;
+        let prompts: Vec<Vec<u32>> = (0..warm + args.repetitions).map(|_| tokens(args.n_prompt.max(1))).collect();
+        for with_spec in [false, true] {
+            let mut tps = Vec::new();
+            let (mut generated, mut stats_sum) = (0, ts_engine::session::GenerationStats::default());
+            let mut before = snapshot();
+            for (rep, prompt) in prompts.iter().enumerate() {
+                let mut seq = engine.new_sequence(n_ctx)?;
+                let mut guesser = if with_spec { drafter(&args.spec, engine, draft, n_ctx)? } else { None };
+                let spec = guesser.as_deref_mut().map(|d| (d, &opts));
+                if rep == warm {
+                    before = snapshot();
+                }
+                let (_, st) = engine.generate(&mut seq, prompt, args.n_gen, &sampler, false, spec, |_| true)?;
+                if rep >= warm {
+                    tps.push(st.generated_tokens as f64 / st.generation_time.as_secs_f64());
+                    generated += st.generated_tokens;
+                    stats_sum.spec_steps += st.spec_steps;
+                    stats_sum.drafted += st.drafted;
+                    stats_sum.accepted += st.accepted;
+                }
+            }
+            let test = format!("g{} greedy{}", args.n_gen, if with_spec { "+spec" } else { "" });
+            results.push((test.clone(), mean_sd(&tps)));
+            if let (Some(a), Some(b)) = (snapshot(), before) {
+                cache_lines.push((test.clone(), a.since(&b), generated.max(1)));
+            }
+            if with_spec {
+                spec_lines.push((test, stats_sum, generated));
+            }
+        }
+    }
+
     let cfg = &engine.model.cfg;
     let file_size = ts_gguf::GgufFile::open(path)?.header.tensor_bytes_total();
     let rss = peak_rss_bytes().unwrap_or(0);
@@ -162,7 +220,10 @@ fn run_on<B: ts_model::Backend>(
                         "slots": st.slots, "slot_bytes": st.slot_bytes, "source": st.source, "measures_wait": st.measures_wait, "policy": st.policy,
                     })
                 });
-                json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache})
+                let spec = spec_lines.iter().find(|l| &l.0 == t).map(|(_, st, n)| {
+                    json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n})
+                });
+                json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache, "speculative": spec})
             })
             .collect();
         let out = json!({
@@ -189,6 +250,16 @@ fn run_on<B: ts_model::Backend>(
     s += &format!("weights read per generated token: {:.1} MiB\n", per_token as f64 / (1 << 20) as f64);
     for (test, st, n) in &cache_lines {
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
+    }
+    for (test, st, generated) in &spec_lines {
+        s += &format!(
+            "{test}: {} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step, {generated} tokens\n",
+            st.accepted,
+            st.drafted,
+            100.0 * st.acceptance(),
+            st.spec_steps,
+            (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64
+        );
     }
     crate::write_stdout(s.as_bytes())
 }

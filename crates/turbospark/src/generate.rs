@@ -169,7 +169,7 @@ impl SpecArgs {
 
 /// The drafter `spec` asks for: the draft model `draft` (checked against `engine`'s
 /// vocabulary), prompt lookup, or none.
-fn drafter<'d, B: Backend>(
+pub(crate) fn drafter<'d, B: Backend>(
     spec: &SpecArgs,
     engine: &Engine<B>,
     draft: Option<&'d Engine<B>>,

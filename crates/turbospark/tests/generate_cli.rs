@@ -43,3 +43,49 @@ fn chat_answers_two_turns_through_the_template() {
     assert!(text.contains('4') && text.contains('6'), "{text}");
     assert!(!text.contains("<|im_end|>") && !text.contains("<|im_start|>"), "{text}");
 }
+
+/// `bench` with a drafter generates -n greedy tokens per run without and with prompt lookup
+/// (end-of-generation banned), and reports the guesses kept; on a model without a tokenizer
+/// it says what is missing.
+#[test]
+fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args([
+            "bench",
+            "-m",
+            model.to_str().unwrap(),
+            "-p",
+            "16",
+            "-n",
+            "24",
+            "-r",
+            "2",
+            "--no-warmup",
+            "--spec-ngram",
+        ])
+        .args(["--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tests = v["tests"].as_array().unwrap();
+    let find = |name: &str| tests.iter().find(|t| t["test"] == name).unwrap_or_else(|| panic!("no {name}: {v}"));
+    assert!(find("g24 greedy")["tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
+    let spec = &find("g24 greedy+spec")["speculative"];
+    assert_eq!(spec["generated"], 48, "{v}");
+    let (drafted, accepted) = (spec["drafted"].as_u64().unwrap(), spec["accepted"].as_u64().unwrap());
+    assert!(accepted <= drafted && spec["steps"].as_u64().unwrap() > 0, "{v}");
+
+    // A drafter option without a drafter is refused by name, before the model loads.
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args(["bench", "-m", model.to_str().unwrap(), "--draft-max", "4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--draft-max needs a drafter"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
