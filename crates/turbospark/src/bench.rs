@@ -252,14 +252,7 @@ fn run_on<B: ts_model::Backend>(
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
     }
     for (test, st, generated) in &spec_lines {
-        s += &format!(
-            "{test}: {} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step, {generated} tokens\n",
-            st.accepted,
-            st.drafted,
-            100.0 * st.acceptance(),
-            st.spec_steps,
-            (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64
-        );
+        s += &format!("{test}: {}, {generated} tokens\n", crate::generate::spec_summary(st));
     }
     crate::write_stdout(s.as_bytes())
 }

@@ -185,15 +185,20 @@ pub(crate) fn drafter<'d, B: Backend>(
 /// Speculation's line on stderr: guesses kept and tokens per checking step.
 fn report_spec(stats: &GenerationStats) {
     if stats.spec_steps > 0 || stats.drafted > 0 {
-        eprintln!(
-            "speculative: {} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step",
-            stats.accepted,
-            stats.drafted,
-            100.0 * stats.acceptance(),
-            stats.spec_steps,
-            (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64
-        );
+        eprintln!("speculative: {}", spec_summary(stats));
     }
+}
+
+/// Guesses kept, checking steps and tokens per checking step.
+pub(crate) fn spec_summary(stats: &GenerationStats) -> String {
+    format!(
+        "{} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step",
+        stats.accepted,
+        stats.drafted,
+        100.0 * stats.acceptance(),
+        stats.spec_steps,
+        (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64
+    )
 }
 
 #[derive(clap::Args)]
