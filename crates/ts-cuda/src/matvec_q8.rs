@@ -161,13 +161,15 @@ impl Cuda {
             return Ok(c.q);
         }
         let (q, buf) = self.q8_buffer(m, k)?;
-        self.launch_1d(
-            "quantize_q8_1",
-            m * k,
-            &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64((m * k) as i64)],
-        )?;
+        self.quantize_rows(x, q, m)?;
         self.remember_quantized(x, q, buf);
         Ok(q)
+    }
+
+    /// Quantizes the first `rows` rows of `q.k` activations at `x` into `q` (`quantize_q8_1`).
+    pub(crate) fn quantize_rows(&self, x: u64, q: Q8Act, rows: usize) -> Result<(), ModelError> {
+        let n = rows * q.k;
+        self.launch_1d("quantize_q8_1", n, &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64(n as i64)])
     }
 
     /// Runs `launches`, which write only the device bytes `writes` (start, length), keeping

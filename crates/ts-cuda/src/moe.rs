@@ -32,6 +32,8 @@ pub struct GpuRoutes {
     pub(crate) k: usize,
     host: OnceLock<Vec<usize>>,
     grouping: OnceLock<Grouping>,
+    /// The grouped kernels' tiles of the last group of experts multiplied.
+    pub(crate) tiles: std::sync::Mutex<Option<crate::moe_mm::Tiles>>,
 }
 
 /// A step's (row, slot) pairs ordered by expert, for many-row steps: expert e's
@@ -121,7 +123,7 @@ impl Cuda {
                 ],
             )
         })?;
-        Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new() })
+        Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new(), tiles: Default::default() })
     }
 
     /// The routes' expert ids on the host (the first ask waits for the step so
@@ -220,30 +222,28 @@ impl Cuda {
             // h in the order of the pairs grouped by expert: each expert's rows in place.
             let (kind, alpha, limit) = activation_args(act);
             let sfx = q8_suffix(w.gate_exps.ty).filter(|_| !exact && w.gate_exps.ty == w.up_exps.ty);
-            if let Some(sfx) = sfx
-                && let (g, grouped) = self.grouped_experts(w, r, at)?
-                && !grouped.experts.is_empty()
-            {
-                // Every expert's tiles in one launch (gate and up of one type: one stride).
-                let tiles = self.tiles(&g.offsets, &grouped.experts)?;
-                let (xq, _buf) = self.gather_quantized(x, g.rows(&self.gpu, r), pairs, e)?;
-                let p = MoeMmGateUpQ8 {
-                    w_gate: grouped.proj[0].0,
-                    w_up: grouped.proj[1].0,
-                    h: self.p(&h),
-                    gate_bias: bias(&w.gate_bias)?,
-                    up_bias: bias(&w.up_bias)?,
-                    expert_stride: grouped.proj[0].1 as i64,
-                    n_out: f as i32,
-                    k: e as i32,
-                    kind,
-                    alpha,
-                    limit,
-                    ..Default::default()
-                };
-                self.moe_mm_gate_up_q8(sfx, p, &tiles, &xq)?;
-            }
-            if sfx.is_some() {
+            if let Some(sfx) = sfx {
+                let (g, grouped) = self.grouped_experts(w, r, at)?;
+                if !grouped.experts.is_empty() {
+                    // Every expert's tiles in one launch (gate and up of one type: one stride).
+                    let tiles = self.tiles(r, &g.offsets, &grouped.experts)?;
+                    let (xq, _buf) = self.gather_quantized(x, g.rows(&self.gpu, r), pairs, e)?;
+                    let p = MoeMmGateUpQ8 {
+                        w_gate: grouped.proj[0].0,
+                        w_up: grouped.proj[1].0,
+                        h: self.p(&h),
+                        gate_bias: bias(&w.gate_bias)?,
+                        up_bias: bias(&w.up_bias)?,
+                        expert_stride: grouped.proj[0].1 as i64,
+                        n_out: f as i32,
+                        k: e as i32,
+                        kind,
+                        alpha,
+                        limit,
+                        ..Default::default()
+                    };
+                    self.moe_mm_gate_up_q8(sfx, p, tiles, &xq)?;
+                }
                 return Ok(h);
             }
             self.by_expert(w, r, at, |base, ex, start, me, rows_d| {
@@ -364,24 +364,22 @@ impl Cuda {
         if r.m > DEVICE_MOE_ROWS {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
             let sfx = q8_suffix(w.down_exps.ty).filter(|_| !exact);
-            if let Some(sfx) = sfx
-                && let (g, grouped) = self.grouped_experts(w, r, at)?
-                && !grouped.experts.is_empty()
-            {
-                let tiles = self.tiles(&g.offsets, &grouped.experts)?;
-                let (hq, _buf) = self.quantized_padded(self.p(h), pairs, f)?;
-                let p = MoeMmQ8 {
-                    w: grouped.proj[2].0,
-                    y: self.p(y),
-                    bias: w.down_bias.as_ref().map_or(Ok(0), |b| self.vptr(b))?,
-                    expert_stride: grouped.proj[2].1 as i64,
-                    n_out: e as i32,
-                    k: f as i32,
-                    ..Default::default()
-                };
-                self.moe_mm_q8(sfx, p, &tiles, &hq)?;
-            }
-            if sfx.is_some() {
+            if let Some(sfx) = sfx {
+                let (g, grouped) = self.grouped_experts(w, r, at)?;
+                if !grouped.experts.is_empty() {
+                    let tiles = self.tiles(r, &g.offsets, &grouped.experts)?;
+                    let (hq, _buf) = self.quantized_padded(self.p(h), pairs, f)?;
+                    let p = MoeMmQ8 {
+                        w: grouped.proj[2].0,
+                        y: self.p(y),
+                        bias: w.down_bias.as_ref().map_or(Ok(0), |b| self.vptr(b))?,
+                        expert_stride: grouped.proj[2].1 as i64,
+                        n_out: e as i32,
+                        k: f as i32,
+                        ..Default::default()
+                    };
+                    self.moe_mm_q8(sfx, p, tiles, &hq)?;
+                }
                 return Ok(());
             }
             return self.by_expert(w, r, at, |base, ex, start, me, _rows| {

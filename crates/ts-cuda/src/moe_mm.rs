@@ -6,6 +6,7 @@
 
 use crate::device::Arg;
 use crate::matvec_q8::Q8Act;
+use crate::moe::GpuRoutes;
 use crate::{Act, Cuda, err};
 use cudarc::driver::CudaSlice;
 use ts_model::ModelError;
@@ -56,9 +57,18 @@ pub(crate) struct MoeMmGateUpQ8 {
 
 /// One group of experts' pairs in tiles, on the device: per tile (the expert's
 /// index among the weights, the expert, its first pair in the grouped order,
-/// its pair count), `[n][4]` i32.
+/// its pair count), `[n][4]` i32; kept with the routes for the group's experts, so
+/// that gate/up and down upload it once.
 pub(crate) struct Tiles {
+    experts: Vec<(usize, usize)>,
     device: CudaSlice<i32>,
+    n: usize,
+}
+
+/// A [`Tiles`]' device address and tile count, valid while its routes hold it.
+#[derive(Clone, Copy)]
+pub(crate) struct TileTable {
+    ptr: u64,
     n: usize,
 }
 
@@ -76,11 +86,22 @@ fn tile_table(offsets: &[usize], experts: &[(usize, usize)], tile: usize) -> Vec
 }
 
 impl Cuda {
-    /// [`Tiles`] of `experts` (see [`tile_table`]).
-    pub(crate) fn tiles(&self, offsets: &[usize], experts: &[(usize, usize)]) -> Result<Tiles, ModelError> {
-        let table = tile_table(offsets, experts, MM_TILE);
-        let device = self.gpu.upload(&table).map_err(err)?;
-        Ok(Tiles { device, n: table.len() / 4 })
+    /// The tiles of `experts` (see [`tile_table`]) in `r`'s grouped order: the ones `r`
+    /// holds when they are of the same experts, else uploaded and held by `r`.
+    pub(crate) fn tiles(
+        &self,
+        r: &GpuRoutes,
+        offsets: &[usize],
+        experts: &[(usize, usize)],
+    ) -> Result<TileTable, ModelError> {
+        let mut held = r.tiles.lock().expect("tiles lock");
+        if held.as_ref().is_none_or(|t| t.experts != experts) {
+            let table = tile_table(offsets, experts, MM_TILE);
+            let device = self.gpu.upload(&table).map_err(err)?;
+            *held = Some(Tiles { experts: experts.to_vec(), device, n: table.len() / 4 });
+        }
+        let t = held.as_ref().expect("tiles just held");
+        Ok(TileTable { ptr: self.gpu.ptr(&t.device), n: t.n })
     }
 
     /// `out[p] = x[rows[p]]` (`rows` a device address) quantized to 8 bits for
@@ -112,11 +133,7 @@ impl Cuda {
     /// [`MM_TILE`] rows after them for the last tile.
     pub(crate) fn quantized_padded(&self, x: u64, pairs: usize, k: usize) -> Result<(Q8Act, Act), ModelError> {
         let (q, buf) = self.q8_buffer(pairs + MM_TILE, k)?;
-        self.launch_1d(
-            "quantize_q8_1",
-            pairs * k,
-            &[Arg::Ptr(x), Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0)), Arg::I64((pairs * k) as i64)],
-        )?;
+        self.quantize_rows(x, q, pairs)?;
         Ok((q, buf))
     }
 
@@ -126,18 +143,18 @@ impl Cuda {
         &self,
         sfx: &str,
         p: MoeMmGateUpQ8,
-        tiles: &Tiles,
+        tiles: TileTable,
         xq: &Q8Act,
     ) -> Result<(), ModelError> {
-        let p = MoeMmGateUpQ8 { tiles: self.gpu.ptr(&tiles.device), xq: xq.q(0), xds: xq.ds(0), ..p };
+        let p = MoeMmGateUpQ8 { tiles: tiles.ptr, xq: xq.q(0), xds: xq.ds(0), ..p };
         let grid = ((p.n_out as usize).div_ceil(MMA_ROWS_PER_BLOCK) as u32, tiles.n as u32, 1);
         self.launch_with(&format!("moe_mm_gate_up_q8_{sfx}_{MM_TILE}"), grid, (128, 1, 1), &p)
     }
 
     /// One projection (and its bias) of every tile (kernel suffix `sfx`); `p`'s
     /// tiles, activations and lanes are filled here.
-    pub(crate) fn moe_mm_q8(&self, sfx: &str, p: MoeMmQ8, tiles: &Tiles, xq: &Q8Act) -> Result<(), ModelError> {
-        let p = MoeMmQ8 { tiles: self.gpu.ptr(&tiles.device), xq: xq.q(0), xds: xq.ds(0), ..p };
+    pub(crate) fn moe_mm_q8(&self, sfx: &str, p: MoeMmQ8, tiles: TileTable, xq: &Q8Act) -> Result<(), ModelError> {
+        let p = MoeMmQ8 { tiles: tiles.ptr, xq: xq.q(0), xds: xq.ds(0), ..p };
         let grid = ((p.n_out as usize).div_ceil(MMA_ROWS_PER_BLOCK) as u32, tiles.n as u32, 1);
         self.launch_with(&format!("moe_mm_q8_{sfx}_{MM_TILE}"), grid, (128, 1, 1), &p)
     }

@@ -191,7 +191,7 @@ impl<B: Backend> Engine<B> {
     /// Generates up to `max_tokens` after `prompt`, calling `on_text` with each
     /// piece of text as soon as it is whole UTF-8; `on_text` returns false to
     /// stop. With `special`, control tokens appear as their text (harmony's
-    /// markers, for one); with `spec`, a drafter guesses ahead ([`Engine::decode_with`]).
+    /// markers, for one); with `spec`, a drafter guesses ahead ([`Engine::decode`]).
     #[allow(clippy::too_many_arguments)]
     pub fn generate<'d>(
         &self,
@@ -207,36 +207,20 @@ impl<B: Backend> Engine<B> {
         let logits =
             self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
         let prompt_time = t0.elapsed();
-        let (generated, mut stats) =
-            self.decode_with(seq, logits, prompt, max_tokens, sampler, special, spec, on_text)?;
+        let (generated, mut stats) = self.decode(seq, logits, prompt, max_tokens, sampler, special, spec, on_text)?;
         stats.prompt_tokens = prompt.len();
         stats.prompt_time = prompt_time;
         Ok((generated, stats))
     }
 
-    /// Generates after a sequence whose last logits are `logits` (`history`:
-    /// the tokens it holds, for the sampler's penalties), as [`Engine::generate`].
+    /// Generates after a sequence whose last logits are `logits` (`history`: the tokens it
+    /// holds, for the sampler's penalties), as [`Engine::generate`]. With `spec`, each step
+    /// runs the next token and the drafter's guesses after it as rows of one forward pass,
+    /// samples every row in turn as a one-token step would, and keeps the guesses up to the
+    /// first that differs from the sample; the sequence is rewound past the others (a model
+    /// with recurrent layers goes back to a snapshot and runs the kept tokens again).
     #[allow(clippy::too_many_arguments)]
-    pub fn decode(
-        &self,
-        seq: &mut SeqState<B::State>,
-        logits: Vec<f32>,
-        history: &[u32],
-        max_tokens: usize,
-        sampler: &SamplerConfig,
-        special: bool,
-        on_text: impl FnMut(&str) -> bool,
-    ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
-        self.decode_with(seq, logits, history, max_tokens, sampler, special, None, on_text)
-    }
-
-    /// [`Engine::decode`], with `spec` guessing tokens ahead: each step runs the next
-    /// token and the drafter's guesses after it as rows of one forward pass, samples
-    /// every row in turn as a one-token step would, and keeps the guesses up to the
-    /// first that differs from the sample; the sequence is rewound past the others
-    /// (a model with recurrent layers goes back to a snapshot and runs the kept tokens again).
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_with<'d>(
+    pub fn decode<'d>(
         &self,
         seq: &mut SeqState<B::State>,
         logits: Vec<f32>,

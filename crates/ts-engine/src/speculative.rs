@@ -1,5 +1,5 @@
 //! Speculative decoding's guessers. A [`Drafter`] guesses the tokens after a
-//! context; [`crate::session::Engine::decode_with`] checks every guess in one
+//! context; [`crate::session::Engine::decode`] checks every guess in one
 //! forward step of the target (one row per guess) and keeps the run the target
 //! itself samples. Both drafters here guess deterministically (text copied from
 //! the context, or a draft model's most likely token), so keeping a guess only

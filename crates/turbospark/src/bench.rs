@@ -14,6 +14,7 @@ use std::time::Instant;
 use ts_engine::decode::{Logits, Piece};
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, peak_rss_bytes};
+use ts_engine::speculative::SpecOptions;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -58,13 +59,14 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
         bail!("--repetitions must be at least 1");
     }
     let threads = global.threads()?;
-    args.spec.options()?;
+    let spec = args.spec.options()?;
     let (engine, _, cuda) = load(global, &args.model)?;
     let draft = args.spec.load_draft(global, &args.model)?;
     let path = global.model(None)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
         &engine,
         draft.as_ref(),
+        spec.as_ref(),
         threads,
         args,
         &path
@@ -74,6 +76,7 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
 fn run_on<B: ts_model::Backend>(
     engine: &Engine<B>,
     draft: Option<&Engine<B>>,
+    spec: Option<&SpecOptions>,
     threads: usize,
     args: &BenchArgs,
     path: &std::path::Path,
@@ -161,7 +164,7 @@ fn run_on<B: ts_model::Backend>(
     }
 
     let mut spec_lines = Vec::new();
-    if let Some(opts) = args.spec.options()? {
+    if let Some(opts) = spec {
         // Greedy, the end-of-generation tokens banned (llama.cpp's --ignore-eos): every run
         // generates -n tokens.
         let eog = engine.tokenizer().context("bench with a drafter generates text: it needs the model's tokenizer")?;
@@ -178,11 +181,11 @@ fn run_on<B: ts_model::Backend>(
             for (rep, prompt) in prompts.iter().enumerate() {
                 let mut seq = engine.new_sequence(n_ctx)?;
                 let mut guesser = if with_spec { drafter(&args.spec, engine, draft, n_ctx)? } else { None };
-                let spec = guesser.as_deref_mut().map(|d| (d, &opts));
+                let guessing = guesser.as_deref_mut().map(|d| (d, opts));
                 if rep == warm {
                     before = snapshot();
                 }
-                let (_, st) = engine.generate(&mut seq, prompt, args.n_gen, &sampler, false, spec, |_| true)?;
+                let (_, st) = engine.generate(&mut seq, prompt, args.n_gen, &sampler, false, guessing, |_| true)?;
                 if rep >= warm {
                     tps.push(st.generated_tokens as f64 / st.generation_time.as_secs_f64());
                     generated += st.generated_tokens;

@@ -587,7 +587,7 @@ fn chat_on<B: Backend>(
         let sampler = args.sampling.config();
         let guessing = drafter.as_deref_mut().zip(spec);
         let (generated, mut stats) =
-            engine.decode_with(&mut cached.seq, logits, &tokens, args.n_predict, &sampler, harmony, guessing, |t| {
+            engine.decode(&mut cached.seq, logits, &tokens, args.n_predict, &sampler, harmony, guessing, |t| {
                 emit(t, &mut out);
                 true
             })?;
