@@ -6,6 +6,7 @@
 // grid.x = m * n_heads, block.x >= n_rot / 2 (looped).
 extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int n_heads, int head_dim,
                                 int n_rot, int interleaved, float mscale) {
+    ts_grid_begin();
     int row = blockIdx.x / n_heads;
     float* h = x + (long long)blockIdx.x * head_dim;
     int half = n_rot / 2;
@@ -35,6 +36,7 @@ struct RowKv {
 
 // Stores row r's k [kv_dim] and v [v_dim] at slot pos % slots. grid.x = m.
 extern "C" __global__ void kv_store(const float* k, const float* v, const RowKv* info, int kv_dim, int v_dim) {
+    ts_grid_begin();
     RowKv ri = info[blockIdx.x];
     int slot = ri.pos % ri.slots;
     float* kd = (float*)ri.k + (long long)slot * kv_dim;
@@ -120,12 +122,14 @@ __device__ __forceinline__ void attention_head(const float* q, float* out, const
 
 extern "C" __global__ void attention(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv, int hd,
                                      int hdv, float scale, float softcap, const float* sinks, int window) {
+    ts_grid_begin();
     attention_head<256>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
 }
 
 extern "C" __global__ void attention_wide(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv,
                                           int hd, int hdv, float scale, float softcap, const float* sinks,
                                           int window) {
+    ts_grid_begin();
     attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
 }
 
@@ -144,6 +148,7 @@ extern "C" __global__ void attention_wide(const float* q, float* out, const RowK
 extern "C" __global__ void __launch_bounds__(128)
     attention_prompt(const float* q, float* out, const RowKv* info, int m, int n_head, int n_head_kv, int hd,
                      int hdv, float scale, float softcap, const float* sinks, int window) {
+    ts_grid_begin();
     const int group = n_head / n_head_kv, kvh = blockIdx.y;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, pl = lane & 15, half = lane >> 4;
     const int n_flat = m * group, flat0 = blockIdx.x * PROMPT_QUERIES;

@@ -52,6 +52,7 @@ __device__ __forceinline__ void conv_channel(const float* x, float* out, const f
 // grid = (ceil(channels / 256), n_runs), block 256.
 extern "C" __global__ void conv_silu(const float* x, float* out, const float* taps, int channels, int kernel,
                                      const int* run_rows, const RunInfo* runs, const RowKv* info) {
+    ts_grid_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     RunInfo ri = runs[blockIdx.y];
@@ -73,6 +74,7 @@ extern "C" __global__ void conv_silu(const float* x, float* out, const float* ta
 // n_runs, ceil(longest run / 64)), block 256; each thread takes up to 64 rows.
 extern "C" __global__ void conv_silu_rows(const float* x, float* out, const float* taps, int channels, int kernel,
                                           const int* run_rows, const RunInfo* runs, const RowKv* info) {
+    ts_grid_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     RunInfo ri = runs[blockIdx.y];
     if (c >= channels || (int)blockIdx.z * 64 >= ri.len) return;
@@ -97,6 +99,7 @@ extern "C" __global__ void conv_silu_rows(const float* x, float* out, const floa
 // grid = (ceil(channels / 256), n_runs), block 256.
 extern "C" __global__ void conv_window(const float* x, int channels, int kernel, const int* run_rows,
                                        const RunInfo* runs, const RowKv* info) {
+    ts_grid_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     RunInfo ri = runs[blockIdx.y];
@@ -115,6 +118,7 @@ extern "C" __global__ void conv_window(const float* x, int channels, int kernel,
 // grid = (m, 2 * nk), block 32.
 extern "C" __global__ void l2_norm_heads(const float* qkv, float* qk, int conv_dim, int nk, int dk, float eps,
                                          float q_scale) {
+    ts_grid_begin();
     int r = blockIdx.x, h = blockIdx.y;
     const float* x = qkv + (long long)r * conv_dim + h * dk;
     float* o = qk + (long long)r * 2 * nk * dk + h * dk;
@@ -139,6 +143,7 @@ extern "C" __global__ void delta_rule(const float* qk, const float* qkv, const f
                                       const float* a, const float* dt_bias, float* out, int conv_dim, int nk, int nv,
                                       int dk, int dv, int tiled, const int* run_rows, const RunInfo* runs,
                                       const RowKv* info) {
+    ts_grid_begin();
     int h = blockIdx.x;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     int j = blockIdx.z * DN_WARPS + warp;
@@ -210,6 +215,7 @@ extern "C" __global__ void delta_chunk_prep(const float* qk, const float* qkv, c
                                             const float* alpha, const float* a, const float* dt_bias, float* prep,
                                             int conv_dim, int nk, int nv, int dk, int dv, int tiled,
                                             const int* run_rows, const RunInfo* runs) {
+    ts_grid_begin();
     int h = blockIdx.x, ch = blockIdx.z;
     RunInfo ri = runs[blockIdx.y];
     int c0 = ch * DN_CHUNK;
@@ -316,6 +322,7 @@ extern "C" __global__ void delta_chunk_prep(const float* qk, const float* qkv, c
 extern "C" __global__ void delta_chunk_scan(const float* qk, const float* prep, float* out, int nk, int nv, int dk,
                                             int dv, int tiled, const int* run_rows, const RunInfo* runs,
                                             const RowKv* info) {
+    ts_grid_begin();
     int h = blockIdx.x;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     int j0 = (blockIdx.z * DN_SCAN_WARPS + warp) * DN_SCAN_COLS;

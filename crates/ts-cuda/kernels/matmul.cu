@@ -1,3 +1,4 @@
+#include "launch.cuh"
 #include "activation.cuh"
 #include "quant.cuh"
 
@@ -135,6 +136,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
     extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
         matvec_##t(const ts_u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n_out,     \
                    int k, int m, const float* __restrict__ bias) {                                                  \
+        ts_grid_begin();                                                                                            \
         const int o = blockIdx.x * 4;                                                                               \
         if (o >= n_out) return;                                                                                     \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
@@ -144,6 +146,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
     extern "C" __global__ void __launch_bounds__(128, 8)                                                           \
         moe_matvec_##t(const ts_u8* __restrict__ w, long long expert_stride, const int* __restrict__ ids,           \
                        const float* __restrict__ x, int x_group, float* __restrict__ y, int n_out, int k) {         \
+        ts_grid_begin();                                                                                            \
         const int o = blockIdx.x * 4;                                                                               \
         const int s = blockIdx.y;                                                                                   \
         if (o >= n_out || ids[s] < 0) return; /* a slot of another group of experts */                              \
@@ -158,6 +161,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
         const int* __restrict__ index, const int* __restrict__ ids, const float* __restrict__ x, int x_group,      \
         float* __restrict__ h, int n_out, int k, const float* __restrict__ bias_g, const float* __restrict__ bias_u, \
         int kind, float alpha, float limit) {                                                                       \
+        ts_grid_begin();                                                                                            \
         __shared__ float gv[4], uv[4];                                                                              \
         const int o = blockIdx.x * 4;                                                                               \
         const int s = blockIdx.y, rows = min(4, n_out - o);                                                         \
@@ -177,6 +181,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
                                                                                                                     \
     extern "C" __global__ void dequant_f16_##t(const ts_u8* __restrict__ w, unsigned short* __restrict__ out,       \
                                                int n_rows, int k) {                                                 \
+        ts_grid_begin();                                                                                            \
         const long long per_row = k >> 3; /* quarter chunks */                                                      \
         const long long total = (long long)n_rows * per_row;                                                        \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \
@@ -194,6 +199,7 @@ __device__ __forceinline__ ts_u32 ts_pack_h2(float a, float b) { return (ts_u32)
                                                                                                                     \
     extern "C" __global__ void get_rows_##t(const ts_u8* __restrict__ w, const int* __restrict__ ids,              \
                                             float* __restrict__ out, int n, int k) {                                \
+        ts_grid_begin();                                                                                            \
         const long long per_row = k >> 3;                                                                           \
         const long long total = (long long)n * per_row;                                                             \
         const ts_u64 rb = ts_row_bytes_##t(k);                                                                      \

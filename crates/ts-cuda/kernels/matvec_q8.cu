@@ -21,6 +21,7 @@ __device__ __forceinline__ float ts_lanes_sum(float v, int lanes) {
 
 extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, signed char* __restrict__ q,
                                          float2* __restrict__ ds, long long n) {
+    ts_grid_begin();
     // Warps cover whole blocks of 32: blockDim.x and the stride are multiples of 32.
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         ts_q8_store_warp(x[i], i, q, ds);
@@ -159,11 +160,16 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
 }
 
 #define TS_DEFINE_Q8_KERNELS(t)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) matvec_q8_##t(const MatvecQ8 p) { ts_matvec_q8<vdot_##t>(p); } \
+    extern "C" __global__ void __launch_bounds__(128) matvec_q8_##t(const MatvecQ8 p) {                              \
+        ts_grid_begin();                                                                                              \
+        ts_matvec_q8<vdot_##t>(p);                                                                                    \
+    }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) moe_matvec_q8_##t(const MoeMatvecQ8 p) {                       \
+        ts_grid_begin();                                                                                              \
         ts_moe_matvec_q8<vdot_##t>(p);                                                                                \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q8_##t(const MoeGateUpQ8 p) {                      \
+        ts_grid_begin();                                                                                              \
         ts_moe_gate_up_q8<vdot_##t>(p);                                                                               \
     }
 

@@ -6,12 +6,14 @@
 // mask[s] >= 0 (all when mask is null).
 extern "C" __global__ void add_bias_indexed(float* x, const float* bias, const int* ids, const int* mask, int width,
                                             long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         if (!mask || mask[i / width] >= 0) x[i] += bias[(long long)ids[i / width] * width + i % width];
 }
 
 // out[j] = x[rows[j]] for rows of `width`. grid.x = n rows.
 extern "C" __global__ void gather_rows(const float* x, const int* rows, float* out, int width) {
+    ts_grid_begin();
     const float* src = x + (long long)rows[blockIdx.x] * width;
     float* dst = out + (long long)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) dst[i] = src[i];
@@ -23,6 +25,7 @@ extern "C" __global__ void gather_rows(const float* x, const int* rows, float* o
 // expert), or r*k + j when index is null.
 extern "C" __global__ void moe_combine(const float* y, const float* w, const int* index, float* out, int k,
                                        int width) {
+    ts_grid_begin();
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x) {
         float acc = 0.0f;
@@ -43,6 +46,7 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 // index. grid.x = m, one warp.
 extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize,
                                  const float* scale, int* ids, float* weights) {
+    ts_grid_begin();
     __shared__ float v[MAX_EXPERTS];
     __shared__ float sel_w[64];
     int lane = threadIdx.x;

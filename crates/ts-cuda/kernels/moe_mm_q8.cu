@@ -185,6 +185,7 @@ __device__ __forceinline__ void ts_moe_mm_gate_up_q8(const MoeMmGateUpQ8& p) {
 extern "C" __global__ void gather_quantize_q8_1(const float* __restrict__ x, const int* __restrict__ rows,
                                                 signed char* __restrict__ q, float2* __restrict__ ds, int width,
                                                 long long n) {
+    ts_grid_begin();
     // width is a multiple of 32, so each warp's block lies in one row.
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long p = i / width;
@@ -194,10 +195,12 @@ extern "C" __global__ void gather_quantize_q8_1(const float* __restrict__ x, con
 
 #define TS_DEFINE_MM_Q8_TILE(t, nt, pairs)                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * TS_MMA_WARPS) moe_mm_q8_##t##_##pairs(const MoeMmQ8 p) {     \
+        ts_grid_begin();                                                                                    \
         ts_moe_mm_q8<vdot_##t, nt>(p);                                                                      \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * TS_MMA_WARPS) moe_mm_gate_up_q8_##t##_##pairs(           \
         const MoeMmGateUpQ8 p) {                                                                            \
+        ts_grid_begin();                                                                                    \
         ts_moe_mm_gate_up_q8<vdot_##t, nt>(p);                                                              \
     }
 #define TS_DEFINE_MM_Q8_KERNELS(t) TS_DEFINE_MM_Q8_TILE(t, 4, 32)

@@ -93,6 +93,7 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
 // y null: the norm alone (out may alias x); else the add first. q, ds null: no 8-bit copy.
 extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, float* out, signed char* q, float2* ds,
                                     int width, float eps) {
+    ts_grid_begin();
     if (y) {
         ts_rms_norm<true>(x, y, w, out, q, ds, width, eps);
     } else {
@@ -102,34 +103,40 @@ extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, fl
 
 // x[i] += y[i]
 extern "C" __global__ void add(float* x, const float* y, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] += y[i];
 }
 
 // x[r][i] += bias[i] for rows of `width`.
 extern "C" __global__ void add_bias(float* x, const float* bias, int width, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] += bias[i % width];
 }
 
 extern "C" __global__ void scale(float* x, float s, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] *= s;
 }
 
 extern "C" __global__ void softcap(float* x, float c, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = c * tanhf(x[i] / c);
 }
 
 // gate = act(gate, up) (activation.cuh's kinds).
 extern "C" __global__ void gated(float* gate, const float* up, long long n, int kind, float alpha, float limit) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         gate[i] = ts_gated(kind, gate[i], up[i], alpha, limit);
 }
 
 // x[r] *= sigmoid(dot(gate_inp, inp[r])) for rows of `width` (sigmoid-gated shared expert). grid.x = m.
 extern "C" __global__ void sigmoid_gate_rows(float* x, const float* inp, const float* gate_inp, int width) {
+    ts_grid_begin();
     const float* ir = inp + (long long)blockIdx.x * width;
     float d = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) d += gate_inp[i] * ir[i];
@@ -141,6 +148,7 @@ extern "C" __global__ void sigmoid_gate_rows(float* x, const float* inp, const f
 
 // IEEE half bits of x, rounded to nearest even.
 extern "C" __global__ void f32_to_f16(const float* x, unsigned short* out, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         unsigned short h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
@@ -149,6 +157,7 @@ extern "C" __global__ void f32_to_f16(const float* x, unsigned short* out, long 
 }
 
 extern "C" __global__ void fill(float* x, float v, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = v;
 }
@@ -156,6 +165,7 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
 // Columns start..start+n of each width-wide row of x: into out [rows][n].
 // grid.x = rows, block 128.
 extern "C" __global__ void columns(const float* x, float* out, int width, int start, int n) {
+    ts_grid_begin();
     long long r = blockIdx.x;
     const float* src = x + r * width + start;
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[r * n + i] = src[i];
@@ -163,6 +173,7 @@ extern "C" __global__ void columns(const float* x, float* out, int width, int st
 
 // x[i] *= sigmoid(gate[i])
 extern "C" __global__ void mul_sigmoid(float* x, const float* gate, long long n) {
+    ts_grid_begin();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] *= 1.0f / (1.0f + expf(-gate[i]));
 }

@@ -7,8 +7,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Kernel sources, compiled together as one: `matmul.cu` includes
-/// `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`), `moe_mm_q8.cu`
+/// `launch.cuh` (every kernel's prologue), `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`), `moe_mm_q8.cu`
 /// (which uses it) and the files by op follow it, `ops.cu` (with the helpers the others use) first.
+const LAUNCH_CUH: &str = include_str!("../kernels/launch.cuh");
 const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
 const MATMUL_CU: &str = include_str!("../kernels/matmul.cu");
@@ -70,6 +71,8 @@ pub struct Gpu {
     funcs: Arc<HashMap<String, CudaFunction>>,
     pub name: String,
     pub arch: (i32, i32),
+    /// Launch with programmatic stream serialization (launch.cuh): compute capability 9.0 and later.
+    dependent_launch: bool,
 }
 
 impl Gpu {
@@ -90,7 +93,7 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let arch = ctx.compute_capability()?;
         let name = ctx.name()?;
-        Ok(Gpu { ctx, stream, funcs, name, arch })
+        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch: arch.0 >= 9 })
     }
 
     pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -118,17 +121,7 @@ impl Gpu {
             .collect();
         // Each parameter is read from the start of its 8-byte cell (little-endian).
         let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                f.cu_function(),
-                grid,
-                block,
-                smem,
-                self.stream.cu_stream(),
-                &mut params,
-            )
-        }
-        .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
+        self.launch_raw(name, f, grid, block, smem, &mut params)
     }
 
     /// Launches kernel `name`, whose one parameter is the `#[repr(C)]` struct `params`
@@ -143,10 +136,43 @@ impl Gpu {
         let f = self.func(name)?;
         let mut value = *params;
         let mut args = [&mut value as *mut P as *mut c_void];
-        unsafe {
-            cudarc::driver::result::launch_kernel(f.cu_function(), grid, block, 0, self.stream.cu_stream(), &mut args)
-        }
-        .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
+        self.launch_raw(name, f, grid, block, 0, &mut args)
+    }
+
+    /// Launches `f` with `params` (pointers to each parameter's value); where the device
+    /// allows, the kernel may be scheduled before the previous one on the stream ends
+    /// (every kernel begins with launch.cuh's `ts_grid_begin`, which waits for it).
+    fn launch_raw(
+        &self,
+        name: &str,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.dependent_launch as u32,
+        };
+        // SAFETY: `params` holds one pointer per kernel parameter, alive for the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| CudaError::Driver(format!("launching {name}: {e}")))
     }
 
     /// A 1-D grid-stride launch over `n` elements.
@@ -215,8 +241,10 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
 
 /// The whole kernel source: the headers inlined where matmul.cu includes them.
 pub fn kernel_source() -> String {
-    let matmul =
-        MATMUL_CU.replace("#include \"activation.cuh\"", ACTIVATION_CUH).replace("#include \"quant.cuh\"", QUANT_CUH);
+    let matmul = MATMUL_CU
+        .replace("#include \"launch.cuh\"", LAUNCH_CUH)
+        .replace("#include \"activation.cuh\"", ACTIVATION_CUH)
+        .replace("#include \"quant.cuh\"", QUANT_CUH);
     let matvec_q8 = MATVEC_Q8_CU.replace("#include \"vdot.cuh\"", &VDOT_CUH.replace("#include \"quant.cuh\"", ""));
     format!("{matmul}\n{matvec_q8}\n{MOE_MM_Q8_CU}\n{OPS_CU}\n{ATTENTION_CU}\n{MOE_CU}\n{DELTA_NET_CU}\n")
 }
