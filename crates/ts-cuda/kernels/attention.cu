@@ -1,4 +1,5 @@
-// Attention kernels: rotary embeddings, the KV-cache stores and attention itself.
+// Attention kernels: rotary embeddings, the KV-cache stores (rope_store: both, with the
+// per-head norms, in one launch) and attention itself.
 // Each mirrors an op of ts-cpu's ops.rs. Uses ops.cu's helpers (ops.cu comes first in the one compiled source).
 
 // Rotary embedding of every head of `x` [m][n_heads * head_dim] in place.
@@ -43,6 +44,75 @@ extern "C" __global__ void kv_store(const float* k, const float* v, const RowKv*
     float* vd = (float*)ri.v + (long long)slot * v_dim;
     for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) kd[i] = k[(long long)blockIdx.x * kv_dim + i];
     for (int i = threadIdx.x; i < v_dim; i += blockDim.x) vd[i] = v[(long long)blockIdx.x * v_dim + i];
+}
+
+// Heads of at most this many elements take `rope_store`.
+#define ROPE_STORE_MAX_HEAD 512
+
+// rope_store's parameters (crates/ts-cuda/src/attention.rs mirrors them).
+struct RopeStore {
+    float* q;  // [m][n_head * head_dim]
+    float* k;  // [m][n_head_kv * head_dim], or null for a layer sharing another's cache
+    const float* v;  // [m][n_head_kv * head_dim_v]
+    const float* q_scale;  // [head_dim] or null (no scale)
+    const float* k_scale;
+    const int* pos;  // [m]
+    const float* inv_freq;  // [n_rot / 2]
+    const RowKv* info;  // [m]
+    int m, n_head, n_head_kv, head_dim, head_dim_v, n_rot, interleaved, norm;
+    float mscale, eps;
+};
+
+// A layer's queries and keys made ready and its keys and values stored, in one launch:
+// block b < m * n_head takes query head b, the blocks after it the key heads. A head is
+// RMS-normed (times its scales) where `norm` is set, rotated as `rope` rotates it and
+// written back; a key head is also stored at its row's cache slot, as kv_store does, with
+// the same head of v. grid.x = m * (n_head + n_head_kv) (n_head without keys), block 128.
+extern "C" __global__ void rope_store(const RopeStore p) {
+    ts_grid_begin();
+    __shared__ float h[ROPE_STORE_MAX_HEAD];
+    const int n_q = p.m * p.n_head;
+    const bool key = (int)blockIdx.x >= n_q;
+    const int heads = key ? p.n_head_kv : p.n_head;
+    const int b = key ? blockIdx.x - n_q : blockIdx.x;
+    const int row = b / heads, head = b % heads;
+    float* x = (key ? p.k : p.q) + (long long)b * p.head_dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
+        const float v = x[i];
+        h[i] = v;
+        ss += v * v;
+    }
+    if (p.norm) {
+        // block_sum synchronizes, so h is whole after it.
+        const float scale = rsqrtf(block_sum(ss) / p.head_dim + p.eps);
+        const float* w = key ? p.k_scale : p.q_scale;
+        for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) h[i] = h[i] * scale * (w ? w[i] : 1.0f);
+    }
+    __syncthreads();
+    const int half = p.n_rot / 2;
+    const float at = (float)p.pos[row];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(at * p.inv_freq[i], &s, &c);
+        c *= p.mscale;
+        s *= p.mscale;
+        const int a = p.interleaved ? 2 * i : i;
+        const int o = p.interleaved ? 2 * i + 1 : i + half;
+        const float x0 = h[a], x1 = h[o];
+        h[a] = x0 * c - x1 * s;
+        h[o] = x0 * s + x1 * c;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) x[i] = h[i];
+    if (!key) return;
+    const RowKv ri = p.info[row];
+    const long long slot = ri.pos % ri.slots;
+    float* kd = (float*)ri.k + (slot * p.n_head_kv + head) * p.head_dim;
+    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) kd[i] = h[i];
+    float* vd = (float*)ri.v + (slot * p.n_head_kv + head) * p.head_dim_v;
+    const float* vs = p.v + (long long)b * p.head_dim_v;
+    for (int i = threadIdx.x; i < p.head_dim_v; i += blockDim.x) vd[i] = vs[i];
 }
 
 #define ATTN_WARPS 4

@@ -39,22 +39,21 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 
 #define MAX_EXPERTS 1024
 
-// Routes each row from its router logits [m][n_expert]: gating 0 = softmax then
+// Routes row `row` from its router logits l [n_expert]: gating 0 = softmax then
 // top-k, 1 = top-k then softmax over the k; renormalize divides the k weights by
 // their sum (floored like llama.cpp); then each weight times its expert's
 // scale [n_expert] where scale is not null (Gemma 4). Ties keep the lower
-// index. grid.x = m, one warp.
-extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize,
-                                 const float* scale, int* ids, float* weights) {
-    ts_grid_begin();
+// index. Run by one warp (the first of its block); the logits are read past L1, so
+// that those another block just wrote are seen.
+__device__ void ts_route_row(const float* l, int row, int n_expert, int k, int gating, int renormalize,
+                             const float* scale, int* ids, float* weights) {
     __shared__ float v[MAX_EXPERTS];
     __shared__ float sel_w[64];
     int lane = threadIdx.x;
-    const float* l = logits + (long long)blockIdx.x * n_expert;
     float mx = -INFINITY;
     for (int i = lane; i < n_expert; i += WARP) {
-        v[i] = l[i];
-        mx = fmaxf(mx, l[i]);
+        v[i] = __ldcg(l + i);
+        mx = fmaxf(mx, v[i]);
     }
     mx = warp_max(mx);
     if (gating == 0) {
@@ -85,7 +84,7 @@ extern "C" __global__ void route(const float* logits, int n_expert, int k, int g
             }
         }
         if (lane == 0) {
-            ids[blockIdx.x * k + j] = bi;
+            ids[row * k + j] = bi;
             sel_w[j] = best;
             v[bi] = -INFINITY;
         }
@@ -108,8 +107,58 @@ extern "C" __global__ void route(const float* logits, int n_expert, int k, int g
         }
         for (int j = 0; j < k; j++) {
             float w = sel_w[j];
-            if (scale) w *= scale[ids[blockIdx.x * k + j]];
-            weights[blockIdx.x * k + j] = w;
+            if (scale) w *= scale[ids[row * k + j]];
+            weights[row * k + j] = w;
         }
     }
+}
+
+// `ts_route_row` for each row of logits [m][n_expert]. grid.x = m, one warp.
+extern "C" __global__ void route(const float* logits, int n_expert, int k, int gating, int renormalize,
+                                 const float* scale, int* ids, float* weights) {
+    ts_grid_begin();
+    ts_route_row(logits + (long long)blockIdx.x * n_expert, blockIdx.x, n_expert, k, gating, renormalize, scale, ids,
+                 weights);
+}
+
+// router_route's parameters (crates/ts-cuda/src/moe.rs mirrors them).
+struct RouterRoute {
+    const float* w;  // [n_expert][n_embd] f32, n_embd a multiple of 4
+    const float* bias;  // [n_expert] or null
+    const float* x;  // [m][n_embd]
+    float* logits;  // [m][n_expert]
+    int* done;  // [m] zeros: blocks of each row finished (the last one puts the 0 back)
+    const float* scale;  // as `route`
+    int* ids;  // [m][k]
+    float* weights;  // [m][k]
+    int n_expert, n_embd, k, gating, renormalize;
+};
+
+// The router and the routing of few rows in one launch: block (e, r) writes logit e of row
+// r, x[r] . w[e] + bias[e]; the row's last block to finish routes the row as `route` does.
+// grid (n_expert, m), block 128.
+extern "C" __global__ void router_route(const RouterRoute p) {
+    ts_grid_begin();
+    const int e = blockIdx.x, r = blockIdx.y;
+    const float4* w = (const float4*)(p.w + (long long)e * p.n_embd);
+    const float4* x = (const float4*)(p.x + (long long)r * p.n_embd);
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < p.n_embd / 4; i += blockDim.x) {
+        const float4 a = w[i], b = x[i];
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    acc = block_sum(acc);
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        p.logits[(long long)r * p.n_expert + e] = acc + (p.bias ? p.bias[e] : 0.0f);
+        __threadfence();
+        last = atomicAdd(p.done + r, 1) == p.n_expert - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) p.done[r] = 0;
+    if (threadIdx.x < WARP)
+        ts_route_row(p.logits + (long long)r * p.n_expert, r, p.n_expert, p.k, p.gating, p.renormalize, p.scale, p.ids,
+                     p.weights);
 }

@@ -4,9 +4,9 @@
 use crate::device::Arg;
 use crate::{Act, Cuda, GpuLayerState, GpuState, err};
 use ts_cpu::ops::Rope;
-use ts_model::backend::AttnShape;
+use ts_model::backend::{AttnShape, HeadNorm};
 use ts_model::state::ring_slots;
-use ts_model::{ModelError, Row};
+use ts_model::{ModelError, Row, SeqState};
 
 impl Cuda {
     /// Caches for `n_ctx` positions of attention layers with these sliding windows,
@@ -51,11 +51,6 @@ impl Cuda {
         head_dim: usize,
         rows: &[Row],
     ) -> Result<(), ModelError> {
-        let step = self.step.lock().expect("step lock");
-        let step = step
-            .as_ref()
-            .filter(|s| s.m == rows.len())
-            .ok_or_else(|| ModelError::Compute("cuda: rope outside a step".into()))?;
         let n_heads = x.len / rows.len() / head_dim;
         self.launch(
             "rope",
@@ -63,14 +58,8 @@ impl Cuda {
             (64, 1, 1),
             &[
                 Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.gpu.ptr(&step.pos)),
-                Arg::Ptr(
-                    self.gpu.ptr(
-                        self.ropes[il]
-                            .as_ref()
-                            .ok_or_else(|| ModelError::Compute(format!("cuda: layer {il} has no rope")))?,
-                    ),
-                ),
+                Arg::Ptr(self.step_pos(rows.len())?),
+                Arg::Ptr(self.rope_table(il)?),
                 Arg::I32(n_heads as i32),
                 Arg::I32(head_dim as i32),
                 Arg::I32(rope.n_rot as i32),
@@ -80,38 +69,101 @@ impl Cuda {
         )
     }
 
-    /// [`ts_model::Backend::attention`].
-    pub(crate) fn run_attention(
-        &self,
-        il: usize,
-        shape: &AttnShape,
-        q: &Act,
-        kv: Option<(&Act, &Act)>,
-        rows: &[Row],
-    ) -> Result<Act, ModelError> {
+    /// The device address of layer `il`'s rotary frequencies.
+    fn rope_table(&self, il: usize) -> Result<u64, ModelError> {
+        let table = self.ropes.get(il).and_then(Option::as_ref);
+        table.map(|t| self.gpu.ptr(t)).ok_or_else(|| ModelError::Compute(format!("cuda: layer {il} has no rope")))
+    }
+
+    /// [`ts_model::Backend::store_kv`].
+    pub(crate) fn run_store_kv(&self, il: usize, k: &Act, v: &Act, rows: &[Row]) -> Result<(), ModelError> {
+        let m = rows.len();
+        let info = self.row_kv(il, m)?;
+        self.launch(
+            "kv_store",
+            (m as u32, 1, 1),
+            (256, 1, 1),
+            &[
+                Arg::Ptr(self.p(k)),
+                Arg::Ptr(self.p(v)),
+                Arg::Ptr(info),
+                Arg::I32((k.len / m) as i32),
+                Arg::I32((v.len / m) as i32),
+            ],
+        )
+    }
+
+    /// The device address of layer `il`'s `RowKv`s in a step of `m` rows.
+    fn row_kv(&self, il: usize, m: usize) -> Result<u64, ModelError> {
         let step = self.step.lock().expect("step lock");
         let step = step
             .as_ref()
-            .filter(|s| s.m == rows.len())
-            .ok_or_else(|| ModelError::Compute("cuda: attention outside a step".into()))?;
+            .filter(|s| s.m == m)
+            .ok_or_else(|| ModelError::Compute("cuda: an attention layer outside a step".into()))?;
+        Ok(self.gpu.ptr(&step.kv) + (il * m * 24) as u64)
+    }
+
+    /// [`ts_model::Backend::rope_store`] in one launch (`rope_store` of attention.cu), for
+    /// heads of at most 512; larger ones take the ops one by one.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_rope_store(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Act,
+        kv: Option<(&mut Act, &Act)>,
+        norm: Option<HeadNorm>,
+        head_dim: usize,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+    ) -> Result<(), ModelError> {
         let m = rows.len();
-        let info = self.gpu.ptr(&step.kv) + (il * m * 24) as u64;
-        let (kv_dim, v_dim) = (shape.n_head_kv * shape.head_dim, shape.n_head_kv * shape.head_dim_v);
-        // A layer sharing another's cache stores nothing (its RowKv entries point at that cache).
-        if let Some((k, v)) = kv {
-            self.launch(
-                "kv_store",
-                (m as u32, 1, 1),
-                (256, 1, 1),
-                &[
-                    Arg::Ptr(self.p(k)),
-                    Arg::Ptr(self.p(v)),
-                    Arg::Ptr(info),
-                    Arg::I32(kv_dim as i32),
-                    Arg::I32(v_dim as i32),
-                ],
-            )?;
+        if head_dim > ROPE_STORE_MAX_HEAD || rope.n_rot > head_dim || m == 0 {
+            return ts_model::backend::rope_store_by_ops(self, il, rope, q, kv, norm, head_dim, rows, seqs);
         }
+        let n_head = q.len / m / head_dim;
+        let (n_head_kv, head_dim_v) = match &kv {
+            Some((k, v)) => (k.len / m / head_dim, v.len * head_dim / k.len),
+            None => (0, 0),
+        };
+        let ptr_of = |v: Option<&[f32]>| v.map_or(Ok(0), |v| self.vptr(v));
+        let params = RopeStore {
+            q: self.p(q),
+            k: kv.as_ref().map_or(0, |(k, _)| self.p(k)),
+            v: kv.as_ref().map_or(0, |(_, v)| self.p(v)),
+            q_scale: ptr_of(norm.and_then(|n| n.q))?,
+            k_scale: ptr_of(norm.and_then(|n| n.k))?,
+            pos: self.step_pos(m)?,
+            inv_freq: self.rope_table(il)?,
+            info: self.row_kv(il, m)?,
+            m: m as i32,
+            n_head: n_head as i32,
+            n_head_kv: n_head_kv as i32,
+            head_dim: head_dim as i32,
+            head_dim_v: head_dim_v as i32,
+            n_rot: rope.n_rot as i32,
+            interleaved: rope.interleaved as i32,
+            norm: norm.is_some() as i32,
+            mscale: rope.mscale,
+            eps: norm.map_or(0.0, |n| n.eps),
+        };
+        self.launch_with("rope_store", ((m * (n_head + n_head_kv)) as u32, 1, 1), (128, 1, 1), &params)
+    }
+
+    /// The device address of the step's positions `[m]`.
+    fn step_pos(&self, m: usize) -> Result<u64, ModelError> {
+        let step = self.step.lock().expect("step lock");
+        let step = step
+            .as_ref()
+            .filter(|s| s.m == m)
+            .ok_or_else(|| ModelError::Compute("cuda: an attention layer outside a step".into()))?;
+        Ok(self.gpu.ptr(&step.pos))
+    }
+
+    /// [`ts_model::Backend::attention`].
+    pub(crate) fn run_attention(&self, il: usize, shape: &AttnShape, q: &Act, rows: &[Row]) -> Result<Act, ModelError> {
+        let m = rows.len();
+        let info = self.row_kv(il, m)?;
         let out = self.act(m * shape.n_head * shape.head_dim_v)?;
         let sinks = match shape.sinks {
             Some(s) => self.vptr(s)?,
@@ -146,6 +198,33 @@ impl Cuda {
         )?;
         Ok(out)
     }
+}
+
+/// attention.cu's `ROPE_STORE_MAX_HEAD`.
+const ROPE_STORE_MAX_HEAD: usize = 512;
+
+/// attention.cu's `RopeStore`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeStore {
+    q: u64,
+    k: u64,
+    v: u64,
+    q_scale: u64,
+    k_scale: u64,
+    pos: u64,
+    inv_freq: u64,
+    info: u64,
+    m: i32,
+    n_head: i32,
+    n_head_kv: i32,
+    head_dim: i32,
+    head_dim_v: i32,
+    n_rot: i32,
+    interleaved: i32,
+    norm: i32,
+    mscale: f32,
+    eps: f32,
 }
 
 /// Queries per block of attention.cu's `attention_prompt`.

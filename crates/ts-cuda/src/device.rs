@@ -73,7 +73,14 @@ pub struct Gpu {
     pub arch: (i32, i32),
     /// Launch with programmatic stream serialization (launch.cuh): compute capability 9.0 and later.
     dependent_launch: bool,
+    /// Streams beside `stream` for launches that may overlap, and which stream launches go
+    /// to now: 0 `stream`, i `side[i - 1]`.
+    side: Vec<Arc<CudaStream>>,
+    on: std::sync::atomic::AtomicUsize,
 }
+
+/// Streams that launches may be spread over ([`Gpu::launch_on`]), `stream` included.
+pub const BRANCHES: usize = 3;
 
 impl Gpu {
     /// Opens device `ordinal` and compiles the kernels for it.
@@ -93,7 +100,31 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let arch = ctx.compute_capability()?;
         let name = ctx.name()?;
-        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch: arch.0 >= 9 })
+        let side = (1..BRANCHES).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch: arch.0 >= 9, side, on: Default::default() })
+    }
+
+    /// Makes side stream `i` (1 to `BRANCHES - 1`) wait for what `stream` has queued.
+    pub fn fork(&self, i: usize) -> Result<(), CudaError> {
+        Ok(self.side[i - 1].join(&self.stream)?)
+    }
+
+    /// Makes `stream` wait for what side stream `i` has queued.
+    pub fn join(&self, i: usize) -> Result<(), CudaError> {
+        Ok(self.stream.join(&self.side[i - 1])?)
+    }
+
+    /// Sends the launches that follow to stream `i`: 0 `stream`, else side stream i.
+    pub fn launch_on(&self, i: usize) {
+        self.on.store(i, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The stream launches go to now.
+    fn launch_stream(&self) -> &CudaStream {
+        match self.on.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => &self.stream,
+            i => &self.side[i - 1],
+        }
     }
 
     pub fn func(&self, name: &str) -> Result<&CudaFunction, CudaError> {
@@ -165,7 +196,7 @@ impl Gpu {
             blockDimY: block.1,
             blockDimZ: block.2,
             sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
+            hStream: self.launch_stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: self.dependent_launch as u32,
         };

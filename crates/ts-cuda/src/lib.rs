@@ -34,8 +34,8 @@ use step::{ARENA_BYTES, Graphs, Mode, Step};
 use tier::ExpertTier;
 use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
-use ts_model::backend::AttnShape;
 use ts_model::backend::ExpertsAt;
+use ts_model::backend::{AttnShape, HeadNorm};
 use ts_model::config::{AttnLayer, GatedActivation, Mixer, MoeConfig};
 use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
@@ -140,6 +140,8 @@ pub struct Cuda {
     q8_last: Mutex<Option<matvec_q8::Q8Cached>>,
     /// Experts of a MoE layer (0 for a dense model).
     n_expert: usize,
+    /// `router_route`'s finished blocks per row, `[DEVICE_MOE_ROWS]`, zero between launches.
+    route_done: CudaSlice<i32>,
 }
 
 /// How to place a model on the GPU.
@@ -192,6 +194,7 @@ impl Cuda {
         let arena = gpu.alloc(ARENA_BYTES).map_err(err)?;
         Ok(Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
+            route_done: gpu.zeros(moe::DEVICE_MOE_ROWS).map_err(err)?,
             gpu,
             weights: BTreeMap::new(),
             vectors: HashMap::new(),
@@ -455,6 +458,32 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// `y = x · wᵀ (+ bias)` for `m` rows into `y` `[m][n_out]`.
+    fn linear_into(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Act,
+        m: usize,
+        y: &Act,
+        exact: bool,
+    ) -> Result<(), ModelError> {
+        let bias = bias.map_or(Ok(0), |b| self.vptr(b))?;
+        let mm = Matmul {
+            ty: w.ty,
+            w: self.wptr(w)?,
+            n_out: w.n_rows(),
+            k: w.row_len(),
+            x: self.p(x),
+            m,
+            y: self.p(y),
+            bias,
+        };
+        self.matmul(&mm, exact)
+    }
+}
+
 /// One `rms_norm` launch over the `len / piece` pieces at `x` (device addresses): `x += y`
 /// first unless `y` is 0, then `out = norm(x) * w` (`w` 0: no scale).
 struct NormRows {
@@ -644,12 +673,31 @@ impl Backend for Cuda {
         m: usize,
         s: &mut GpuScratch,
     ) -> Result<Act, ModelError> {
-        let n_out = w.n_rows();
-        let y = self.act(m * n_out)?;
-        let bias = bias.map_or(Ok(0), |b| self.vptr(b))?;
-        let mm = Matmul { ty: w.ty, w: self.wptr(w)?, n_out, k: w.row_len(), x: self.p(x), m, y: self.p(&y), bias };
-        self.matmul(&mm, s.exact)?;
+        let y = self.act(m * w.n_rows())?;
+        self.linear_into(w, bias, x, m, &y, s.exact)?;
         Ok(y)
+    }
+
+    fn linears(
+        &self,
+        ws: &[(&Weight, Option<&[f32]>)],
+        x: &Act,
+        m: usize,
+        s: &mut GpuScratch,
+    ) -> Result<Vec<Act>, ModelError> {
+        // Matvec steps only: a cuBLAS GEMM and its f16 staging stay on the main stream.
+        if m >= matmul::GEMM_MIN_ROWS || ws.len() < 2 {
+            return ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect();
+        }
+        // The 8-bit copy of x made (or found) once, before the branches, which then find it.
+        let k = ws[0].0.row_len();
+        if !s.exact && k.is_multiple_of(32) && ws.iter().any(|(w, _)| q8_suffix(w.ty).is_some()) {
+            self.quantized(x.ptr, m, k)?;
+        }
+        // Outputs allocated before the branches (an allocation is ordered on the main stream).
+        let ys = ws.iter().map(|(w, _)| self.act(m * w.n_rows())).collect::<Result<Vec<_>, _>>()?;
+        self.branches(ws.len(), |i| self.linear_into(ws[i].0, ws[i].1, x, m, &ys[i], s.exact))?;
+        Ok(ys)
     }
 
     fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
@@ -703,16 +751,40 @@ impl Backend for Cuda {
         self.run_rope(il, rope, x, head_dim, rows)
     }
 
+    fn store_kv(
+        &self,
+        il: usize,
+        k: &Act,
+        v: &Act,
+        rows: &[Row],
+        _seqs: &mut [&mut SeqState<GpuState>],
+    ) -> Result<(), ModelError> {
+        self.run_store_kv(il, k, v, rows)
+    }
+
     fn attention(
         &self,
         il: usize,
         shape: &AttnShape,
         q: &Act,
-        kv: Option<(&Act, &Act)>,
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<Act, ModelError> {
-        self.run_attention(il, shape, q, kv, rows)
+        self.run_attention(il, shape, q, rows)
+    }
+
+    fn rope_store(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Act,
+        kv: Option<(&mut Act, &Act)>,
+        norm: Option<HeadNorm>,
+        head_dim: usize,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+    ) -> Result<(), ModelError> {
+        self.run_rope_store(il, rope, q, kv, norm, head_dim, rows, seqs)
     }
 
     fn route(
@@ -724,6 +796,24 @@ impl Backend for Cuda {
     ) -> Result<GpuRoutes, ModelError> {
         let scale = expert_scale.map(|s| self.vptr(s)).transpose()?;
         self.route_on_device(logits, m, moe, scale.unwrap_or(0))
+    }
+
+    fn route_input(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        expert_scale: Option<&[f32]>,
+        s: &mut GpuScratch,
+    ) -> Result<GpuRoutes, ModelError> {
+        let scale = expert_scale.map_or(Ok(0), |v| self.vptr(v))?;
+        if let Some(routes) = self.router_route(w, bias, x, m, moe, scale)? {
+            return Ok(routes);
+        }
+        let logits = self.linear(w, bias, x, m, s)?;
+        self.route_on_device(&logits, m, moe, scale)
     }
 
     fn route_ids(&self, routes: &GpuRoutes) -> Result<Vec<usize>, ModelError> {

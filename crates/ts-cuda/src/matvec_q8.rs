@@ -150,7 +150,7 @@ impl Cuda {
     /// `x` `[m][k]` (device address) quantized to 8 bits: the copy made last (by an 8-bit
     /// matvec, or by the norm that wrote x) when it is of the same activations and nothing
     /// has written to the device since (q, k and v of one input), else quantized anew.
-    fn quantized(&self, x: u64, m: usize, k: usize) -> Result<Q8Act, ModelError> {
+    pub(crate) fn quantized(&self, x: u64, m: usize, k: usize) -> Result<Q8Act, ModelError> {
         use std::sync::atomic::Ordering::Relaxed;
         if let Some(c) = self.q8_last.lock().expect("q8 lock").as_ref()
             && c.src == x

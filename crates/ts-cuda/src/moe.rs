@@ -14,10 +14,12 @@ use crate::moe_mm::{MoeMmGateUpQ8, MoeMmQ8};
 use crate::{Act, Cuda, Matmul, err, type_suffix};
 use cudarc::driver::CudaSlice;
 use std::sync::OnceLock;
+use ts_gguf::GgmlType;
 use ts_model::ModelError;
 use ts_model::backend::ExpertsAt;
 use ts_model::config::{GatedActivation, Gating, MoeConfig};
 use ts_model::tensors::MoeWeights;
+use ts_model::weights::Weight;
 
 /// Steps of at most this many rows run their experts as expert-indexed matvecs on
 /// the device; larger ones group rows by expert on the host.
@@ -44,6 +46,18 @@ pub struct GpuRoutes {
 struct Grouping {
     offsets: Vec<usize>,
     device: CudaSlice<i32>,
+}
+
+impl GpuRoutes {
+    /// The routes' expert ids `[m][k]` (i32) on the device.
+    pub fn ids(&self) -> &Act {
+        &self.ids
+    }
+
+    /// The routes' weights `[m][k]` on the device.
+    pub fn weights(&self) -> &Act {
+        &self.wts
+    }
 }
 
 impl Grouping {
@@ -112,10 +126,7 @@ impl Cuda {
                     Arg::Ptr(self.p(logits)),
                     Arg::I32(moe.n_expert as i32),
                     Arg::I32(k as i32),
-                    Arg::I32(match moe.gating {
-                        Gating::Softmax => 0,
-                        Gating::SoftmaxOverTopK => 1,
-                    }),
+                    Arg::I32(gating_code(moe.gating)),
                     Arg::I32(moe.renormalize as i32),
                     Arg::Ptr(scale),
                     Arg::Ptr(ids.ptr),
@@ -124,6 +135,60 @@ impl Cuda {
             )
         })?;
         Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new(), tiles: Default::default() })
+    }
+
+    /// Routes of at most [`DEVICE_MOE_ROWS`] rows of `x` by an f32 router `w` in one launch
+    /// (`router_route`: the logits, then the routing by the last block of each row); None
+    /// where that kernel does not apply (more rows, another type, rows of a width not a
+    /// multiple of 4), for the router matmul and `route` one after the other.
+    pub(crate) fn router_route(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        scale: u64,
+    ) -> Result<Option<GpuRoutes>, ModelError> {
+        let (n_embd, n_expert, k) = (w.row_len(), w.n_rows(), moe.n_expert_used);
+        if m == 0
+            || m > DEVICE_MOE_ROWS
+            || w.ty != GgmlType::F32
+            || !n_embd.is_multiple_of(4)
+            || n_expert != moe.n_expert
+        {
+            return Ok(None);
+        }
+        let (logits, ids, wts) = (self.act(m * n_expert)?, self.act(m * k)?, self.act(m * k)?);
+        let p = RouterRoute {
+            w: self.wptr(w)?,
+            bias: bias.map_or(Ok(0), |b| self.vptr(b))?,
+            x: self.p(x),
+            logits: logits.ptr,
+            done: self.gpu.ptr(&self.route_done),
+            scale,
+            ids: ids.ptr,
+            weights: wts.ptr,
+            n_expert: n_expert as i32,
+            n_embd: n_embd as i32,
+            k: k as i32,
+            gating: gating_code(moe.gating),
+            renormalize: moe.renormalize as i32,
+        };
+        // Writes only the routes: the layer's normed input keeps its 8-bit copy for the experts.
+        let writes = [(logits.ptr, 4 * m * n_expert), (ids.ptr, 4 * m * k), (wts.ptr, 4 * m * k), (p.done, 4 * m)];
+        self.keeping_quantized(&writes, || {
+            self.launch_with("router_route", (n_expert as u32, m as u32, 1), (128, 1, 1), &p)
+        })?;
+        Ok(Some(GpuRoutes {
+            ids,
+            wts,
+            m,
+            k,
+            host: OnceLock::new(),
+            grouping: OnceLock::new(),
+            tiles: Default::default(),
+        }))
     }
 
     /// The routes' expert ids on the host (the first ask waits for the step so
@@ -551,6 +616,33 @@ impl Cuda {
 }
 
 /// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
+/// moe.cu's `gating` argument.
+fn gating_code(g: Gating) -> i32 {
+    match g {
+        Gating::Softmax => 0,
+        Gating::SoftmaxOverTopK => 1,
+    }
+}
+
+/// moe.cu's `RouterRoute`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RouterRoute {
+    w: u64,
+    bias: u64,
+    x: u64,
+    logits: u64,
+    done: u64,
+    scale: u64,
+    ids: u64,
+    weights: u64,
+    n_expert: i32,
+    n_embd: i32,
+    k: i32,
+    gating: i32,
+    renormalize: i32,
+}
+
 pub(crate) fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
     match act {
         GatedActivation::SwiGlu => (0, 0.0, 0.0),

@@ -134,6 +134,45 @@ impl Cuda {
         self.gpu.launch(name, grid, block, 0, args).map_err(err)
     }
 
+    /// Runs `work(i)` for each i < `n`, spreading the launches of each over the device's
+    /// streams (`device::BRANCHES`): each side stream starts after what the main stream has
+    /// queued, and the main stream then waits for all of them, so independent launches (the
+    /// projections of one input) overlap on the device, also in a recorded step's graph.
+    /// `work` may only launch kernels (no copies, no cuBLAS: those stay on the main stream).
+    pub(crate) fn branches<T>(
+        &self,
+        n: usize,
+        mut work: impl FnMut(usize) -> Result<T, ModelError>,
+    ) -> Result<Vec<T>, ModelError> {
+        let used = n.min(crate::device::BRANCHES);
+        // A replayed step launches nothing, so there is nothing to order either.
+        let queue = !self.replaying();
+        if queue {
+            for i in 1..used {
+                self.gpu.fork(i).map_err(err)?;
+            }
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut result = Ok(());
+        for i in 0..n {
+            self.gpu.launch_on(i % used);
+            match work(i) {
+                Ok(v) => out.push(v),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        self.gpu.launch_on(0);
+        if queue {
+            for i in 1..used {
+                self.gpu.join(i).map_err(err)?;
+            }
+        }
+        result.map(|()| out)
+    }
+
     /// Notes a write to device memory (see `writes`); before the replay check, so
     /// that recording and replay make the same choices.
     pub(crate) fn wrote(&self) {

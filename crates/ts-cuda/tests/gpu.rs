@@ -9,7 +9,7 @@ mod common;
 use ts_cpu::ops::{self, AttentionParams, Rope};
 use ts_cuda::Cuda;
 use ts_gguf::GgmlType;
-use ts_model::backend::AttnShape;
+use ts_model::backend::{AttnShape, HeadNorm};
 use ts_model::config::GatedActivation;
 use ts_model::config::{Gating, MoeConfig};
 use ts_model::weights::Weight;
@@ -273,6 +273,93 @@ fn rope_matches_the_cpu() {
     }
 }
 
+/// `rope_store` (per-head norms, rotations and the cache store in one kernel) against the
+/// CPU's ops one by one: the rotated q and k, and what attention then reads from the cache.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn rope_store_matches_the_cpu() {
+    let cuda = gpu();
+    let mut rng = Rng::new(13);
+    // (n_head, n_head_kv, hd, hdv, n_rot, interleaved, norm: 0 none, 1 unscaled, 2 scaled)
+    for (n_head, n_head_kv, hd, hdv, n_rot, interleaved, norm) in [
+        (8, 2, 64, 64, 64, false, 2),
+        (32, 4, 128, 128, 128, false, 2),
+        (4, 4, 128, 128, 32, true, 0),
+        (8, 1, 256, 256, 256, false, 1),
+        (4, 2, 512, 512, 128, false, 2),
+        (6, 2, 96, 64, 96, true, 2),
+    ] {
+        let m = 6;
+        let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
+        let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
+        let rope = Rope { interleaved, n_rot, inv_freq, mscale: 1.1 };
+        let (q_scale, k_scale) = (rng.normals(hd, 0.5, 1.0), rng.normals(hd, 0.5, 1.0));
+        let mut c = Cuda::open(0).unwrap();
+        c.push_rope(&rope.inv_freq, None).unwrap();
+        c.upload_vec(&q_scale).unwrap();
+        c.upload_vec(&k_scale).unwrap();
+        let kv = cuda.kv_for(&[None], kv_dim, v_dim, 16, m).unwrap();
+        let mut seq = SeqState { state: kv, n_past: 0, n_ctx: 16 };
+        // Positions 0.. so that attention reads back only what rope_store stored.
+        let rows: Vec<Row> = (0..m).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
+        let (q, k, v) =
+            (rng.normals(m * q_dim, 1.0, 0.0), rng.normals(m * kv_dim, 1.0, 0.0), rng.normals(m * v_dim, 1.0, 0.0));
+        let head_norm = match norm {
+            0 => None,
+            1 => Some(HeadNorm { q: None, k: None, eps: 1e-6 }),
+            _ => Some(HeadNorm { q: Some(&q_scale), k: Some(&k_scale), eps: 1e-6 }),
+        };
+        let (mut want_q, mut want_k) = (q.clone(), k.clone());
+        for (x, w) in [(&mut want_q, head_norm.and_then(|n| n.q)), (&mut want_k, head_norm.and_then(|n| n.k))] {
+            if head_norm.is_some() {
+                ops::rms_norm_pieces(x, hd, w, 1e-6);
+            }
+            ts_model::Cpu.rope(0, &rope, x, hd, &rows).unwrap();
+        }
+        c.begin_step(&rows, &mut [&mut seq], &c.scratch(true)).unwrap();
+        let (mut gq, mut gk, gv) =
+            (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
+        c.rope_store(0, &rope, &mut gq, Some((&mut gk, &gv)), head_norm, hd, &rows, &mut [&mut seq]).unwrap();
+        let (err_q, err_k) = (rel_err(&c.to_host(&gq).unwrap(), &want_q), rel_err(&c.to_host(&gk).unwrap(), &want_k));
+        // What attention reads back: the stored keys and values of every row so far.
+        let shape = AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            head_dim_v: hdv,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
+            sinks: None,
+        };
+        let got = c.to_host(&c.attention(0, &shape, &gq, &rows, &mut [&mut seq]).unwrap()).unwrap();
+        let mut err_attn = 0f32;
+        for i in 0..m {
+            for h in 0..n_head {
+                let kvh = h / (n_head / n_head_kv);
+                let p = AttentionParams { scale: shape.scale, softcap: None, sink: None };
+                let mut o = vec![0f32; hdv];
+                ops::attend(
+                    &want_q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                    (0..=i).map(|j| &want_k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd]),
+                    (0..=i).map(|j| &v[j * v_dim + kvh * hdv..j * v_dim + (kvh + 1) * hdv]),
+                    &p,
+                    &mut Vec::new(),
+                    &mut o,
+                );
+                err_attn = err_attn.max(rel_err(&got[(i * n_head + h) * hdv..(i * n_head + h + 1) * hdv], &o));
+            }
+        }
+        println!(
+            "rope_store heads {n_head}/{n_head_kv} hd {hd}/{hdv} n_rot {n_rot} interleaved {interleaved} norm {norm}: q {err_q:.2e} k {err_k:.2e} attention {err_attn:.2e}"
+        );
+        assert!(err_q < 2e-5 && err_k < 2e-5 && err_attn < 1e-5, "{err_q:e} {err_k:e} {err_attn:e}");
+        // A layer sharing another's cache: only the queries.
+        let mut gq = c.act_from_host(&q).unwrap();
+        c.rope_store(0, &rope, &mut gq, None, head_norm, hd, &rows, &mut [&mut seq]).unwrap();
+        assert!(rel_err(&c.to_host(&gq).unwrap(), &want_q) < 2e-5);
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn router_matches_the_cpu() {
@@ -299,6 +386,54 @@ fn router_matches_the_cpu() {
             let err = rel_err(&wts[r * k..(r + 1) * k], &want.weights);
             assert!(err < 1e-5, "row {r}: weights {err:e}");
         }
+    }
+}
+
+/// The router and the routing of few rows in one launch (`router_route`) against the CPU's
+/// router matmul and routing; twice, as its per-row counters must be back at zero.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn router_route_matches_the_cpu() {
+    let _ = gpu();
+    let mut rng = Rng::new(14);
+    for (n_expert, k, n_embd, gating, renormalize, biased) in [
+        (128, 8, 2048, Gating::Softmax, true, false),
+        (32, 4, 2880, Gating::SoftmaxOverTopK, false, true),
+        (60, 4, 64, Gating::Softmax, false, true),
+    ] {
+        let moe = MoeConfig { n_expert, n_expert_used: k, n_ff_exp: 8, gating, renormalize, shared: None };
+        let (router, wf) = random_weight(&mut rng, GgmlType::F32, n_expert, n_embd);
+        let bias = rng.normals(n_expert, 0.5, 0.0);
+        let bias = biased.then_some(bias.as_slice());
+        let scale: Vec<f32> = (0..n_expert).map(|e| 0.5 + e as f32 / n_expert as f32).collect();
+        let scale = renormalize.then_some(scale.as_slice());
+        let mut c = Cuda::open(0).unwrap();
+        c.upload_weight(&router).unwrap();
+        for v in [bias, scale].into_iter().flatten() {
+            c.upload_vec(v).unwrap();
+        }
+        for m in [1, 3, 8, 8] {
+            let x = rng.normals(m * n_embd, 1.0, 0.0);
+            let routes = c
+                .route_input(&router, bias, &c.act_from_host(&x).unwrap(), m, &moe, scale, &mut c.scratch(false))
+                .unwrap();
+            // The i32 ids as the bits of the f32s to_host reads (this Cuda has no model to check them by).
+            let ids: Vec<usize> = c.to_host(routes.ids()).unwrap().iter().map(|v| v.to_bits() as usize).collect();
+            let wts = c.to_host(routes.weights()).unwrap();
+            for r in 0..m {
+                let logits: Vec<f32> = (0..n_expert)
+                    .map(|e| {
+                        let d: f64 = (0..n_embd).map(|i| wf[e * n_embd + i] as f64 * x[r * n_embd + i] as f64).sum();
+                        d as f32 + bias.map_or(0.0, |b| b[e])
+                    })
+                    .collect();
+                let want = ts_model::moe::route(&moe, &logits, scale);
+                assert_eq!(&ids[r * k..(r + 1) * k], &want.experts[..], "row {r} of {m}, {gating:?}");
+                let err = rel_err(&wts[r * k..(r + 1) * k], &want.weights);
+                assert!(err < 1e-5, "row {r} of {m}: weights {err:e}");
+            }
+        }
+        println!("router_route {n_expert} experts top {k}, n_embd {n_embd}, {gating:?}: ok");
     }
 }
 
@@ -466,15 +601,9 @@ fn attention_matches_the_cpu() {
                     c.act_from_host(&slice(&keys, kv_dim)).unwrap(),
                     c.act_from_host(&slice(&values, kv_dim)).unwrap(),
                 );
+                c.store_kv(0, &k, &v, &rows, &mut [&mut seq]).unwrap();
                 let out = c
-                    .attention(
-                        0,
-                        &shape,
-                        &c.act_from_host(&slice(&q, q_dim)).unwrap(),
-                        Some((&k, &v)),
-                        &rows,
-                        &mut [&mut seq],
-                    )
+                    .attention(0, &shape, &c.act_from_host(&slice(&q, q_dim)).unwrap(), &rows, &mut [&mut seq])
                     .unwrap();
                 let got = c.to_host(&out).unwrap();
                 for (i, r) in rows.iter().enumerate() {

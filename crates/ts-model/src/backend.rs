@@ -26,6 +26,16 @@ pub struct AttnShape<'a> {
     pub sinks: Option<&'a [f32]>,
 }
 
+/// Per-head RMS norm of queries and keys before their rotary embedding (Qwen3's
+/// `attn_q_norm`, `attn_k_norm`).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadNorm<'a> {
+    /// `[head_dim]` scales of the query heads, of the key heads; None: no scale.
+    pub q: Option<&'a [f32]>,
+    pub k: Option<&'a [f32]>,
+    pub eps: f32,
+}
+
 /// Where the experts of an expert matmul are.
 pub enum ExpertsAt<'a, G> {
     /// The stacked `*_exps` tensors in the backend's memory, indexed by expert id.
@@ -45,6 +55,33 @@ pub struct DeltaNetParams<'a> {
     pub dt_bias: &'a [f32],
     /// Of the q and k L2 norms.
     pub eps: f32,
+}
+
+/// [`Backend::rope_store`] as its ops one by one: the norms, the rotations, the store.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_by_ops<B: Backend>(
+    be: &B,
+    il: usize,
+    rope: &Rope,
+    q: &mut B::Act,
+    kv: Option<(&mut B::Act, &B::Act)>,
+    norm: Option<HeadNorm>,
+    head_dim: usize,
+    rows: &[Row],
+    seqs: &mut [&mut SeqState<B::State>],
+) -> Result<(), ModelError> {
+    if let Some(n) = norm {
+        be.rms_norm(q, head_dim, n.q, n.eps)?;
+    }
+    be.rope(il, rope, q, head_dim, rows)?;
+    if let Some((k, v)) = kv {
+        if let Some(n) = norm {
+            be.rms_norm(k, head_dim, n.k, n.eps)?;
+        }
+        be.rope(il, rope, k, head_dim, rows)?;
+        be.store_kv(il, k, v, rows, seqs)?;
+    }
+    Ok(())
 }
 
 pub trait Backend: Sized + Send + Sync {
@@ -109,6 +146,18 @@ pub trait Backend: Sized + Send + Sync {
         m: usize,
         s: &mut Self::Scratch,
     ) -> Result<Self::Act, ModelError>;
+    /// Several projections of one input `x` `[m][k]` (`x · wᵀ (+ bias)` for each
+    /// `(w, bias)` of `ws`): [`Backend::linear`] one after the other, which a backend may
+    /// overlap (q, k and v of an attention layer).
+    fn linears(
+        &self,
+        ws: &[(&Weight, Option<&[f32]>)],
+        x: &Self::Act,
+        m: usize,
+        s: &mut Self::Scratch,
+    ) -> Result<Vec<Self::Act>, ModelError> {
+        ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect()
+    }
     /// RMS norm of every `piece`-wide piece of `x`, times `w` `[piece]` where given.
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
     /// [`Backend::rms_norm`] into a new matrix, `x` untouched.
@@ -128,19 +177,44 @@ pub trait Backend: Sized + Send + Sync {
     fn gated(&self, act: GatedActivation, gate: &mut Self::Act, up: &Self::Act) -> Result<(), ModelError>;
     /// Rotates each `head_dim` head of row i at `rows[i].pos` with layer `il`'s table `rope`.
     fn rope(&self, il: usize, rope: &Rope, x: &mut Self::Act, head_dim: usize, rows: &[Row]) -> Result<(), ModelError>;
-    /// Stores each row's k and v (`kv`) at its position in its sequence's
-    /// layer-`il` cache, then attends each row's q over the positions it sees;
-    /// returns `[m][n_head * head_dim_v]`. A layer that shares an earlier layer's
-    /// cache (`kv` None) stores nothing and reads that layer's.
+    /// Stores each row's k `[m][n_head_kv * head_dim]` and v `[m][n_head_kv * head_dim_v]`
+    /// at its position in its sequence's layer-`il` cache.
+    fn store_kv(
+        &self,
+        il: usize,
+        k: &Self::Act,
+        v: &Self::Act,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<Self::State>],
+    ) -> Result<(), ModelError>;
+    /// Attends each row's q over the positions it sees in layer `il`'s cache (or in the
+    /// cache of the earlier layer it shares); returns `[m][n_head * head_dim_v]`.
     fn attention(
         &self,
         il: usize,
         shape: &AttnShape,
         q: &Self::Act,
-        kv: Option<(&Self::Act, &Self::Act)>,
         rows: &[Row],
         seqs: &mut [&mut SeqState<Self::State>],
     ) -> Result<Self::Act, ModelError>;
+    /// A layer's queries and keys made ready and its keys and values stored: `q` and `k`
+    /// per-head RMS-normed where `norm` is given, both rotated by layer `il`'s `rope` at each
+    /// row's position, then k and v stored ([`Backend::store_kv`]); `kv` is None for a layer
+    /// that shares an earlier layer's cache. A backend may do all of it in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Self::Act,
+        kv: Option<(&mut Self::Act, &Self::Act)>,
+        norm: Option<HeadNorm>,
+        head_dim: usize,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<Self::State>],
+    ) -> Result<(), ModelError> {
+        rope_store_by_ops(self, il, rope, q, kv, norm, head_dim, rows, seqs)
+    }
     /// A copy of `x`.
     fn copy(&self, x: &Self::Act) -> Result<Self::Act, ModelError>;
     /// Columns `start..start + n` of each of the `rows` rows of `x` (each `width`
@@ -197,6 +271,23 @@ pub trait Backend: Sized + Send + Sync {
         moe: &MoeConfig,
         expert_scale: Option<&[f32]>,
     ) -> Result<Self::Routes, ModelError>;
+    /// Routes each row of `x` `[m][n_embd]` by the router `w` (`[n_embd] -> [n_expert]`,
+    /// plus `bias`): [`Backend::linear`] then [`Backend::route`], which a backend may do in
+    /// one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn route_input(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Self::Act,
+        m: usize,
+        moe: &MoeConfig,
+        expert_scale: Option<&[f32]>,
+        s: &mut Self::Scratch,
+    ) -> Result<Self::Routes, ModelError> {
+        let logits = self.linear(w, bias, x, m, s)?;
+        self.route(&logits, m, moe, expert_scale)
+    }
     /// The routes' expert ids, `[m][k]`, on the host.
     fn route_ids(&self, routes: &Self::Routes) -> Result<Vec<usize>, ModelError>;
     /// Whether routed experts come through a tier of slots ([`Backend::ensure_experts`])

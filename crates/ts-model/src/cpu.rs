@@ -123,31 +123,34 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn store_kv(
+        &self,
+        il: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<CpuState>],
+    ) -> Result<(), ModelError> {
+        let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
+        for (i, r) in rows.iter().enumerate() {
+            let cache = kv_cache_mut(seqs[r.seq], il)?;
+            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+        }
+        Ok(())
+    }
+
     fn attention(
         &self,
         il: usize,
         shape: &AttnShape,
         q: &Vec<f32>,
-        kv: Option<(&Vec<f32>, &Vec<f32>)>,
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
     ) -> Result<Vec<f32>, ModelError> {
         let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
-        let (q_dim, kv_dim, v_dim) = (shape.n_head * hd, shape.n_head_kv * hd, shape.n_head_kv * hdv);
-        // The layer whose cache the rows read: this one, or the one it shares.
-        let mut src = il;
-        for (i, r) in rows.iter().enumerate() {
-            match (kv, seqs[r.seq].state.layers.get(il)) {
-                (None, Some(LayerState::SharedKv(from))) => src = *from,
-                (Some((k, v)), _) => {
-                    let cache = kv_cache_mut(seqs[r.seq], il)?;
-                    cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
-                }
-                _ => return Err(ModelError::Compute(format!("layer {il}: no keys and values to attend"))),
-            }
-        }
-        if rows.iter().any(|r| !matches!(seqs[r.seq].state.layers.get(src), Some(LayerState::Kv(_)))) {
-            return Err(ModelError::Compute(format!("layer {src} keeps no keys and values")));
+        let q_dim = shape.n_head * hd;
+        if let Some(r) = rows.iter().find(|r| read_kv(&seqs[r.seq].state, il).is_none()) {
+            return Err(ModelError::Compute(format!("layer {il} of sequence {} keeps no keys and values", r.seq)));
         }
         let group = shape.n_head / shape.n_head_kv;
         let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
@@ -155,7 +158,7 @@ impl Backend for Cpu {
         out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
             let (i, h) = (idx / shape.n_head, idx % shape.n_head);
             let r = rows[i];
-            let LayerState::Kv(cache) = &seqs[r.seq].state.layers[src] else { unreachable!("checked above") };
+            let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
             let kvh = h / group;
             let params =
                 AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
@@ -382,6 +385,19 @@ fn kv_cache_mut(seq: &mut SeqState<CpuState>, il: usize) -> Result<&mut crate::s
     match seq.state.layers.get_mut(il) {
         Some(LayerState::Kv(c)) => Ok(c),
         _ => Err(ModelError::Compute(format!("layer {il} keeps no keys and values"))),
+    }
+}
+
+/// The keys and values layer `il` reads in `state`: its own, or those of the earlier
+/// layer it shares; None for a layer of another kind.
+fn read_kv(state: &CpuState, il: usize) -> Option<&crate::state::LayerCache> {
+    let from = match state.layers.get(il)? {
+        LayerState::SharedKv(from) => *from,
+        _ => il,
+    };
+    match state.layers.get(from)? {
+        LayerState::Kv(c) => Some(c),
+        _ => None,
     }
 }
 

@@ -5,7 +5,7 @@
 
 use crate::Cpu;
 use crate::ModelError;
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, HeadNorm};
 use crate::config::{ArchConfig, GatedActivation, QkNorm, RopeLayout, RopeScaling};
 use crate::state::{SeqState, Snapshot};
 use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
@@ -430,16 +430,24 @@ impl<B: Backend> Model<B> {
         let m = rows.len();
         let a = cfg.attn(il);
         let (hd, hdv) = (a.head_dim, a.head_dim_v);
-        let q = be.linear(&layer.wq, layer.bq.as_deref(), normed, m, scratch)?;
-        // Keys and values next, before any op on q: three projections of one input in a row
-        // (a backend may reuse its quantized copy of it). A layer sharing an earlier layer's
-        // keys and values computes only its queries.
-        let kv = match (&layer.wk, a.kv_from) {
+        // The projections of one input together (a backend may overlap them). A layer sharing an
+        // earlier layer's keys and values computes only its queries; without a V projection
+        // (Gemma 4's global layers) V is the raw K projection.
+        let mut projections = vec![(&layer.wq, layer.bq.as_deref())];
+        let own_kv = match (&layer.wk, a.kv_from) {
             (Some(wk), None) => {
-                let k = be.linear(wk, layer.bk.as_deref(), normed, m, scratch)?;
-                // Without a V projection (Gemma 4's global layers) V is the raw K projection.
-                let v = match &layer.wv {
-                    Some(wv) => be.linear(wv, layer.bv.as_deref(), normed, m, scratch)?,
+                projections.push((wk, layer.bk.as_deref()));
+                projections.extend(layer.wv.as_ref().map(|wv| (wv, layer.bv.as_deref())));
+                true
+            }
+            _ => false,
+        };
+        let mut out = be.linears(&projections, normed, m, scratch)?.into_iter();
+        let q = out.next().expect("the query projection");
+        let mut kv = match (own_kv, out.next()) {
+            (true, Some(k)) => {
+                let v = match out.next() {
+                    Some(v) => v,
                     None => be.copy(&k)?,
                 };
                 Some((k, v))
@@ -453,29 +461,28 @@ impl<B: Backend> Model<B> {
             }
             false => (q, None),
         };
-        let piece = match cfg.qk_norm {
+        // Per-head norms go with the rotary embedding (one kernel where the backend can);
+        // a norm over all heads comes first, on its own.
+        let norm = match cfg.qk_norm {
             QkNorm::None => None,
-            QkNorm::PerHead => Some((hd, hd)),
-            QkNorm::Full => Some((cfg.n_head * hd, a.kv_dim())),
+            QkNorm::PerHead => {
+                Some(HeadNorm { q: layer.q_norm.as_deref(), k: layer.k_norm.as_deref(), eps: cfg.rms_eps })
+            }
+            QkNorm::Full => {
+                be.rms_norm(&mut q, cfg.n_head * hd, layer.q_norm.as_deref(), cfg.rms_eps)?;
+                if let Some((k, _)) = &mut kv {
+                    be.rms_norm(k, a.kv_dim(), layer.k_norm.as_deref(), cfg.rms_eps)?;
+                }
+                None
+            }
         };
-        if let Some((qp, _)) = piece {
-            be.rms_norm(&mut q, qp, layer.q_norm.as_deref(), cfg.rms_eps)?;
+        if let Some((_, v)) = &mut kv
+            && cfg.family().v_norm
+        {
+            be.rms_norm(v, hdv, None, cfg.rms_eps)?;
         }
         let rope = self.ropes[il].as_ref().expect("an attention layer has a rope table");
-        be.rope(il, rope, &mut q, hd, rows)?;
-        let kv = match kv {
-            Some((mut k, mut v)) => {
-                if let Some((_, kp)) = piece {
-                    be.rms_norm(&mut k, kp, layer.k_norm.as_deref(), cfg.rms_eps)?;
-                }
-                be.rope(il, rope, &mut k, hd, rows)?;
-                if cfg.family().v_norm {
-                    be.rms_norm(&mut v, hdv, None, cfg.rms_eps)?;
-                }
-                Some((k, v))
-            }
-            None => None,
-        };
+        be.rope_store(il, rope, &mut q, kv.as_mut().map(|(k, v)| (k, &*v)), norm, hd, rows, seqs)?;
         let shape = AttnShape {
             n_head: cfg.n_head,
             n_head_kv: a.n_head_kv,
@@ -485,7 +492,7 @@ impl<B: Backend> Model<B> {
             softcap: None,
             sinks: layer.sinks.as_deref(),
         };
-        let mut out = be.attention(il, &shape, &q, kv.as_ref().map(|(k, v)| (k, v)), rows, seqs)?;
+        let mut out = be.attention(il, &shape, &q, rows, seqs)?;
         if let Some(g) = &gate {
             be.mul_sigmoid(&mut out, g)?;
         }

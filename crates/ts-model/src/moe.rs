@@ -75,8 +75,8 @@ impl<B: Backend> Model<B> {
         let moe = self.cfg.moe.as_ref().expect("MoE weights imply a MoE config");
         let act = self.cfg.ffn_act;
         let e = self.cfg.n_embd;
-        let logits = be.linear(&w.router, w.router_bias.as_deref(), router_x, m, scratch)?;
-        let routes = be.route(&logits, m, moe, w.expert_scale.as_deref())?;
+        let routes =
+            be.route_input(&w.router, w.router_bias.as_deref(), router_x, m, moe, w.expert_scale.as_deref(), scratch)?;
         // Each (row, slot) pair's expert output, `[m * k][n_embd]`, summed per row at the end.
         let pairs = m * moe.n_expert_used;
         if !be.experts_tiered(self) {
@@ -90,8 +90,7 @@ impl<B: Backend> Model<B> {
         // The next MoE layer's router applied to this layer's input guesses its experts.
         let guess = match self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten() {
             Some((next, nw)) => {
-                let logits = be.linear(&nw.router, nw.router_bias.as_deref(), router_x, m, scratch)?;
-                Some((next, be.route(&logits, m, moe, None)?))
+                Some((next, be.route_input(&nw.router, nw.router_bias.as_deref(), router_x, m, moe, None, scratch)?))
             }
             None => None,
         };
