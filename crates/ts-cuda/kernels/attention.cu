@@ -125,7 +125,7 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 template <int MAX_HEAD_DIM>
 __device__ __forceinline__ void attention_head(const float* q, float* out, const RowKv* info, int n_head,
                                                int n_head_kv, int hd, int hdv, float scale, float softcap,
-                                               const float* sinks, int window) {
+                                               const float* sinks, int window, signed char* oq, float2* ods) {
     int h = blockIdx.x, r = blockIdx.y;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     RowKv ri = info[r];
@@ -181,26 +181,32 @@ __device__ __forceinline__ void attention_head(const float* q, float* out, const
     float denom = sinks ? expf(sinks[h] - M) : 0.0f;
     for (int w = 0; w < ATTN_WARPS; w++)
         if (wmax[w] > -INFINITY) denom += wsum[w] * expf(wmax[w] - M);
-    float* o = out + (long long)r * n_head * hdv + h * hdv;
+    const long long o = (long long)r * n_head * hdv + h * hdv;
+    // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
     for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
         float v = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++)
             if (wmax[w] > -INFINITY) v += wacc[w][i] * expf(wmax[w] - M);
-        o[i] = v / denom;
+        v /= denom;
+        out[o + i] = v;
+        if (oq) ts_q8_store_warp(v, o + i, oq, ods);
     }
 }
 
+// oq, ods not null: out also quantized to 8 bits (as quantize_q8_1 would) for the output
+// projection; hdv must then be a multiple of 32.
 extern "C" __global__ void attention(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv, int hd,
-                                     int hdv, float scale, float softcap, const float* sinks, int window) {
+                                     int hdv, float scale, float softcap, const float* sinks, int window,
+                                     signed char* oq, float2* ods) {
     ts_grid_begin();
-    attention_head<256>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
+    attention_head<256>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window, oq, ods);
 }
 
 extern "C" __global__ void attention_wide(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv,
-                                          int hd, int hdv, float scale, float softcap, const float* sinks,
-                                          int window) {
+                                          int hd, int hdv, float scale, float softcap, const float* sinks, int window,
+                                          signed char* oq, float2* ods) {
     ts_grid_begin();
-    attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window);
+    attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window, oq, ods);
 }
 
 // Attention for a prompt: rows of one sequence, heads and values of at most 128. A block takes

@@ -190,12 +190,25 @@ impl Cuda {
             self.launch("attention_prompt", grid, (128, 1, 1), &args(Some(m as i32)))?;
             return Ok(out);
         }
+        // Few rows: the output's 8-bit copy for the output projection's matvec, written here.
+        let q8 = match m < crate::matmul::GEMM_MIN_ROWS && shape.head_dim_v.is_multiple_of(32) {
+            true => Some(self.q8_buffer(m, shape.n_head * shape.head_dim_v)?),
+            false => None,
+        };
+        let mut a = args(None);
+        a.extend(match &q8 {
+            Some((q, _)) => [Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0))],
+            None => [Arg::Ptr(0), Arg::Ptr(0)],
+        });
         self.launch(
             if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
             (shape.n_head as u32, m as u32, 1),
             (128, 1, 1),
-            &args(None),
+            &a,
         )?;
+        if let Some((q, buf)) = q8 {
+            self.remember_quantized(out.ptr, q, buf);
+        }
         Ok(out)
     }
 }
