@@ -326,7 +326,7 @@ impl<B: Backend> Engine<B> {
     /// Takes `seq` back to its first `held` positions (those of `context`'s end it
     /// keeps): attention layers only forget the rest; with recurrent layers, back to
     /// `snapshot` (taken before the guesses) and the kept tokens run again.
-    fn rewind(
+    pub fn rewind(
         &self,
         seq: &mut SeqState<B::State>,
         held: usize,

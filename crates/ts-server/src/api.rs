@@ -16,6 +16,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use ts_engine::chat::ChatMessage;
 use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
 use ts_engine::sampler::{SamplerConfig, random_seed};
+use ts_engine::speculative::SpecOptions;
 use ts_model::Backend;
 
 /// An error answered the OpenAI way: a status and `{"error": {...}}`.
@@ -140,6 +141,11 @@ struct Common {
     score_prompt: bool,
     /// Choices to generate, each its own sequence (seeds `seed`, `seed + 1`, ...).
     n: usize,
+    /// `speculative.n_max` and `speculative.n_min` where given (llama-server's names): the
+    /// most and fewest guesses per step when the server guesses (`--spec-ngram`); n_max 0
+    /// turns guessing off for this request.
+    spec_max: Option<usize>,
+    spec_min: Option<usize>,
 }
 
 /// The most choices one request may ask for (`n`).
@@ -259,7 +265,20 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         logit_bias,
         seed,
     };
-    Ok(Common { max_tokens, sampler, stop, stream, include_usage, logprobs: None, score_prompt: false, n })
+    let spec_max = opt_count(v, "speculative.n_max")?.map(|n| n as usize);
+    let spec_min = opt_count(v, "speculative.n_min")?.map(|n| n as usize);
+    Ok(Common {
+        max_tokens,
+        sampler,
+        stop,
+        stream,
+        include_usage,
+        logprobs: None,
+        score_prompt: false,
+        n,
+        spec_max,
+        spec_min,
+    })
 }
 
 /// OpenAI parameters this server cannot honour, refused by name rather than
@@ -433,6 +452,10 @@ fn submit<B: Backend>(
         checkpoint,
         choices,
         received: Instant::now(),
+        spec: st.opts.spec.as_ref().map(|o| SpecOptions {
+            draft_max: c.spec_max.unwrap_or(o.draft_max),
+            draft_min: c.spec_min.unwrap_or(o.draft_min),
+        }),
     };
     st.metrics.queued.fetch_add(1, Relaxed);
     st.jobs

@@ -31,6 +31,10 @@ pub struct ServeOptions {
     pub max_body: usize,
     /// Reuse a free slot's cached prompt prefix (see `scheduler::run`).
     pub prompt_cache: bool,
+    /// Prompt lookup for every request (`--spec-ngram`): guesses copied from earlier text,
+    /// checked in the step that runs the sequence's next token. A request may change the
+    /// lengths (`speculative.n_max`, `speculative.n_min`, as llama-server names them).
+    pub spec: Option<ts_engine::speculative::SpecOptions>,
 }
 
 /// What every handler shares.

@@ -23,6 +23,9 @@ pub struct Metrics {
     /// Rows of all decode steps, and their time (for tokens per second).
     pub decode_rows: AtomicU64,
     pub decode_nanos: AtomicU64,
+    /// Prompt lookup's guesses checked, and those the model kept.
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
     /// Rows and time of the last few seconds of steps, for the current rate.
     recent: Mutex<Vec<(Instant, usize, Duration)>>,
 }
@@ -79,6 +82,8 @@ impl Metrics {
         metric("slots", "gauge", "Sequences decoded together at most.", slots.to_string());
         metric("slots_busy", "gauge", "Requests being generated.", active.to_string());
         metric("decode_steps_total", "counter", "Batched decode steps.", g(&self.decode_steps));
+        metric("spec_drafted_total", "counter", "Guessed tokens checked (--spec-ngram).", g(&self.spec_drafted));
+        metric("spec_accepted_total", "counter", "Guessed tokens the model kept.", g(&self.spec_accepted));
         let rows = self.decode_rows.load(Relaxed) as f64;
         let secs = self.decode_nanos.load(Relaxed) as f64 / 1e9;
         metric(

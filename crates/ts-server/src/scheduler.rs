@@ -18,7 +18,8 @@ use ts_engine::decode::{Decoding, Logits, Piece};
 use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, StopReason};
-use ts_model::{Backend, SeqState};
+use ts_engine::speculative::{DraftLength, Drafter, NgramDrafter, SpecOptions};
+use ts_model::{Backend, SeqState, Snapshot};
 
 /// Why a generation ended, as OpenAI names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +107,8 @@ pub struct Job {
     pub checkpoint: Option<usize>,
     pub choices: Vec<Choice>,
     pub received: Instant,
+    /// Prompt lookup's guess lengths, when this job guesses.
+    pub spec: Option<SpecOptions>,
 }
 
 impl Job {
@@ -114,8 +117,45 @@ impl Job {
     }
 }
 
+/// A generating sequence's prompt lookup: its lengths, how many guesses pay, the guesses
+/// of the step being run, and where a model with recurrent layers was before them.
+struct Guessing<R> {
+    opts: SpecOptions,
+    length: DraftLength,
+    guesses: Vec<u32>,
+    /// How many of `guesses` the model kept.
+    kept: usize,
+    snapshot: Option<Snapshot<R>>,
+}
+
+impl<R> Guessing<R> {
+    fn new(opts: &SpecOptions) -> Guessing<R> {
+        Guessing { opts: opts.clone(), length: DraftLength::default(), guesses: Vec::new(), kept: 0, snapshot: None }
+    }
+}
+
+/// Prompt lookup's guesses after `history` (the sequence's tokens) and `next` (the token
+/// about to run): as many as pay ([`DraftLength`]), fit the context and stay within the
+/// `left` tokens the reply may still have; none when fewer than `draft_min`.
+fn guesses<R, S>(g: &Guessing<R>, history: &[u32], next: u32, seq: &SeqState<S>, left: usize) -> Vec<u32> {
+    let room = (seq.n_ctx.saturating_sub(seq.n_past + 1)).min(left);
+    if room == 0 {
+        return Vec::new();
+    }
+    let mut context = Vec::with_capacity(history.len() + 1);
+    context.extend_from_slice(history);
+    context.push(next);
+    let mut out =
+        NgramDrafter::default().draft(&context, g.length.limit(g.opts.draft_max.min(room))).unwrap_or_default();
+    out.truncate(room);
+    if out.len() < g.opts.draft_min.max(1) {
+        out.clear();
+    }
+    out
+}
+
 /// One choice being generated, in a slot.
-struct Active<'a> {
+struct Active<'a, R> {
     job: Arc<Job>,
     /// Index into `job.choices`.
     choice: usize,
@@ -132,9 +172,11 @@ struct Active<'a> {
     pending: Vec<TokenLogprob>,
     prefill_time: Duration,
     started: Instant,
+    /// Prompt lookup, when the job guesses.
+    guessing: Option<Guessing<R>>,
 }
 
-impl Active<'_> {
+impl<R> Active<'_, R> {
     fn events(&self) -> &UnboundedSender<Event> {
         &self.job.choices[self.choice].events
     }
@@ -178,9 +220,12 @@ pub fn run<B: Backend>(
     }
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
     let model = &engine.model;
-    let mut active: Vec<Active<'_>> = Vec::new();
+    let mut active: Vec<Active<'_, B::Recurrent>> = Vec::new();
     let mut waiting: VecDeque<Job> = VecDeque::new();
     let mut scratch = engine.scratch();
+    // Steps that check guesses give each row what a one-row step gives.
+    let mut checking = engine.scratch();
+    model.backend.rows_alone(&mut checking);
     let tokenizer = match engine.tokenizer() {
         Ok(t) => t,
         Err(e) => {
@@ -222,6 +267,7 @@ pub fn run<B: Backend>(
                 waiting.push_front(Job {
                     prompt: job.prompt.clone(),
                     stop: job.stop.clone(),
+                    spec: job.spec.clone(),
                     choices: rest,
                     score_prompt: false,
                     ..job
@@ -264,6 +310,7 @@ pub fn run<B: Backend>(
                     pending: Vec::new(),
                     prefill_time: Duration::ZERO,
                     started: Instant::now(),
+                    guessing: job.spec.as_ref().map(Guessing::new),
                 }),
                 Err(e) => {
                     for c in &job.choices {
@@ -293,12 +340,50 @@ pub fn run<B: Backend>(
         // One step: a token for each generating sequence, then prompt pieces up to the budget.
         let t = Instant::now();
         let mut pieces: Vec<(usize, Vec<u32>, Logits)> = Vec::new();
-        for (i, a) in active.iter().enumerate() {
-            if a.generating() {
-                pieces.push((i, vec![a.next], Logits::Last));
+        let mut guessed = 0;
+        // Guesses pay only for a sequence alone in the step: several already share each weight
+        // read, and a step with guesses runs on the one-row kernels, prompt rows included
+        // (measured: two requests guessing together, or one beside another's prompt, were
+        // slower than without guesses).
+        let alone = active.len() == 1 && active[0].generating();
+        for (i, a) in active.iter_mut().enumerate() {
+            if !a.generating() {
+                continue;
             }
+            let mut piece = vec![a.next];
+            if let Some(g) = &mut a.guessing {
+                g.guesses.clear();
+            }
+            if let Some(g) = &mut a.guessing
+                && alone
+            {
+                let slot = &slots[a.slot];
+                g.guesses = guesses(
+                    g,
+                    &slot.history,
+                    a.next,
+                    &slot.seq,
+                    a.job.max_tokens.saturating_sub(a.decoding.generated()),
+                );
+                g.snapshot = None;
+                if !g.guesses.is_empty() {
+                    if model.is_recurrent() {
+                        match model.snapshot(&slot.seq) {
+                            Ok(snap) => g.snapshot = Some(snap),
+                            Err(e) => {
+                                tracing::warn!("slot {}: no snapshot to guess from: {e}", a.slot);
+                                g.guesses.clear();
+                            }
+                        }
+                    }
+                    piece.extend_from_slice(&g.guesses);
+                    guessed += g.guesses.len();
+                }
+            }
+            let logits = if piece.len() > 1 { Logits::All } else { Logits::Last };
+            pieces.push((i, piece, logits));
         }
-        let decode_rows = pieces.len();
+        let decode_rows = pieces.len() + guessed;
         let mut budget = STEP_ROWS.saturating_sub(decode_rows).max(1);
         let mut prompt_rows = 0;
         for (i, a) in active.iter().enumerate() {
@@ -330,13 +415,15 @@ pub fn run<B: Backend>(
                 .map(|(i, _, _)| by_slot[active[*i].slot].take().expect("one sequence per slot"))
                 .collect();
             let step: Vec<Piece> = pieces.iter().map(|(_, tokens, logits)| Piece { tokens, logits: *logits }).collect();
+            let s = if guessed > 0 { &mut checking } else { &mut scratch };
             // A panic in a step (a bug) ends the requests in it, not the server.
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&mut seqs, &step, &mut scratch)))
-                .unwrap_or_else(|p| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&mut seqs, &step, s))).unwrap_or_else(
+                |p| {
                     let msg =
                         p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                     Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())).into())
-                })
+                },
+            )
         };
         let logits = match result {
             Ok(l) => l,
@@ -354,11 +441,15 @@ pub fn run<B: Backend>(
             }
         };
         metrics.prompt_tokens.fetch_add(prompt_rows as u64, Relaxed);
+        let step_secs = t.elapsed();
         if decode_rows > 0 {
-            metrics.record_step(decode_rows, t.elapsed());
+            metrics.record_step(decode_rows, step_secs);
         }
-        // Per active: the logits row to sample from, once its prompt is read.
-        let mut row_of: Vec<Option<&Vec<f32>>> = vec![None; active.len()];
+        metrics.spec_drafted.fetch_add(guessed as u64, Relaxed);
+        // A step of one sequence alone times its guesses (or their absence) for its DraftLength.
+        let timed = (alone && prompt_rows == 0).then_some(step_secs);
+        // Per active: the logits rows to sample from in turn, once its prompt is read.
+        let mut row_of: Vec<Option<&[Vec<f32>]>> = vec![None; active.len()];
         for ((i, tokens, _), rows) in pieces.iter().zip(&logits) {
             let a = &mut active[*i];
             slots[a.slot].ran(tokens);
@@ -391,10 +482,10 @@ pub fn run<B: Backend>(
                 }
                 if a.generating() {
                     a.prefill_time = a.started.elapsed();
-                    row_of[*i] = rows.last();
+                    row_of[*i] = rows.len().checked_sub(1).map(|l| &rows[l..]);
                 }
             } else {
-                row_of[*i] = rows.last();
+                row_of[*i] = Some(&rows[..]);
             }
         }
         // Choices sharing a prompt just read: each gets a copy of the sequence.
@@ -423,6 +514,7 @@ pub fn run<B: Backend>(
                             pending: Vec::new(),
                             prefill_time: a.prefill_time,
                             started: a.started,
+                            guessing: a.job.spec.as_ref().map(Guessing::new),
                         },
                     )),
                     Err(e) => {
@@ -445,12 +537,31 @@ pub fn run<B: Backend>(
                 .par_iter_mut()
                 .zip(row_of.par_iter())
                 .enumerate()
-                .filter_map(|(i, (a, l))| {
+                .filter_map(|(i, (a, rows))| {
                     let seq = &slots_ref[a.slot].seq;
-                    step_one(a, (*l)?, tokenizer, seq.n_ctx - seq.n_past, metrics_ref).map(|f| (i, f))
+                    step_rows(a, (*rows)?, tokenizer, seq, timed, metrics_ref).map(|f| (i, f))
                 })
                 .collect()
         });
+        // Guesses the model did not keep leave the sequences (with recurrent layers: back to
+        // the snapshot and the kept tokens run again).
+        for (i, a) in active.iter_mut().enumerate() {
+            let Some(g) = &mut a.guessing else { continue };
+            let snapshot = g.snapshot.take();
+            if g.guesses.is_empty() {
+                continue;
+            }
+            let slot = &mut slots[a.slot];
+            let held = slot.seq.n_past - (g.guesses.len() - g.kept);
+            slot.history.truncate(held);
+            if let Err(e) = engine.rewind(&mut slot.seq, held, &slot.history, snapshot, &mut checking) {
+                let _ = a.events().send(Event::Error(format!("generation failed: {e}")));
+                slot.forget();
+                if !finished.iter().any(|&(f, _)| f == i) {
+                    finished.push((i, Finish::Stop));
+                }
+            }
+        }
         // Highest index first, so the indices still to remove stay valid.
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in finished {
@@ -485,10 +596,45 @@ fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
     }
 }
 
+/// Samples `a`'s tokens from its step's `rows` in turn: the first row's, then, while the
+/// token sampled is the guess the step ran after it, the next row's; `secs`, the step's
+/// time where it ran this sequence alone; `Some` when the request is finished.
+fn step_rows<R, S>(
+    a: &mut Active<'_, R>,
+    rows: &[Vec<f32>],
+    tokenizer: &ts_tokenizer::Tokenizer,
+    seq: &SeqState<S>,
+    secs: Option<Duration>,
+    metrics: &Metrics,
+) -> Option<Finish> {
+    // The position of the token the first row follows (it ran in this step, the guesses after it).
+    let first = seq.n_past - rows.len();
+    let mut kept = 0;
+    let mut finish = None;
+    for (i, row) in rows.iter().enumerate() {
+        finish = step_one(a, row, tokenizer, seq.n_ctx - (first + 1 + i), metrics);
+        let guessed = a.guessing.as_ref().and_then(|g| g.guesses.get(i)) == Some(&a.next);
+        if finish.is_some() || !guessed {
+            break;
+        }
+        kept += 1;
+    }
+    if let Some(g) = &mut a.guessing {
+        g.kept = kept;
+        metrics.spec_accepted.fetch_add(kept as u64, Relaxed);
+        match (g.guesses.len(), secs) {
+            (_, None) => {}
+            (0, Some(t)) => g.length.plain(t.as_secs_f64()),
+            (n, Some(t)) => g.length.checked(t.as_secs_f64(), n, kept),
+        }
+    }
+    finish
+}
+
 /// Samples `a`'s next token from `logits` and sends its text; `Some` when the
 /// request is finished.
-fn step_one(
-    a: &mut Active<'_>,
+fn step_one<R>(
+    a: &mut Active<'_, R>,
     logits: &[f32],
     tokenizer: &ts_tokenizer::Tokenizer,
     room: usize,
@@ -549,7 +695,7 @@ fn token_logprob(logits: &[f32], token: u32, top: usize, piece: impl Fn(u32) -> 
     TokenLogprob { chosen: choice(token), top: ids.into_iter().map(choice).collect() }
 }
 
-fn finish_job(a: &Active<'_>, finish: Finish, metrics: &Metrics) {
+fn finish_job<R>(a: &Active<'_, R>, finish: Finish, metrics: &Metrics) {
     let (job, id, generated) = (&a.job, &a.job.choices[a.choice].id, a.decoding.generated());
     if finish == Finish::Gone {
         metrics.cancelled.fetch_add(1, Relaxed);

@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 use ts_engine::session::{Engine, LoadOptions};
+use ts_engine::speculative::SpecOptions;
 use ts_model::ExpertPlacement;
 use ts_server::{Running, ServeOptions};
 
@@ -27,8 +28,13 @@ fn start(slot_ctx: usize) -> Running {
 }
 
 fn start_with(slot_ctx: usize, prompt_cache: bool) -> Running {
-    let engine = Engine::load(model(), &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
-    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20, prompt_cache };
+    start_model(model(), slot_ctx, prompt_cache, None)
+}
+
+/// A server over the model at `path` (4 slots), guessing with prompt lookup when `spec` is given.
+fn start_model(path: std::path::PathBuf, slot_ctx: usize, prompt_cache: bool, spec: Option<SpecOptions>) -> Running {
+    let engine = Engine::load(path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20, prompt_cache, spec };
     ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
@@ -625,7 +631,8 @@ fn tokenize_and_detokenize_match_llama_cpp() {
 fn start_hybrid(prompt_cache: bool) -> (Running, Engine) {
     let path = ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf");
     let load = || Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
-    let opts = ServeOptions { model_id: ID.into(), parallel: 3, slot_ctx: 512, max_body: 1 << 20, prompt_cache };
+    let opts =
+        ServeOptions { model_id: ID.into(), parallel: 3, slot_ctx: 512, max_body: 1 << 20, prompt_cache, spec: None };
     (ts_server::spawn(load(), opts, "127.0.0.1:0".parse().unwrap()).unwrap(), load())
 }
 
@@ -688,4 +695,53 @@ fn hybrid_second_turn_reads_only_the_new_tokens() {
     }
     cached.stop().unwrap();
     plain.stop().unwrap();
+}
+
+/// Prompt lookup in the server (`--spec-ngram`): greedy replies equal those of a server that
+/// does not guess, alone and with two requests at once (a sequence guesses only while it is
+/// the only one in the server), on SmolLM2 and on a model
+/// with recurrent layers (whose rejected guesses are undone from a snapshot); the guesses are
+/// counted, and a request can turn them off (`speculative.n_max: 0`).
+#[test]
+fn prompt_lookup_keeps_greedy_replies_and_counts_its_guesses() {
+    let list = "apple, banana, cherry, date, elderberry, fig, grape, kiwi, lemon, mango";
+    let prompts = [
+        format!("Repeat this list exactly, twice: {list}. {list}."),
+        format!("Copy the words below in the same order.\n{list}\n{list}"),
+    ];
+    let hybrid = ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf");
+    for (path, name) in [(model(), "smollm2"), (hybrid, "qwen3_5_moe")] {
+        let plain = start_model(path.clone(), 1024, false, None);
+        let guessing = start_model(path, 1024, false, Some(SpecOptions::default()));
+        let ask = |addr, prompt: &str, extra: Value| {
+            let mut extra_all = json!({"temperature": 0, "max_tokens": 40});
+            for (k, v) in extra.as_object().unwrap() {
+                extra_all[k] = v.clone();
+            }
+            content(&chat(addr, prompt, extra_all))
+        };
+        let want: Vec<String> = prompts.iter().map(|p| ask(plain.addr, p, json!({}))).collect();
+        // One at a time, then both together (guesses of two sequences in one step).
+        for (p, w) in prompts.iter().zip(&want) {
+            assert_eq!(&ask(guessing.addr, p, json!({})), w, "{name}: alone");
+        }
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = prompts.iter().map(|p| s.spawn(move || ask(guessing.addr, p, json!({})))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, want, "{name}: together");
+        let (drafted, kept) =
+            (metric(guessing.addr, "spec_drafted_total"), metric(guessing.addr, "spec_accepted_total"));
+        println!("{name}: {kept} of {drafted} guesses kept; replies {want:?}");
+        assert!(drafted > 0.0, "{name}: prompt lookup guessed nothing");
+        assert_eq!(metric(plain.addr, "spec_drafted_total"), 0.0);
+        // Turned off by the request: the same reply, no new guesses.
+        assert_eq!(ask(guessing.addr, &prompts[0], json!({"speculative.n_max": 0})), want[0]);
+        assert_eq!(metric(guessing.addr, "spec_drafted_total"), drafted);
+        if name == "smollm2" {
+            assert!(kept > 0.0, "a reply that copies its prompt keeps some guesses");
+        }
+        plain.stop().unwrap();
+        guessing.stop().unwrap();
+    }
 }

@@ -1,7 +1,7 @@
 //! `serve`: the OpenAI-compatible HTTP server.
 
 use crate::GlobalOptions;
-use crate::generate::{ModelArgs, load};
+use crate::generate::{ModelArgs, SpecArgs, load};
 use anyhow::{Result, bail};
 
 #[derive(clap::Args)]
@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// positions' values depend on how they were batched, so a seed's sample can change.
     #[arg(long)]
     prompt_cache: bool,
+    /// Prompt lookup for every request (`--spec-ngram`, `--draft-max`, `--draft-min`); a
+    /// request may set its own lengths (`speculative.n_max`, `speculative.n_min`).
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
 pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
@@ -39,6 +43,7 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     let Some(max_body) = ts_engine::memory::parse_size(&args.max_body) else {
         bail!("--max-body {}: expected a size such as 1MiB", args.max_body)
     };
+    let spec = args.spec.serve_options()?;
     let path = global.model(None)?;
     let model_id = args.alias.clone().unwrap_or_else(|| {
         path.file_name().map(|f| f.to_string_lossy().trim_end_matches(".gguf").to_string()).unwrap_or_default()
@@ -58,6 +63,7 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
         slot_ctx,
         max_body: max_body as usize,
         prompt_cache: args.prompt_cache,
+        spec,
     };
     crate::on_device!(global, engine, cuda, |engine| {
         let running = ts_server::spawn(engine, opts.clone(), addr).map_err(anyhow::Error::msg)?;
