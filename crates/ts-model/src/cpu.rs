@@ -306,13 +306,11 @@ impl Backend for Cpu {
     ) -> Result<Vec<f32>, ModelError> {
         let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
         let mut h = vec![0f32; routes.ids.len() * f];
-        let (mut xs, mut g, mut u) = (Vec::new(), Vec::new(), Vec::new());
-        for_each_expert(w, routes, at, |ex, bytes, pairs| {
-            xs.clear();
-            for &p in pairs {
-                let row = p / routes.k;
-                xs.extend_from_slice(&x[row * e..(row + 1) * e]);
-            }
+        // One expert's h for its pairs, `[pairs][f]`.
+        let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
+            let xs: Vec<f32> =
+                pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
+            let (mut g, mut u) = (Vec::new(), Vec::new());
             linear_bytes(&w.gate_exps, bytes.gate, f, &xs, pairs.len(), s, &mut g)?;
             linear_bytes(&w.up_exps, bytes.up, f, &xs, pairs.len(), s, &mut u)?;
             if let Some(b) = &w.gate_bias {
@@ -322,10 +320,12 @@ impl Backend for Cpu {
                 ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
             }
             gated_activation(act, &mut g, &u);
+            Ok(g)
+        };
+        map_experts(w, routes, at, s, gate_up, |pairs, g| {
             for (j, &p) in pairs.iter().enumerate() {
                 h[p * f..(p + 1) * f].copy_from_slice(&g[j * f..(j + 1) * f]);
             }
-            Ok(())
         })?;
         Ok(h)
     }
@@ -340,20 +340,20 @@ impl Backend for Cpu {
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
         let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
-        let (mut hs, mut d) = (Vec::new(), Vec::new());
-        for_each_expert(w, routes, at, |ex, bytes, pairs| {
-            hs.clear();
-            for &p in pairs {
-                hs.extend_from_slice(&h[p * f..(p + 1) * f]);
-            }
+        // One expert's outputs for its pairs, `[pairs][e]`.
+        let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
+            let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
+            let mut d = Vec::new();
             linear_bytes(&w.down_exps, bytes.down, e, &hs, pairs.len(), s, &mut d)?;
             if let Some(b) = &w.down_bias {
                 ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
             }
+            Ok(d)
+        };
+        map_experts(w, routes, at, s, down, |pairs, d| {
             for (j, &p) in pairs.iter().enumerate() {
                 y[p * e..(p + 1) * e].copy_from_slice(&d[j * e..(j + 1) * e]);
             }
-            Ok(())
         })
     }
 
@@ -408,38 +408,69 @@ pub struct CpuRoutes {
     pub k: usize,
 }
 
-/// Calls `f(expert, its bytes, its pairs)` for each expert `at` that some
-/// pair of `routes` goes to, those already in memory first (so that reads of
-/// the others overlap with their compute).
-fn for_each_expert(
+/// Steps of at least this many rows run their experts in memory as parallel tasks, each
+/// expert's matmuls on one task (a prompt's experts have few rows each: split within an
+/// expert, the threads met at every one of its matmuls). Fewer rows (decode) split each
+/// expert's matmuls over the threads instead (measured faster there, third session).
+const PARALLEL_EXPERT_ROWS: usize = 16;
+
+/// Calls `f(expert, its bytes, its pairs, scratch)` for each expert `at` that some pair of
+/// `routes` goes to and hands each result to `sink` with the expert's pairs: the experts
+/// already in memory first (so that reads of the others overlap with their work), in
+/// parallel for steps of [`PARALLEL_EXPERT_ROWS`] rows or more (each task with a scratch of
+/// `s`'s mode), then the others as their reads complete.
+fn map_experts<T: Send>(
     w: &MoeWeights,
     routes: &CpuRoutes,
     at: &ExpertsAt<'_, ExpertSet<'_>>,
-    mut f: impl FnMut(usize, ExpertBytes<'_>, &[usize]) -> Result<(), ModelError>,
+    s: &mut Scratch,
+    f: impl Fn(usize, ExpertBytes<'_>, &[usize], &mut Scratch) -> Result<T, ModelError> + Sync,
+    mut sink: impl FnMut(&[usize], T),
 ) -> Result<(), ModelError> {
     let n_expert = w.gate_exps.dims[2];
     let mut pairs_of: Vec<Vec<usize>> = vec![Vec::new(); n_expert];
     for (p, &ex) in routes.ids.iter().enumerate() {
         pairs_of[ex].push(p);
     }
-    match at {
+    // The experts in memory now, and (for a group still being read) the indices of the rest.
+    let (ready, pending): (Vec<(usize, ExpertBytes<'_>)>, Vec<usize>) = match at {
         ExpertsAt::Stacked => {
-            for (ex, pairs) in pairs_of.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-                let bytes = ExpertBytes {
-                    gate: w.gate_exps.matrix_bytes(ex),
-                    up: w.up_exps.matrix_bytes(ex),
-                    down: w.down_exps.matrix_bytes(ex),
-                };
-                f(ex, bytes, pairs)?;
-            }
+            let ready = (0..n_expert)
+                .filter(|&ex| !pairs_of[ex].is_empty())
+                .map(|ex| {
+                    let bytes = ExpertBytes {
+                        gate: w.gate_exps.matrix_bytes(ex),
+                        up: w.up_exps.matrix_bytes(ex),
+                        down: w.down_exps.matrix_bytes(ex),
+                    };
+                    (ex, bytes)
+                })
+                .collect();
+            (ready, Vec::new())
         }
         ExpertsAt::Group { ids, group, .. } => {
-            let (ready, pending): (Vec<usize>, Vec<usize>) = (0..ids.len()).partition(|&i| group.is_ready(i));
-            for i in ready.into_iter().chain(pending) {
-                if !pairs_of[ids[i]].is_empty() {
-                    f(ids[i], group.get(i)?, &pairs_of[ids[i]])?;
-                }
-            }
+            let (now, later): (Vec<usize>, Vec<usize>) =
+                (0..ids.len()).filter(|&i| !pairs_of[ids[i]].is_empty()).partition(|&i| group.is_ready(i));
+            let now = now.into_iter().map(|i| Ok((ids[i], group.get(i)?))).collect::<Result<_, ModelError>>()?;
+            (now, later)
+        }
+    };
+    if routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS && ready.len() > 1 {
+        use rayon::prelude::*;
+        let results: Vec<Result<T, ModelError>> =
+            ready.par_iter().map_init(|| s.same_mode(), |sc, &(ex, bytes)| f(ex, bytes, &pairs_of[ex], sc)).collect();
+        for (&(ex, _), r) in ready.iter().zip(results) {
+            sink(&pairs_of[ex], r?);
+        }
+    } else {
+        for &(ex, bytes) in &ready {
+            sink(&pairs_of[ex], f(ex, bytes, &pairs_of[ex], s)?);
+        }
+    }
+    if let ExpertsAt::Group { ids, group, .. } = at {
+        for i in pending {
+            let ex = ids[i];
+            sink(&pairs_of[ex], f(ex, group.get(i)?, &pairs_of[ex], s)?);
         }
     }
     Ok(())

@@ -43,6 +43,11 @@ impl Scratch {
         Scratch { exact_activations: true, ..Scratch::default() }
     }
 
+    /// A new scratch that computes as this one does (its mode, not its buffers).
+    pub fn same_mode(&self) -> Scratch {
+        Scratch { exact_activations: self.exact_activations, rows_alone: self.rows_alone, ..Scratch::default() }
+    }
+
     /// ts-cpu's matmul for this scratch's mode (`rows_alone`: no batch kernels).
     fn cpu_matmul(&self) -> CpuMatmul {
         if self.rows_alone { ts_cpu::matmul_rows_alone } else { ts_cpu::matmul }
