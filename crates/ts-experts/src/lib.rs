@@ -28,8 +28,9 @@ pub enum ExpertError {
     NoExperts(usize),
     #[error("expert {expert} of layer {layer} is out of range ({n_expert} experts)")]
     OutOfRange { layer: usize, expert: usize, n_expert: usize },
-    #[error("{path}: reading expert {expert} of layer {layer} ({len} bytes at offset {offset}) failed: {source}")]
-    Read { path: PathBuf, layer: usize, expert: usize, offset: u64, len: usize, source: std::io::Error },
+    // The OS error is part of the message, not a `source`: a caller printing the chain would say it twice.
+    #[error("{path}: reading expert {expert} of layer {layer} ({len} bytes at offset {offset}) failed: {error}")]
+    Read { path: PathBuf, layer: usize, expert: usize, offset: u64, len: usize, error: std::io::Error },
     #[error(
         "the expert cache holds {slots} experts, but layer {layer} needs {needed} at once; give --expert-cache at least {min_bytes} bytes"
     )]

@@ -65,13 +65,13 @@ impl ResidentExperts {
                     (0..l.n_expert).map(|e| (e * p.expert_bytes, p.offset(e), p.expert_bytes)).collect()
                 };
                 for (at, offset, n) in reads {
-                    file.file().read_exact_at(&mut buf[at..at + n], offset).map_err(|source| ExpertError::Read {
+                    file.file().read_exact_at(&mut buf[at..at + n], offset).map_err(|error| ExpertError::Read {
                         path: layout.path.clone(),
                         layer,
                         expert: at / p.expert_bytes.max(1),
                         offset,
                         len: n,
-                        source,
+                        error,
                     })?;
                 }
             }

@@ -425,7 +425,7 @@ impl PendingSet<'_> {
         } else {
             latch.wait()
         }
-        .map_err(|source| {
+        .map_err(|error| {
             let p = self.store.layout.layers[self.layer].expect("checked at ensure").proj[0];
             ExpertError::Read {
                 path: self.store.shared.source.path().to_path_buf(),
@@ -433,7 +433,7 @@ impl PendingSet<'_> {
                 expert: *expert,
                 offset: p.offset(*expert),
                 len: self.store.layout.layers[self.layer].expect("checked").expert_bytes(),
-                source,
+                error,
             }
         })?;
         let base = self.store.shared.slots[*slot].ptr;

@@ -54,10 +54,11 @@ pub enum GgufError {
     WrongType { key: String, found: String, expected: &'static str },
     #[error("no tensor named '{0}'")]
     NoTensor(String),
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{path}: read of {len} bytes at offset {offset} failed: {source}")]
-    Read { path: PathBuf, offset: u64, len: u64, source: std::io::Error },
+    // The OS error is part of the message, not a `source`: a caller printing the chain would say it twice.
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{path}: read of {len} bytes at offset {offset} failed: {error}")]
+    Read { path: PathBuf, offset: u64, len: u64, error: std::io::Error },
     #[error("range {start}..{end} is outside tensor '{name}' ({len} bytes)")]
     BadRange { name: String, start: u64, end: u64, len: u64 },
 }
@@ -183,7 +184,7 @@ pub struct GgufFile {
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io { path: path.clone(), source };
+        let io = |error| GgufError::Io { path: path.clone(), error };
         let file = File::open(&path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {
@@ -237,11 +238,11 @@ impl GgufFile {
             });
         }
         let offset = self.tensor_file_offset(t) + range.start;
-        self.file.read_exact_at(buf, offset).map_err(|source| GgufError::Read {
+        self.file.read_exact_at(buf, offset).map_err(|error| GgufError::Read {
             path: self.path.clone(),
             offset,
             len: buf.len() as u64,
-            source,
+            error,
         })
     }
 

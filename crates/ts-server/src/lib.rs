@@ -31,10 +31,13 @@ pub struct ServeOptions {
     pub max_body: usize,
     /// Reuse a free slot's cached prompt prefix (see `scheduler::run`).
     pub prompt_cache: bool,
-    /// Prompt lookup for every request (`--spec-ngram`): guesses copied from earlier text,
-    /// checked in the step that runs the sequence's next token. A request may change the
-    /// lengths (`speculative.n_max`, `speculative.n_min`, as llama-server names them).
+    /// Speculative decoding for every request: guesses (prompt lookup, or the draft model
+    /// given to [`spawn_with_draft`]) checked in the step that runs the sequence's next
+    /// token. A request may change the lengths (`speculative.n_max`, `speculative.n_min`, as
+    /// llama-server names them).
     pub spec: Option<ts_engine::speculative::SpecOptions>,
+    /// The draft model's `--draft-p-min`.
+    pub draft_p_min: f32,
 }
 
 /// What every handler shares.
@@ -96,6 +99,17 @@ pub fn router<B: Backend + 'static>(state: Arc<AppState<B>>) -> Router {
 
 /// Binds `addr` (port 0 picks a free one) and serves `engine` on threads of its own.
 pub fn spawn<B: Backend + 'static>(engine: Engine<B>, opts: ServeOptions, addr: SocketAddr) -> Result<Running, String> {
+    spawn_with_draft(engine, None, opts, addr)
+}
+
+/// [`spawn`], with `draft` guessing for the requests when `opts.spec` is given (else prompt
+/// lookup guesses); its vocabulary must be `engine`'s.
+pub fn spawn_with_draft<B: Backend + 'static>(
+    engine: Engine<B>,
+    draft: Option<Engine<B>>,
+    opts: ServeOptions,
+    addr: SocketAddr,
+) -> Result<Running, String> {
     if opts.parallel == 0 {
         return Err("--parallel must be at least 1".into());
     }
@@ -104,10 +118,18 @@ pub fn spawn<B: Backend + 'static>(engine: Engine<B>, opts: ServeOptions, addr: 
     let (tx, rx) = std::sync::mpsc::channel();
     {
         let (engine, metrics) = (engine.clone(), metrics.clone());
-        let (slots, ctx, cache) = (opts.parallel, opts.slot_ctx, opts.prompt_cache);
+        let (slots, ctx, cache, p_min) = (opts.parallel, opts.slot_ctx, opts.prompt_cache, opts.draft_p_min);
+        // The draft model's vocabulary checked before the server listens.
+        if let Some(d) = &draft {
+            ts_engine::speculative::ModelDrafter::new(d, engine.tokenizer().map_err(|e| e.to_string())?, 16, p_min)
+                .map_err(|e| e.to_string())?;
+        }
         std::thread::Builder::new()
             .name("scheduler".into())
-            .spawn(move || scheduler::run(&engine, rx, slots, ctx, cache, metrics))
+            .spawn(move || {
+                let drafter = draft.as_ref().map(|d| (d, p_min));
+                scheduler::run(&engine, drafter, rx, slots, ctx, cache, metrics)
+            })
             .map_err(|e| format!("starting the scheduler: {e}"))?;
     }
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

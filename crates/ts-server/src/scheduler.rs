@@ -18,7 +18,7 @@ use ts_engine::decode::{Decoding, Logits, Piece};
 use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, StopReason};
-use ts_engine::speculative::{DraftLength, Drafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{DraftLength, Drafter, ModelDrafter, NgramDrafter, SpecOptions};
 use ts_model::{Backend, SeqState, Snapshot};
 
 /// Why a generation ended, as OpenAI names it.
@@ -134,10 +134,17 @@ impl<R> Guessing<R> {
     }
 }
 
-/// Prompt lookup's guesses after `history` (the sequence's tokens) and `next` (the token
+/// `drafter`'s guesses after `history` (the sequence's tokens) and `next` (the token
 /// about to run): as many as pay ([`DraftLength`]), fit the context and stay within the
 /// `left` tokens the reply may still have; none when fewer than `draft_min`.
-fn guesses<R, S>(g: &Guessing<R>, history: &[u32], next: u32, seq: &SeqState<S>, left: usize) -> Vec<u32> {
+fn guesses<R, S>(
+    g: &Guessing<R>,
+    drafter: &mut dyn Drafter,
+    history: &[u32],
+    next: u32,
+    seq: &SeqState<S>,
+    left: usize,
+) -> Vec<u32> {
     let room = (seq.n_ctx.saturating_sub(seq.n_past + 1)).min(left);
     if room == 0 {
         return Vec::new();
@@ -145,8 +152,10 @@ fn guesses<R, S>(g: &Guessing<R>, history: &[u32], next: u32, seq: &SeqState<S>,
     let mut context = Vec::with_capacity(history.len() + 1);
     context.extend_from_slice(history);
     context.push(next);
-    let mut out =
-        NgramDrafter::default().draft(&context, g.length.limit(g.opts.draft_max.min(room))).unwrap_or_default();
+    let mut out = drafter.draft(&context, g.length.limit(g.opts.draft_max.min(room))).unwrap_or_else(|e| {
+        tracing::warn!("guessing failed, going on without guesses: {e}");
+        Vec::new()
+    });
     out.truncate(room);
     if out.len() < g.opts.draft_min.max(1) {
         out.clear();
@@ -202,6 +211,7 @@ const SCORED_ROWS: usize = 64;
 /// slot's state when the prompt extends everything it holds.
 pub fn run<B: Backend>(
     engine: &Engine<B>,
+    draft: Option<(&Engine<B>, f32)>,
     jobs: Receiver<Job>,
     n_slots: usize,
     n_ctx: usize,
@@ -219,6 +229,17 @@ pub fn run<B: Backend>(
         }
     }
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
+    // One drafter serves every request: only a request alone in the server guesses.
+    let mut drafter: Box<dyn Drafter + '_> = match draft {
+        None => Box::new(NgramDrafter::default()),
+        Some((d, p_min)) => match engine.tokenizer().and_then(|t| ModelDrafter::new(d, t, n_ctx, p_min)) {
+            Ok(m) => Box::new(m),
+            Err(e) => {
+                tracing::error!("the draft model cannot guess ({e}); prompt lookup guesses instead");
+                Box::new(NgramDrafter::default())
+            }
+        },
+    };
     let model = &engine.model;
     let mut active: Vec<Active<'_, B::Recurrent>> = Vec::new();
     let mut waiting: VecDeque<Job> = VecDeque::new();
@@ -360,6 +381,7 @@ pub fn run<B: Backend>(
                 let slot = &slots[a.slot];
                 g.guesses = guesses(
                     g,
+                    drafter.as_mut(),
                     &slot.history,
                     a.next,
                     &slot.seq,

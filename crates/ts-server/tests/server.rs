@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 use ts_engine::session::{Engine, LoadOptions};
-use ts_engine::speculative::SpecOptions;
+use ts_engine::speculative::{DEFAULT_P_MIN, SpecOptions};
 use ts_model::ExpertPlacement;
 use ts_server::{Running, ServeOptions};
 
@@ -28,14 +28,29 @@ fn start(slot_ctx: usize) -> Running {
 }
 
 fn start_with(slot_ctx: usize, prompt_cache: bool) -> Running {
-    start_model(model(), slot_ctx, prompt_cache, None)
+    start_model(model(), slot_ctx, prompt_cache, None, None)
 }
 
-/// A server over the model at `path` (4 slots), guessing with prompt lookup when `spec` is given.
-fn start_model(path: std::path::PathBuf, slot_ctx: usize, prompt_cache: bool, spec: Option<SpecOptions>) -> Running {
-    let engine = Engine::load(path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
-    let opts = ServeOptions { model_id: ID.into(), parallel: 4, slot_ctx, max_body: 1 << 20, prompt_cache, spec };
-    ts_server::spawn(engine, opts, "127.0.0.1:0".parse().unwrap()).unwrap()
+/// A server over the model at `path` (4 slots), guessing when `spec` is given: with the draft
+/// model at `draft`, else by prompt lookup.
+fn start_model(
+    path: std::path::PathBuf,
+    slot_ctx: usize,
+    prompt_cache: bool,
+    spec: Option<SpecOptions>,
+    draft: Option<std::path::PathBuf>,
+) -> Running {
+    let load = |p| Engine::load(p, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+    let opts = ServeOptions {
+        model_id: ID.into(),
+        parallel: 4,
+        slot_ctx,
+        max_body: 1 << 20,
+        prompt_cache,
+        spec,
+        draft_p_min: DEFAULT_P_MIN,
+    };
+    ts_server::spawn_with_draft(load(path), draft.map(load), opts, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
 /// Status, headers and body of one HTTP/1.0 exchange (the server closes after it).
@@ -631,8 +646,15 @@ fn tokenize_and_detokenize_match_llama_cpp() {
 fn start_hybrid(prompt_cache: bool) -> (Running, Engine) {
     let path = ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf");
     let load = || Engine::load(&path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
-    let opts =
-        ServeOptions { model_id: ID.into(), parallel: 3, slot_ctx: 512, max_body: 1 << 20, prompt_cache, spec: None };
+    let opts = ServeOptions {
+        model_id: ID.into(),
+        parallel: 3,
+        slot_ctx: 512,
+        max_body: 1 << 20,
+        prompt_cache,
+        spec: None,
+        draft_p_min: DEFAULT_P_MIN,
+    };
     (ts_server::spawn(load(), opts, "127.0.0.1:0".parse().unwrap()).unwrap(), load())
 }
 
@@ -697,7 +719,8 @@ fn hybrid_second_turn_reads_only_the_new_tokens() {
     plain.stop().unwrap();
 }
 
-/// Prompt lookup in the server (`--spec-ngram`): greedy replies equal those of a server that
+/// Guesses in the server (`--spec-ngram`, and `--draft-model` with SmolLM2 drafting for
+/// itself, the only pair of one vocabulary here): greedy replies equal those of a server that
 /// does not guess, alone and with two requests at once (a sequence guesses only while it is
 /// the only one in the server), on SmolLM2 and on a model
 /// with recurrent layers (whose rejected guesses are undone from a snapshot); the guesses are
@@ -710,9 +733,11 @@ fn prompt_lookup_keeps_greedy_replies_and_counts_its_guesses() {
         format!("Copy the words below in the same order.\n{list}\n{list}"),
     ];
     let hybrid = ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf");
-    for (path, name) in [(model(), "smollm2"), (hybrid, "qwen3_5_moe")] {
-        let plain = start_model(path.clone(), 1024, false, None);
-        let guessing = start_model(path, 1024, false, Some(SpecOptions::default()));
+    let cases =
+        [(model(), None, "smollm2"), (hybrid, None, "qwen3_5_moe"), (model(), Some(model()), "smollm2 drafting")];
+    for (path, draft, name) in cases {
+        let plain = start_model(path.clone(), 1024, false, None, None);
+        let guessing = start_model(path, 1024, false, Some(SpecOptions::default()), draft);
         let ask = |addr, prompt: &str, extra: Value| {
             let mut extra_all = json!({"temperature": 0, "max_tokens": 40});
             for (k, v) in extra.as_object().unwrap() {
@@ -738,8 +763,8 @@ fn prompt_lookup_keeps_greedy_replies_and_counts_its_guesses() {
         // Turned off by the request: the same reply, no new guesses.
         assert_eq!(ask(guessing.addr, &prompts[0], json!({"speculative.n_max": 0})), want[0]);
         assert_eq!(metric(guessing.addr, "spec_drafted_total"), drafted);
-        if name == "smollm2" {
-            assert!(kept > 0.0, "a reply that copies its prompt keeps some guesses");
+        if name.starts_with("smollm2") {
+            assert!(kept > 0.0, "{name}: a reply that copies its prompt, or its own draft, keeps some guesses");
         }
         plain.stop().unwrap();
         guessing.stop().unwrap();

@@ -150,16 +150,8 @@ impl SpecArgs {
         Ok(Some(opts))
     }
 
-    /// The guessing options for `serve`, which guesses by prompt lookup only.
-    pub fn serve_options(&self) -> Result<Option<SpecOptions>> {
-        if self.draft_model.is_some() {
-            bail!("serve guesses by prompt lookup only (--spec-ngram); --draft-model is not supported there yet");
-        }
-        self.options()
-    }
-
     /// The draft model's `--draft-p-min`.
-    fn p_min(&self) -> f32 {
+    pub(crate) fn p_min(&self) -> f32 {
         self.draft_p_min.unwrap_or(DEFAULT_P_MIN)
     }
 

@@ -29,8 +29,9 @@ pub struct ServeArgs {
     /// positions' values depend on how they were batched, so a seed's sample can change.
     #[arg(long)]
     prompt_cache: bool,
-    /// Prompt lookup for every request (`--spec-ngram`, `--draft-max`, `--draft-min`); a
-    /// request may set its own lengths (`speculative.n_max`, `speculative.n_min`).
+    /// Speculative decoding for every request (`--spec-ngram` or `--draft-model`, with
+    /// `--draft-max`, `--draft-min`, `--draft-p-min`); a request may set its own lengths
+    /// (`speculative.n_max`, `speculative.n_min`).
     #[command(flatten)]
     spec: SpecArgs,
 }
@@ -43,12 +44,13 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     let Some(max_body) = ts_engine::memory::parse_size(&args.max_body) else {
         bail!("--max-body {}: expected a size such as 1MiB", args.max_body)
     };
-    let spec = args.spec.serve_options()?;
+    let spec = args.spec.options()?;
     let path = global.model(None)?;
     let model_id = args.alias.clone().unwrap_or_else(|| {
         path.file_name().map(|f| f.to_string_lossy().trim_end_matches(".gguf").to_string()).unwrap_or_default()
     });
     let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let draft = args.spec.load_draft(global, &args.model)?;
     // -c is the total, split between the slots; without it each slot gets the model's default.
     let slot_ctx = if args.model.ctx_given() { n_ctx / args.parallel } else { n_ctx };
     if slot_ctx < 16 {
@@ -64,9 +66,10 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
         max_body: max_body as usize,
         prompt_cache: args.prompt_cache,
         spec,
+        draft_p_min: args.spec.p_min(),
     };
-    crate::on_device!(global, engine, cuda, |engine| {
-        let running = ts_server::spawn(engine, opts.clone(), addr).map_err(anyhow::Error::msg)?;
+    crate::on_device!(global, engine, draft, cuda, |engine, draft| {
+        let running = ts_server::spawn_with_draft(engine, draft, opts.clone(), addr).map_err(anyhow::Error::msg)?;
         eprintln!(
             "serving {} on http://{} ({} slots x {} tokens of context)",
             opts.model_id, running.addr, opts.parallel, opts.slot_ctx
