@@ -6,9 +6,10 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Kernel sources, compiled together as one: `matmul.cu` includes
-/// `launch.cuh` (every kernel's prologue), `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`), `moe_mm_q8.cu`
-/// (which uses it) and the files by op follow it, `ops.cu` (with the helpers the others use) first.
+/// Kernel sources, compiled together as one: `matmul.cu` includes `launch.cuh` (every
+/// kernel's prologue), `activation.cuh` and `quant.cuh`; `matvec_q8.cu` (with `vdot.cuh`),
+/// `moe_mm_q8.cu` (which uses it) and the files by op follow it, `ops.cu` (with the helpers the
+/// others use) first.
 const LAUNCH_CUH: &str = include_str!("../kernels/launch.cuh");
 const ACTIVATION_CUH: &str = include_str!("../kernels/activation.cuh");
 const QUANT_CUH: &str = include_str!("../kernels/quant.cuh");
