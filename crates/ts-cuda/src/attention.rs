@@ -58,7 +58,7 @@ impl Cuda {
             (64, 1, 1),
             &[
                 Arg::Ptr(self.p(x)),
-                Arg::Ptr(self.step_pos(rows.len())?),
+                Arg::Ptr(self.step_rows(rows.len())?.0),
                 Arg::Ptr(self.rope_table(il)?),
                 Arg::I32(n_heads as i32),
                 Arg::I32(head_dim as i32),
@@ -95,12 +95,18 @@ impl Cuda {
 
     /// The device address of layer `il`'s `RowKv`s in a step of `m` rows.
     fn row_kv(&self, il: usize, m: usize) -> Result<u64, ModelError> {
+        Ok(self.step_rows(m)?.1 + (il * m * 24) as u64)
+    }
+
+    /// The device addresses of the current step's positions `[m]` and `RowKv`s, for an
+    /// attention layer's op over its `m` rows.
+    fn step_rows(&self, m: usize) -> Result<(u64, u64), ModelError> {
         let step = self.step.lock().expect("step lock");
         let step = step
             .as_ref()
             .filter(|s| s.m == m)
             .ok_or_else(|| ModelError::Compute("cuda: an attention layer outside a step".into()))?;
-        Ok(self.gpu.ptr(&step.kv) + (il * m * 24) as u64)
+        Ok((self.gpu.ptr(&step.pos), self.gpu.ptr(&step.kv)))
     }
 
     /// [`ts_model::Backend::rope_store`] in one launch (`rope_store` of attention.cu), for
@@ -133,7 +139,7 @@ impl Cuda {
             v: kv.as_ref().map_or(0, |(_, v)| self.p(v)),
             q_scale: ptr_of(norm.and_then(|n| n.q))?,
             k_scale: ptr_of(norm.and_then(|n| n.k))?,
-            pos: self.step_pos(m)?,
+            pos: self.step_rows(m)?.0,
             inv_freq: self.rope_table(il)?,
             info: self.row_kv(il, m)?,
             m: m as i32,
@@ -148,16 +154,6 @@ impl Cuda {
             eps: norm.map_or(0.0, |n| n.eps),
         };
         self.launch_with("rope_store", ((m * (n_head + n_head_kv)) as u32, 1, 1), (128, 1, 1), &params)
-    }
-
-    /// The device address of the step's positions `[m]`.
-    fn step_pos(&self, m: usize) -> Result<u64, ModelError> {
-        let step = self.step.lock().expect("step lock");
-        let step = step
-            .as_ref()
-            .filter(|s| s.m == m)
-            .ok_or_else(|| ModelError::Compute("cuda: an attention layer outside a step".into()))?;
-        Ok(self.gpu.ptr(&step.pos))
     }
 
     /// [`ts_model::Backend::attention`].

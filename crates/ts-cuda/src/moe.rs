@@ -49,6 +49,11 @@ struct Grouping {
 }
 
 impl GpuRoutes {
+    /// Routes of `m` rows, `k` each, whose ids and weights a kernel writes into `ids` and `wts`.
+    fn new(ids: Act, wts: Act, m: usize, k: usize) -> GpuRoutes {
+        GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new(), tiles: Default::default() }
+    }
+
     /// The routes' expert ids `[m][k]` (i32) on the device.
     pub fn ids(&self) -> &Act {
         &self.ids
@@ -134,7 +139,7 @@ impl Cuda {
                 ],
             )
         })?;
-        Ok(GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new(), tiles: Default::default() })
+        Ok(GpuRoutes::new(ids, wts, m, k))
     }
 
     /// Routes of at most [`DEVICE_MOE_ROWS`] rows of `x` by an f32 router `w` in one launch
@@ -180,15 +185,7 @@ impl Cuda {
         self.keeping_quantized(&writes, || {
             self.launch_with("router_route", (n_expert as u32, m as u32, 1), (128, 1, 1), &p)
         })?;
-        Ok(Some(GpuRoutes {
-            ids,
-            wts,
-            m,
-            k,
-            host: OnceLock::new(),
-            grouping: OnceLock::new(),
-            tiles: Default::default(),
-        }))
+        Ok(Some(GpuRoutes::new(ids, wts, m, k)))
     }
 
     /// The routes' expert ids on the host (the first ask waits for the step so
@@ -615,7 +612,6 @@ impl Cuda {
     }
 }
 
-/// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
 /// moe.cu's `gating` argument.
 fn gating_code(g: Gating) -> i32 {
     match g {
@@ -643,6 +639,7 @@ struct RouterRoute {
     renormalize: i32,
 }
 
+/// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.
 pub(crate) fn activation_args(act: GatedActivation) -> (i32, f32, f32) {
     match act {
         GatedActivation::SwiGlu => (0, 0.0, 0.0),

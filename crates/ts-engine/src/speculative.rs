@@ -141,16 +141,21 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
     /// checking that its vocabulary is the target's (`target`); it stops guessing at a
     /// token it gives less than `p_min` probability.
     pub fn new(engine: &'e Engine<B>, target: &Tokenizer, n_ctx: usize, p_min: f32) -> Result<Self, EngineError> {
-        if engine.model.is_recurrent() {
-            return Err(EngineError::Invalid(
-                "--draft-model: a draft model with recurrent layers is not supported (its state cannot be rewound)"
-                    .into(),
-            ));
-        }
-        check_same_vocab(target, engine.tokenizer()?)?;
+        check_draft(engine, target)?;
         let seq = engine.new_sequence(n_ctx)?;
         Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min })
     }
+}
+
+/// Whether `draft` can guess for a target of vocabulary `target`: no recurrent layers
+/// (their state cannot be rewound) and the same vocabulary.
+pub fn check_draft<B: Backend>(draft: &Engine<B>, target: &Tokenizer) -> Result<(), EngineError> {
+    if draft.model.is_recurrent() {
+        return Err(EngineError::Invalid(
+            "--draft-model: a draft model with recurrent layers is not supported (its state cannot be rewound)".into(),
+        ));
+    }
+    check_same_vocab(target, draft.tokenizer()?)
 }
 
 impl<B: Backend> Drafter for ModelDrafter<'_, B> {

@@ -119,10 +119,10 @@ pub fn spawn_with_draft<B: Backend + 'static>(
     {
         let (engine, metrics) = (engine.clone(), metrics.clone());
         let (slots, ctx, cache, p_min) = (opts.parallel, opts.slot_ctx, opts.prompt_cache, opts.draft_p_min);
-        // The draft model's vocabulary checked before the server listens.
+        // The draft model checked before the server listens.
         if let Some(d) = &draft {
-            ts_engine::speculative::ModelDrafter::new(d, engine.tokenizer().map_err(|e| e.to_string())?, 16, p_min)
-                .map_err(|e| e.to_string())?;
+            let target = engine.tokenizer().map_err(|e| e.to_string())?;
+            ts_engine::speculative::check_draft(d, target).map_err(|e| e.to_string())?;
         }
         std::thread::Builder::new()
             .name("scheduler".into())

@@ -373,21 +373,12 @@ pub fn run<B: Backend>(
             }
             let mut piece = vec![a.next];
             if let Some(g) = &mut a.guessing {
-                g.guesses.clear();
-            }
-            if let Some(g) = &mut a.guessing
-                && alone
-            {
                 let slot = &slots[a.slot];
-                g.guesses = guesses(
-                    g,
-                    drafter.as_mut(),
-                    &slot.history,
-                    a.next,
-                    &slot.seq,
-                    a.job.max_tokens.saturating_sub(a.decoding.generated()),
-                );
-                g.snapshot = None;
+                let left = a.job.max_tokens.saturating_sub(a.decoding.generated());
+                g.guesses = match alone {
+                    true => guesses(g, drafter.as_mut(), &slot.history, a.next, &slot.seq, left),
+                    false => Vec::new(),
+                };
                 if !g.guesses.is_empty() {
                     if model.is_recurrent() {
                         match model.snapshot(&slot.seq) {
