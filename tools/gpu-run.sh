@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|side|sweep|ncu-detail]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -131,9 +131,12 @@ if [[ $what == before-after ]]; then
     for like in "${likes[@]}"; do
         f=$(synth "$like")
         q=$(quarter "$f")
+        # BA_BENCH: the bench flags (default pp512, tg128); BA_TIER=0 skips the quarter-tier runs.
         for bin in turbospark-before turbospark; do
             echo "== $like, $bin: every expert in VRAM"
-            "$B/$bin" bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/before-after.log" | grep -E "^\||tok/s|error"
+            "$B/$bin" bench -m "$f" --device cuda ${BA_BENCH:--p 512 -n 128 -r 2} 2>&1 | tee -a "$OUT/before-after.log" \
+                | grep -E "^\||tok/s|error"
+            [[ ${BA_TIER:-1} == 0 ]] && continue
             echo "== $like, $bin: a quarter of the expert bytes in VRAM"
             "$B/$bin" bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/before-after.log" \
                 | grep -E "^\||tok/s|error"
@@ -177,6 +180,19 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
     done
+fi
+if [[ $what == peer-profile ]]; then
+    # `peer-profile LIKE`: llama.cpp's time per kernel over a few decode steps (started by
+    # `peer-build`), to set beside `profile`'s of ours.
+    like=$2
+    f=$(synth "$like")
+    for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+    tail -1 /tmp/lcbuild.log
+    "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c ${LAUNCHES:-3000} \
+        /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 0 -n 8 -r 1 > "$OUT/peer-profile-$like.log" 2>&1
+    echo "== $like, llama.cpp: time per kernel over the first ${LAUNCHES:-3000} launches of 8 decode steps"
+    python3 tools/ncu-summary.py "$OUT/peer-profile-$like.log" | tee "$OUT/peer-profile-$like.txt" | head -30
+    rm -f "$OUT/peer-profile-$like.log"
 fi
 if [[ $what == sweep ]]; then
     # `sweep LIKE...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM) under each setting

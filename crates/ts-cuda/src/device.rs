@@ -102,7 +102,9 @@ impl Gpu {
         let arch = ctx.compute_capability()?;
         let name = ctx.name()?;
         let side = (1..BRANCHES).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
-        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch: arch.0 >= 9, side, on: Default::default() })
+        // TURBOSPARK_NO_PDL: a measurement knob (launches without programmatic dependence).
+        let dependent_launch = arch.0 >= 9 && std::env::var_os("TURBOSPARK_NO_PDL").is_none();
+        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch, side, on: Default::default() })
     }
 
     /// Makes side stream `i` (1 to `BRANCHES - 1`) wait for what `stream` has queued.

@@ -39,7 +39,7 @@ use ts_model::backend::{AttnShape, HeadNorm};
 use ts_model::config::{AttnLayer, GatedActivation, Mixer, MoeConfig};
 use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
-use ts_model::{Backend, Model, ModelError, Row, SeqState};
+use ts_model::{Backend, Model, ModelError, Row, SeqState, StepStart};
 
 pub use device::CudaError as Error;
 pub use matmul::Matmul;
@@ -201,7 +201,14 @@ impl Cuda {
             ropes: Vec::new(),
             windows: Vec::new(),
             step: Mutex::new(None),
-            graphs: Mutex::new(Graphs { arena, arena_used: 0, arena_on: false, decode: Default::default(), kind: 0 }),
+            graphs: Mutex::new(Graphs {
+                arena,
+                arena_used: 0,
+                arena_on: false,
+                decode: Default::default(),
+                logits: Default::default(),
+                kind: 0,
+            }),
             mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
             blas,
@@ -629,12 +636,12 @@ impl Backend for Cuda {
         rows: &[Row],
         seqs: &mut [&mut SeqState<GpuState>],
         scratch: &GpuScratch,
-    ) -> Result<(), ModelError> {
+    ) -> Result<StepStart<Act>, ModelError> {
         self.start_step(rows, seqs, scratch)
     }
 
-    fn end_step(&self) -> Result<(), ModelError> {
-        self.finish_step()
+    fn end_step(&self, logits: Option<&Act>) -> Result<(), ModelError> {
+        self.finish_step(logits)
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Act, ModelError> {

@@ -1,13 +1,13 @@
 //! A forward step on the device: its row buffers (tokens, positions, each
 //! layer's cache pointers, the recurrent layers' runs), the activation arena of
-//! one-row steps, and their recording as a CUDA graph replayed on later steps;
-//! kernel launches go through here, so that a replayed step launches nothing.
+//! one-row steps, and their recording as a CUDA graph replayed on later steps
+//! (whose ops the model then does not call); kernel launches go through here.
 
 use crate::device::Arg;
 use crate::recurrent::DELTA_CHUNK;
 use crate::{Act, Cuda, GpuLayerState, GpuScratch, GpuState, err};
 use cudarc::driver::CudaSlice;
-use ts_model::{ModelError, Row, SeqState};
+use ts_model::{ModelError, Row, SeqState, StepStart};
 
 /// Per forward step, in buffers that keep their addresses from step to step:
 /// each row's token and position, and per layer each row's cache (`RowKv` of
@@ -52,8 +52,6 @@ pub(crate) enum Mode {
     Direct = 0,
     /// Recorded into a CUDA graph (the first single-row step).
     Capture = 1,
-    /// Skipped: the graph recorded earlier runs them all at the end of the step.
-    Replay = 2,
 }
 
 /// A decode step recorded once and replayed: one launch instead of hundreds.
@@ -65,6 +63,8 @@ pub(crate) struct Graphs {
     /// last-but-one token, say) or with them, plus 2 with exact activations;
     /// they launch different kernels.
     pub(crate) decode: [Option<SendGraph>; 4],
+    /// Where each recording leaves its logits (arena address, length), if it has any.
+    pub(crate) logits: [Option<(u64, usize)>; 4],
     /// Which recording the current step uses.
     pub(crate) kind: usize,
 }
@@ -106,7 +106,6 @@ impl Cuda {
     fn mode(&self) -> Mode {
         match self.mode.load(std::sync::atomic::Ordering::Relaxed) {
             1 => Mode::Capture,
-            2 => Mode::Replay,
             _ => Mode::Direct,
         }
     }
@@ -115,11 +114,7 @@ impl Cuda {
         self.mode.store(m as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn replaying(&self) -> bool {
-        self.mode() == Mode::Replay
-    }
-
-    /// Launches kernel `name`, or only notes it while a recorded step replays.
+    /// Launches kernel `name`.
     pub(crate) fn launch(
         &self,
         name: &str,
@@ -128,9 +123,6 @@ impl Cuda {
         args: &[Arg],
     ) -> Result<(), ModelError> {
         self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
         self.gpu.launch(name, grid, block, 0, args).map_err(err)
     }
 
@@ -145,12 +137,8 @@ impl Cuda {
         mut work: impl FnMut(usize) -> Result<T, ModelError>,
     ) -> Result<Vec<T>, ModelError> {
         let used = n.min(crate::device::BRANCHES);
-        // A replayed step launches nothing, so there is nothing to order either.
-        let queue = !self.replaying();
-        if queue {
-            for i in 1..used {
-                self.gpu.fork(i).map_err(err)?;
-            }
+        for i in 1..used {
+            self.gpu.fork(i).map_err(err)?;
         }
         let mut out = Vec::with_capacity(n);
         let mut result = Ok(());
@@ -165,16 +153,13 @@ impl Cuda {
             }
         }
         self.gpu.launch_on(0);
-        if queue {
-            for i in 1..used {
-                self.gpu.join(i).map_err(err)?;
-            }
+        for i in 1..used {
+            self.gpu.join(i).map_err(err)?;
         }
         result.map(|()| out)
     }
 
-    /// Notes a write to device memory (see `writes`); before the replay check, so
-    /// that recording and replay make the same choices.
+    /// Notes a write to device memory (see `writes`).
     pub(crate) fn wrote(&self) {
         self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -188,17 +173,11 @@ impl Cuda {
         params: &P,
     ) -> Result<(), ModelError> {
         self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
         self.gpu.launch_with(name, grid, block, params).map_err(err)
     }
 
     pub(crate) fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
         self.wrote();
-        if self.replaying() {
-            return Ok(());
-        }
         self.gpu.launch_1d(name, n, args).map_err(err)
     }
 
@@ -228,13 +207,13 @@ impl Cuda {
         })
     }
 
-    /// [`ts_model::Backend::begin_step`].
+    /// [`ts_model::Backend::begin_step`]: a one-row step recorded before is replayed here.
     pub(crate) fn start_step(
         &self,
         rows: &[Row],
         seqs: &mut [&mut SeqState<GpuState>],
         scratch: &GpuScratch,
-    ) -> Result<(), ModelError> {
+    ) -> Result<StepStart<Act>, ModelError> {
         self.wrote();
         // Drops the last step's quantized activations here, not inside a capture (a buffer
         // of a many-row step freed while recording is an invalid graph).
@@ -298,6 +277,7 @@ impl Cuda {
                 longest: 0,
             });
             g.decode = Default::default();
+            g.logits = Default::default();
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
@@ -325,8 +305,11 @@ impl Cuda {
         g.arena_on = m == 1;
         if self.use_graphs && m == 1 && self.tier.is_none() {
             g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
-            if g.decode[g.kind].is_some() {
-                self.set_mode(Mode::Replay);
+            if let Some(graph) = &g.decode[g.kind] {
+                graph.0.launch().map_err(|e| err(e.into()))?;
+                g.arena_on = false;
+                let logits = g.logits[g.kind].map(|(ptr, len)| Act { ptr, len, _own: None });
+                return Ok(StepStart::Replayed { logits });
             } else {
                 self.gpu
                     .stream
@@ -335,11 +318,11 @@ impl Cuda {
                 self.set_mode(Mode::Capture);
             }
         }
-        Ok(())
+        Ok(StepStart::Run)
     }
 
-    /// [`ts_model::Backend::end_step`].
-    pub(crate) fn finish_step(&self) -> Result<(), ModelError> {
+    /// [`ts_model::Backend::end_step`]: a recorded step's graph is launched here.
+    pub(crate) fn finish_step(&self, logits: Option<&Act>) -> Result<(), ModelError> {
         let mut g = self.graphs.lock().expect("graph lock");
         let mode = self.mode();
         self.set_mode(Mode::Direct);
@@ -354,10 +337,7 @@ impl Cuda {
                 graph.launch().map_err(|e| err(e.into()))?;
                 let kind = g.kind;
                 g.decode[kind] = Some(SendGraph(graph));
-            }
-            Mode::Replay => {
-                let graph = g.decode[g.kind].as_ref().expect("replay has a graph");
-                graph.0.launch().map_err(|e| err(e.into()))?;
+                g.logits[kind] = logits.map(|l| (l.ptr, l.len));
             }
             Mode::Direct => {}
         }

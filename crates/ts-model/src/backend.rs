@@ -84,6 +84,15 @@ pub fn rope_store_by_ops<B: Backend>(
     Ok(())
 }
 
+/// How a forward step starts ([`Backend::begin_step`]).
+pub enum StepStart<A> {
+    /// The step's ops are to be called.
+    Run,
+    /// The backend has queued a recording of an earlier step of the same kind for these
+    /// rows; `logits` is where that step leaves its logits, if it has any.
+    Replayed { logits: Option<A> },
+}
+
 pub trait Backend: Sized + Send + Sync {
     /// `[m][width]` f32 activations.
     type Act: Send + Sync;
@@ -118,19 +127,21 @@ pub trait Backend: Sized + Send + Sync {
     fn copy_state(&self, src: &Self::State, dst: &mut Self::State, n_past: usize) -> Result<(), ModelError>;
 
     /// Called once at the start of each forward step with its rows, sequences and
-    /// the scratch its ops will get (whose mode can choose the kernels).
+    /// the scratch its ops will get (whose mode can choose the kernels). A backend that
+    /// recorded an earlier step of the same kind may queue that recording for these rows
+    /// and answer [`StepStart::Replayed`]: the step's ops are then not called.
     fn begin_step(
         &self,
         _rows: &[Row],
         _seqs: &mut [&mut SeqState<Self::State>],
         _scratch: &Self::Scratch,
-    ) -> Result<(), ModelError> {
-        Ok(())
+    ) -> Result<StepStart<Self::Act>, ModelError> {
+        Ok(StepStart::Run)
     }
 
-    /// Called once at the end of each forward step, after its last op and before
-    /// its logits are read.
-    fn end_step(&self) -> Result<(), ModelError> {
+    /// Called once at the end of each forward step whose ops ran, after its last op and
+    /// before its logits (`[rows wanting logits][n_vocab]`, if any) are read.
+    fn end_step(&self, _logits: Option<&Self::Act>) -> Result<(), ModelError> {
         Ok(())
     }
 

@@ -5,7 +5,7 @@
 
 use crate::Cpu;
 use crate::ModelError;
-use crate::backend::{AttnShape, Backend, HeadNorm};
+use crate::backend::{AttnShape, Backend, HeadNorm, StepStart};
 use crate::config::{ArchConfig, GatedActivation, QkNorm, RopeLayout, RopeScaling};
 use crate::state::{SeqState, Snapshot};
 use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
@@ -286,7 +286,10 @@ impl<B: Backend> Model<B> {
             }
         }
 
-        be.begin_step(rows, seqs, scratch)?;
+        if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
+            advance(rows, seqs);
+            return self.logits_to_host(logits);
+        }
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
         if let Some(s) = cfg.embed_scale {
@@ -336,15 +339,17 @@ impl<B: Backend> Model<B> {
         if let Some(ffn) = pending {
             be.add(&mut x, &ffn)?;
         }
-        for r in rows {
-            let s = &mut seqs[r.seq];
-            s.n_past = s.n_past.max(r.pos + 1);
-        }
+        advance(rows, seqs);
         let logits = self.output(rows, &x, scratch)?;
-        be.end_step()?;
+        be.end_step(logits.as_ref())?;
+        self.logits_to_host(logits)
+    }
+
+    /// A step's logits `[rows][n_vocab]` on the host, one Vec per row.
+    fn logits_to_host(&self, logits: Option<B::Act>) -> Result<Vec<Vec<f32>>, ModelError> {
         match logits {
             None => Ok(Vec::new()),
-            Some(l) => Ok(be.to_host(&l)?.chunks_exact(cfg.n_vocab).map(<[f32]>::to_vec).collect()),
+            Some(l) => Ok(self.backend.to_host(&l)?.chunks_exact(self.cfg.n_vocab).map(<[f32]>::to_vec).collect()),
         }
     }
 
@@ -525,6 +530,14 @@ impl<B: Backend> Model<B> {
             be.softcap(&mut logits, c)?;
         }
         Ok(Some(logits))
+    }
+}
+
+/// Each row's sequence now holds its position.
+fn advance<S>(rows: &[Row], seqs: &mut [&mut SeqState<S>]) {
+    for r in rows {
+        let s = &mut seqs[r.seq];
+        s.n_past = s.n_past.max(r.pos + 1);
     }
 }
 

@@ -13,7 +13,7 @@ pub mod state;
 pub mod tensors;
 pub mod weights;
 
-pub use backend::{AttnShape, Backend};
+pub use backend::{AttnShape, Backend, StepStart};
 pub use config::{Arch, ArchConfig};
 pub use cpu::Cpu;
 pub use forward::{Model, Row, Scratch};
