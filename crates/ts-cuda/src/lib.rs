@@ -25,7 +25,7 @@ mod step;
 pub mod tier;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use device::{Arg, CudaError, Gpu};
 use moe::{GpuExpertGroup, GpuRoutes, activation_args};
 use std::collections::{BTreeMap, HashMap};
@@ -138,6 +138,9 @@ pub struct Cuda {
     writes: std::sync::atomic::AtomicU64,
     /// The activations the last 8-bit matvec quantized.
     q8_last: Mutex<Option<matvec_q8::Q8Cached>>,
+    /// Page-locked host bytes that downloads land in (a step's logits each decode step):
+    /// a copy from pageable memory is staged by the driver, slower and allocated anew.
+    staging: Mutex<Option<PinnedHostSlice<u8>>>,
     /// Experts of a MoE layer (0 for a dense model).
     n_expert: usize,
     /// `router_route`'s finished blocks per row, `[DEVICE_MOE_ROWS]`, zero between launches.
@@ -217,6 +220,7 @@ impl Cuda {
             groups_since_sync: std::sync::atomic::AtomicUsize::new(0),
             writes: std::sync::atomic::AtomicU64::new(0),
             q8_last: Mutex::new(None),
+            staging: Mutex::new(None),
             n_expert: 0,
         })
     }
@@ -419,11 +423,23 @@ impl Cuda {
         ptr: u64,
         n: usize,
     ) -> Result<Vec<T>, ModelError> {
-        let mut out = vec![T::default(); n];
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut out, ptr, self.gpu.stream.cu_stream()) }
+        let bytes = n * std::mem::size_of::<T>();
+        let mut staging = self.staging.lock().expect("staging lock");
+        if staging.as_ref().is_none_or(|s| s.len() < bytes) {
+            // Cached (not write-combined): the host reads it back.
+            let len = bytes.next_power_of_two().max(1 << 20);
+            let mut buf = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<u8>(len, 0) }.map_err(|e| err(e.into()))?;
+            // SAFETY: `len` bytes were just allocated; zeroed, so that every slice of them is initialized.
+            unsafe { std::ptr::write_bytes(buf.as_mut_ptr().map_err(|e| err(e.into()))?, 0, len) };
+            *staging = Some(buf);
+        }
+        let buf = staging.as_mut().expect("staging buffer").as_mut_ptr().map_err(|e| err(e.into()))?;
+        // SAFETY: `buf` holds at least `bytes`, page-aligned; nothing else uses it while the lock is held.
+        let landed = unsafe { std::slice::from_raw_parts_mut(buf.cast::<T>(), n) };
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(landed, ptr, self.gpu.stream.cu_stream()) }
             .map_err(|e| err(e.into()))?;
         self.gpu.sync().map_err(err)?;
-        Ok(out)
+        Ok(landed.to_vec())
     }
 
     fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {
@@ -554,6 +570,10 @@ impl Backend for Cuda {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn uses_thread_pool(&self) -> bool {
+        false
     }
 
     fn scratch(&self, exact_activations: bool) -> GpuScratch {

@@ -56,7 +56,9 @@ impl<B: Backend> Engine<B> {
                 },
             }));
         }
-        let mut logits = self.install(|| self.model.forward(&rows, seqs, scratch))?.into_iter();
+        let mut forward = || self.model.forward(&rows, seqs, scratch);
+        let logits = if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() };
+        let mut logits = logits?.into_iter();
         Ok(pieces
             .iter()
             .map(|p| {

@@ -111,6 +111,11 @@ pub trait Backend: Sized + Send + Sync {
 
     /// What computes, in a word (`cpu`, `cuda`), for reports.
     fn name(&self) -> &'static str;
+    /// Whether the ops run on the caller's thread pool (rayon): else a step need not be
+    /// handed to the pool's threads, a wake-up each way.
+    fn uses_thread_pool(&self) -> bool {
+        true
+    }
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
     /// Makes steps with `s` compute every row as a one-row step would, bit for bit
     /// (speculative decoding's checking steps), where the backend's batch kernels differ.
