@@ -28,6 +28,10 @@ mod x86 {
         const OFFSET_LOG2: Option<i32>;
         /// The largest value [`Format::unsigned_values`] returns.
         const MAX_UNSIGNED: u8;
+        /// For 4-bit formats: where a block keeps its 16 bytes of codes (element `i` in byte
+        /// `i`'s low nibble, element `i + 16` in its high nibble), and each code's unsigned
+        /// value when that is not the code itself.
+        const NIBBLES: Option<(usize, Option<[u8; 16]>)> = None;
         /// Scales of the `n <= 8` blocks from `p` on, in lanes `0..n`.
         ///
         /// # Safety
@@ -72,6 +76,7 @@ mod x86 {
         const BYTES: usize = 18;
         const OFFSET_LOG2: Option<i32> = Some(3);
         const MAX_UNSIGNED: u8 = 15;
+        const NIBBLES: Option<(usize, Option<[u8; 16]>)> = Some((2, None));
         #[inline(always)]
         unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
             unsafe { nibbles(p.add(2)) }
@@ -82,6 +87,7 @@ mod x86 {
         const BYTES: usize = 20;
         const OFFSET_LOG2: Option<i32> = None;
         const MAX_UNSIGNED: u8 = 15;
+        const NIBBLES: Option<(usize, Option<[u8; 16]>)> = Some((4, None));
         #[inline(always)]
         unsafe fn unsigned_values<I: Dot>(p: *const u8) -> __m256i {
             unsafe { nibbles(p.add(4)) }

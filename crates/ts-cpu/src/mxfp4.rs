@@ -32,6 +32,7 @@ mod x86 {
         const BYTES: usize = 17;
         const OFFSET_LOG2: Option<i32> = Some(4);
         const MAX_UNSIGNED: u8 = 28;
+        const NIBBLES: Option<(usize, Option<[u8; 16]>)> = Some((1, Some(UNSIGNED_VALUES)));
         #[inline(always)]
         unsafe fn scales(p: *const u8, n: usize) -> __m256 {
             unsafe {

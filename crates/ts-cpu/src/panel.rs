@@ -129,6 +129,56 @@ unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) 
     }
 }
 
+/// [`store_interleaved`] for a 4-bit format, from the packed codes: `codes(r)` points at row
+/// `r`'s 16 bytes of codes (element `i` low in byte `i`, element `i + 16` high), `table` maps a
+/// code to its unsigned value (None: the code itself). The packed bytes are transposed (half
+/// the bytes, and 20 shuffles in place of 48), then each dword's low nibbles give step `t` and
+/// its high nibbles step `t + 4`.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `out` points at 512 writable, 64-byte aligned bytes; `codes(r)`
+/// points at 16 readable bytes for `r < n`.
+#[inline(always)]
+unsafe fn store_nibble_steps(out: *mut u8, n: usize, table: Option<[u8; 16]>, codes: impl Fn(usize) -> *const u8) {
+    unsafe {
+        // y[q] holds the codes of rows q, q + 4, q + 8 and q + 12, one per 128-bit lane.
+        let mut y = [_mm512_setzero_si512(); 4];
+        for (q, y) in y.iter_mut().enumerate() {
+            let load = |lane: usize| {
+                let r = q + 4 * lane;
+                if r < n { _mm_loadu_si128(codes(r).cast()) } else { _mm_setzero_si128() }
+            };
+            *y = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(load(0)), load(1));
+            *y = _mm512_inserti32x4::<2>(*y, load(2));
+            *y = _mm512_inserti32x4::<3>(*y, load(3));
+        }
+        // A 4x4 dword transposition within each 128-bit lane: d[t] lane L is dword t of rows
+        // 4L to 4L + 3, so d[t]'s dword r is row r's.
+        let lo01 = _mm512_unpacklo_epi32(y[0], y[1]);
+        let hi01 = _mm512_unpackhi_epi32(y[0], y[1]);
+        let lo23 = _mm512_unpacklo_epi32(y[2], y[3]);
+        let hi23 = _mm512_unpackhi_epi32(y[2], y[3]);
+        let d = [
+            _mm512_unpacklo_epi64(lo01, lo23),
+            _mm512_unpackhi_epi64(lo01, lo23),
+            _mm512_unpacklo_epi64(hi01, hi23),
+            _mm512_unpackhi_epi64(hi01, hi23),
+        ];
+        let low = _mm512_set1_epi8(0x0f);
+        let lut = table.map(|t| _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast())));
+        let value = |c: __m512i| match lut {
+            Some(l) => _mm512_shuffle_epi8(l, c),
+            None => c,
+        };
+        for (t, d) in d.iter().enumerate() {
+            let lo = _mm512_and_si512(*d, low);
+            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(*d), low);
+            _mm512_store_si512(out.add(64 * t).cast(), value(lo));
+            _mm512_store_si512(out.add(64 * (t + 4)).cast(), value(hi));
+        }
+    }
+}
+
 /// Stores the first `n` lanes of `v` to `out[c][r0..]` for each column.
 ///
 /// # Safety
@@ -204,7 +254,10 @@ unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: 
         for b in 0..nb {
             let out = panel.add(b * LEGACY_BLOCK);
             let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
-            store_interleaved(out, n, |r| F::unsigned_values::<Vnni>(row(r)));
+            match F::NIBBLES {
+                Some((at, table)) => store_nibble_steps(out, n, table, |r| row(r).add(at)),
+                None => store_interleaved(out, n, |r| F::unsigned_values::<Vnni>(row(r))),
+            }
             let mut scales = [0.0f32; ROWS];
             let mut mins = [0.0f32; ROWS];
             for r in 0..n {
