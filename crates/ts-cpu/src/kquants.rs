@@ -55,6 +55,9 @@ mod x86 {
         unsafe fn chunk<I: Dot>(p: *const u8, prep: &Prep, j: usize) -> (__m256i, __m256i);
         /// Elements per group scale: 16 or 32.
         const GROUP: usize;
+        /// Where a 4-bit format keeps its codes: 32 bytes per 64 elements, the first 32 in the
+        /// low nibbles and the next 32 in the high ones (Q4_K); None for the others.
+        const NIBBLES_AT: Option<usize> = None;
         /// The group scales (the first `256 / GROUP`).
         ///
         /// # Safety
@@ -238,6 +241,7 @@ mod x86 {
         const BYTES: usize = 144;
         const OFFSET: bool = false;
         const GROUP: usize = 32;
+        const NIBBLES_AT: Option<usize> = Some(16);
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe { prepare_k4(p, _mm256_setzero_si256()) }

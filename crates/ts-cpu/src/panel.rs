@@ -129,17 +129,23 @@ unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) 
     }
 }
 
-/// [`store_interleaved`] for a 4-bit format, from the packed codes: `codes(r)` points at row
-/// `r`'s 16 bytes of codes (element `i` low in byte `i`, element `i + 16` high), `table` maps a
-/// code to its unsigned value (None: the code itself). The packed bytes are transposed (half
-/// the bytes, and 20 shuffles in place of 48), then each dword's low nibbles give step `t` and
-/// its high nibbles step `t + 4`.
+/// [`store_interleaved`] for 4-bit codes, from the packed bytes: `codes(r)` points at row `r`'s
+/// 16 bytes, whose low nibbles give 4 steps, stored from `low` on, and whose high nibbles 4 more,
+/// stored from `high` on (a legacy block: elements 0-15 and 16-31); `table` maps a code to its
+/// unsigned value (None: the code itself). The packed bytes are transposed (half the bytes, and
+/// 20 shuffles in place of 48), then each dword's nibbles give one step each.
 ///
 /// # Safety
-/// Needs AVX-512 F and BW; `out` points at 512 writable, 64-byte aligned bytes; `codes(r)`
-/// points at 16 readable bytes for `r < n`.
+/// Needs AVX-512 F and BW; `low` and `high` point at 256 writable, 64-byte aligned bytes;
+/// `codes(r)` points at 16 readable bytes for `r < n`.
 #[inline(always)]
-unsafe fn store_nibble_steps(out: *mut u8, n: usize, table: Option<[u8; 16]>, codes: impl Fn(usize) -> *const u8) {
+unsafe fn store_nibble_steps(
+    low: *mut u8,
+    high: *mut u8,
+    n: usize,
+    table: Option<[u8; 16]>,
+    codes: impl Fn(usize) -> *const u8,
+) {
     unsafe {
         // y[q] holds the codes of rows q, q + 4, q + 8 and q + 12, one per 128-bit lane.
         let mut y = [_mm512_setzero_si512(); 4];
@@ -164,17 +170,17 @@ unsafe fn store_nibble_steps(out: *mut u8, n: usize, table: Option<[u8; 16]>, co
             _mm512_unpacklo_epi64(hi01, hi23),
             _mm512_unpackhi_epi64(hi01, hi23),
         ];
-        let low = _mm512_set1_epi8(0x0f);
+        let mask = _mm512_set1_epi8(0x0f);
         let lut = table.map(|t| _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast())));
         let value = |c: __m512i| match lut {
             Some(l) => _mm512_shuffle_epi8(l, c),
             None => c,
         };
         for (t, d) in d.iter().enumerate() {
-            let lo = _mm512_and_si512(*d, low);
-            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(*d), low);
-            _mm512_store_si512(out.add(64 * t).cast(), value(lo));
-            _mm512_store_si512(out.add(64 * (t + 4)).cast(), value(hi));
+            let lo = _mm512_and_si512(*d, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(*d), mask);
+            _mm512_store_si512(low.add(64 * t).cast(), value(lo));
+            _mm512_store_si512(high.add(64 * t).cast(), value(hi));
         }
     }
 }
@@ -255,7 +261,7 @@ unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: 
             let out = panel.add(b * LEGACY_BLOCK);
             let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
             match F::NIBBLES {
-                Some((at, table)) => store_nibble_steps(out, n, table, |r| row(r).add(at)),
+                Some((at, table)) => store_nibble_steps(out, out.add(256), n, table, |r| row(r).add(at)),
                 None => store_interleaved(out, n, |r| F::unsigned_values::<Vnni>(row(r))),
             }
             let mut scales = [0.0f32; ROWS];
@@ -358,17 +364,39 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
             for (r, prep) in prep.iter_mut().enumerate().take(n) {
                 *prep = F::prepare(row(r));
             }
-            for j in 0..8 {
-                store_interleaved(out.add(64 * 8 * j), n, |r| F::chunk::<Vnni>(row(r), &prep[r], j).0);
+            match F::NIBBLES_AT {
+                // 64 elements per 32 bytes: bytes 16 h.. give chunk 2 i's steps 4 h.. from their
+                // low nibbles and chunk 2 i + 1's from their high ones.
+                Some(at) => {
+                    for i in 0..4 {
+                        for h in 0..2 {
+                            let (low, high) = (out.add(512 * 2 * i + 256 * h), out.add(512 * (2 * i + 1) + 256 * h));
+                            store_nibble_steps(low, high, n, None, |r| row(r).add(at + 32 * i + 16 * h));
+                        }
+                    }
+                }
+                None => {
+                    for j in 0..8 {
+                        store_interleaved(out.add(64 * 8 * j), n, |r| F::chunk::<Vnni>(row(r), &prep[r], j).0);
+                    }
+                }
             }
             let scales = out.add(K_SCALES).cast::<i32>();
+            if F::GROUP == 32 {
+                // 8 group scales per row: one transposition of their dwords.
+                store_interleaved(scales.cast(), ROWS, |r| {
+                    _mm256_loadu_si256(F::group_scales(&prep[r]).as_ptr().cast())
+                });
+            } else {
+                for (r, prep) in prep.iter().enumerate() {
+                    for (g, &s) in F::group_scales(prep).iter().enumerate() {
+                        *scales.add(g * ROWS + r) = s;
+                    }
+                }
+            }
             let mut d = [0.0f32; ROWS];
             let mut dmin = [0.0f32; ROWS];
             for r in 0..ROWS {
-                let group_scales = F::group_scales(&prep[r]);
-                for (g, &s) in group_scales.iter().enumerate().take(256 / F::GROUP) {
-                    *scales.add(g * ROWS + r) = s;
-                }
                 d[r] = _mm256_cvtss_f32(prep[r].d);
                 dmin[r] = _mm256_cvtss_f32(prep[r].dmin);
             }
