@@ -40,6 +40,17 @@ mod x86 {
         }
     }
 
+    /// How a batch panel gets a k-quant block's codes (`panel.rs`).
+    pub(crate) enum KCodes {
+        /// Chunk by chunk, from [`KFormat::chunk`].
+        Chunks,
+        /// 4-bit codes at this offset, 32 bytes per 64 elements: the first 32 in the low
+        /// nibbles and the next 32 in the high ones (Q4_K); transposed while packed.
+        Nibbles(usize),
+        /// Q6_K's low nibbles and high bit pairs, transposed while packed.
+        Q6K,
+    }
+
     /// A k-quant format.
     pub(crate) trait KFormat {
         const BYTES: usize;
@@ -55,9 +66,8 @@ mod x86 {
         unsafe fn chunk<I: Dot>(p: *const u8, prep: &Prep, j: usize) -> (__m256i, __m256i);
         /// Elements per group scale: 16 or 32.
         const GROUP: usize;
-        /// Where a 4-bit format keeps its codes: 32 bytes per 64 elements, the first 32 in the
-        /// low nibbles and the next 32 in the high ones (Q4_K); None for the others.
-        const NIBBLES_AT: Option<usize> = None;
+        /// How a panel is built from a block's codes.
+        const CODES: KCodes = KCodes::Chunks;
         /// The group scales (the first `256 / GROUP`).
         ///
         /// # Safety
@@ -241,7 +251,7 @@ mod x86 {
         const BYTES: usize = 144;
         const OFFSET: bool = false;
         const GROUP: usize = 32;
-        const NIBBLES_AT: Option<usize> = Some(16);
+        const CODES: KCodes = KCodes::Nibbles(16);
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe { prepare_k4(p, _mm256_setzero_si256()) }
@@ -277,6 +287,7 @@ mod x86 {
         const BYTES: usize = 210;
         const OFFSET: bool = true;
         const GROUP: usize = 16;
+        const CODES: KCodes = KCodes::Q6K;
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe {

@@ -19,7 +19,7 @@ use ts_gguf::GgmlType;
 use crate::activations::{ARow, ActView};
 use crate::dispatch::TileFn;
 use crate::floats::{Bf16, F16, F32, FloatFormat};
-use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
+use crate::kquants::{KCodes, KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::simd::{Vnni, read_u32};
@@ -129,11 +129,57 @@ unsafe fn store_interleaved(out: *mut u8, n: usize, mut rows: impl FnMut(usize) 
     }
 }
 
+/// 16 bytes of each of 16 rows (`bytes(r)`, zeros for rows `r >= n`) transposed as dwords:
+/// `d[t]`'s dword `r` is row `r`'s dword `t`. Built as a 4x4 dword transposition within each
+/// 128-bit lane (20 shuffles, where transposing the unpacked 32 bytes a row took 48).
+///
+/// # Safety
+/// Needs AVX-512 F; `bytes(r)` points at 16 readable bytes for `r < n`.
+#[inline(always)]
+unsafe fn transpose_dwords(n: usize, bytes: impl Fn(usize) -> *const u8) -> [__m512i; 4] {
+    unsafe {
+        // y[q] holds rows q, q + 4, q + 8 and q + 12, one per 128-bit lane.
+        let mut y = [_mm512_setzero_si512(); 4];
+        for (q, y) in y.iter_mut().enumerate() {
+            let load = |lane: usize| {
+                let r = q + 4 * lane;
+                if r < n { _mm_loadu_si128(bytes(r).cast()) } else { _mm_setzero_si128() }
+            };
+            *y = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(load(0)), load(1));
+            *y = _mm512_inserti32x4::<2>(*y, load(2));
+            *y = _mm512_inserti32x4::<3>(*y, load(3));
+        }
+        // Lane L of d[t] is dword t of rows 4L to 4L + 3.
+        let lo01 = _mm512_unpacklo_epi32(y[0], y[1]);
+        let hi01 = _mm512_unpackhi_epi32(y[0], y[1]);
+        let lo23 = _mm512_unpacklo_epi32(y[2], y[3]);
+        let hi23 = _mm512_unpackhi_epi32(y[2], y[3]);
+        [
+            _mm512_unpacklo_epi64(lo01, lo23),
+            _mm512_unpackhi_epi64(lo01, lo23),
+            _mm512_unpacklo_epi64(hi01, hi23),
+            _mm512_unpackhi_epi64(hi01, hi23),
+        ]
+    }
+}
+
+/// Low (`high` false) or high nibbles of each byte.
+///
+/// # Safety
+/// Needs AVX-512 F.
+#[inline(always)]
+unsafe fn nibbles512(v: __m512i, high: bool) -> __m512i {
+    unsafe {
+        let v = if high { _mm512_srli_epi32::<4>(v) } else { v };
+        _mm512_and_si512(v, _mm512_set1_epi8(0x0f))
+    }
+}
+
 /// [`store_interleaved`] for 4-bit codes, from the packed bytes: `codes(r)` points at row `r`'s
 /// 16 bytes, whose low nibbles give 4 steps, stored from `low` on, and whose high nibbles 4 more,
 /// stored from `high` on (a legacy block: elements 0-15 and 16-31); `table` maps a code to its
-/// unsigned value (None: the code itself). The packed bytes are transposed (half the bytes, and
-/// 20 shuffles in place of 48), then each dword's nibbles give one step each.
+/// unsigned value (None: the code itself). The packed bytes are transposed
+/// ([`transpose_dwords`]), then each dword's nibbles give one step each.
 ///
 /// # Safety
 /// Needs AVX-512 F and BW; `low` and `high` point at 256 writable, 64-byte aligned bytes;
@@ -147,40 +193,52 @@ unsafe fn store_nibble_steps(
     codes: impl Fn(usize) -> *const u8,
 ) {
     unsafe {
-        // y[q] holds the codes of rows q, q + 4, q + 8 and q + 12, one per 128-bit lane.
-        let mut y = [_mm512_setzero_si512(); 4];
-        for (q, y) in y.iter_mut().enumerate() {
-            let load = |lane: usize| {
-                let r = q + 4 * lane;
-                if r < n { _mm_loadu_si128(codes(r).cast()) } else { _mm_setzero_si128() }
-            };
-            *y = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(load(0)), load(1));
-            *y = _mm512_inserti32x4::<2>(*y, load(2));
-            *y = _mm512_inserti32x4::<3>(*y, load(3));
-        }
-        // A 4x4 dword transposition within each 128-bit lane: d[t] lane L is dword t of rows
-        // 4L to 4L + 3, so d[t]'s dword r is row r's.
-        let lo01 = _mm512_unpacklo_epi32(y[0], y[1]);
-        let hi01 = _mm512_unpackhi_epi32(y[0], y[1]);
-        let lo23 = _mm512_unpacklo_epi32(y[2], y[3]);
-        let hi23 = _mm512_unpackhi_epi32(y[2], y[3]);
-        let d = [
-            _mm512_unpacklo_epi64(lo01, lo23),
-            _mm512_unpackhi_epi64(lo01, lo23),
-            _mm512_unpacklo_epi64(hi01, hi23),
-            _mm512_unpackhi_epi64(hi01, hi23),
-        ];
-        let mask = _mm512_set1_epi8(0x0f);
+        let d = transpose_dwords(n, codes);
         let lut = table.map(|t| _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast())));
         let value = |c: __m512i| match lut {
             Some(l) => _mm512_shuffle_epi8(l, c),
             None => c,
         };
         for (t, d) in d.iter().enumerate() {
-            let lo = _mm512_and_si512(*d, mask);
-            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(*d), mask);
-            _mm512_store_si512(low.add(64 * t).cast(), value(lo));
-            _mm512_store_si512(high.add(64 * t).cast(), value(hi));
+            _mm512_store_si512(low.add(64 * t).cast(), value(nibbles512(*d, false)));
+            _mm512_store_si512(high.add(64 * t).cast(), value(nibbles512(*d, true)));
+        }
+    }
+}
+
+/// A Q6_K super-block's 64 steps of 16 rows, from the packed bits (`block(r)` points at row
+/// `r`'s block): per half of 128 elements, `ql[64 h..]` holds elements 0-31 (low nibbles) and
+/// 64-95 (high), `ql[64 h + 32..]` elements 32-63 and 96-127, and `qh[32 h..]` the two high
+/// bits of element `l`, `l + 32`, `l + 64` and `l + 96` at bits 0, 2, 4 and 6 of byte `l`
+/// (ggml's `dequantize_row_q6_K`). Each 16-byte run of the three is transposed once.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `out` points at 4096 writable, 64-byte aligned bytes; `block(r)`
+/// points at a whole Q6_K block for `r < n`.
+#[inline(always)]
+unsafe fn store_q6k_steps(out: *mut u8, n: usize, block: impl Fn(usize) -> *const u8) {
+    unsafe {
+        let three = _mm512_set1_epi8(3);
+        for half in 0..2 {
+            for part in 0..2 {
+                let at = |offset: usize| transpose_dwords(n, |r| block(r).add(offset + 16 * part));
+                let (a, b, h) = (at(64 * half), at(64 * half + 32), at(128 + 32 * half));
+                for t in 0..4 {
+                    // Chunk k (32 elements at 32 k of this half): low bits from a (k = 0, 2)
+                    // or b (k = 1, 3), low nibbles for k < 2; high bits at 2 k of h.
+                    for k in 0..4 {
+                        let low = nibbles512(if k % 2 == 0 { a[t] } else { b[t] }, k >= 2);
+                        let bits = match k {
+                            0 => h[t],
+                            1 => _mm512_srli_epi32::<2>(h[t]),
+                            2 => _mm512_srli_epi32::<4>(h[t]),
+                            _ => _mm512_srli_epi32::<6>(h[t]),
+                        };
+                        let q = _mm512_or_si512(low, _mm512_slli_epi32::<4>(_mm512_and_si512(bits, three)));
+                        _mm512_store_si512(out.add(512 * (4 * half + k) + 64 * (4 * part + t)).cast(), q);
+                    }
+                }
+            }
         }
     }
 }
@@ -364,10 +422,10 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
             for (r, prep) in prep.iter_mut().enumerate().take(n) {
                 *prep = F::prepare(row(r));
             }
-            match F::NIBBLES_AT {
+            match F::CODES {
                 // 64 elements per 32 bytes: bytes 16 h.. give chunk 2 i's steps 4 h.. from their
                 // low nibbles and chunk 2 i + 1's from their high ones.
-                Some(at) => {
+                KCodes::Nibbles(at) => {
                     for i in 0..4 {
                         for h in 0..2 {
                             let (low, high) = (out.add(512 * 2 * i + 256 * h), out.add(512 * (2 * i + 1) + 256 * h));
@@ -375,24 +433,20 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
                         }
                     }
                 }
-                None => {
+                KCodes::Q6K => store_q6k_steps(out, n, row),
+                KCodes::Chunks => {
                     for j in 0..8 {
                         store_interleaved(out.add(64 * 8 * j), n, |r| F::chunk::<Vnni>(row(r), &prep[r], j).0);
                     }
                 }
             }
             let scales = out.add(K_SCALES).cast::<i32>();
-            if F::GROUP == 32 {
-                // 8 group scales per row: one transposition of their dwords.
-                store_interleaved(scales.cast(), ROWS, |r| {
-                    _mm256_loadu_si256(F::group_scales(&prep[r]).as_ptr().cast())
+            // The group scales (8 or 16 per row), eight groups per transposition of dwords.
+            let group_scales: [[i32; 16]; ROWS] = std::array::from_fn(|r| F::group_scales(&prep[r]));
+            for half in 0..256 / F::GROUP / 8 {
+                store_interleaved(scales.add(8 * ROWS * half).cast(), ROWS, |r| {
+                    _mm256_loadu_si256(group_scales[r][8 * half..].as_ptr().cast())
                 });
-            } else {
-                for (r, prep) in prep.iter().enumerate() {
-                    for (g, &s) in F::group_scales(prep).iter().enumerate() {
-                        *scales.add(g * ROWS + r) = s;
-                    }
-                }
             }
             let mut d = [0.0f32; ROWS];
             let mut dmin = [0.0f32; ROWS];
