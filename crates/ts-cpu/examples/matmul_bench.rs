@@ -2,7 +2,10 @@
 //! the same bytes, and prefill (m = 128) in GFLOP/s, on 1 and 2 threads.
 //!
 //! `cargo run --release -p ts-cpu --example matmul_bench [-- [--types q4_0,q4_k] [--no-head]
-//! [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2]]`
+//! [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2] [--packed]]`
+//!
+//! `--packed`: weights repacked first (`pack_rows`) where the type and shape allow it, and
+//! multiplied by `matmul_packed` (the detected instruction set).
 //!
 //! Shapes: 4864x896 and 896x4864 (Qwen2.5-0.5B's MLP), which stay in the L3 cache between runs,
 //! and a 151936x896 output head, read from memory (caches are flushed before each run). K-quants
@@ -25,10 +28,18 @@ struct Options {
     isa: Isa,
     prefill_m: usize,
     threads: Vec<usize>,
+    packed: bool,
 }
 
 fn options() -> Options {
-    let mut o = Options { types: TYPES.to_vec(), head: true, isa: Isa::detect(), prefill_m: 128, threads: vec![1, 2] };
+    let mut o = Options {
+        types: TYPES.to_vec(),
+        head: true,
+        isa: Isa::detect(),
+        prefill_m: 128,
+        threads: vec![1, 2],
+        packed: false,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < args.len() {
@@ -40,6 +51,7 @@ fn options() -> Options {
                 i += 1;
             }
             "--no-head" => o.head = false,
+            "--packed" => o.packed = true,
             "--isa" => {
                 o.isa = match value.as_str() {
                     "avx2" => Isa::Avx2,
@@ -161,7 +173,12 @@ fn main() {
             shapes.push((151_936, narrow, false));
         }
         for (n_out, k, prefill) in shapes {
-            let w = random_weights(ty, n_out, k, 7);
+            let mut w = random_weights(ty, n_out, k, 7);
+            let packed = o.packed && ts_cpu::pack_rows(ty, &mut w, n_out, k).unwrap();
+            let mm = |x: &QuantizedRows, out: &mut [f32]| match packed {
+                true => ts_cpu::matmul_packed(ty, &w, n_out, k, x, out, n_out).unwrap(),
+                false => matmul_with_isa(o.isa, ty, &w, n_out, k, x, out, n_out).unwrap(),
+            };
             let m = o.prefill_m;
             let xf: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
             let mut x1 = QuantizedRows::new();
@@ -174,7 +191,7 @@ fn main() {
                 pool.install(|| {
                     let mut out = vec![0.0f32; m * n_out];
                     let decode = time(cold, || {
-                        matmul_with_isa(o.isa, ty, &w, n_out, k, &x1, &mut out[..n_out], n_out).unwrap();
+                        mm(&x1, &mut out[..n_out]);
                         black_box(&out);
                     });
                     let read = time(cold, || {
@@ -184,7 +201,7 @@ fn main() {
                     let read_gbs = w.len() as f64 / read.as_secs_f64() / 1e9;
                     let mut line = format!(
                         "{:<6} {:>13} {:>4} | {:>9.1} {:>8.2} {:>8.2} {:>4.0}% |",
-                        ty.name(),
+                        format!("{}{}", ty.name(), if packed { "p" } else { "" }),
                         format!("{n_out}x{k}"),
                         threads,
                         decode.as_secs_f64() * 1e6,
@@ -198,7 +215,7 @@ fn main() {
                         });
                         line += &format!(" {:>6.0}us", q.as_secs_f64() * 1e6);
                         let t = time(None, || {
-                            matmul_with_isa(o.isa, ty, &w, n_out, k, &xm, &mut out, n_out).unwrap();
+                            mm(&xm, &mut out);
                             black_box(&out);
                         });
                         let flops = 2.0 * (m * n_out * k) as f64;

@@ -76,6 +76,48 @@ struct Kernels {
     direct: TileFn,
     /// Weight rows unpacked into interleaved panels first, and the smallest batch to use them for.
     panel: Option<(TileFn, usize)>,
+    /// Weight rows repacked once ([`pack`]), for any batch.
+    packed: Option<TileFn>,
+}
+
+/// How weight rows are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// As in the GGUF file.
+    Gguf,
+    /// Repacked by [`pack`].
+    Packed,
+}
+
+/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4 in whole panels, on AVX-512 VNNI.
+pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && isa == Isa::Avx512
+        && isa.is_available()
+        && ty == GgmlType::MXFP4
+        && n_out.is_multiple_of(PANEL_ROWS)
+}
+
+/// Repacks `w` (`n_out` rows of `ty`, `k` elements each) in place for the `Packed` layout, if
+/// [`packs`] says so; returns whether it did.
+pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> Result<bool, CpuError> {
+    let block = ty.block_size() as usize;
+    if k == 0 || !k.is_multiple_of(block) {
+        return Err(CpuError::PartialBlock { ty, k, block_size: block });
+    }
+    let row_bytes = k / block * ty.type_size() as usize;
+    if w.len() != n_out.saturating_mul(row_bytes) {
+        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w.len() });
+    }
+    if !packs(isa, ty, n_out) {
+        return Ok(false);
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `packs` checked that AVX-512 is available and the rows are whole panels of MXFP4.
+    unsafe {
+        crate::panel::pack_mxfp4(w, row_bytes)
+    };
+    Ok(true)
 }
 
 /// Rows per panel-kernel tile; tiles hold whole panels.
@@ -95,9 +137,13 @@ pub(crate) fn matmul(
     out: &mut [f32],
     out_stride: usize,
     panels: bool,
+    layout: Layout,
 ) -> Result<(), CpuError> {
     if !isa.is_available() {
         return Err(CpuError::IsaUnavailable(isa));
+    }
+    if layout == Layout::Packed && !packs(isa, weight_ty, n_out) {
+        return Err(CpuError::NotPacked { ty: weight_ty, n_out, isa });
     }
     let act_ty = crate::activation_type(weight_ty)?;
     let block = weight_ty.block_size() as usize;
@@ -126,6 +172,11 @@ pub(crate) fn matmul(
     }
 
     let (tile, rows_per_task) = match kernels(isa, weight_ty) {
+        Some(Kernels { packed: Some(packed), .. }) if layout == Layout::Packed => {
+            let rows =
+                if m == 1 { direct_rows_per_task(n_out, row_bytes, m) } else { panel_rows_per_task(n_out, m, k) };
+            (Some(packed), rows.next_multiple_of(PANEL_ROWS))
+        }
         Some(Kernels { panel: Some((panel, min_batch)), .. }) if panels && m >= min_batch => {
             (Some(panel), panel_rows_per_task(n_out, m, k))
         }
@@ -376,10 +427,12 @@ mod x86 {
         };
         match isa {
             Isa::Scalar => None,
-            Isa::Avx2 => Some(Kernels { direct: avx2, panel: None }),
-            Isa::Avx512 => {
-                Some(Kernels { direct: avx512, panel: panel::kernel(ty).map(|p| (p, panel::min_batch(ty))) })
-            }
+            Isa::Avx2 => Some(Kernels { direct: avx2, panel: None, packed: None }),
+            Isa::Avx512 => Some(Kernels {
+                direct: avx512,
+                panel: panel::kernel(ty).map(|p| (p, panel::min_batch(ty))),
+                packed: (ty == T::MXFP4).then_some(panel::mxfp4_packed_tile as TileFn),
+            }),
         }
     }
 }

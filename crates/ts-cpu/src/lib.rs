@@ -42,6 +42,7 @@ mod simd;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
 pub use dispatch::Isa;
+use dispatch::Layout;
 pub use ts_gguf::GgmlType;
 
 /// Why a quantization or multiplication was refused.
@@ -63,6 +64,8 @@ pub enum CpuError {
     RowOutOfRange { row: usize, m: usize },
     #[error("instruction set {0} is not available on this CPU")]
     IsaUnavailable(Isa),
+    #[error("{n_out} rows of {ty} are not in a packed layout on {isa}")]
+    NotPacked { ty: GgmlType, n_out: usize, isa: Isa },
     #[error(transparent)]
     Quant(#[from] ts_quant::QuantError),
 }
@@ -95,7 +98,35 @@ pub fn matmul_strided(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
-    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride, true)
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride, true, Layout::Gguf)
+}
+
+/// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (MXFP4 in whole
+/// panels of 16 rows, on AVX-512 VNNI).
+pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
+    dispatch::packs(Isa::detect(), weight_ty, n_out)
+}
+
+/// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the
+/// layout [`matmul_packed`] reads (the batch kernels' panels, built once instead of per
+/// call), where [`packs`] says so; returns whether it did. The bytes are then no longer GGUF
+/// blocks: only [`matmul_packed`] reads them.
+pub fn pack_rows(weight_ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> Result<bool, CpuError> {
+    dispatch::pack(Isa::detect(), weight_ty, w, n_out, k)
+}
+
+/// [`matmul_strided`] for rows repacked by [`pack_rows`]: the same products, for any number
+/// of activation rows (every row as a one-row call would compute it, bit for bit).
+pub fn matmul_packed(
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), CpuError> {
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride, false, Layout::Packed)
 }
 
 /// [`matmul`] computing every activation row as a one-row call would, bit for bit: no
@@ -109,7 +140,7 @@ pub fn matmul_rows_alone(
     x: &QuantizedRows,
     out: &mut [f32],
 ) -> Result<(), CpuError> {
-    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, n_out, false)
+    dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, n_out, false, Layout::Gguf)
 }
 
 /// [`matmul_strided`] with kernels for a given instruction set, for tests and benchmarks.
@@ -124,7 +155,7 @@ pub fn matmul_with_isa(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), CpuError> {
-    dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride, true)
+    dispatch::matmul(isa, weight_ty, w, n_out, k, x, out, out_stride, true, Layout::Gguf)
 }
 
 /// The activation format weights of `weight_ty` are multiplied with, or `Unsupported`.

@@ -63,7 +63,7 @@ mod x86 {
     }
 
     /// [`VALUES`] plus 16.
-    const UNSIGNED_VALUES: [u8; 16] = {
+    pub(crate) const UNSIGNED_VALUES: [u8; 16] = {
         let mut out = [0u8; 16];
         let mut i = 0;
         while i < 16 {

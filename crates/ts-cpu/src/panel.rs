@@ -606,3 +606,112 @@ unsafe fn float_pass<const C: usize>(panel: *const u8, kc: usize, a: &[*const f3
         }
     }
 }
+
+/// Bytes of one 32-element block of a packed MXFP4 panel: the 16 rows' codes transposed by
+/// dwords ([`transpose_dwords`], four 64-byte vectors), then their 16 E8M0 scale bytes. The
+/// same as the 16 rows' GGUF blocks, so weights are packed in place.
+pub(crate) const MXFP4_PACKED_BLOCK: usize = 16 * 17;
+
+/// Repacks MXFP4 rows in place, panel by panel of [`ROWS`] rows, into the layout
+/// [`mxfp4_packed_tile`] reads: what [`legacy_tile`] would build per batch, done once (as
+/// ik_llama.cpp's run-time repacking does), and kept at 4 bits.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 17).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
+    let nb = row_bytes / 17;
+    let mut packed = vec![0u8; ROWS * row_bytes];
+    for panel in w.chunks_exact_mut(ROWS * row_bytes) {
+        for b in 0..nb {
+            let out = packed[b * MXFP4_PACKED_BLOCK..].as_mut_ptr();
+            unsafe {
+                let d = transpose_dwords(ROWS, |r| panel.as_ptr().add(r * row_bytes + b * 17 + 1));
+                for (t, d) in d.iter().enumerate() {
+                    _mm512_storeu_si512(out.add(64 * t).cast(), *d);
+                }
+            }
+            for r in 0..ROWS {
+                packed[b * MXFP4_PACKED_BLOCK + 256 + r] = panel[r * row_bytes + b * 17];
+            }
+        }
+        panel.copy_from_slice(&packed);
+    }
+}
+
+/// The MXFP4 kernel on packed panels ([`pack_mxfp4`]), for any number of activation rows:
+/// no panel is built, so decode and small batches read the weights once, at 4 bits.
+///
+/// # Safety
+/// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2, FMA,
+/// F16C and AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn mxfp4_packed_tile(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    for r0 in (0..rows).step_by(ROWS) {
+        let p = w[r0 * row_bytes..].as_ptr();
+        unsafe {
+            each_cols!(m, COLS, |c, C| {
+                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                let acc = mxfp4_packed_pass::<C>(p, x.nb, &a);
+                store_rows(&acc, out, c, r0, ROWS);
+            });
+        }
+    }
+}
+
+/// One pass of `C` activation rows over a packed MXFP4 panel of `nb` blocks: per lane (weight
+/// row), the dot product, with the codes unpacked (a lookup of each nibble) as they are read.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
+#[inline(always)]
+unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+    unsafe {
+        let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(crate::mxfp4::UNSIGNED_VALUES.as_ptr().cast()));
+        let value = |c: __m512i| _mm512_shuffle_epi8(lut, c);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * MXFP4_PACKED_BLOCK);
+            if C == 1 {
+                // One activation row reads the weights from memory (decode).
+                crate::simd::prefetch_ahead(block, MXFP4_PACKED_BLOCK);
+            }
+            // Codes are unsigned values plus 16: taken back through the block sums.
+            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 4));
+            for t in 0..4 {
+                let d = _mm512_loadu_si512(block.add(64 * t).cast());
+                // Elements 4t.. (low nibbles) and 16 + 4t.. (high) of each row.
+                let (lo, hi) = (value(nibbles512(d, false)), value(nibbles512(d, true)));
+                for c in 0..C {
+                    let q = a[c].q.add(b * 34 + 2);
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], lo, _mm512_set1_epi32(read_u32(q.add(4 * t)) as i32));
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], hi, _mm512_set1_epi32(read_u32(q.add(16 + 4 * t)) as i32));
+                }
+            }
+            let scales = e8m0_half(_mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(256).cast())));
+            for c in 0..C {
+                let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+        }
+        acc
+    }
+}
+
+/// Half of each E8M0 scale `2^(e - 127)` (MXFP4 values are stored doubled), from bits as
+/// ggml-impl.h's `ggml_e8m0_to_fp32_half`: `(e - 1) << 23`, or `0x200000 << e` below 2.
+///
+/// # Safety
+/// Needs AVX-512 F.
+#[inline(always)]
+unsafe fn e8m0_half(e: __m512i) -> __m512 {
+    unsafe {
+        let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+        let tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+        let is_normal = _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(1));
+        _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, tiny, normal))
+    }
+}

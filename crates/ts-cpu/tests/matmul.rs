@@ -304,3 +304,53 @@ fn arbitrary_weight_bytes_never_panic() {
         }
     }
 }
+
+/// MXFP4 rows repacked in place: the same products as the GGUF rows, against both references
+/// (`check`) and bit for bit against the batch (panel) kernel; every row as a one-row call
+/// computes it; shapes the packing does not take are refused by name.
+#[test]
+fn packed_rows_match_the_gguf_rows() {
+    assert!(Isa::Avx512.is_available(), "the packed layout is for AVX-512 VNNI: this machine has none");
+    let ty = GgmlType::MXFP4;
+    let mut rng = Rng::new(500);
+    for (n_out, k) in [(16, 32), (48, 320), (32, 2880)] {
+        let w = weights(&mut rng, ty, n_out, k, true);
+        let mut packed = w.clone();
+        assert!(ts_cpu::packs(ty, n_out));
+        assert!(ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap());
+        assert_ne!(packed, w, "packing changed nothing");
+        for m in [1, 3, 4, 5, 16, 33] {
+            let xf = common::rows(&mut rng, m * k);
+            let mut x = QuantizedRows::new();
+            x.quantize(ty, &xf, k).unwrap();
+            let mut got = vec![f32::NAN; m * n_out];
+            ts_cpu::matmul_packed(ty, &packed, n_out, k, &x, &mut got, n_out).unwrap();
+            check(&Case { ty, w: &w, n_out, k, xf: &xf, x: &x }, &got, &format!("packed n_out={n_out} k={k} m={m}"));
+            if m >= 4 {
+                let panel = run(Isa::Avx512, ty, &w, n_out, k, &x);
+                assert!(got.iter().zip(&panel).all(|(a, b)| a.to_bits() == b.to_bits()), "n_out={n_out} k={k} m={m}");
+            }
+            // Row by row, as one-row calls.
+            for i in 0..m {
+                let mut one = QuantizedRows::new();
+                one.gather(&x, &[i]).unwrap();
+                let mut row = vec![0.0; n_out];
+                ts_cpu::matmul_packed(ty, &packed, n_out, k, &one, &mut row, n_out).unwrap();
+                assert!(row.iter().zip(&got[i * n_out..]).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i} of {m}");
+            }
+        }
+    }
+    // Rows that do not fill the last panel stay as they are, and are not read as packed.
+    let (n_out, k) = (24, 64);
+    let mut w = weights(&mut rng, ty, n_out, k, true);
+    let before = w.clone();
+    assert!(!ts_cpu::packs(ty, n_out));
+    assert!(!ts_cpu::pack_rows(ty, &mut w, n_out, k).unwrap());
+    assert_eq!(w, before);
+    let mut x = QuantizedRows::new();
+    x.quantize(ty, &common::rows(&mut rng, k), k).unwrap();
+    let err = ts_cpu::matmul_packed(ty, &w, n_out, k, &x, &mut vec![0.0; n_out], n_out).unwrap_err();
+    assert!(matches!(err, CpuError::NotPacked { .. }), "{err}");
+    // Other types are not packed.
+    assert!(!ts_cpu::packs(GgmlType::Q4_K, 64));
+}
