@@ -46,7 +46,14 @@ pub struct ExpertBytes<'a> {
     pub gate: &'a [u8],
     pub up: &'a [u8],
     pub down: &'a [u8],
+    /// Per projection (gate, up, down): repacked by [`ExpertStore::pack`] (the CPU's packed
+    /// layout), not GGUF blocks.
+    pub packed: [bool; 3],
 }
+
+/// Repacks one expert's matrix of projection `proj` (0 gate, 1 up, 2 down) of `layer` in
+/// place, returning whether it did ([`ExpertStore::pack`]).
+pub type Packer<'a> = &'a (dyn Fn(usize, usize, &mut [u8]) -> bool + Sync);
 
 /// Experts made available for one layer, in the order asked for. They stay
 /// valid (and, when streamed, protected from eviction) while this lives.
@@ -110,6 +117,13 @@ pub trait ExpertStore: Send + Sync {
     }
     /// Bytes of expert data the store holds in memory it owns.
     fn resident_bytes(&self) -> u64 {
+        0
+    }
+    /// Repacks the experts the store holds in memory it owns with `pack`, for a backend that
+    /// reads them in another layout; [`ExpertBytes::packed`] then says which are. Returns how
+    /// many matrices were repacked (stores that map or stream their experts repack none).
+    fn pack(&mut self, pack: Packer<'_>) -> usize {
+        let _ = pack;
         0
     }
 }

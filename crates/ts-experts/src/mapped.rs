@@ -1,6 +1,6 @@
 //! Experts read through the memory map, or copied into memory at open.
 
-use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore};
+use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore, Packer};
 use std::sync::Arc;
 use ts_gguf::GgufFile;
 
@@ -26,7 +26,9 @@ impl ExpertStore for MappedExperts {
             &map[start..start + pr.expert_bytes]
         };
         Ok(ExpertSet::ready(
-            ids.iter().map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e) }).collect(),
+            ids.iter()
+                .map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e), packed: [false; 3] })
+                .collect(),
         ))
     }
 
@@ -40,6 +42,8 @@ pub struct ResidentExperts {
     layout: ExpertLayout,
     /// Per layer, per projection: all experts' matrices back to back.
     data: Vec<Option<[Vec<u64>; 3]>>,
+    /// Per layer, per projection: repacked by [`ExpertStore::pack`].
+    packed: Vec<[bool; 3]>,
 }
 
 impl ResidentExperts {
@@ -77,7 +81,8 @@ impl ResidentExperts {
             }
             data.push(Some(projs));
         }
-        Ok(ResidentExperts { layout, data })
+        let packed = vec![[false; 3]; data.len()];
+        Ok(ResidentExperts { layout, data, packed })
     }
 }
 
@@ -89,9 +94,30 @@ impl ExpertStore for ResidentExperts {
             let size = l.proj[p].expert_bytes;
             &bytemuck::cast_slice::<u64, u8>(&d[p])[e * size..(e + 1) * size]
         };
+        let packed = self.packed[layer];
         Ok(ExpertSet::ready(
-            ids.iter().map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e) }).collect(),
+            ids.iter()
+                .map(|&e| ExpertBytes { gate: slice(0, e), up: slice(1, e), down: slice(2, e), packed })
+                .collect(),
         ))
+    }
+
+    fn pack(&mut self, pack: Packer<'_>) -> usize {
+        use rayon::prelude::*;
+        let mut count = 0;
+        for (layer, (data, packed)) in self.data.iter_mut().zip(&mut self.packed).enumerate() {
+            let (Some(data), Some(l)) = (data, self.layout.layers[layer].as_ref()) else { continue };
+            for (p, words) in data.iter_mut().enumerate() {
+                let size = l.proj[p].expert_bytes;
+                let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..size * l.n_expert];
+                // Every expert of a projection has one shape: all are repacked or none.
+                let done: Vec<bool> = bytes.par_chunks_mut(size.max(1)).map(|m| pack(layer, p, m)).collect();
+                assert!(done.iter().all(|&d| d == done[0]), "layer {layer}: experts of one shape packed unevenly");
+                packed[p] = done.first() == Some(&true);
+                count += done.iter().filter(|&&d| d).count();
+            }
+        }
+        count
     }
 
     fn kind(&self) -> &'static str {

@@ -440,7 +440,7 @@ impl PendingSet<'_> {
         // SAFETY: the reads into this slot are complete and the slot stays pinned while `self` lives.
         let part =
             |p: &Placement| unsafe { std::slice::from_raw_parts(base.add(p.slot_offset + p.data_skip), p.data_len) };
-        Ok(ExpertBytes { gate: part(&pl[0]), up: part(&pl[1]), down: part(&pl[2]) })
+        Ok(ExpertBytes { gate: part(&pl[0]), up: part(&pl[1]), down: part(&pl[2]), packed: [false; 3] })
     }
 }
 

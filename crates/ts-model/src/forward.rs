@@ -82,6 +82,32 @@ pub fn linear_bytes(
     scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
 }
 
+/// [`linear_bytes`] for one expert's matrix, which may be in the CPU's packed layout
+/// ([`Model::pack_experts`]).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_expert(
+    w: &Weight,
+    bytes: &[u8],
+    packed: bool,
+    n_out: usize,
+    x: &[f32],
+    m: usize,
+    scratch: &mut Scratch,
+    out: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    if !packed {
+        return linear_bytes(w, bytes, n_out, x, m, scratch, out);
+    }
+    let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
+    if scratch.exact_activations {
+        return Err(err("experts packed for the CPU take 8-bit activations, not exact ones".into()));
+    }
+    let k = w.row_len();
+    out.resize(m * n_out, 0.0);
+    scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
+    ts_cpu::matmul_packed(w.ty, bytes, n_out, k, &scratch.xq, out, n_out).map_err(|e| err(e.to_string()))
+}
+
 /// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
 const DEQUANTIZED_TILE: usize = 32 * 1024;
 
@@ -195,6 +221,8 @@ pub struct Model<B: Backend = Cpu> {
     /// Per layer, for attention layers.
     pub ropes: Vec<Option<Rope>>,
     pub backend: B,
+    /// Expert matrices repacked for the CPU's kernels ([`Model::pack_experts`]).
+    packed_experts: usize,
 }
 
 impl Model {
@@ -207,7 +235,23 @@ impl Model {
                     .map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref().filter(|_| a.rope_freq_factors)))
             })
             .collect();
-        Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu }
+        Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu, packed_experts: 0 }
+    }
+
+    /// Repacks the routed experts the store holds in memory (`--experts resident`) into the
+    /// CPU's packed layout where its kernels have one (MXFP4: [`ts_cpu::pack_rows`]), so that
+    /// no batch builds their panels again and decode reads them at 4 bits through the batch
+    /// kernel. Returns how many matrices were repacked. The model then stays on the CPU
+    /// (`into_backend` refuses it) and needs 8-bit activations (not `--exact-activations`).
+    pub fn pack_experts(&mut self) -> usize {
+        let layers = &self.weights.layers;
+        let pack = |layer: usize, proj: usize, bytes: &mut [u8]| {
+            let Some(Ffn::Moe(w)) = layers.get(layer).map(|l| &l.ffn) else { return false };
+            let w = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
+            ts_cpu::pack_rows(w.ty, bytes, w.n_rows(), w.row_len()).unwrap_or(false)
+        };
+        self.packed_experts += self.experts.pack(&pack);
+        self.packed_experts
     }
 
     /// The same model on another backend, built by `make` from this one.
@@ -215,9 +259,15 @@ impl Model {
         self,
         make: impl FnOnce(&Model) -> Result<B, ModelError>,
     ) -> Result<Model<B>, ModelError> {
+        if self.packed_experts > 0 {
+            return Err(ModelError::Compute(format!(
+                "{} expert matrices are packed for the CPU; open the model again for another backend",
+                self.packed_experts
+            )));
+        }
         let backend = make(&self)?;
         let Model { cfg, weights, experts, prefetch_experts, ropes, .. } = self;
-        Ok(Model { cfg, weights, experts, prefetch_experts, ropes, backend })
+        Ok(Model { cfg, weights, experts, prefetch_experts, ropes, backend, packed_experts: 0 })
     }
 }
 

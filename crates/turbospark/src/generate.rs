@@ -56,6 +56,11 @@ pub struct ModelArgs {
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
     exact_activations: bool,
+    /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked at
+    /// load into the layout the CPU's kernels read directly (MXFP4 on AVX-512 VNNI; as
+    /// llama.cpp's and ik_llama.cpp's repacking, which llama.cpp's `--no-repack` turns off).
+    #[arg(long)]
+    no_repack: bool,
 }
 
 /// Sampling options, with llama.cpp's defaults.
@@ -405,6 +410,11 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
+    if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
+        engine.model.pack_experts();
+    } else if args.no_repack && global.device()? != crate::Device::Cpu {
+        bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");
+    }
     // On the GPU the VRAM expert cache prefetches (from pinned RAM, or through the store).
     let gpu_cache = cuda.expert_cache.is_some();
     engine.model.prefetch_experts = match args.expert_prefetch {

@@ -1,0 +1,49 @@
+//! Experts held in memory and repacked for the CPU's kernels (`Model::pack_experts`): the
+//! fixtures whose experts pack (gpt-oss's MXFP4) against their transformers goldens, within
+//! the default mode's bound (tests/fixtures.rs), and against the same model with its experts
+//! in the GGUF layout, prompt and decode.
+
+use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
+
+/// Logits of every golden position, `chunk` rows per step.
+fn run(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
+    let mut seq = SeqState::new(&model.cfg, tokens.len(), chunk);
+    let mut scratch = Scratch::default();
+    let mut out = Vec::new();
+    for (c, toks) in tokens.chunks(chunk).enumerate() {
+        let rows: Vec<Row> =
+            toks.iter().enumerate().map(|(i, &t)| Row { token: t, pos: c * chunk + i, seq: 0, logits: true }).collect();
+        out.extend(model.forward(&rows, &mut [&mut seq], &mut scratch).unwrap());
+    }
+    out
+}
+
+#[test]
+fn packed_experts_match_transformers_and_the_gguf_layout() {
+    assert!(ts_cpu::Isa::Avx512.is_available(), "experts are packed on AVX-512 VNNI: this machine has none");
+    let mut packed_fixtures = 0;
+    for f in ts_testkit::fixtures() {
+        let mut packed = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
+        let matrices = packed.pack_experts();
+        if matrices == 0 {
+            continue;
+        }
+        let plain = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
+        let name = format!("{}/{}", f.family, f.variant);
+        for chunk in [16, 1] {
+            let (got, want) = (run(&packed, &f.golden.tokens, chunk), run(&plain, &f.golden.tokens, chunk));
+            let c = f.golden.compare(&got);
+            println!("{name} packed ({matrices} matrices), chunk {chunk}: {c}, median {:.3e}", c.median_rel_err());
+            assert!(c.median_rel_err() <= 6e-2, "{name} chunk {chunk}: {c}");
+            // Against the GGUF layout: the batch kernels give the same floats; the one-row
+            // kernel sums blocks in another order.
+            for (p, (g, w)) in got.iter().zip(&want).enumerate() {
+                let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(diff <= 1e-3 * scale, "{name} chunk {chunk} row {p}: max |Δ| {diff} of {scale}");
+            }
+        }
+        packed_fixtures += 1;
+    }
+    assert!(packed_fixtures > 0, "no fixture with experts the CPU packs (gpt_oss mxfp4)");
+}
