@@ -411,7 +411,10 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
-        engine.model.pack_experts();
+        let n = engine.model.pack_experts();
+        if n > 0 {
+            eprintln!("experts: {n} matrices repacked for the CPU's kernels (--no-repack keeps the GGUF layout)");
+        }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
         bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");
     }

@@ -63,11 +63,28 @@ fn a_synthetic_model_gives_identical_logits_across_placements() {
         let mut args = vec!["logits", "-m", m, "--all", "--tokens", "11,2048,77,90000,5,6,7,8"];
         args.extend_from_slice(experts);
         let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
-        assert!(out.status.success(), "{experts:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{experts:?}: {stderr}");
+        let repacked = experts == ["--experts", "resident"];
+        assert_eq!(stderr.contains("repacked"), repacked, "{experts:?}: {stderr}");
         out.stdout
     };
-    let resident = logits(&["--experts", "resident"]);
+    // The GGUF layout in memory: the same floats as the other placements.
+    let resident = logits(&["--experts", "resident", "--no-repack"]);
     assert_eq!(resident, logits(&["--experts", "mapped"]));
+    // Repacked for the CPU's kernels (the default): within 8-bit rounding of the others, as
+    // rows of fewer than 4 per expert are summed in another order.
+    let rows = |bytes: &[u8]| -> Vec<Vec<f32>> {
+        let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+        serde_json::from_value(v["logits"].clone()).unwrap()
+    };
+    let (plain, packed) = (rows(&resident), rows(&logits(&["--experts", "resident"])));
+    assert_eq!(plain.len(), packed.len());
+    for (p, (a, b)) in plain.iter().zip(&packed).enumerate() {
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-2 * scale, "packed experts, row {p}: max |Δ| {diff} of {scale}");
+    }
     // Four slots: every step evicts.
     assert_eq!(resident, logits(&["--experts", "stream", "--expert-cache", "52MiB"]));
     assert_eq!(resident, logits(&["--experts", "stream", "--expert-cache", "52MiB", "--expert-prefetch"]));
