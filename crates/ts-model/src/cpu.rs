@@ -4,7 +4,7 @@
 use crate::ModelError;
 use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt};
 use crate::config::{GatedActivation, MoeConfig};
-use crate::forward::{Model, Row, Scratch, linear, linear_expert};
+use crate::forward::{Model, Row, Scratch, linear, linear_bytes};
 use crate::state::{CpuState, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
@@ -311,8 +311,8 @@ impl Backend for Cpu {
             let xs: Vec<f32> =
                 pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
             let (mut g, mut u) = (Vec::new(), Vec::new());
-            linear_expert(&w.gate_exps, bytes.gate, bytes.packed[0], f, &xs, pairs.len(), s, &mut g)?;
-            linear_expert(&w.up_exps, bytes.up, bytes.packed[1], f, &xs, pairs.len(), s, &mut u)?;
+            linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, &xs, pairs.len(), s, &mut g)?;
+            linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, &xs, pairs.len(), s, &mut u)?;
             if let Some(b) = &w.gate_bias {
                 ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
             }
@@ -344,7 +344,7 @@ impl Backend for Cpu {
         let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
             let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
             let mut d = Vec::new();
-            linear_expert(&w.down_exps, bytes.down, bytes.packed[2], e, &hs, pairs.len(), s, &mut d)?;
+            linear_bytes(&w.down_exps, bytes.down, bytes.packed[2], e, &hs, pairs.len(), s, &mut d)?;
             if let Some(b) = &w.down_bias {
                 ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
             }

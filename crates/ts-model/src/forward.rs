@@ -59,13 +59,17 @@ type CpuMatmul = fn(ts_gguf::GgmlType, &[u8], usize, usize, &QuantizedRows, &mut
 
 /// `out[m][n_out] = x[m][k] · Wᵀ`, with `W` of shape `[k, n_out]` in ggml order.
 pub fn linear(w: &Weight, x: &[f32], m: usize, scratch: &mut Scratch, out: &mut Vec<f32>) -> Result<(), ModelError> {
-    linear_bytes(w, w.bytes(), w.n_rows(), x, m, scratch, out)
+    linear_bytes(w, w.bytes(), false, w.n_rows(), x, m, scratch, out)
 }
 
-/// [`linear`] over explicit bytes of `n_out` rows of `w`'s type (one expert of a stacked tensor).
+/// [`linear`] over explicit bytes of `n_out` rows of `w`'s type (one expert of a stacked
+/// tensor), in the GGUF layout or, with `packed`, the CPU's packed one
+/// ([`Model::pack_experts`], which takes 8-bit activations only).
+#[allow(clippy::too_many_arguments)]
 pub fn linear_bytes(
     w: &Weight,
     bytes: &[u8],
+    packed: bool,
     n_out: usize,
     x: &[f32],
     m: usize,
@@ -76,36 +80,17 @@ pub fn linear_bytes(
     out.resize(m * n_out, 0.0);
     let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
     if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
+        if packed {
+            return Err(err("experts packed for the CPU take 8-bit activations, not exact ones".into()));
+        }
         return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
     }
     scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out).map_err(|e| err(e.to_string()))
-}
-
-/// [`linear_bytes`] for one expert's matrix, which may be in the CPU's packed layout
-/// ([`Model::pack_experts`]).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_expert(
-    w: &Weight,
-    bytes: &[u8],
-    packed: bool,
-    n_out: usize,
-    x: &[f32],
-    m: usize,
-    scratch: &mut Scratch,
-    out: &mut Vec<f32>,
-) -> Result<(), ModelError> {
-    if !packed {
-        return linear_bytes(w, bytes, n_out, x, m, scratch, out);
-    }
-    let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
-    if scratch.exact_activations {
-        return Err(err("experts packed for the CPU take 8-bit activations, not exact ones".into()));
-    }
-    let k = w.row_len();
-    out.resize(m * n_out, 0.0);
-    scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
-    ts_cpu::matmul_packed(w.ty, bytes, n_out, k, &scratch.xq, out, n_out).map_err(|e| err(e.to_string()))
+    let result = match packed {
+        true => ts_cpu::matmul_packed(w.ty, bytes, n_out, k, &scratch.xq, out, n_out),
+        false => scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out),
+    };
+    result.map_err(|e| err(e.to_string()))
 }
 
 /// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
