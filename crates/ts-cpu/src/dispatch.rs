@@ -89,12 +89,13 @@ pub(crate) enum Layout {
     Packed,
 }
 
-/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4 in whole panels, on AVX-512 VNNI.
+/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4 and Q4_K in whole panels, on
+/// AVX-512 VNNI.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
     cfg!(target_arch = "x86_64")
         && isa == Isa::Avx512
         && isa.is_available()
-        && ty == GgmlType::MXFP4
+        && matches!(ty, GgmlType::MXFP4 | GgmlType::Q4_K)
         && n_out.is_multiple_of(PANEL_ROWS)
 }
 
@@ -113,9 +114,12 @@ pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize)
         return Ok(false);
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `packs` checked that AVX-512 is available and the rows are whole panels of MXFP4.
+    // SAFETY: `packs` checked that AVX-512 is available and the rows are whole panels of `ty`.
     unsafe {
-        crate::panel::pack_mxfp4(w, row_bytes)
+        match ty {
+            GgmlType::MXFP4 => crate::panel::pack_mxfp4(w, row_bytes),
+            _ => crate::panel::pack_q4k(w, row_bytes),
+        }
     };
     Ok(true)
 }
@@ -431,7 +435,11 @@ mod x86 {
             Isa::Avx512 => Some(Kernels {
                 direct: avx512,
                 panel: panel::kernel(ty).map(|p| (p, panel::min_batch(ty))),
-                packed: (ty == T::MXFP4).then_some(panel::mxfp4_packed_tile as TileFn),
+                packed: match ty {
+                    T::MXFP4 => Some(panel::mxfp4_packed_tile as TileFn),
+                    T::Q4_K => Some(panel::q4k_packed_tile as TileFn),
+                    _ => None,
+                },
             }),
         }
     }

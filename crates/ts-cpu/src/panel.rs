@@ -715,3 +715,152 @@ unsafe fn e8m0_half(e: __m512i) -> __m512 {
         _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_normal, tiny, normal))
     }
 }
+
+/// Bytes of one 256-element super-block of a packed Q4_K panel (16 rows, the same as their GGUF
+/// blocks): codes `[chunk pair i][half h][step t][row][4]` (2048 bytes; [`transpose_dwords`] of
+/// bytes `16 + 32 i + 16 h` of each row, whose low nibbles are chunk `2 i` and high nibbles
+/// chunk `2 i + 1`), then the rows' 12 scale bytes as three dwords `[j][row]` (192), then each
+/// row's `d` and `dmin` as one dword `[row]` (64).
+pub(crate) const Q4K_PACKED_BLOCK: usize = 16 * 144;
+
+/// Repacks Q4_K rows in place, panel by panel, into the layout [`q4k_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 144).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
+    let nb = row_bytes / 144;
+    let mut packed = vec![0u8; ROWS * row_bytes];
+    for panel in w.chunks_exact_mut(ROWS * row_bytes) {
+        for b in 0..nb {
+            let out = b * Q4K_PACKED_BLOCK;
+            let row = |r: usize| r * row_bytes + b * 144;
+            for i in 0..4 {
+                for h in 0..2 {
+                    unsafe {
+                        let d = transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + 16 + 32 * i + 16 * h));
+                        for (t, d) in d.iter().enumerate() {
+                            _mm512_storeu_si512(packed[out + 512 * i + 256 * h + 64 * t..].as_mut_ptr().cast(), *d);
+                        }
+                    }
+                }
+            }
+            for r in 0..ROWS {
+                for j in 0..3 {
+                    let at = out + 2048 + 64 * j + 4 * r;
+                    packed[at..at + 4].copy_from_slice(&panel[row(r) + 4 + 4 * j..][..4]);
+                }
+                packed[out + 2240 + 4 * r..][..4].copy_from_slice(&panel[row(r)..][..4]);
+            }
+        }
+        panel.copy_from_slice(&packed);
+    }
+}
+
+/// The Q4_K kernel on packed panels ([`pack_q4k`]), for any number of activation rows.
+///
+/// # Safety
+/// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2, FMA,
+/// F16C and AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4k_packed_tile(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    for r0 in (0..rows).step_by(ROWS) {
+        let p = w[r0 * row_bytes..].as_ptr();
+        unsafe {
+            each_cols!(m, COLS, |c, C| {
+                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                let acc = q4k_packed_pass::<C>(p, x.nb, &a);
+                store_rows(&acc, out, c, r0, ROWS);
+            });
+        }
+    }
+}
+
+/// One pass of `C` activation rows (Q8_K) over a packed Q4_K panel of `nb` super-blocks: per
+/// lane (weight row), `d Σ_g scale_g (q_g · a_g) - dmin Σ_g min_g bsum_g`, times the
+/// activations' `d`. The 6-bit scales and mins are unpacked for all 16 rows at once, as
+/// ts-quant's `scale_min_k4` does for one.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed super-blocks and the rows of `a` as many Q8_K
+/// blocks.
+#[inline(always)]
+unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); C];
+        let set = |v: u32| _mm512_set1_epi32(v as i32);
+        for b in 0..nb {
+            let block = panel.add(b * Q4K_PACKED_BLOCK);
+            if C == 1 {
+                crate::simd::prefetch_ahead(block, Q4K_PACKED_BLOCK);
+            }
+            // Words a, b, c of each row's scale bytes; groups 0-3 in the low words, 4-7 in the high.
+            let load = |at: usize| _mm512_loadu_si512(block.add(at).cast());
+            let (wa, wb, wc) = (load(2048), load(2112), load(2176));
+            let top =
+                |v: __m512i| _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(v), set(0x0303_0303)));
+            let scales = [
+                _mm512_and_si512(wa, set(0x3f3f_3f3f)),
+                _mm512_or_si512(_mm512_and_si512(wc, set(0x0f0f_0f0f)), top(wa)),
+            ];
+            let mins = [
+                _mm512_and_si512(wb, set(0x3f3f_3f3f)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(wc), set(0x0f0f_0f0f)), top(wb)),
+            ];
+            // Byte g % 4 of each lane, for group g.
+            let byte = |v: &[__m512i; 2], g: usize| {
+                _mm512_and_si512(_mm512_srlv_epi32(v[g / 4], set(8 * (g % 4) as u32)), set(0xff))
+            };
+            let dd = load(2240);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            let mut sums = [zero; C];
+            for i in 0..4 {
+                let (mut lo, mut hi) = ([zero; C], [zero; C]);
+                for h in 0..2 {
+                    for t in 0..4 {
+                        let v = load(512 * i + 256 * h + 64 * t);
+                        let (vl, vh) = (nibbles512(v, false), nibbles512(v, true));
+                        let s = 4 * h + t;
+                        for c in 0..C {
+                            let q = a[c].q.add(b * Q8K_BYTES + 4);
+                            let al = _mm512_set1_epi32(read_u32(q.add(32 * (2 * i) + 4 * s)) as i32);
+                            let ah = _mm512_set1_epi32(read_u32(q.add(32 * (2 * i + 1) + 4 * s)) as i32);
+                            lo[c] = _mm512_dpbusd_epi32(lo[c], vl, al);
+                            hi[c] = _mm512_dpbusd_epi32(hi[c], vh, ah);
+                        }
+                    }
+                }
+                let (s_lo, s_hi) = (byte(&scales, 2 * i), byte(&scales, 2 * i + 1));
+                for c in 0..C {
+                    let both = _mm512_add_epi32(_mm512_mullo_epi32(lo[c], s_lo), _mm512_mullo_epi32(hi[c], s_hi));
+                    sums[c] = _mm512_add_epi32(sums[c], both);
+                }
+            }
+            // Mins of groups 2j and 2j + 1 as an i16 pair per lane, against the activations'
+            // sums over those groups (two bsums of 16 each), also as an i16 pair.
+            let pairs: [__m512i; 4] = std::array::from_fn(|j| {
+                let (m0, m1) = (byte(&mins, 2 * j), byte(&mins, 2 * j + 1));
+                _mm512_or_si512(m0, _mm512_slli_epi32::<16>(m1))
+            });
+            for c in 0..C {
+                let bsums = a[c].q.add(b * Q8K_BYTES + 260).cast::<i16>();
+                let group =
+                    |g: usize| bsums.add(2 * g).read_unaligned() as i32 + bsums.add(2 * g + 1).read_unaligned() as i32;
+                let mut corr = zero;
+                for (j, pair) in pairs.iter().enumerate() {
+                    let packed = (group(2 * j) as u32 & 0xffff) | (group(2 * j + 1) as u32) << 16;
+                    corr = _mm512_dpwssd_epi32(corr, *pair, _mm512_set1_epi32(packed as i32));
+                }
+                let da = _mm512_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), _mm512_mul_ps(d, da), acc[c]);
+                acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_mul_ps(dmin, da), acc[c]);
+            }
+        }
+        acc
+    }
+}

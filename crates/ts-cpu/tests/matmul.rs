@@ -305,15 +305,22 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// MXFP4 rows repacked in place: the same products as the GGUF rows, against both references
-/// (`check`) and bit for bit against the batch (panel) kernel; every row as a one-row call
-/// computes it; shapes the packing does not take are refused by name.
+/// MXFP4 and Q4_K rows repacked in place: the same products as the GGUF rows, against both
+/// references (`check`) and bit for bit against the batch (panel) kernel; every row as a
+/// one-row call computes it; shapes the packing does not take are refused by name.
 #[test]
 fn packed_rows_match_the_gguf_rows() {
     assert!(Isa::Avx512.is_available(), "the packed layout is for AVX-512 VNNI: this machine has none");
-    let ty = GgmlType::MXFP4;
     let mut rng = Rng::new(500);
-    for (n_out, k) in [(16, 32), (48, 320), (32, 2880)] {
+    let shapes = [
+        (GgmlType::MXFP4, 16, 32),
+        (GgmlType::MXFP4, 48, 320),
+        (GgmlType::MXFP4, 32, 2880),
+        (GgmlType::Q4_K, 16, 256),
+        (GgmlType::Q4_K, 48, 768),
+        (GgmlType::Q4_K, 32, 2048),
+    ];
+    for (ty, n_out, k) in shapes {
         let w = weights(&mut rng, ty, n_out, k, true);
         let mut packed = w.clone();
         assert!(ts_cpu::packs(ty, n_out));
@@ -325,10 +332,17 @@ fn packed_rows_match_the_gguf_rows() {
             x.quantize(ty, &xf, k).unwrap();
             let mut got = vec![f32::NAN; m * n_out];
             ts_cpu::matmul_packed(ty, &packed, n_out, k, &x, &mut got, n_out).unwrap();
-            check(&Case { ty, w: &w, n_out, k, xf: &xf, x: &x }, &got, &format!("packed n_out={n_out} k={k} m={m}"));
+            check(
+                &Case { ty, w: &w, n_out, k, xf: &xf, x: &x },
+                &got,
+                &format!("packed {ty} n_out={n_out} k={k} m={m}"),
+            );
             if m >= 4 {
                 let panel = run(Isa::Avx512, ty, &w, n_out, k, &x);
-                assert!(got.iter().zip(&panel).all(|(a, b)| a.to_bits() == b.to_bits()), "n_out={n_out} k={k} m={m}");
+                assert!(
+                    got.iter().zip(&panel).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty} n_out={n_out} k={k} m={m}"
+                );
             }
             // Row by row, as one-row calls.
             for i in 0..m {
@@ -341,7 +355,7 @@ fn packed_rows_match_the_gguf_rows() {
         }
     }
     // Rows that do not fill the last panel stay as they are, and are not read as packed.
-    let (n_out, k) = (24, 64);
+    let (ty, n_out, k) = (GgmlType::MXFP4, 24, 64);
     let mut w = weights(&mut rng, ty, n_out, k, true);
     let before = w.clone();
     assert!(!ts_cpu::packs(ty, n_out));
@@ -352,5 +366,5 @@ fn packed_rows_match_the_gguf_rows() {
     let err = ts_cpu::matmul_packed(ty, &w, n_out, k, &x, &mut vec![0.0; n_out], n_out).unwrap_err();
     assert!(matches!(err, CpuError::NotPacked { .. }), "{err}");
     // Other types are not packed.
-    assert!(!ts_cpu::packs(GgmlType::Q4_K, 64));
+    assert!(!ts_cpu::packs(GgmlType::Q6_K, 64));
 }

@@ -1,5 +1,5 @@
 //! Experts held in memory and repacked for the CPU's kernels (`Model::pack_experts`): the
-//! fixtures whose experts pack (gpt-oss's MXFP4) against their transformers goldens, within
+//! fixtures whose experts pack (MXFP4, Q4_K) against their transformers goldens, within
 //! the default mode's bound (tests/fixtures.rs), and against the same model with its experts
 //! in the GGUF layout, prompt and decode.
 
@@ -36,14 +36,21 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
             println!("{name} packed ({matrices} matrices), chunk {chunk}: {c}, median {:.3e}", c.median_rel_err());
             assert!(c.median_rel_err() <= 6e-2, "{name} chunk {chunk}: {c}");
             // Against the GGUF layout: the batch kernels give the same floats; the one-row
-            // kernel sums blocks in another order.
+            // kernels sum in another order (Q4_K's in floats per sub-block), a few 1e-3 of the
+            // largest logit after the layers compound it.
+            let mut worst = 0f32;
             for (p, (g, w)) in got.iter().zip(&want).enumerate() {
                 let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                assert!(diff <= 1e-3 * scale, "{name} chunk {chunk} row {p}: max |Δ| {diff} of {scale}");
+                worst = worst.max(diff / scale);
+                assert!(diff <= 1e-2 * scale, "{name} chunk {chunk} row {p}: max |Δ| {diff} of {scale}");
             }
+            println!("{name} chunk {chunk}: packed vs GGUF layout, worst row {worst:.2e} of its largest logit");
         }
         packed_fixtures += 1;
     }
-    assert!(packed_fixtures > 0, "no fixture with experts the CPU packs (gpt_oss mxfp4)");
+    assert!(
+        packed_fixtures >= 2,
+        "fixtures with experts the CPU packs (gpt_oss mxfp4, the q4_k_m MoE files) are missing"
+    );
 }
