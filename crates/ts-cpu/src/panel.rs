@@ -621,46 +621,70 @@ pub(crate) const MXFP4_PACKED_BLOCK: usize = 16 * 17;
 /// of 17).
 #[target_feature(enable = "avx2,avx512f,avx512bw")]
 pub(crate) unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
-    let nb = row_bytes / 17;
+    repack_panels(w, row_bytes, MXFP4_PACKED_BLOCK, |panel, b, out| {
+        // SAFETY: the caller's AVX-512; each row holds block `b`'s 17 bytes.
+        let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(r * row_bytes + b * 17 + 1)) };
+        for (t, d) in d.iter().enumerate() {
+            unsafe { _mm512_storeu_si512(out[64 * t..].as_mut_ptr().cast(), *d) };
+        }
+        for r in 0..ROWS {
+            out[256 + r] = panel[r * row_bytes + b * 17];
+        }
+    });
+}
+
+/// Repacks whole panels of `row_bytes` rows in place: `block(panel, b, out)` writes block `b`
+/// of the 16 rows at `panel` into `out` (`block_bytes`, the size of the rows' blocks).
+fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, block: impl Fn(&[u8], usize, &mut [u8])) {
     let mut packed = vec![0u8; ROWS * row_bytes];
     for panel in w.chunks_exact_mut(ROWS * row_bytes) {
-        for b in 0..nb {
-            let out = packed[b * MXFP4_PACKED_BLOCK..].as_mut_ptr();
-            unsafe {
-                let d = transpose_dwords(ROWS, |r| panel.as_ptr().add(r * row_bytes + b * 17 + 1));
-                for (t, d) in d.iter().enumerate() {
-                    _mm512_storeu_si512(out.add(64 * t).cast(), *d);
-                }
-            }
-            for r in 0..ROWS {
-                packed[b * MXFP4_PACKED_BLOCK + 256 + r] = panel[r * row_bytes + b * 17];
-            }
+        for (b, out) in packed.chunks_exact_mut(block_bytes).enumerate() {
+            block(panel, b, out);
         }
         panel.copy_from_slice(&packed);
     }
 }
 
-/// The MXFP4 kernel on packed panels ([`pack_mxfp4`]), for any number of activation rows:
-/// no panel is built, so decode and small batches read the weights once, at 4 bits.
-///
-/// # Safety
-/// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2, FMA,
-/// F16C and AVX-512 F, BW, VL and VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn mxfp4_packed_tile(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
-    let rows = out.first().map_or(0, |o| o.len());
-    let m = out.len();
-    for r0 in (0..rows).step_by(ROWS) {
-        let p = w[r0 * row_bytes..].as_ptr();
-        unsafe {
-            each_cols!(m, COLS, |c, C| {
-                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
-                let acc = mxfp4_packed_pass::<C>(p, x.nb, &a);
-                store_rows(&acc, out, c, r0, ROWS);
-            });
+/// Defines `$name`, the kernel on panels packed as `$pass` reads them, for any number of
+/// activation rows: no panel is built, so decode and small batches read the weights once, at
+/// 4 bits. (A macro, not a generic over the pass: that measured 1.4x slower, its pass not
+/// inlined as well.)
+macro_rules! packed_tile {
+    ($(#[$doc:meta])* $name:ident, $pass:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2,
+        /// FMA, F16C and AVX-512 F, BW, VL and VNNI.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(crate) unsafe fn $name(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+            let rows = out.first().map_or(0, |o| o.len());
+            let m = out.len();
+            for r0 in (0..rows).step_by(ROWS) {
+                let p = w[r0 * row_bytes..].as_ptr();
+                unsafe {
+                    each_cols!(m, COLS, |c, C| {
+                        let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                        let acc = $pass::<C>(p, x.nb, &a);
+                        store_rows(&acc, out, c, r0, ROWS);
+                    });
+                }
+            }
         }
-    }
+    };
 }
+
+packed_tile!(
+    /// MXFP4 packed by [`pack_mxfp4`].
+    mxfp4_packed_tile,
+    mxfp4_packed_pass
+);
+
+packed_tile!(
+    /// Q4_K packed by [`pack_q4k`].
+    q4k_packed_tile,
+    q4k_packed_pass
+);
 
 /// One pass of `C` activation rows over a packed MXFP4 panel of `nb` blocks: per lane (weight
 /// row), the dot product, with the codes unpacked (a lookup of each nibble) as they are read.
@@ -730,53 +754,24 @@ pub(crate) const Q4K_PACKED_BLOCK: usize = 16 * 144;
 /// of 144).
 #[target_feature(enable = "avx2,avx512f,avx512bw")]
 pub(crate) unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
-    let nb = row_bytes / 144;
-    let mut packed = vec![0u8; ROWS * row_bytes];
-    for panel in w.chunks_exact_mut(ROWS * row_bytes) {
-        for b in 0..nb {
-            let out = b * Q4K_PACKED_BLOCK;
-            let row = |r: usize| r * row_bytes + b * 144;
-            for i in 0..4 {
-                for h in 0..2 {
-                    unsafe {
-                        let d = transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + 16 + 32 * i + 16 * h));
-                        for (t, d) in d.iter().enumerate() {
-                            _mm512_storeu_si512(packed[out + 512 * i + 256 * h + 64 * t..].as_mut_ptr().cast(), *d);
-                        }
-                    }
+    repack_panels(w, row_bytes, Q4K_PACKED_BLOCK, |panel, b, out| {
+        let row = |r: usize| r * row_bytes + b * 144;
+        for i in 0..4 {
+            for h in 0..2 {
+                // SAFETY: the caller's AVX-512; each row holds super-block `b`'s 144 bytes.
+                let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + 16 + 32 * i + 16 * h)) };
+                for (t, d) in d.iter().enumerate() {
+                    unsafe { _mm512_storeu_si512(out[512 * i + 256 * h + 64 * t..].as_mut_ptr().cast(), *d) };
                 }
             }
-            for r in 0..ROWS {
-                for j in 0..3 {
-                    let at = out + 2048 + 64 * j + 4 * r;
-                    packed[at..at + 4].copy_from_slice(&panel[row(r) + 4 + 4 * j..][..4]);
-                }
-                packed[out + 2240 + 4 * r..][..4].copy_from_slice(&panel[row(r)..][..4]);
+        }
+        for r in 0..ROWS {
+            for j in 0..3 {
+                out[2048 + 64 * j + 4 * r..][..4].copy_from_slice(&panel[row(r) + 4 + 4 * j..][..4]);
             }
+            out[2240 + 4 * r..][..4].copy_from_slice(&panel[row(r)..][..4]);
         }
-        panel.copy_from_slice(&packed);
-    }
-}
-
-/// The Q4_K kernel on packed panels ([`pack_q4k`]), for any number of activation rows.
-///
-/// # Safety
-/// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2, FMA,
-/// F16C and AVX-512 F, BW, VL and VNNI.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(crate) unsafe fn q4k_packed_tile(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
-    let rows = out.first().map_or(0, |o| o.len());
-    let m = out.len();
-    for r0 in (0..rows).step_by(ROWS) {
-        let p = w[r0 * row_bytes..].as_ptr();
-        unsafe {
-            each_cols!(m, COLS, |c, C| {
-                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
-                let acc = q4k_packed_pass::<C>(p, x.nb, &a);
-                store_rows(&acc, out, c, r0, ROWS);
-            });
-        }
-    }
+    });
 }
 
 /// One pass of `C` activation rows (Q8_K) over a packed Q4_K panel of `nb` super-blocks: per
