@@ -89,13 +89,13 @@ pub(crate) enum Layout {
     Packed,
 }
 
-/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4 and Q4_K in whole panels, on
+/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K in whole panels, on
 /// AVX-512 VNNI.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
     cfg!(target_arch = "x86_64")
         && isa == Isa::Avx512
         && isa.is_available()
-        && matches!(ty, GgmlType::MXFP4 | GgmlType::Q4_K)
+        && matches!(ty, GgmlType::MXFP4 | GgmlType::Q4_K | GgmlType::Q6_K)
         && n_out.is_multiple_of(PANEL_ROWS)
 }
 
@@ -118,7 +118,8 @@ pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize)
     unsafe {
         match ty {
             GgmlType::MXFP4 => crate::panel::pack_mxfp4(w, row_bytes),
-            _ => crate::panel::pack_q4k(w, row_bytes),
+            GgmlType::Q4_K => crate::panel::pack_q4k(w, row_bytes),
+            _ => crate::panel::pack_q6k(w, row_bytes),
         }
     };
     Ok(true)
@@ -438,6 +439,7 @@ mod x86 {
                 packed: match ty {
                     T::MXFP4 => Some(panel::mxfp4_packed_tile as TileFn),
                     T::Q4_K => Some(panel::q4k_packed_tile as TileFn),
+                    T::Q6_K => Some(panel::q6k_packed_tile as TileFn),
                     _ => None,
                 },
             }),

@@ -686,6 +686,12 @@ packed_tile!(
     q4k_packed_pass
 );
 
+packed_tile!(
+    /// Q6_K packed by [`pack_q6k`].
+    q6k_packed_tile,
+    q6k_packed_pass
+);
+
 /// One pass of `C` activation rows over a packed MXFP4 panel of `nb` blocks: per lane (weight
 /// row), the dot product, with the codes unpacked (a lookup of each nibble) as they are read.
 ///
@@ -854,6 +860,124 @@ unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow
                 let da = _mm512_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), _mm512_mul_ps(d, da), acc[c]);
                 acc[c] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(corr), _mm512_mul_ps(dmin, da), acc[c]);
+            }
+        }
+        acc
+    }
+}
+
+/// Bytes of one super-block of a packed Q6_K panel (16 rows, the same as their GGUF blocks):
+/// for each half `h` and part `p` of it, the [`transpose_dwords`] of three 16-byte runs of each
+/// row (`ql[64 h + 16 p..]`, `ql[64 h + 32 + 16 p..]`, `qh[32 h + 16 p..]`, as
+/// [`store_q6k_steps`] reads them; 3072 bytes), then the rows' 16 signed group scales as four
+/// dword vectors `[j][row]` (256), then the rows' f16 `d` (32).
+pub(crate) const Q6K_PACKED_BLOCK: usize = 16 * 210;
+
+/// Repacks Q6_K rows in place, panel by panel, into the layout [`q6k_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 210).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q6k(w: &mut [u8], row_bytes: usize) {
+    repack_panels(w, row_bytes, Q6K_PACKED_BLOCK, |panel, b, out| {
+        let row = |r: usize| r * row_bytes + b * 210;
+        for half in 0..2 {
+            for part in 0..2 {
+                for (which, offset) in [64 * half, 64 * half + 32, 128 + 32 * half].into_iter().enumerate() {
+                    // SAFETY: the caller's AVX-512; each row holds super-block `b`'s 210 bytes.
+                    let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + offset + 16 * part)) };
+                    let at = 256 * (3 * (2 * half + part) + which);
+                    for (t, d) in d.iter().enumerate() {
+                        unsafe { _mm512_storeu_si512(out[at + 64 * t..].as_mut_ptr().cast(), *d) };
+                    }
+                }
+            }
+        }
+        for r in 0..ROWS {
+            for j in 0..4 {
+                out[3072 + 64 * j + 4 * r..][..4].copy_from_slice(&panel[row(r) + 192 + 4 * j..][..4]);
+            }
+            out[3328 + 2 * r..][..2].copy_from_slice(&panel[row(r) + 208..][..2]);
+        }
+    });
+}
+
+/// One pass of `C` activation rows (Q8_K) over a packed Q6_K panel of `nb` super-blocks: per
+/// lane (weight row), `d (Σ_g scale_g (q_g · a_g) - 32 Σ_g scale_g bsum_g)` times the
+/// activations' `d` (quants are stored as level + 32), with the 6-bit codes put together as
+/// [`store_q6k_steps`] does as they are read.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed super-blocks and the rows of `a` as many Q8_K
+/// blocks.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // k is the chunk, the shift and the index alike
+unsafe fn q6k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+    unsafe {
+        let zero = _mm512_setzero_si512();
+        let three = _mm512_set1_epi8(3);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * Q6K_PACKED_BLOCK);
+            if C == 1 {
+                crate::simd::prefetch_ahead(block, Q6K_PACKED_BLOCK);
+            }
+            let load = |at: usize| _mm512_loadu_si512(block.add(at).cast());
+            let scales: [__m512i; 4] = std::array::from_fn(|j| load(3072 + 64 * j));
+            // Group g's scale, sign-extended from byte g % 4 of its dword.
+            let scale = |g: usize| {
+                let v = _mm512_sllv_epi32(scales[g / 4], _mm512_set1_epi32(24 - 8 * (g % 4) as i32));
+                _mm512_srai_epi32::<24>(v)
+            };
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(3328).cast()));
+            let mut sums = [zero; C];
+            for half in 0..2 {
+                for part in 0..2 {
+                    let base = 256 * 3 * (2 * half + part);
+                    let mut groups = [[zero; 4]; C];
+                    for t in 0..4 {
+                        let (lo, hi, bits) =
+                            (load(base + 64 * t), load(base + 256 + 64 * t), load(base + 512 + 64 * t));
+                        for k in 0..4 {
+                            let low = nibbles512(if k % 2 == 0 { lo } else { hi }, k >= 2);
+                            let high = match k {
+                                0 => bits,
+                                1 => _mm512_srli_epi32::<2>(bits),
+                                2 => _mm512_srli_epi32::<4>(bits),
+                                _ => _mm512_srli_epi32::<6>(bits),
+                            };
+                            let q = _mm512_or_si512(low, _mm512_slli_epi32::<4>(_mm512_and_si512(high, three)));
+                            // Chunk 4 half + k, step 4 part + t.
+                            let at = b * Q8K_BYTES + 4 + 32 * (4 * half + k) + 4 * (4 * part + t);
+                            for c in 0..C {
+                                let av = _mm512_set1_epi32(read_u32(a[c].q.add(at)) as i32);
+                                groups[c][k] = _mm512_dpbusd_epi32(groups[c][k], q, av);
+                            }
+                        }
+                    }
+                    for k in 0..4 {
+                        let s = scale(2 * (4 * half + k) + part);
+                        for c in 0..C {
+                            sums[c] = _mm512_add_epi32(sums[c], _mm512_mullo_epi32(groups[c][k], s));
+                        }
+                    }
+                }
+            }
+            // Scales of groups 2p and 2p + 1 as an i16 pair per lane, against the bsums pair.
+            let pairs: [__m512i; 8] = std::array::from_fn(|p| {
+                let (s0, s1) = (scale(2 * p), scale(2 * p + 1));
+                _mm512_or_si512(_mm512_and_si512(s0, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<16>(s1))
+            });
+            for c in 0..C {
+                let mut corr = zero;
+                for (p, pair) in pairs.iter().enumerate() {
+                    let bsums = read_u32(a[c].q.add(b * Q8K_BYTES + 260 + 4 * p)) as i32;
+                    corr = _mm512_dpwssd_epi32(corr, *pair, _mm512_set1_epi32(bsums));
+                }
+                let total = _mm512_sub_epi32(sums[c], _mm512_slli_epi32::<5>(corr));
+                let da = _mm512_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, da), acc[c]);
             }
         }
         acc

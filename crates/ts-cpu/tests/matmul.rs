@@ -305,7 +305,7 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// MXFP4 and Q4_K rows repacked in place: the same products as the GGUF rows, against both
+/// MXFP4, Q4_K and Q6_K rows repacked in place: the same products as the GGUF rows, against both
 /// references (`check`) and bit for bit against the batch (panel) kernel; every row as a
 /// one-row call computes it; shapes the packing does not take are refused by name.
 #[test]
@@ -319,6 +319,9 @@ fn packed_rows_match_the_gguf_rows() {
         (GgmlType::Q4_K, 16, 256),
         (GgmlType::Q4_K, 48, 768),
         (GgmlType::Q4_K, 32, 2048),
+        (GgmlType::Q6_K, 16, 256),
+        (GgmlType::Q6_K, 48, 768),
+        (GgmlType::Q6_K, 32, 2048),
     ];
     for (ty, n_out, k) in shapes {
         let w = weights(&mut rng, ty, n_out, k, true);
@@ -366,5 +369,5 @@ fn packed_rows_match_the_gguf_rows() {
     let err = ts_cpu::matmul_packed(ty, &w, n_out, k, &x, &mut vec![0.0; n_out], n_out).unwrap_err();
     assert!(matches!(err, CpuError::NotPacked { .. }), "{err}");
     // Other types are not packed.
-    assert!(!ts_cpu::packs(GgmlType::Q6_K, 64));
+    assert!(!ts_cpu::packs(GgmlType::Q5_K, 64));
 }
