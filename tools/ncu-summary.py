@@ -11,7 +11,8 @@ total_us = defaultdict(float)
 name = None
 count = 0
 for line in open(sys.argv[1], errors="replace"):
-    head = re.match(r"^\s+(\w+)(?:<.*?>)? \(.*\)x\(.*\).*Invocations (\d+)", line)
+    # Our kernels are extern "C" (a bare name); llama.cpp's are C++: `void name<T...>(params)`.
+    head = re.match(r"^\s+(?:void )?(\w+)(?:<.*>)?(?:\(.*\))? \([\d, ]+\)x\([\d, ]+\).*Invocations (\d+)", line)
     if head:
         name, count = head.group(1), int(head.group(2))
         continue

@@ -76,9 +76,13 @@ struct Kernels {
     direct: TileFn,
     /// Weight rows unpacked into interleaved panels first, and the smallest batch to use them for.
     panel: Option<(TileFn, usize)>,
-    /// Weight rows repacked once ([`pack`]), for any batch.
-    packed: Option<TileFn>,
+    /// Weight rows repacked once by the first ([`pack`]), and the kernel for them, for any batch.
+    packed: Option<(PackFn, TileFn)>,
 }
+
+/// Repacks whole panels of weight rows of `row_bytes` in place for a packed kernel. The caller
+/// guarantees the kernel's instruction set and whole panels.
+pub(crate) type PackFn = unsafe fn(w: &mut [u8], row_bytes: usize);
 
 /// How weight rows are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,11 +96,14 @@ pub(crate) enum Layout {
 /// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K in whole panels, on
 /// AVX-512 VNNI.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
-    cfg!(target_arch = "x86_64")
-        && isa == Isa::Avx512
-        && isa.is_available()
-        && matches!(ty, GgmlType::MXFP4 | GgmlType::Q4_K | GgmlType::Q6_K)
-        && n_out.is_multiple_of(PANEL_ROWS)
+    packer(isa, ty, n_out).is_some()
+}
+
+/// The repacking of `ty` for `isa`'s packed kernel, where the CPU has that instruction set and
+/// `n_out` rows fill whole panels.
+fn packer(isa: Isa, ty: GgmlType, n_out: usize) -> Option<PackFn> {
+    let packed = kernels(isa, ty)?.packed?;
+    (isa.is_available() && n_out.is_multiple_of(PANEL_ROWS)).then_some(packed.0)
 }
 
 /// Repacks `w` (`n_out` rows of `ty`, `k` elements each) in place for the `Packed` layout, if
@@ -110,18 +117,10 @@ pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize)
     if w.len() != n_out.saturating_mul(row_bytes) {
         return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w.len() });
     }
-    if !packs(isa, ty, n_out) {
-        return Ok(false);
-    }
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `packs` checked that AVX-512 is available and the rows are whole panels of `ty`.
-    unsafe {
-        match ty {
-            GgmlType::MXFP4 => crate::panel::pack_mxfp4(w, row_bytes),
-            GgmlType::Q4_K => crate::panel::pack_q4k(w, row_bytes),
-            _ => crate::panel::pack_q6k(w, row_bytes),
-        }
-    };
+    let Some(pack) = packer(isa, ty, n_out) else { return Ok(false) };
+    // SAFETY: `packer` checked that the instruction set is available and the rows are whole
+    // panels of `ty`, whose blocks `row_bytes` holds.
+    unsafe { pack(w, row_bytes) };
     Ok(true)
 }
 
@@ -177,7 +176,7 @@ pub(crate) fn matmul(
     }
 
     let (tile, rows_per_task) = match kernels(isa, weight_ty) {
-        Some(Kernels { packed: Some(packed), .. }) if layout == Layout::Packed => {
+        Some(Kernels { packed: Some((_, packed)), .. }) if layout == Layout::Packed => {
             let rows =
                 if m == 1 { direct_rows_per_task(n_out, row_bytes, m) } else { panel_rows_per_task(n_out, m, k) };
             (Some(packed), rows.next_multiple_of(PANEL_ROWS))
@@ -436,12 +435,7 @@ mod x86 {
             Isa::Avx512 => Some(Kernels {
                 direct: avx512,
                 panel: panel::kernel(ty).map(|p| (p, panel::min_batch(ty))),
-                packed: match ty {
-                    T::MXFP4 => Some(panel::mxfp4_packed_tile as TileFn),
-                    T::Q4_K => Some(panel::q4k_packed_tile as TileFn),
-                    T::Q6_K => Some(panel::q6k_packed_tile as TileFn),
-                    _ => None,
-                },
+                packed: panel::packed(ty),
             }),
         }
     }

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
-use crate::dispatch::TileFn;
+use crate::dispatch::{PackFn, TileFn};
 use crate::floats::{Bf16, F16, F32, FloatFormat};
 use crate::kquants::{KCodes, KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -55,6 +55,17 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
         _ => return None,
     };
     Some(tile)
+}
+
+/// The packed layout of `ty`, where it has one: its repacking and the kernel that reads it.
+pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
+    use GgmlType as T;
+    Some(match ty {
+        T::MXFP4 => (pack_mxfp4 as PackFn, mxfp4_packed_tile as TileFn),
+        T::Q4_K => (pack_q4k, q4k_packed_tile),
+        T::Q6_K => (pack_q6k, q6k_packed_tile),
+        _ => return None,
+    })
 }
 
 /// Transposes 8 vectors of 8 dwords: `v[i]` lane `j` becomes `v[j]` lane `i`.

@@ -418,11 +418,7 @@ impl Cuda {
     }
 
     /// `n` elements at device address `ptr`, after everything queued so far.
-    fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
-        &self,
-        ptr: u64,
-        n: usize,
-    ) -> Result<Vec<T>, ModelError> {
+    fn download<T: cudarc::driver::DeviceRepr + Clone>(&self, ptr: u64, n: usize) -> Result<Vec<T>, ModelError> {
         let bytes = n * std::mem::size_of::<T>();
         let mut staging = self.staging.lock().expect("staging lock");
         if staging.as_ref().is_none_or(|s| s.len() < bytes) {

@@ -108,6 +108,9 @@ impl ExpertStore for ResidentExperts {
         for (layer, (data, packed)) in self.data.iter_mut().zip(&mut self.packed).enumerate() {
             let (Some(data), Some(l)) = (data, self.layout.layers[layer].as_ref()) else { continue };
             for (p, words) in data.iter_mut().enumerate() {
+                if packed[p] {
+                    continue; // repacking twice would scramble them
+                }
                 let size = l.proj[p].expert_bytes;
                 let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..size * l.n_expert];
                 // Every expert of a projection has one shape: all are repacked or none.
