@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -122,6 +122,23 @@ if [[ $what == peer-build ]]; then
             > /tmp/ikbuild.log 2>&1 &
         echo "ik_llama.cpp build started (log /tmp/ikbuild.log)"
     fi
+fi
+if [[ $what == timing ]]; then
+    # `timing LIKE...`: where a replayed decode step's time goes (TURBOSPARK_STEP_TIMING), with
+    # the launches spread over streams or not, dependent launch or not; SM clocks sampled.
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        for knob in none TURBOSPARK_NO_BRANCHES TURBOSPARK_NO_PDL; do
+            echo "== $like, $knob"
+            nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 500 > "$OUT/clocks-$like-$knob.log" &
+            smi=$!
+            env TURBOSPARK_STEP_TIMING=1 ${knob/none/X}=1 "$B"/turbospark bench -m "$f" --device cuda -p 0 -n 128 -r 1 2>&1 \
+                | tee -a "$OUT/timing.log" | grep -E "^\||step timing|error" | tail -4
+            kill $smi
+            sort "$OUT/clocks-$like-$knob.log" | uniq -c | sort -rn | head -2
+        done
+    done
 fi
 if [[ $what == before-after ]]; then
     # `before-after [LIKE...]` (default: gpt-oss-20b qwen3-30b-a3b).

@@ -78,6 +78,9 @@ pub struct Gpu {
     /// to now: 0 `stream`, i `side[i - 1]`.
     side: Vec<Arc<CudaStream>>,
     on: std::sync::atomic::AtomicUsize,
+    /// How many of the streams launches are spread over: `BRANCHES`, or 1 with
+    /// `TURBOSPARK_NO_BRANCHES` (a measurement knob).
+    pub branches: usize,
 }
 
 /// Streams that launches may be spread over ([`Gpu::launch_on`]), `stream` included.
@@ -104,7 +107,8 @@ impl Gpu {
         let side = (1..BRANCHES).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
         // TURBOSPARK_NO_PDL: a measurement knob (launches without programmatic dependence).
         let dependent_launch = arch.0 >= 9 && std::env::var_os("TURBOSPARK_NO_PDL").is_none();
-        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch, side, on: Default::default() })
+        let branches = if std::env::var_os("TURBOSPARK_NO_BRANCHES").is_some() { 1 } else { BRANCHES };
+        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch, side, on: Default::default(), branches })
     }
 
     /// Makes side stream `i` (1 to `BRANCHES - 1`) wait for what `stream` has queued.

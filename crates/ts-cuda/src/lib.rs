@@ -195,6 +195,7 @@ impl Cuda {
         let gpu = Gpu::open(ordinal).map_err(err)?;
         let blas = device::guard("loading cuBLAS", || CudaBlas::new(gpu.stream.clone())).ok().and_then(|r| r.ok());
         let arena = gpu.alloc(ARENA_BYTES).map_err(err)?;
+        let timing = step::ReplayTiming::new(&gpu);
         Ok(Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
             route_done: gpu.zeros(moe::DEVICE_MOE_ROWS).map_err(err)?,
@@ -211,6 +212,7 @@ impl Cuda {
                 decode: Default::default(),
                 logits: Default::default(),
                 kind: 0,
+                timing,
             }),
             mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),

@@ -67,6 +67,71 @@ pub(crate) struct Graphs {
     pub(crate) logits: [Option<(u64, usize)>; 4],
     /// Which recording the current step uses.
     pub(crate) kind: usize,
+    /// `TURBOSPARK_STEP_TIMING`: a measurement knob timing each replay on the device.
+    pub(crate) timing: Option<ReplayTiming>,
+}
+
+/// Where a replayed step's time goes: the host's launch call, the graph on the
+/// device between events around it, and the same graph replayed back to back.
+pub(crate) struct ReplayTiming {
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+    pending: bool,
+    replays: u64,
+    host_launch_s: f64,
+    device_ms: f64,
+}
+
+impl ReplayTiming {
+    pub(crate) fn new(gpu: &crate::device::Gpu) -> Option<ReplayTiming> {
+        std::env::var_os("TURBOSPARK_STEP_TIMING")?;
+        let event = || gpu.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).ok();
+        Some(ReplayTiming {
+            start: event()?,
+            end: event()?,
+            pending: false,
+            replays: 0,
+            host_launch_s: 0.0,
+            device_ms: 0.0,
+        })
+    }
+
+    /// Launches `graph` between the two events; every 64 replays prints the means, and at
+    /// the 32nd also times 16 replays back to back (a one-row step is idempotent).
+    fn launch(&mut self, graph: &cudarc::driver::CudaGraph, stream: &cudarc::driver::CudaStream) -> Result<(), ModelError> {
+        let e = |e: cudarc::driver::DriverError| err(e.into());
+        if self.pending {
+            self.device_ms += self.start.elapsed_ms(&self.end).map_err(e)? as f64;
+            self.replays += 1;
+        }
+        if self.replays == 32 && self.pending {
+            self.start.record(stream).map_err(e)?;
+            for _ in 0..16 {
+                graph.launch().map_err(e)?;
+            }
+            self.end.record(stream).map_err(e)?;
+            let ms = self.start.elapsed_ms(&self.end).map_err(e)? / 16.0;
+            let mut nodes = 0usize;
+            unsafe { cudarc::driver::sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes) };
+            eprintln!("step timing: {nodes} graph nodes; 16 replays back to back {ms:.3} ms each");
+        }
+        self.start.record(stream).map_err(e)?;
+        let t = std::time::Instant::now();
+        graph.launch().map_err(e)?;
+        self.host_launch_s += t.elapsed().as_secs_f64();
+        self.end.record(stream).map_err(e)?;
+        self.pending = true;
+        if self.replays > 0 && self.replays % 64 == 0 {
+            let n = self.replays as f64;
+            eprintln!(
+                "step timing: {} replays, host launch call {:.1} us, graph on the device {:.3} ms",
+                self.replays,
+                self.host_launch_s / (n + 1.0) * 1e6,
+                self.device_ms / n
+            );
+        }
+        Ok(())
+    }
 }
 
 pub(crate) struct SendGraph(cudarc::driver::CudaGraph);
@@ -127,7 +192,7 @@ impl Cuda {
     }
 
     /// Runs `work(i)` for each i < `n`, spreading the launches of each over the device's
-    /// streams (`device::BRANCHES`): each side stream starts after what the main stream has
+    /// streams (`Gpu::branches`): each side stream starts after what the main stream has
     /// queued, and the main stream then waits for all of them, so independent launches (the
     /// projections of one input) overlap on the device, also in a recorded step's graph.
     /// `work` may only launch kernels (no copies, no cuBLAS: those stay on the main stream).
@@ -136,7 +201,7 @@ impl Cuda {
         n: usize,
         mut work: impl FnMut(usize) -> Result<T, ModelError>,
     ) -> Result<Vec<T>, ModelError> {
-        let used = n.min(crate::device::BRANCHES);
+        let used = n.min(self.gpu.branches);
         for i in 1..used {
             self.gpu.fork(i).map_err(err)?;
         }
@@ -305,8 +370,13 @@ impl Cuda {
         g.arena_on = m == 1;
         if self.use_graphs && m == 1 && self.tier.is_none() {
             g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
-            if let Some(graph) = &g.decode[g.kind] {
-                graph.0.launch().map_err(|e| err(e.into()))?;
+            if g.decode[g.kind].is_some() {
+                let g = &mut *g;
+                let graph = &g.decode[g.kind].as_ref().expect("recorded step").0;
+                match &mut g.timing {
+                    Some(t) => t.launch(graph, &self.gpu.stream)?,
+                    None => graph.launch().map_err(|e| err(e.into()))?,
+                }
                 g.arena_on = false;
                 let logits = g.logits[g.kind].map(|(ptr, len)| Act { ptr, len, _own: None });
                 return Ok(StepStart::Replayed { logits });

@@ -472,8 +472,11 @@ impl ExpertStore for StreamingExperts {
         let mut entries: Vec<(usize, usize, [Placement; 3], Arc<Latch>)> = Vec::with_capacity(ids.len());
         // Slots this call takes for misses, to undo if it must refuse.
         let mut taken: Vec<usize> = Vec::new();
-        {
+        // Prefetched slots still being read cannot be evicted yet: when they are all that
+        // stands in the way, this call undoes itself, waits for them and tries again.
+        let (hits, misses) = 'retry: loop {
             let mut st = self.state.lock().unwrap();
+            let (mut hits, mut misses) = (0, 0);
             st.cache.tick();
             for &e in ids {
                 let pl = placements(&l, e, align);
@@ -481,25 +484,40 @@ impl ExpertStore for StreamingExperts {
                     // A slot whose reads failed (a prefetch: no set held it to forget it) is read
                     // again, unless a set still holds it and will report the error itself.
                     Some(s) if !st.cache.pinned(s) && st.failed(s) => {
-                        counters.misses.fetch_add(1, Relaxed);
+                        misses += 1;
                         taken.push(s);
                         jobs.extend(assign(&mut st, s, layer, e, &pl));
                         s
                     }
                     Some(s) => {
-                        counters.hits.fetch_add(1, Relaxed);
+                        hits += 1;
                         s
                     }
                     None => {
-                        counters.misses.fetch_add(1, Relaxed);
+                        misses += 1;
                         let Some(s) = self.claim(&mut st, layer, e, &pl, &mut jobs) else {
-                            // No slot can take it: undo this call (its reads were not queued yet) and refuse.
+                            // No slot can take it: undo this call (its reads were not queued yet).
                             for &(_, slot, _, _) in &entries {
                                 st.cache.unpin(slot);
                             }
                             for &slot in &taken {
                                 st.cache.forget(slot);
                                 st.latch[slot] = None;
+                            }
+                            entries.clear();
+                            taken.clear();
+                            jobs.clear();
+                            let filling: Vec<Arc<Latch>> = (0..self.slots())
+                                .filter(|&s| !st.cache.pinned(s))
+                                .filter_map(|s| st.latch[s].clone().filter(|l| !l.is_done()))
+                                .collect();
+                            drop(st);
+                            if !filling.is_empty() {
+                                // A failed prefetch is read again when it is asked for.
+                                for l in filling {
+                                    let _ = l.wait();
+                                }
+                                continue 'retry;
                             }
                             return Err(ExpertError::CacheTooSmall {
                                 layer,
@@ -517,7 +535,10 @@ impl ExpertStore for StreamingExperts {
                 let latch = st.latch[slot].clone().expect("a cached slot has a latch");
                 entries.push((e, slot, pl, latch));
             }
-        }
+            break (hits, misses);
+        };
+        counters.hits.fetch_add(hits, Relaxed);
+        counters.misses.fetch_add(misses, Relaxed);
         self.submit(jobs);
         Ok(ExpertSet { inner: SetInner::Streamed(PendingSet { store: self, layer, entries }) })
     }

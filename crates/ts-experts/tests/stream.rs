@@ -252,3 +252,64 @@ fn out_of_range_and_dense_layers_are_errors() {
     assert!(store.ensure(3, &[0]).err().unwrap().to_string().contains("no routed experts"));
     std::fs::remove_file(path).ok();
 }
+
+/// Reads a file once its gate is open: reads queued before that stay in flight.
+struct Gated {
+    file: std::fs::File,
+    path: PathBuf,
+    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl ReadSource for Gated {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let (lock, cv) = &*self.open;
+        let mut open = lock.lock().unwrap();
+        while !*open {
+            open = cv.wait(open).unwrap();
+        }
+        drop(open);
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
+    }
+    fn alignment(&self) -> usize {
+        1
+    }
+    fn direct(&self) -> bool {
+        false
+    }
+    fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[test]
+fn a_set_waits_for_prefetches_in_flight_rather_than_refusing() {
+    let (path, bytes, layout) = fixture("inflight");
+    let open = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let source = Gated { file: std::fs::File::open(&path).unwrap(), path: path.clone(), open: open.clone() };
+    let store = StreamingExperts::with_source(layout.clone(), &opts(4 * 40_000, EvictionPolicy::Lru), Box::new(source))
+        .unwrap();
+    let n = store.slots();
+    assert!((2..8).contains(&n), "{n} slots");
+    // Every slot taken by a guess whose reads cannot finish yet.
+    store.prefetch(1, &(0..n).collect::<Vec<_>>());
+    assert_eq!(store.stats().unwrap().layers[1].prefetched, n as u64);
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let (lock, cv) = &*open;
+        *lock.lock().unwrap() = true;
+        cv.notify_all();
+    });
+    // A whole cache of other experts: granted once the guesses land, not refused.
+    let ids: Vec<usize> = (0..n).collect();
+    let set = store.ensure(0, &ids).unwrap();
+    for (i, &e) in ids.iter().enumerate() {
+        let got = set.get(i).unwrap();
+        let want = expected(&bytes, &layout, 0, e);
+        assert!(got.gate == want[0] && got.up == want[1] && got.down == want[2], "expert {e}");
+    }
+    let s = store.stats().unwrap().layers[0];
+    assert_eq!((s.hits, s.misses), (0, n as u64), "each miss counted once: {s:?}");
+    opener.join().unwrap();
+    drop(set);
+    std::fs::remove_file(path).ok();
+}
