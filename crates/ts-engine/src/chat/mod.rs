@@ -1,11 +1,13 @@
 //! Chat prompts and replies: rendering a conversation with the model's Jinja
 //! chat template the way Hugging Face transformers' `apply_chat_template`
-//! does, and reading gpt-oss replies in the harmony format.
+//! does, and reading replies back: gpt-oss's harmony format, tool calls.
 
 mod clock;
 pub mod harmony;
 mod json;
+pub mod reply;
 mod template;
+pub mod tool_calls;
 
 pub use clock::DateTime;
 pub use template::{ChatTemplate, TemplateKwargs};
