@@ -590,8 +590,14 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
-            "tools",
+            "tools[0]",
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+            "temperature",
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 7}]}), "messages[0].content"),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
