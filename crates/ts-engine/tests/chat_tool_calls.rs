@@ -113,6 +113,28 @@ fn malformed_calls_stay_text() {
     }
 }
 
+/// Qwen2.5-Coder 0.5B answers with the bare object, no tags.
+#[test]
+fn bare_calls_of_declared_tools_at_the_start() {
+    let reply = "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+    let (content, _, calls) = parse_every_way(hermes, reply);
+    assert_eq!(content, "");
+    assert_eq!(calls, [call("get_weather", json!({"city": "Paris"}))]);
+    let two = format!("\n{reply}\n{reply}\nDone.");
+    let (content, _, calls) = parse_every_way(hermes, &two);
+    assert_eq!((content.as_str(), calls.len()), ("\nDone.", 2));
+    for text in [
+        // Not a declared tool, text before it, not a call, unfinished.
+        "{\"name\": \"get_time\", \"arguments\": {}}",
+        "Here: {\"name\": \"get_weather\", \"arguments\": {}}",
+        "{\"city\": \"Paris\"}",
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\": ",
+    ] {
+        let (content, _, calls) = parse_every_way(hermes, text);
+        assert_eq!((content.as_str(), calls.len()), (text, 0));
+    }
+}
+
 #[test]
 fn unclosed_call_at_the_end_counts_when_it_parses() {
     let reply = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n";

@@ -10,7 +10,9 @@
 //! gpt-oss's harmony calls (`to=functions.NAME`) are messages of the harmony
 //! format, read by [`super::reply`]. Text anywhere in the reply is searched
 //! (before a call, between calls, inside `<think>`); a call that does not parse
-//! stays text.
+//! stays text. Small Hermes models (Qwen2.5-Coder 0.5B) often leave the tags
+//! out: a reply that opens with a bare `{"name": ..., "arguments": ...}` object
+//! naming a declared tool is a call too (llama.cpp's Hermes parser takes these).
 
 use serde_json::{Map, Value};
 
@@ -90,11 +92,13 @@ pub struct ToolCallParser {
     /// (starting with its start marker).
     pending: String,
     in_call: bool,
+    /// Nothing but whitespace and bare calls so far: a bare call may come.
+    at_start: bool,
 }
 
 impl ToolCallParser {
     pub fn new(syntax: ToolSyntax, tools: &[Value]) -> ToolCallParser {
-        ToolCallParser { syntax, tools: tools.to_vec(), pending: String::new(), in_call: false }
+        ToolCallParser { syntax, tools: tools.to_vec(), pending: String::new(), in_call: false, at_start: true }
     }
 
     /// Consumes a piece of the reply; returns what it completes.
@@ -120,10 +124,27 @@ impl ToolCallParser {
                     Some(call) => out.push(ToolCallPiece::Call(call)),
                     None => push_text(&mut out, &whole),
                 }
+            } else if self.at_start && self.syntax == ToolSyntax::Hermes {
+                let body = self.pending.trim_start();
+                if body.is_empty() || (body.starts_with('{') && json_open(body)) {
+                    break;
+                }
+                let call = json_object_len(body).and_then(|n| {
+                    let call = parse_json_call(&body[..n]).filter(|c| declares(&self.tools, &c.name))?;
+                    Some((self.pending.len() - body.len() + n, call))
+                });
+                match call {
+                    Some((end, call)) => {
+                        self.pending.drain(..end);
+                        out.push(ToolCallPiece::Call(call));
+                    }
+                    None => self.at_start = false,
+                }
             } else if let Some(at) = self.pending.find(start) {
                 let text: String = self.pending.drain(..at).collect();
                 push_text(&mut out, &text);
                 self.in_call = true;
+                self.at_start = false;
             } else {
                 let keep = longest_marker_prefix(&self.pending, start);
                 let text: String = self.pending.drain(..self.pending.len() - keep).collect();
@@ -140,6 +161,7 @@ impl ToolCallParser {
     pub fn finish(&mut self) -> Vec<ToolCallPiece> {
         let (start, _) = self.syntax.markers();
         let rest = std::mem::take(&mut self.pending);
+        self.at_start = false;
         let mut out = Vec::new();
         if std::mem::take(&mut self.in_call)
             && let Some(call) = self.syntax.parse_call(&rest[start.len()..], &self.tools)
@@ -183,6 +205,42 @@ fn longest_marker_prefix(text: &str, marker: &str) -> usize {
         .rev()
         .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
         .unwrap_or(0)
+}
+
+/// Whether `tools` declares a function `name`.
+fn declares(tools: &[Value], name: &str) -> bool {
+    tools.iter().any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+}
+
+/// The length of the JSON object `text` opens with, through its closing brace.
+fn json_object_len(text: &str) -> Option<usize> {
+    if !text.starts_with('{') {
+        return None;
+    }
+    let (mut depth, mut in_string, mut escaped) = (0i64, false, false);
+    for (i, c) in text.char_indices() {
+        if in_string {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_string = true,
+            '{' | '[' => depth += 1,
+            '}' | ']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 /// Whether JSON text ends inside a string or an open bracket.
