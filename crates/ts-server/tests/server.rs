@@ -319,6 +319,25 @@ fn openai_python_client() {
     server.stop().unwrap();
 }
 
+/// A tool-call round trip through the official `openai` Python client on Qwen2.5-Coder
+/// (tools/server-test/openai_tools_e2e.py): call, tool result, answer; whole and streamed.
+#[test]
+fn openai_python_client_tool_calls() {
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
+    let script = ts_testkit::repo_root().join("tools/server-test/openai_tools_e2e.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", server.addr))
+        .arg(ID)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    server.stop().unwrap();
+}
+
 /// With --prompt-cache, a second chat turn reads only what the first did not leave in a slot.
 #[test]
 fn second_turn_reuses_the_cached_first_turn() {
