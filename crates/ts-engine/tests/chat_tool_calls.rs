@@ -155,6 +155,17 @@ fn qwen3_coder_xml_calls_follow_declared_types() {
 }
 
 #[test]
+fn glm_calls() {
+    let reply = "<think></think>\nChecking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n\
+                 <arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>";
+    let (content, _, calls) = parse_every_way(hermes, reply);
+    assert_eq!(content, "<think></think>\nChecking.\n");
+    assert_eq!(calls, [call("get_weather", json!({"city": "Paris", "days": 2}))]);
+    let broken = "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>";
+    assert_eq!(parse_every_way(hermes, broken).0, broken);
+}
+
+#[test]
 fn gemma4_calls() {
     let gemma = || ReplyParser::plain(Some(ToolSyntax::Gemma4), &weather_tools());
     let reply = "Sure.<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:2}<tool_call|>";
@@ -205,4 +216,59 @@ fn harmony_calls_on_the_commentary_channel() {
     // Without tools, the final channel is content and the rest reasoning.
     let reply = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b<|return|>";
     assert_eq!(parse_every_way(|| ReplyParser::harmony(false), reply), ("b".into(), "a".into(), vec![]));
+}
+
+/// Every reference template that prints calls in a syntax we read: jinja2's rendering of
+/// a conversation with two parallel calls (tests/data/chat/expected), from the user's
+/// question on (the system part may hold example calls), reads back as those two calls:
+/// the tool results and the turns around them do not read as calls. Templates that print
+/// no earlier calls are passed over.
+#[test]
+fn calls_printed_by_real_templates_read_back() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat");
+    let manifest: serde_json::Map<String, Value> =
+        serde_json::from_slice(&std::fs::read(dir.join("templates.json")).unwrap()).unwrap();
+    let (mut checked, mut failures) = (Vec::new(), Vec::new());
+    for (name, entry) in &manifest {
+        let source = std::fs::read_to_string(dir.join("templates").join(entry["file"].as_str().unwrap())).unwrap();
+        let Some(syntax) = ToolSyntax::of_template(&source) else { continue };
+        let expected: Value =
+            serde_json::from_slice(&std::fs::read(dir.join("expected").join(format!("{name}.json"))).unwrap()).unwrap();
+        let Some(text) = expected["cases"]["parallel-tool-calls"]["text"].as_str() else { continue };
+        let from = text.rfind("Weather and time in Paris?").expect("the question");
+        if !text[from..].contains("get_time") {
+            // The template shows the format but prints no earlier calls (granite's tool-call tests).
+            continue;
+        }
+        let (_, calls) = ToolCallParser::parse(syntax, &[], &text[from..]);
+        if calls != [call("get_weather", json!({"city": "Paris"})), call("get_time", json!({"city": "Paris"}))] {
+            failures.push(format!("{name} ({syntax:?}): {calls:?} in\n{}", &text[from..]));
+        }
+        checked.push(name.as_str());
+    }
+    eprintln!("{} templates: {}", checked.len(), checked.join(", "));
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    assert!(checked.len() >= 8, "only {checked:?}");
+}
+
+/// gpt-oss's template prints a call as a harmony message to `functions.NAME` (only an
+/// assistant turn's first call: the parallel-calls rendering holds one): jinja2's rendering,
+/// from the assistant's turn on, reads back as that call; tool results, addressed to the
+/// assistant, do not.
+#[test]
+fn calls_printed_by_the_gpt_oss_template_read_back() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat/expected/openai-gpt-oss-120b.json");
+    let expected: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    for (case, want) in [
+        ("tool-call-round-trip", call("get_weather", json!({"city": "Paris", "unit": "celsius"}))),
+        ("parallel-tool-calls", call("get_weather", json!({"city": "Paris"}))),
+    ] {
+        let text = expected["cases"][case]["text"].as_str().unwrap();
+        let question = text.rfind("Paris?").unwrap();
+        let reply = &text[question..];
+        let reply = &reply[reply.find("<|start|>assistant").unwrap() + "<|start|>assistant".len()..];
+        let (_, _, calls) = ReplyParser::harmony(true).parse_all(reply);
+        assert_eq!(calls, [want], "{case}: {reply}");
+    }
 }

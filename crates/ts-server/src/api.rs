@@ -453,7 +453,7 @@ async fn chat_inner<B: Backend + 'static>(
     if !tools.declared.is_empty() && !harmony && syntax.is_none() {
         let why = if template.source().contains("tools") {
             "this model's chat template shows tools, but its tool-call syntax is not one this server reads \
-             (Hermes <tool_call>, Qwen3-Coder <function=...>, Gemma 4, gpt-oss harmony)"
+             (Hermes <tool_call>, Qwen3-Coder <function=...>, GLM, Gemma 4, gpt-oss harmony)"
         } else {
             "this model's chat template does not show tools to the model"
         };

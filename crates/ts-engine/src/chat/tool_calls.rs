@@ -4,7 +4,8 @@
 //!
 //! - Hermes (Qwen2.5, Qwen3): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`;
 //!   Qwen3-Coder and Qwen3.5 put `<function=NAME>` with `<parameter=KEY>\nVALUE\n</parameter>`
-//!   elements between the same tags;
+//!   elements between the same tags, GLM-4.5 to 4.7 `NAME` and `<arg_key>KEY</arg_key>`
+//!   `<arg_value>VALUE</arg_value>` pairs;
 //! - Gemma 4: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`.
 //!
 //! gpt-oss's harmony calls (`to=functions.NAME`) are messages of the harmony
@@ -29,10 +30,12 @@ pub enum ToolSyntax {
 
 impl ToolSyntax {
     /// The syntax a chat template prints tool calls in, if it is one we read.
+    /// MiniMax's `<invoke name=...>` and Apriel's `<tool_calls>[...]` share the
+    /// `<tool_call>` word but not the syntax: none.
     pub fn of_template(source: &str) -> Option<ToolSyntax> {
         if source.contains("<|tool_call>") {
             Some(ToolSyntax::Gemma4)
-        } else if source.contains("<tool_call>") {
+        } else if source.contains("<tool_call>") && !source.contains("<invoke") && !source.contains("<tool_calls>") {
             Some(ToolSyntax::Hermes)
         } else {
             None
@@ -57,7 +60,13 @@ impl ToolSyntax {
         match self {
             ToolSyntax::Hermes => {
                 let body = body.trim();
-                if body.starts_with("<function=") { parse_xml_function(body, tools) } else { parse_json_call(body) }
+                if body.starts_with("<function=") {
+                    parse_xml_function(body, tools)
+                } else if body.starts_with('{') {
+                    parse_json_call(body)
+                } else {
+                    parse_glm_call(body, tools)
+                }
             }
             ToolSyntax::Gemma4 => parse_gemma4_call(body.trim()),
         }
@@ -292,7 +301,7 @@ fn parse_xml_function(body: &str, tools: &[Value]) -> Option<FunctionCall> {
     let rest = body.strip_prefix("<function=")?;
     let (name, mut rest) = rest.split_once('>')?;
     let name = name.trim();
-    if name.is_empty() {
+    if !valid_name(name) {
         return None;
     }
     let mut arguments = Map::new();
@@ -312,6 +321,32 @@ fn parse_xml_function(body: &str, tools: &[Value]) -> Option<FunctionCall> {
         arguments.insert(key.trim().to_owned(), xml_value(value, declared_type(tools, name, key.trim())));
         rest = after;
     }
+}
+
+/// GLM's `NAME` then `<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>` pairs; values
+/// typed as in [`parse_xml_function`].
+fn parse_glm_call(body: &str, tools: &[Value]) -> Option<FunctionCall> {
+    let end = body.find('<').unwrap_or(body.len());
+    let name = body[..end].trim();
+    if !valid_name(name) {
+        return None;
+    }
+    let mut arguments = Map::new();
+    let mut rest = &body[end..];
+    while !rest.trim().is_empty() {
+        let after = rest.trim_start().strip_prefix("<arg_key>")?;
+        let (key, after) = after.split_once("</arg_key>")?;
+        let after = after.trim_start().strip_prefix("<arg_value>")?;
+        let (value, after) = after.split_once("</arg_value>")?;
+        arguments.insert(key.trim().to_owned(), xml_value(value, declared_type(tools, name, key.trim())));
+        rest = after;
+    }
+    Some(FunctionCall { name: name.to_owned(), arguments: arguments.into() })
+}
+
+/// A function name as models write them: letters, digits, `_`, `-`, `.`.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c))
 }
 
 /// The JSON-schema `type` a tool declares for one parameter.
@@ -337,7 +372,7 @@ fn parse_gemma4_call(body: &str) -> Option<FunctionCall> {
     let rest = body.strip_prefix("call:")?;
     let brace = rest.find('{')?;
     let name = rest[..brace].trim();
-    if name.is_empty() || !name.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c)) {
+    if !valid_name(name) {
         return None;
     }
     let arguments = gemma4_to_json(&rest[brace..])?;
