@@ -102,11 +102,13 @@ def message_content(message):
 
 
 def render_case(template, case, bos, eos):
-    messages = [{"role": m["role"], "content": message_content(m)} for m in case["messages"]]
+    # Tool calls, tool results' ids and names, and reasoning pass as given
+    # (arguments as objects, as transformers takes them).
+    messages = [{**m, "content": message_content(m)} for m in case["messages"]]
     try:
         text = template.render(
             messages=messages,
-            tools=None,
+            tools=case.get("tools"),
             documents=None,
             add_generation_prompt=case["add_generation_prompt"],
             bos_token=bos,

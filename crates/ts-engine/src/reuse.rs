@@ -9,7 +9,7 @@
 //! re-reads the whole conversation of a hybrid model instead (its issues
 //! #20225, #22746).
 
-use crate::chat::{ChatMessage, ChatTemplate};
+use crate::chat::{ChatMessage, ChatTemplate, TemplateKwargs};
 use crate::session::EngineError;
 use ts_model::{Backend, Model, SeqState, Snapshot};
 use ts_tokenizer::Tokenizer;
@@ -32,10 +32,11 @@ pub struct CachedSequence<B: Backend> {
 pub fn conversation_end(
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    kwargs: &TemplateKwargs,
     tokenizer: &Tokenizer,
     prompt: &[u32],
 ) -> Option<usize> {
-    let text = template.render(messages, false).ok()?;
+    let text = template.render_with(messages, false, kwargs).ok()?;
     let tokens = tokenizer.encode(&text, false, true).ok()?;
     (tokens.len() < prompt.len() && prompt.starts_with(&tokens)).then_some(tokens.len())
 }

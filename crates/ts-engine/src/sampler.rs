@@ -75,14 +75,10 @@ impl Default for SamplerConfig {
     }
 }
 
-/// A seed that differs from run to run (from the process's randomly keyed
-/// hasher and the clock), for callers that want llama.cpp's random default.
+/// A seed that differs from run to run (from `rand`'s thread generator), for
+/// callers that want llama.cpp's random default.
 pub fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    hasher.write_u128(nanos);
-    hasher.finish()
+    rand::random()
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -23,8 +23,7 @@ struct Case {
     messages: Vec<ChatMessage>,
     text: String,
     ids: Vec<u32>,
-    /// Tool declarations; conversations with tools wait for tool-call
-    /// support in the chat layer (issue 18): their test is ignored.
+    /// Tool declarations, passed as the template's `tools`.
     #[serde(default)]
     tools: Option<serde_json::Value>,
 }
@@ -41,7 +40,10 @@ fn check_cases(with_tools: bool) -> usize {
         let expected: Expected = serde_json::from_slice(&std::fs::read(dir.join("chat.json")).unwrap()).unwrap();
         assert!(expected.cases.len() >= 8, "{family}: {} cases", expected.cases.len());
         for case in expected.cases.iter().filter(|c| c.tools.is_some() == with_tools) {
-            let kwargs = TemplateKwargs::new().set("enable_thinking", case.enable_thinking).unwrap();
+            let mut kwargs = TemplateKwargs::new().set("enable_thinking", case.enable_thinking).unwrap();
+            if let Some(tools) = &case.tools {
+                kwargs = kwargs.set("tools", tools).unwrap();
+            }
             let text = template.render_with(&case.messages, case.add_generation_prompt, &kwargs).unwrap();
             let what = format!("{family} {} (thinking {})", case.name, case.enable_thinking);
             assert_eq!(text, case.text, "{what}");
@@ -62,7 +64,6 @@ fn fixture_templates_render_as_transformers() {
 
 /// Gemma 4's conversations with tool declarations and tool calls (8 cases).
 #[test]
-#[ignore = "tool declarations and tool calls are not passed to chat templates yet (issue 18)"]
 fn fixture_templates_with_tools_render_as_transformers() {
     let ids_compared = check_cases(true);
     assert!(ids_compared >= 8, "{ids_compared} cases compared ids");

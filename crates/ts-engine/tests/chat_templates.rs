@@ -8,8 +8,25 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use ts_engine::chat::{ChatError, ChatMessage, ChatTemplate, DateTime, TemplateKwargs};
 
-/// Templates whose renderings are known to differ, and why.
-const KNOWN_DIFFERENCES: &[(&str, &str)] = &[];
+/// Renderings known to differ (template, its cases, why); every other case of
+/// those templates is still compared.
+const KNOWN_DIFFERENCES: &[(&str, &[&str], &str)] = &[
+    (
+        "llama-cpp-deepseek-r1",
+        TOOL_CASES,
+        "`tools | map(attribute='function') | tojson` fails in jinja2 (map gives a generator, which \
+         json.dumps refuses); minijinja's map gives a list, so the tools render (as in llama.cpp)",
+    ),
+    (
+        "meetkai-functionary-medium-v3.1",
+        TOOL_CASES,
+        "`\"...\"|safe + t | tojson()`: jinja2's Markup HTML-escapes the plain tool JSON added to it \
+         (&#34;); minijinja adds plain text, the JSON the model was trained on",
+    ),
+];
+
+/// The cases of conversations.json that declare tools.
+const TOOL_CASES: &[&str] = &["tools-declared", "tools-no-system", "tool-call-round-trip", "parallel-tool-calls"];
 
 #[derive(Deserialize)]
 struct Conversations {
@@ -24,6 +41,9 @@ struct Case {
     messages: Vec<ChatMessage>,
     #[serde(default)]
     kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Tool declarations, passed as the template's `tools`.
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -74,7 +94,10 @@ fn first_difference(expected: &str, actual: &str) -> String {
 
 /// One case's verdict: `None` when it agrees with jinja2.
 fn check_case(template: &ChatTemplate, case: &Case, outcome: &Outcome) -> Option<String> {
-    let kwargs = TemplateKwargs::from_json(&case.kwargs).expect("kwargs convert");
+    let mut kwargs = TemplateKwargs::from_json(&case.kwargs).expect("kwargs convert");
+    if let Some(tools) = &case.tools {
+        kwargs = kwargs.set("tools", tools).expect("tools convert");
+    }
     let rendered = template.render_with(&case.messages, case.add_generation_prompt, &kwargs);
     match (rendered, outcome) {
         (Ok(actual), Outcome { text: Some(expected), .. }) => {
@@ -108,7 +131,9 @@ fn templates_match_jinja2() {
     for (name, entry) in &manifest {
         let source = std::fs::read_to_string(dir.join("templates").join(&entry.file)).expect("template file");
         let expected: Expected = read_json(&dir.join("expected").join(format!("{name}.json")));
+        let known_cases: &[&str] = KNOWN_DIFFERENCES.iter().find(|(n, ..)| n == name).map_or(&[], |(_, c, _)| c);
         let mut problems = Vec::new();
+        let mut known_differing = Vec::new();
         match ChatTemplate::new(&source, &entry.bos_token, &entry.eos_token) {
             Err(e) => problems.push(format!("does not compile: {e}")),
             Ok(mut template) => {
@@ -116,18 +141,21 @@ fn templates_match_jinja2() {
                 for case in &conversations.cases {
                     let outcome = &expected.cases[&case.name];
                     cases_checked += 1;
-                    if let Some(problem) = check_case(&template, case, outcome) {
-                        problems.push(format!("{}: {problem}", case.name));
+                    let problem = check_case(&template, case, outcome);
+                    match (problem, known_cases.contains(&case.name.as_str())) {
+                        (Some(_), true) => known_differing.push(case.name.clone()),
+                        (None, true) => problems.push(format!("{}: listed as differing but now matches", case.name)),
+                        (Some(problem), false) => problems.push(format!("{}: {problem}", case.name)),
+                        (None, false) => {}
                     }
                 }
             }
         }
-        let known_reason = KNOWN_DIFFERENCES.iter().find(|(n, _)| n == name).map(|(_, why)| *why);
-        match (problems.is_empty(), known_reason) {
-            (true, Some(_)) => failures.push(format!("{name}: listed as differing but now matches")),
-            (true, None) => {}
-            (false, Some(why)) => known.push(format!("{name}: {why}")),
-            (false, None) => failures.push(format!("{name}:\n    {}", problems.join("\n    "))),
+        if let Some((.., why)) = KNOWN_DIFFERENCES.iter().find(|(n, ..)| n == name) {
+            known.push(format!("{name} ({}): {why}", known_differing.join(", ")));
+        }
+        if !problems.is_empty() {
+            failures.push(format!("{name}:\n    {}", problems.join("\n    ")));
         }
     }
     eprintln!("{} templates, {cases_checked} renderings checked against jinja2", manifest.len());

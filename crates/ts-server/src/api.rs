@@ -1,6 +1,7 @@
 //! The OpenAI-compatible endpoints: request validation, prompt rendering and
 //! tokenization, and the answers (whole, or as server-sent events).
 
+use crate::request::{ChatFields, CompletionFields, DetokenizeBody, Generation, Stop, TokenizeBody, typed};
 use crate::scheduler::{Choice, Event, Finish, Job, TokenChoice, TokenLogprob, token_bytes};
 use crate::{AppState, ServeOptions};
 use axum::body::{Body, Bytes};
@@ -13,8 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
-use ts_engine::chat::ChatMessage;
-use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
+use ts_engine::chat::reply::{ReplyEvent, ReplyParser};
+use ts_engine::chat::tool_calls::ToolSyntax;
+use ts_engine::chat::{FunctionCall, TemplateKwargs};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::speculative::SpecOptions;
 use ts_model::Backend;
@@ -25,7 +27,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub kind: &'static str,
-    pub param: Option<&'static str>,
+    /// The field at fault, as a path (`messages[0].content`).
+    pub param: Option<String>,
     pub code: Option<&'static str>,
 }
 
@@ -35,9 +38,14 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(str::to_owned),
             code: None,
         }
+    }
+
+    /// A 400 about the field at `param` (a path).
+    pub fn bad_field(message: impl Into<String>, param: String) -> ApiError {
+        ApiError { param: Some(param), ..ApiError::bad(message, None) }
     }
 
     fn with_code(mut self, code: &'static str) -> ApiError {
@@ -80,37 +88,13 @@ fn parse_body(body: Result<Bytes, BytesRejection>, opts: &ServeOptions) -> Resul
     Ok(v)
 }
 
-/// `name` of `v`, `None` when absent or null.
-fn field<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
-    v.get(name).filter(|x| !x.is_null())
-}
-
-fn opt_number(v: &Value, name: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
-    match field(v, name) {
-        None => Ok(None),
-        Some(x) => match x.as_f64() {
-            Some(f) if (lo..=hi).contains(&f) => Ok(Some(f)),
-            Some(f) => Err(ApiError::bad(format!("'{name}' is {f}; it must be between {lo} and {hi}"), Some(name))),
-            None => Err(ApiError::bad(format!("'{name}' must be a number, not {x}"), Some(name))),
-        },
-    }
-}
-
-fn opt_count(v: &Value, name: &'static str) -> Result<Option<u64>, ApiError> {
-    match field(v, name) {
-        None => Ok(None),
-        Some(x) => x
-            .as_u64()
-            .map(Some)
-            .ok_or_else(|| ApiError::bad(format!("'{name}' must be a non-negative integer, not {x}"), Some(name))),
-    }
-}
-
-fn opt_bool(v: &Value, name: &'static str) -> Result<bool, ApiError> {
-    match field(v, name) {
-        None => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(x) => Err(ApiError::bad(format!("'{name}' must be true or false, not {x}"), Some(name))),
+/// `x` when it lies in `lo..=hi`, else an error naming `name`.
+fn in_range(x: Option<f64>, name: &'static str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match x {
+        Some(f) if !(lo..=hi).contains(&f) => {
+            Err(ApiError::bad(format!("'{name}' is {f}; it must be between {lo} and {hi}"), Some(name)))
+        }
+        x => Ok(x),
     }
 }
 
@@ -160,36 +144,43 @@ impl Common {
     }
 }
 
-fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
-    if let Some(m) = field(v, "model") {
-        let m = m.as_str().ok_or_else(|| ApiError::bad("'model' must be a string", Some("model")))?;
-        if m != model_id {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!("the model '{m}' does not exist; this server serves '{model_id}'"),
-                kind: "invalid_request_error",
-                param: Some("model"),
-                code: Some("model_not_found"),
-            });
-        }
+fn common(g: Generation, model_id: &str) -> Result<Common, ApiError> {
+    if let Some(m) = g.model
+        && m != model_id
+    {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("the model '{m}' does not exist; this server serves '{model_id}'"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        });
     }
-    let n = match opt_count(v, "n")? {
+    let n = match g.n {
         None => 1,
         Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
         Some(n) => {
             return Err(ApiError::bad(format!("'n' is {n}; it must be between 1 and {MAX_CHOICES}"), Some("n")));
         }
     };
-    let max_tokens = match opt_count(v, "max_completion_tokens")? {
-        Some(n) => Some(n),
-        None => opt_count(v, "max_tokens")?,
+    let max_tokens = g.max_completion_tokens.or(g.max_tokens);
+    let unsupported = |name: &'static str, why: &str| {
+        Err(ApiError::bad(format!("'{name}' is not supported by this server: {why}"), Some(name)))
     };
-    refuse_unsupported(v)?;
-    let temperature = opt_number(v, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
-    let top_p = opt_number(v, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
-    let presence = opt_number(v, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    let frequency = opt_number(v, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
-    let seed = match field(v, "seed") {
+    if g.functions.is_some() {
+        return unsupported("functions", "the legacy function calling; use 'tools'");
+    }
+    if g.function_call.is_some() {
+        return unsupported("function_call", "the legacy function calling; use 'tool_choice'");
+    }
+    if g.response_format.is_some_and(|f| f.kind != "text") {
+        return unsupported("response_format", "replies are plain text (no JSON mode or schema)");
+    }
+    let temperature = in_range(g.temperature, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
+    let top_p = in_range(g.top_p, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
+    let presence = in_range(g.presence_penalty, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let frequency = in_range(g.frequency_penalty, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
+    let seed = match g.seed {
         None => random_seed(),
         Some(x) => x
             .as_i64()
@@ -197,61 +188,40 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
             .or_else(|| x.as_u64())
             .ok_or_else(|| ApiError::bad(format!("'seed' must be an integer, not {x}"), Some("seed")))?,
     };
-    let stop = match field(v, "stop") {
+    let stop = match g.stop {
         None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => {
-            if a.len() > 4 {
-                return Err(ApiError::bad("'stop' has more than 4 sequences", Some("stop")));
-            }
-            a.iter()
-                .map(|s| s.as_str().map(str::to_string))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| ApiError::bad("'stop' must be a string or an array of strings", Some("stop")))?
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(a)) if a.len() > 4 => {
+            return Err(ApiError::bad("'stop' has more than 4 sequences", Some("stop")));
         }
-        Some(x) => {
-            return Err(ApiError::bad(
-                format!("'stop' must be a string or an array of strings, not {x}"),
-                Some("stop"),
-            ));
-        }
+        Some(Stop::Many(a)) => a,
     };
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::bad("'stop' sequences must not be empty", Some("stop")));
     }
-    let stream = opt_bool(v, "stream")?;
-    let include_usage = match field(v, "stream_options") {
-        None => false,
-        Some(o) if o.is_object() => opt_bool(o, "include_usage")?,
-        Some(x) => {
-            return Err(ApiError::bad(format!("'stream_options' must be an object, not {x}"), Some("stream_options")));
-        }
-    };
+    let stream = g.stream.unwrap_or(false);
+    let include_usage = g.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     // llama-server's extensions, off unless given.
-    let top_k = opt_count(v, "top_k")?.unwrap_or(0) as usize;
-    let min_p = opt_number(v, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
-    let repeat_penalty = opt_number(v, "repeat_penalty", 1e-3, 1e3)?.unwrap_or(1.0) as f32;
-    let logit_bias = match field(v, "logit_bias") {
-        None => Vec::new(),
-        Some(Value::Object(m)) => m
-            .iter()
-            .map(|(k, b)| {
-                let id = k.parse::<u32>().map_err(|_| {
-                    ApiError::bad(format!("'logit_bias' keys are token ids; '{k}' is not one"), Some("logit_bias"))
-                })?;
-                match b.as_f64() {
-                    Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
-                    _ => Err(ApiError::bad(
-                        format!("'logit_bias' of token {id} is {b}; it must be a number between -100 and 100"),
-                        Some("logit_bias"),
-                    )),
-                }
-            })
-            .collect::<Result<Vec<_>, ApiError>>()?,
-        Some(x) => {
-            return Err(ApiError::bad(format!("'logit_bias' must be an object, not {x}"), Some("logit_bias")));
-        }
-    };
+    let top_k = g.top_k.unwrap_or(0) as usize;
+    let min_p = in_range(g.min_p, "min_p", 0.0, 1.0)?.unwrap_or(0.0) as f32;
+    let repeat_penalty = in_range(g.repeat_penalty, "repeat_penalty", 1e-3, 1e3)?.unwrap_or(1.0) as f32;
+    let logit_bias = g
+        .logit_bias
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, b)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                ApiError::bad(format!("'logit_bias' keys are token ids; '{k}' is not one"), Some("logit_bias"))
+            })?;
+            if !(-100.0..=100.0).contains(&b) {
+                return Err(ApiError::bad(
+                    format!("'logit_bias' of token {id} is {b}; it must be between -100 and 100"),
+                    Some("logit_bias"),
+                ));
+            }
+            Ok((id, b as f32))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
     let penalized = presence != 0.0 || frequency != 0.0 || repeat_penalty != 1.0;
     let sampler = SamplerConfig {
         temperature,
@@ -265,8 +235,6 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         logit_bias,
         seed,
     };
-    let spec_max = opt_count(v, "speculative.n_max")?.map(|n| n as usize);
-    let spec_min = opt_count(v, "speculative.n_min")?.map(|n| n as usize);
     Ok(Common {
         max_tokens,
         sampler,
@@ -276,51 +244,19 @@ fn common(v: &Value, model_id: &str) -> Result<Common, ApiError> {
         logprobs: None,
         score_prompt: false,
         n,
-        spec_max,
-        spec_min,
+        spec_max: g.spec_max.map(|n| n as usize),
+        spec_min: g.spec_min.map(|n| n as usize),
     })
 }
 
-/// OpenAI parameters this server cannot honour, refused by name rather than
-/// ignored (their defaults pass).
-fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
-    let unsupported = |name: &'static str, why: &str| {
-        Err(ApiError::bad(format!("'{name}' is not supported by this server: {why}"), Some(name)))
-    };
-    if field(v, "tools").is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty())) {
-        return unsupported("tools", "no tool calling");
-    }
-    if field(v, "tool_choice").is_some_and(|t| t != "none") {
-        return unsupported("tool_choice", "no tool calling");
-    }
-    for name in ["functions", "function_call"] {
-        if field(v, name).is_some() {
-            return unsupported(name, "no function calling");
-        }
-    }
-    if let Some(f) = field(v, "response_format")
-        && f.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return unsupported("response_format", "replies are plain text (no JSON mode or schema)");
-    }
-    if field(v, "suffix").is_some_and(|s| s.as_str() != Some("")) {
-        return unsupported("suffix", "no insertion");
-    }
-    if field(v, "best_of").is_some_and(|b| b.as_u64() != Some(1)) {
-        return unsupported("best_of", "one candidate per request");
-    }
-    Ok(())
-}
-
 /// Chat's `logprobs` (true or false) and `top_logprobs` (0 to 20, with logprobs).
-fn chat_logprobs(v: &Value) -> Result<Option<usize>, ApiError> {
-    let top = opt_count(v, "top_logprobs")?;
-    if let Some(n) = top
+fn chat_logprobs(f: &ChatFields) -> Result<Option<usize>, ApiError> {
+    if let Some(n) = f.top_logprobs
         && n > 20
     {
         return Err(ApiError::bad(format!("'top_logprobs' is {n}; it must be between 0 and 20"), Some("top_logprobs")));
     }
-    match (opt_bool(v, "logprobs")?, top) {
+    match (f.logprobs.unwrap_or(false), f.top_logprobs) {
         (true, n) => Ok(Some(n.unwrap_or(0) as usize)),
         (false, Some(_)) => Err(ApiError::bad("'top_logprobs' needs 'logprobs': true", Some("top_logprobs"))),
         (false, None) => Ok(None),
@@ -328,8 +264,8 @@ fn chat_logprobs(v: &Value) -> Result<Option<usize>, ApiError> {
 }
 
 /// A completion's `logprobs`: how many alternatives per token, 0 to 5.
-fn completion_logprobs(v: &Value) -> Result<Option<usize>, ApiError> {
-    match opt_count(v, "logprobs")? {
+fn completion_logprobs(f: &CompletionFields) -> Result<Option<usize>, ApiError> {
+    match f.logprobs {
         Some(n) if n > 5 => {
             Err(ApiError::bad(format!("'logprobs' is {n}; it must be between 0 and 5"), Some("logprobs")))
         }
@@ -466,33 +402,6 @@ fn submit<B: Backend>(
     Ok((id, receivers, prompt_tokens))
 }
 
-/// Splits generated text into the reply's content and its reasoning (gpt-oss's
-/// harmony channels; other models' text is all content).
-enum ReplyFilter {
-    Plain,
-    Harmony(Box<HarmonyParser>, Channel),
-}
-
-impl ReplyFilter {
-    fn feed(&mut self, text: &str) -> (String, String) {
-        match self {
-            ReplyFilter::Plain => (text.to_string(), String::new()),
-            ReplyFilter::Harmony(p, channel) => {
-                let (mut content, mut reasoning) = (String::new(), String::new());
-                for ev in p.feed(text) {
-                    match ev {
-                        HarmonyEvent::MessageStart(h) => *channel = h.channel,
-                        HarmonyEvent::Content(t) if *channel == Channel::Final => content += &t,
-                        HarmonyEvent::Content(t) => reasoning += &t,
-                        _ => {}
-                    }
-                }
-                (content, reasoning)
-            }
-        }
-    }
-}
-
 fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
@@ -520,76 +429,119 @@ async fn chat_inner<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let v = parse_body(body, &st.opts)?;
-    let mut c = common(&v, &st.opts.model_id)?;
+    let fields: ChatFields = typed(&v, "")?;
+    let mut c = common(typed(&v, "")?, &st.opts.model_id)?;
     c.require_max_tokens()?;
-    c.logprobs = chat_logprobs(&v)?;
-    let messages = field(&v, "messages").ok_or_else(|| ApiError::bad("'messages' is required", Some("messages")))?;
-    let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
-        ApiError::bad(format!("'messages' must be an array of {{role, content}}: {e}"), Some("messages"))
-    })?;
+    c.logprobs = chat_logprobs(&fields)?;
+    let tools = fields.tools()?;
+    let messages = fields.messages.ok_or_else(|| ApiError::bad("'messages' is required", Some("messages")))?;
     if messages.is_empty() {
         return Err(ApiError::bad("'messages' is empty", Some("messages")));
     }
     let engine = &st.engine;
-    let rendered = match &engine.template {
-        Some(t) => t.render(&messages, true),
-        None => ts_engine::chat::ChatTemplate::chatml().render(&messages, true),
+    let harmony = engine.model.cfg.arch == ts_model::Arch::GptOss;
+    let chatml;
+    let template = match &engine.template {
+        Some(t) => t,
+        None => {
+            chatml = ts_engine::chat::ChatTemplate::chatml();
+            &chatml
+        }
+    };
+    // The syntax replies are read in; tools a reply could not be read for are refused.
+    let syntax = ToolSyntax::of_template(template.source());
+    if !tools.declared.is_empty() && !harmony && syntax.is_none() {
+        let why = if template.source().contains("tools") {
+            "this model's chat template shows tools, but its tool-call syntax is not one this server reads \
+             (Hermes <tool_call>, Qwen3-Coder <function=...>, GLM, Gemma 4, gpt-oss harmony)"
+        } else {
+            "this model's chat template does not show tools to the model"
+        };
+        return Err(ApiError::bad(format!("'tools' cannot be used: {why}"), Some("tools")));
     }
-    .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
+    let mut kwargs = TemplateKwargs::new();
+    if !tools.declared.is_empty() {
+        kwargs = kwargs.set("tools", &tools.declared).map_err(|e| ApiError::bad(e.to_string(), Some("tools")))?;
+    }
+    let rendered = template
+        .render_with(&messages, true, &kwargs)
+        .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
     let tokenizer = tokenizer_of(st)?;
     let prompt = tokenizer
         .encode(&rendered, false, true)
         .map_err(|e| ApiError::bad(format!("tokenizing the prompt: {e}"), Some("messages")))?;
-    let harmony = engine.model.cfg.arch == ts_model::Arch::GptOss;
     if harmony && c.logprobs.is_some() {
         // Its tokens mix the reply, the reasoning and channel markers: no honest per-token content list.
         return Err(ApiError::bad("'logprobs' is not available for gpt-oss's harmony replies", Some("logprobs")));
     }
     // A model with recurrent layers keeps a snapshot where this conversation ends, for its next turn.
     let checkpoint = match (&engine.template, st.opts.prompt_cache && engine.model.is_recurrent()) {
-        (Some(t), true) => ts_engine::reuse::conversation_end(t, &messages, tokenizer, &prompt),
+        (Some(t), true) => ts_engine::reuse::conversation_end(t, &messages, &kwargs, tokenizer, &prompt),
         _ => None,
     };
-    let (id, receivers, prompt_tokens) = submit(st, prompt, &c, harmony, checkpoint)?;
+    let calls_read = !tools.declared.is_empty();
+    let special = harmony || (calls_read && syntax.is_some_and(ToolSyntax::needs_special_tokens));
+    let (id, receivers, prompt_tokens) = submit(st, prompt, &c, special, checkpoint)?;
     let id = format!("chatcmpl-{id}");
-    let filter = || {
-        if harmony {
-            ReplyFilter::Harmony(Box::new(HarmonyParser::new()), Channel::Unspecified)
-        } else {
-            ReplyFilter::Plain
-        }
+    let declared = Arc::new(tools.declared);
+    let parser = move || {
+        if harmony { ReplyParser::harmony(calls_read) } else { ReplyParser::plain(syntax, &declared) }
     };
+    let most_calls = if tools.parallel { usize::MAX } else { 1 };
     let model = st.opts.model_id.clone();
     let created = now_secs();
     if c.stream {
         let head = StreamHead { id, model, created, object: "chat.completion.chunk" };
         return Ok(stream_choices(head, receivers, c.include_usage, prompt_tokens, |meta, rx, completion| {
-            stream_chat(meta, rx, filter(), completion)
+            stream_chat(meta, rx, parser(), most_calls, completion)
         }));
     }
-    let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, filter()))).await;
+    let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, parser()))).await;
     let mut choices = Vec::with_capacity(replies.len());
     let mut completion = 0;
     for (index, reply) in replies.into_iter().enumerate() {
-        let reply = reply?;
-        let mut message = json!({"role": "assistant", "content": reply.content});
+        let mut reply = reply?;
+        reply.calls.truncate(most_calls);
+        let content =
+            if reply.calls.is_empty() || !reply.content.trim().is_empty() { json!(reply.content) } else { Value::Null };
+        let mut message = json!({"role": "assistant", "content": content});
         if !reply.reasoning.is_empty() {
             message["reasoning_content"] = json!(reply.reasoning);
+        }
+        if !reply.calls.is_empty() {
+            let calls: Vec<Value> = reply.calls.iter().map(|f| tool_call_json(&new_call_id(), f)).collect();
+            message["tool_calls"] = Value::Array(calls);
         }
         let logprobs = match c.logprobs {
             Some(_) => json!({"content": chat_logprob_entries(&reply.logprobs)}),
             None => Value::Null,
         };
         completion += reply.completion_tokens;
-        choices.push(
-            json!({"index": index, "message": message, "finish_reason": reply.finish.as_str(), "logprobs": logprobs}),
-        );
+        let finish = finish_reason(reply.finish, !reply.calls.is_empty());
+        choices.push(json!({"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}));
     }
     let body = json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "choices": choices, "usage": usage(prompt_tokens, completion),
     });
     Ok(Json(body).into_response())
+}
+
+/// `tool_calls` when the model stopped after calling tools.
+fn finish_reason(finish: Finish, called: bool) -> &'static str {
+    if called && finish == Finish::Stop { "tool_calls" } else { finish.as_str() }
+}
+
+/// A tool call's id: `call_` and 24 random letters and digits, as OpenAI's look.
+fn new_call_id() -> String {
+    use rand::Rng;
+    let tail: String = rand::rng().sample_iter(rand::distr::Alphanumeric).take(24).map(char::from).collect();
+    format!("call_{tail}")
+}
+
+/// A whole `tool_calls` entry: arguments as JSON text, as OpenAI sends them.
+fn tool_call_json(id: &str, call: &FunctionCall) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json()}})
 }
 
 /// What every chunk of one choice's stream carries.
@@ -653,6 +605,7 @@ fn stream_choices<S: futures_util::Stream<Item = String> + Send + 'static>(
 struct Reply {
     content: String,
     reasoning: String,
+    calls: Vec<FunctionCall>,
     /// The tokens' log-probabilities, when asked for.
     logprobs: Vec<TokenLogprob>,
     /// The prompt's, after its first token, when it was scored.
@@ -662,21 +615,31 @@ struct Reply {
 }
 
 /// Waits for a whole generation.
-async fn collect(mut rx: UnboundedReceiver<Event>, mut filter: ReplyFilter) -> Result<Reply, ApiError> {
-    let (mut content, mut reasoning, mut all, mut prompt) = (String::new(), String::new(), Vec::new(), Vec::new());
+async fn collect(mut rx: UnboundedReceiver<Event>, mut parser: ReplyParser) -> Result<Reply, ApiError> {
+    let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    let (mut all, mut prompt) = (Vec::new(), Vec::new());
+    let mut take = |events: Vec<ReplyEvent>| {
+        for event in events {
+            match event {
+                ReplyEvent::Content(t) => content += &t,
+                ReplyEvent::Reasoning(t) => reasoning += &t,
+                ReplyEvent::ToolCall(c) => calls.push(c),
+            }
+        }
+    };
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Prompt(entries) => prompt.extend(entries),
             Event::Text { text, logprobs } => {
-                let (c, r) = filter.feed(&text);
-                content += &c;
-                reasoning += &r;
+                take(parser.feed(&text));
                 all.extend(logprobs);
             }
             Event::Done { finish, completion_tokens, .. } => {
+                take(parser.finish());
                 return Ok(Reply {
                     content,
                     reasoning,
+                    calls,
                     logprobs: all,
                     prompt_logprobs: prompt,
                     finish,
@@ -708,12 +671,15 @@ fn sse(events: impl futures_util::Stream<Item = String> + Send + 'static) -> Res
         .expect("valid response")
 }
 
-/// One choice's chat chunks: the role first, content deltas, the finish reason;
-/// its generated tokens are added to `completion` at the end.
+/// One choice's chat chunks: the role first, content, reasoning and tool-call
+/// deltas (each call as OpenAI streams it: index, id, type and name, then its
+/// arguments; at most `most_calls`), the finish reason; its generated tokens
+/// are added to `completion` at the end.
 fn stream_chat(
     meta: ChunkMeta,
     rx: UnboundedReceiver<Event>,
-    filter: ReplyFilter,
+    parser: ReplyParser,
+    most_calls: usize,
     completion: Arc<std::sync::atomic::AtomicUsize>,
 ) -> impl futures_util::Stream<Item = String> + Send + 'static {
     let chunk = move |delta: Value, finish: Option<&str>, logprobs: Value| {
@@ -723,13 +689,40 @@ fn stream_chat(
     let first = chunk(json!({"role": "assistant", "content": ""}), None, Value::Null).to_string();
     struct S<F> {
         rx: UnboundedReceiver<Event>,
-        filter: ReplyFilter,
+        parser: ReplyParser,
         chunk: F,
         queue: std::collections::VecDeque<String>,
+        calls: usize,
+        most_calls: usize,
         done: bool,
         completion: Arc<std::sync::atomic::AtomicUsize>,
     }
-    let s = S { rx, filter, chunk, queue: [first].into(), done: false, completion };
+    impl<F: Fn(Value, Option<&str>, Value) -> Value> S<F> {
+        /// Queues the chunks of `events`; the first carries `logprobs` (tokens
+        /// whose text is held back come with a later chunk).
+        fn push(&mut self, events: Vec<ReplyEvent>, mut logprobs: Value) {
+            for event in events {
+                let delta = match event {
+                    ReplyEvent::Content(t) => json!({"content": t}),
+                    ReplyEvent::Reasoning(t) => json!({"reasoning_content": t}),
+                    ReplyEvent::ToolCall(_) if self.calls == self.most_calls => continue,
+                    ReplyEvent::ToolCall(call) => {
+                        let index = self.calls;
+                        self.calls += 1;
+                        let head = json!({"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
+                                                          "function": {"name": call.name, "arguments": ""}}]});
+                        self.queue.push_back((self.chunk)(head, None, Value::Null).to_string());
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": call.arguments_json()}}]})
+                    }
+                };
+                self.queue.push_back((self.chunk)(delta, None, std::mem::take(&mut logprobs)).to_string());
+            }
+            if !logprobs.is_null() {
+                self.queue.push_back((self.chunk)(json!({"content": ""}), None, logprobs).to_string());
+            }
+        }
+    }
+    let s = S { rx, parser, chunk, queue: [first].into(), calls: 0, most_calls, done: false, completion };
     futures_util::stream::unfold(s, move |mut s| async move {
         loop {
             if let Some(x) = s.queue.pop_front() {
@@ -740,26 +733,21 @@ fn stream_chat(
             }
             match s.rx.recv().await {
                 Some(Event::Text { text, logprobs }) => {
-                    let (content, reasoning) = s.filter.feed(&text);
-                    // Tokens whose text is still held back come with a later chunk.
+                    let events = s.parser.feed(&text);
                     let lp = if logprobs.is_empty() {
                         Value::Null
                     } else {
                         json!({"content": chat_logprob_entries(&logprobs)})
                     };
-                    if !content.is_empty() || !lp.is_null() {
-                        s.queue.push_back((s.chunk)(json!({"content": content}), None, lp).to_string());
-                    }
-                    if !reasoning.is_empty() {
-                        s.queue.push_back(
-                            (s.chunk)(json!({"reasoning_content": reasoning}), None, Value::Null).to_string(),
-                        );
-                    }
+                    s.push(events, lp);
                 }
                 Some(Event::Prompt(_)) => {}
                 Some(Event::Done { finish, completion_tokens, .. }) => {
+                    let events = s.parser.finish();
+                    s.push(events, Value::Null);
                     s.completion.fetch_add(completion_tokens, Relaxed);
-                    s.queue.push_back((s.chunk)(json!({}), Some(finish.as_str()), Value::Null).to_string());
+                    let finish = finish_reason(finish, s.calls > 0);
+                    s.queue.push_back((s.chunk)(json!({}), Some(finish), Value::Null).to_string());
                     s.done = true;
                 }
                 Some(Event::Error(e)) => {
@@ -786,9 +774,19 @@ async fn completions_inner<B: Backend + 'static>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let v = parse_body(body, &st.opts)?;
-    let mut c = common(&v, &st.opts.model_id)?;
-    c.logprobs = completion_logprobs(&v)?;
-    let echo = opt_bool(&v, "echo")?;
+    let fields: CompletionFields = typed(&v, "")?;
+    let mut c = common(typed(&v, "")?, &st.opts.model_id)?;
+    if fields.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad("'suffix' is not supported by this server: no insertion", Some("suffix")));
+    }
+    if fields.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::bad(
+            "'best_of' is not supported by this server: one candidate per request",
+            Some("best_of"),
+        ));
+    }
+    c.logprobs = completion_logprobs(&fields)?;
+    let echo = fields.echo.unwrap_or(false);
     // `echo` with `logprobs` scores the prompt (how evaluation harnesses ask for a text's
     // log-likelihood, usually with max_tokens 0).
     c.score_prompt = echo && c.logprobs.is_some();
@@ -806,9 +804,9 @@ async fn completions_inner<B: Backend + 'static>(
     };
     // Token ids are taken as they are (no BOS added); their text is their pieces, control
     // tokens' markers included. A one-element array holds the prompt (as batching clients send).
-    let prompt = match field(&v, "prompt") {
+    let prompt = match &fields.prompt {
         Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
-        p => p.unwrap_or(&Value::Null),
+        p => p.as_ref().unwrap_or(&Value::Null),
     };
     let (prompt, tokens, bos_added) = match prompt {
         Value::String(s) => {
@@ -851,7 +849,9 @@ async fn completions_inner<B: Backend + 'static>(
             stream_completion(meta, rx, echoed.clone(), want_logprobs, completion)
         }));
     }
-    let replies = futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, ReplyFilter::Plain))).await;
+    let replies =
+        futures_util::future::join_all(receivers.into_iter().map(|rx| collect(rx, ReplyParser::plain(None, &[]))))
+            .await;
     let mut choices = Vec::with_capacity(replies.len());
     let mut completion = 0;
     // Only the first choice scores the prompt (the same for all).
@@ -953,26 +953,23 @@ fn json_endpoint<B: Backend>(
 }
 
 fn tokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response, ApiError> {
-    let (name, text) = match (field(v, "content"), field(v, "prompt")) {
+    let body: TokenizeBody = typed(v, "")?;
+    let (name, text) = match (body.content, body.prompt) {
         (Some(t), _) => ("content", t),
         (None, Some(t)) => ("prompt", t),
         (None, None) => return Err(ApiError::bad("'content' (or 'prompt') is required", Some("content"))),
     };
-    let text = text.as_str().ok_or_else(|| ApiError::bad(format!("'{name}' must be a string"), Some(name)))?;
-    let add_special = match (field(v, "add_special"), field(v, "add_special_tokens")) {
-        (None, None) => true,
-        (Some(_), _) => opt_bool(v, "add_special")?,
-        (None, Some(_)) => opt_bool(v, "add_special_tokens")?,
-    };
+    let add_special = body.add_special.or(body.add_special_tokens).unwrap_or(true);
     let tokenizer = tokenizer_of(st)?;
-    let tokens =
-        tokenizer.encode(text, add_special, true).map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some(name)))?;
-    let mut body = json!({"tokens": tokens, "count": tokens.len(), "max_model_len": st.opts.slot_ctx});
-    if opt_bool(v, "with_pieces")? {
+    let tokens = tokenizer
+        .encode(&text, add_special, true)
+        .map_err(|e| ApiError::bad(format!("tokenizing: {e}"), Some(name)))?;
+    let mut out = json!({"tokens": tokens, "count": tokens.len(), "max_model_len": st.opts.slot_ctx});
+    if body.with_pieces.unwrap_or(false) {
         let piece = |&id: &u32| json!({"id": id, "piece": String::from_utf8_lossy(&token_bytes(tokenizer, id, true))});
-        body["tokens"] = Value::Array(tokens.iter().map(piece).collect());
+        out["tokens"] = Value::Array(tokens.iter().map(piece).collect());
     }
-    Ok(Json(body).into_response())
+    Ok(Json(out).into_response())
 }
 
 /// `POST /detokenize`: `tokens` (ids) as text.
@@ -985,10 +982,14 @@ pub async fn detokenize<B: Backend + 'static>(
 
 fn detokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response, ApiError> {
     let tokenizer = tokenizer_of(st)?;
-    let ids = field(v, "tokens")
-        .and_then(Value::as_array)
-        .ok_or_else(|| ApiError::bad("'tokens' must be an array of token ids", Some("tokens")))?;
-    let ids = token_ids(ids, tokenizer.vocab_size(), "tokens")?;
+    let body: DetokenizeBody = typed(v, "")?;
+    let ids = body.tokens.ok_or_else(|| ApiError::bad("'tokens' (token ids) is required", Some("tokens")))?;
+    let n_vocab = tokenizer.vocab_size();
+    let ids = ids
+        .into_iter()
+        .map(|id| u32::try_from(id).ok().filter(|&id| (id as usize) < n_vocab))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::bad(format!("'tokens' must hold token ids below {n_vocab}"), Some("tokens")))?;
     // Control tokens as their markers, as llama-server gives them (and /tokenize parses them).
     let bytes =
         tokenizer.detokenize(&ids, false, true).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod metrics;
+pub mod request;
 pub mod scheduler;
 
 use axum::Router;

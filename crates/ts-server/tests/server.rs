@@ -8,6 +8,8 @@ use serde_json::{Value, json};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
+use ts_engine::chat::tool_calls::{ToolCallParser, ToolSyntax};
+use ts_engine::chat::{ChatMessage, TemplateKwargs};
 use ts_engine::session::{Engine, LoadOptions};
 use ts_engine::speculative::{DEFAULT_P_MIN, SpecOptions};
 use ts_model::ExpertPlacement;
@@ -317,6 +319,25 @@ fn openai_python_client() {
     server.stop().unwrap();
 }
 
+/// A tool-call round trip through the official `openai` Python client on Qwen2.5-Coder
+/// (tools/server-test/openai_tools_e2e.py): call, tool result, answer; whole and streamed.
+#[test]
+fn openai_python_client_tool_calls() {
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
+    let script = ts_testkit::repo_root().join("tools/server-test/openai_tools_e2e.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", server.addr))
+        .arg(ID)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    server.stop().unwrap();
+}
+
 /// With --prompt-cache, a second chat turn reads only what the first did not leave in a slot.
 #[test]
 fn second_turn_reuses_the_cached_first_turn() {
@@ -590,8 +611,14 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
-            "tools",
+            "tools[0]",
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+            "temperature",
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 7}]}), "messages[0].content"),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
@@ -769,4 +796,187 @@ fn prompt_lookup_keeps_greedy_replies_and_counts_its_guesses() {
         plain.stop().unwrap();
         guessing.stop().unwrap();
     }
+}
+
+const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                       "required": ["city"]}}})
+}
+
+/// The `tool_calls` of a streamed chat answer, put together from its `delta.tool_calls`
+/// chunks; checks that each call's first chunk carries its id, type and name.
+fn streamed_calls(body: &str) -> (Vec<Value>, String, Option<String>) {
+    let (mut calls, mut content, mut finish): (Vec<Value>, String, Option<String>) = (Vec::new(), String::new(), None);
+    for data in body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        let choice = &chunk["choices"][0];
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_owned());
+        }
+        content += choice["delta"]["content"].as_str().unwrap_or("");
+        for d in choice["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let index = d["index"].as_u64().unwrap() as usize;
+            if index == calls.len() {
+                assert!(d["id"].is_string() && d["type"] == "function" && d["function"]["name"].is_string(), "{d}");
+                calls.push(json!({"id": d["id"], "type": "function",
+                                  "function": {"name": d["function"]["name"], "arguments": ""}}));
+            }
+            let args = calls[index]["function"]["arguments"].as_str().unwrap().to_owned();
+            calls[index]["function"]["arguments"] = json!(args + d["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    (calls, content, finish)
+}
+
+/// Tools on Qwen2.5-Coder (a Hermes `<tool_call>` template): the prompt is the model's
+/// template rendered with the tools; the reply's calls are what the engine's parser reads
+/// in the same prompt's raw greedy completion; streamed calls equal whole ones; a
+/// conversation holding an assistant call and a tool result renders and is answered;
+/// bad declarations are refused naming the field.
+#[test]
+fn tool_calls_on_qwen() {
+    let path = ts_testkit::real_model(QWEN);
+    let server = start_model(path.clone(), 2048, false, None, None);
+    let addr = server.addr;
+    let engine = Engine::load(&path, &LoadOptions { threads: 1, experts: ExpertPlacement::Mapped }).unwrap();
+    let template = engine.template.as_ref().expect("Qwen2.5 has a template");
+    let tokenizer = engine.tokenizer().unwrap();
+    let tools = vec![weather_tool()];
+    let kwargs = TemplateKwargs::new().set("tools", &tools).unwrap();
+    let count = |messages: &[ChatMessage], kwargs: &TemplateKwargs| {
+        let text = template.render_with(messages, true, kwargs).unwrap();
+        (tokenizer.encode(&text, false, true).unwrap().len(), text)
+    };
+
+    let ask = "What is the weather in Paris? Use the get_weather tool.";
+    let request = json!({"messages": [{"role": "user", "content": ask}], "tools": tools, "temperature": 0,
+                         "max_tokens": 64});
+    let (status, whole) = post(addr, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    let (with_tools, rendered) = count(&[ChatMessage::user(ask)], &kwargs);
+    assert!(rendered.contains("# Tools") && rendered.contains("\"get_weather\""), "{rendered}");
+    assert_eq!(whole["usage"]["prompt_tokens"], with_tools, "the prompt is the template rendered with the tools");
+    assert!(with_tools > count(&[ChatMessage::user(ask)], &TemplateKwargs::new()).0);
+
+    // The raw reply to the same prompt, read by the engine's parser, gives the same message.
+    let (status, raw) = post(addr, "/v1/completions", &json!({"prompt": rendered, "temperature": 0, "max_tokens": 64}));
+    assert_eq!(status, 200, "{raw}");
+    let raw_text = raw["choices"][0]["text"].as_str().unwrap();
+    println!("raw reply: {raw_text:?}");
+    let (raw_content, calls) = ToolCallParser::parse(ToolSyntax::Hermes, &tools, raw_text);
+    let message = &whole["choices"][0]["message"];
+    let got: Vec<(String, Value)> = message["tool_calls"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|c| {
+                    assert!(c["id"].as_str().unwrap().starts_with("call_") && c["type"] == "function", "{c}");
+                    let args = serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+                    (c["function"]["name"].as_str().unwrap().to_owned(), args)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let want: Vec<(String, Value)> = calls.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect();
+    assert_eq!(got, want, "{whole}");
+    // Greedy Qwen2.5-Coder 0.5B calls the tool here (as a bare JSON object, without tags).
+    assert_eq!(want, [("get_weather".to_owned(), json!({"city": "Paris"}))]);
+    assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+    assert!(message["content"].is_null() && raw_content.trim().is_empty(), "{whole}");
+
+    // Streamed: the same calls, as delta.tool_calls chunks.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let (calls_streamed, content_streamed, finish) = streamed_calls(&body);
+    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
+    assert!(content_streamed.trim().is_empty(), "{body}");
+    let strip_id = |c: &Value| (c["function"]["name"].clone(), c["function"]["arguments"].clone());
+    let whole_calls: Vec<_> = message["tool_calls"].as_array().unwrap().iter().map(strip_id).collect();
+    assert_eq!(calls_streamed.iter().map(strip_id).collect::<Vec<_>>(), whole_calls);
+
+    // tool_choice none: no tools shown, nothing read.
+    let mut none = request.clone();
+    none["tool_choice"] = json!("none");
+    let (status, v) = post(addr, "/v1/chat/completions", &none);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], count(&[ChatMessage::user(ask)], &TemplateKwargs::new()).0);
+    assert!(v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+
+    // The next turn: the assistant's call (arguments as JSON text, as clients send them) and
+    // the tool's result render as the template renders them, and the model answers.
+    let call_id = message["tool_calls"][0]["id"].clone();
+    let turn = json!([
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": null, "tool_calls": message["tool_calls"]},
+        {"role": "tool", "tool_call_id": call_id, "content": "{\"temperature\": 21, \"sky\": \"clear\"}"},
+    ]);
+    let (status, answer) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": turn, "tools": tools, "temperature": 0, "max_tokens": 48}),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let messages: Vec<ChatMessage> = serde_json::from_value(turn).unwrap();
+    let (n, text) = count(&messages, &kwargs);
+    assert!(
+        text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>")
+            && text.contains("<tool_response>\n{\"temperature\": 21"),
+        "{text}"
+    );
+    assert_eq!(answer["usage"]["prompt_tokens"], n);
+    let final_text = answer["choices"][0]["message"]["content"].as_str().unwrap_or("");
+    println!("answer: {final_text:?}");
+    assert!(!final_text.is_empty(), "{answer}");
+
+    // Bad declarations and choices, refused naming the field.
+    let bad_tool = |tool: Value| json!({"messages": [{"role": "user", "content": "hi"}], "tools": [tool]});
+    for (body, param) in [
+        (bad_tool(json!({"type": "function", "function": {"description": "no name"}})), "tools[0].function"),
+        (
+            bad_tool(json!({"type": "function", "function": {"name": "f", "parameters": [1]}})),
+            "tools[0].function.parameters",
+        ),
+        (bad_tool(json!({"type": "function", "function": {"name": "bad name"}})), "tools[0].function.name"),
+        (bad_tool(json!({"type": "retrieval", "function": {"name": "f"}})), "tools[0].type"),
+        (bad_tool(json!("get_weather")), "tools[0]"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+            "tool_choice",
+        ),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "parallel_tool_calls": 1}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]}]}),
+            "messages[0].tool_calls[0].function",
+        ),
+    ] {
+        let (status, v) = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+    }
+    server.stop().unwrap();
+
+    // SmolLM2's template shows no tools: refused by name rather than ignored.
+    let server = start(512);
+    let (status, v) = post(
+        server.addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "tools": [weather_tool()]}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tools", "{v}");
+    server.stop().unwrap();
 }

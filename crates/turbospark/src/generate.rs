@@ -5,7 +5,7 @@ use anyhow::{Context, Result, bail};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use ts_engine::chat::harmony::{Channel, HarmonyEvent, HarmonyParser};
-use ts_engine::chat::{ChatMessage, ChatTemplate};
+use ts_engine::chat::{ChatMessage, ChatTemplate, TemplateKwargs};
 use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes, parse_size};
 use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
@@ -563,7 +563,8 @@ fn chat_on<B: Backend>(
         let common = cached.prepare(&engine.model, &tokens)?;
         // Read up to where the conversation ends (remembered for the next turn), then the rest.
         let tokenizer = engine.tokenizer()?;
-        let split = conversation_end(template, &messages, tokenizer, &tokens).filter(|&at| at > common);
+        let split =
+            conversation_end(template, &messages, &TemplateKwargs::new(), tokenizer, &tokens).filter(|&at| at > common);
         if let Some(at) = split {
             engine.prefill(&mut cached.seq, &tokens[common..at], false)?;
             cached.ran(&tokens[common..at]);
