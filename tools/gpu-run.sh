@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-export|peer-profile|side|sweep|ncu-detail|timing]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -107,21 +107,44 @@ if [[ $what == batched ]]; then
     done
 fi
 if [[ $what == peer-build ]]; then
-    rm -rf /tmp/peer && mkdir -p /tmp/peer && tar -xJf .peer/llama-cuda.tar.xz -C /tmp/peer
-    setsid nohup bash -c 'cmake -S /tmp/peer/llama.cpp -B /tmp/lcbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-        -DLLAMA_BUILD_APP=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release \
-        && cmake --build /tmp/lcbuild -j16 --target llama-bench; echo built $?' > /tmp/lcbuild.log 2>&1 &
-    echo "llama.cpp build started (log /tmp/lcbuild.log)"
-    # ik_llama.cpp (tools/peer-pack-ik.sh), built beside it when packed.
-    if [[ -f .peer/ik-cuda.tar.xz ]]; then
-        rm -rf /tmp/ikpeer && mkdir -p /tmp/ikpeer && tar -xJf .peer/ik-cuda.tar.xz -C /tmp/ikpeer
-        setsid nohup bash -c 'cmake -S /tmp/ikpeer/ik_llama.cpp -B /tmp/ikbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-            -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON \
-            -DCMAKE_BUILD_TYPE=Release && cmake --build /tmp/ikbuild -j16 --target llama-bench; echo built $?' \
-            > /tmp/ikbuild.log 2>&1 &
-        echo "ik_llama.cpp build started (log /tmp/ikbuild.log)"
-    fi
+    # A prebuilt llama-bench (.peer/NAME-bench-cuda.xz, brought back from an earlier lease by
+    # `peer-export`) is unpacked; else the sources are built in the background, one after the
+    # other, statically linked so that the one binary can be brought back.
+    flags="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release"
+    chain=""
+    for peer in llama ik; do
+        dir=/tmp/${peer/llama/lc}build
+        if [[ -f .peer/$peer-bench-cuda.xz ]]; then
+            mkdir -p $dir/bin && xz -dc .peer/$peer-bench-cuda.xz > $dir/bin/llama-bench && chmod +x $dir/bin/llama-bench
+            echo "built 0 (prebuilt)" > $dir.log
+            echo "$peer: prebuilt llama-bench"
+            continue
+        fi
+        src=.peer/$peer-cuda.tar.xz
+        # ik_llama.cpp keeps llama-bench among its examples.
+        sub=ik_llama.cpp extra=""
+        [[ $peer == llama ]] && sub=llama.cpp extra="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF"
+        [[ -f $src ]] || continue
+        rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
+        : > $dir.log
+        chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target llama-bench) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
+        echo "$peer: build queued (log $dir.log)"
+    done
+    [[ -n $chain ]] && setsid nohup bash -c "$chain" > /dev/null 2>&1 &
+fi
+if [[ $what == peer-export ]]; then
+    # Waits for the peer builds, and leaves each llama-bench compressed in $OUT, to be kept
+    # in .peer/ here and carried next time.
+    for peer in llama ik; do
+        dir=/tmp/lcbuild
+        [[ $peer == ik ]] && dir=/tmp/ikbuild
+        [[ -f $dir.log ]] || continue
+        for i in $(seq ${PEER_WAIT:-60}); do grep -q "^built" $dir.log && break; sleep 10; done
+        tail -n 2 $dir.log
+        [[ -x $dir/bin/llama-bench ]] && xz -T16 -c $dir/bin/llama-bench > "$OUT/$peer-bench-cuda.xz" && ls -la "$OUT/$peer-bench-cuda.xz"
+        ldd $dir/bin/llama-bench | grep -v "^\s*/lib\|linux-vdso" | head
+    done
 fi
 if [[ $what == timing ]]; then
     # `timing LIKE...`: where a replayed decode step's time goes (TURBOSPARK_STEP_TIMING), with
@@ -129,12 +152,12 @@ if [[ $what == timing ]]; then
     shift
     for like in "$@"; do
         f=$(synth "$like")
-        for knob in none TURBOSPARK_NO_BRANCHES TURBOSPARK_NO_PDL; do
+        for knob in ${TIMING_KNOBS:-none TURBOSPARK_NO_BRANCHES TURBOSPARK_NO_PDL}; do
             echo "== $like, $knob"
             nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw --format=csv,noheader -lms 500 > "$OUT/clocks-$like-$knob.log" &
             smi=$!
             env TURBOSPARK_STEP_TIMING=1 ${knob/none/X}=1 "$B"/turbospark bench -m "$f" --device cuda -p 0 -n 128 -r 1 2>&1 \
-                | tee -a "$OUT/timing.log" | grep -E "^\||step timing|error" | tail -4
+                | tee -a "$OUT/timing.log" | grep -E "^\||step timing|error"
             kill $smi
             sort "$OUT/clocks-$like-$knob.log" | uniq -c | sort -rn | head -2
         done
