@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-export|peer-profile|side|sweep|ncu-detail|timing]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -107,20 +107,14 @@ if [[ $what == batched ]]; then
     done
 fi
 if [[ $what == peer-build ]]; then
-    # A prebuilt llama-bench (.peer/NAME-bench-cuda.xz, brought back from an earlier lease by
-    # `peer-export`) is unpacked; else the sources are built in the background, one after the
-    # other, statically linked so that the one binary can be brought back.
+    # Built in the background from the sources tools/peer-pack*.sh packed, llama.cpp first, then
+    # ik_llama.cpp (about 6 minutes each with 16 cores; together about 12). A prebuilt binary
+    # cannot travel: xz'd it is over 16 MiB, and the tree's fixtures already take 49 of a call's 64.
     flags="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release"
     chain=""
     for peer in llama ik; do
         dir=/tmp/${peer/llama/lc}build
-        if [[ -f .peer/$peer-bench-cuda.xz ]]; then
-            mkdir -p $dir/bin && xz -dc .peer/$peer-bench-cuda.xz > $dir/bin/llama-bench && chmod +x $dir/bin/llama-bench
-            echo "built 0 (prebuilt)" > $dir.log
-            echo "$peer: prebuilt llama-bench"
-            continue
-        fi
         src=.peer/$peer-cuda.tar.xz
         # ik_llama.cpp keeps llama-bench among its examples.
         sub=ik_llama.cpp extra=""
@@ -132,19 +126,6 @@ if [[ $what == peer-build ]]; then
         echo "$peer: build queued (log $dir.log)"
     done
     [[ -n $chain ]] && setsid nohup bash -c "$chain" > /dev/null 2>&1 &
-fi
-if [[ $what == peer-export ]]; then
-    # Waits for the peer builds, and leaves each llama-bench compressed in $OUT, to be kept
-    # in .peer/ here and carried next time.
-    for peer in llama ik; do
-        dir=/tmp/lcbuild
-        [[ $peer == ik ]] && dir=/tmp/ikbuild
-        [[ -f $dir.log ]] || continue
-        for i in $(seq ${PEER_WAIT:-60}); do grep -q "^built" $dir.log && break; sleep 10; done
-        tail -n 2 $dir.log
-        [[ -x $dir/bin/llama-bench ]] && xz -T16 -c $dir/bin/llama-bench > "$OUT/$peer-bench-cuda.xz" && ls -la "$OUT/$peer-bench-cuda.xz"
-        ldd $dir/bin/llama-bench | grep -v "^\s*/lib\|linux-vdso" | head
-    done
 fi
 if [[ $what == timing ]]; then
     # `timing LIKE...`: where a replayed decode step's time goes (TURBOSPARK_STEP_TIMING), with
