@@ -98,7 +98,11 @@ impl ReplayTiming {
 
     /// Launches `graph` between the two events; every 64 replays prints the means, and at
     /// the 32nd also times 16 replays back to back (a one-row step is idempotent).
-    fn launch(&mut self, graph: &cudarc::driver::CudaGraph, stream: &cudarc::driver::CudaStream) -> Result<(), ModelError> {
+    fn launch(
+        &mut self,
+        graph: &cudarc::driver::CudaGraph,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), ModelError> {
         let e = |e: cudarc::driver::DriverError| err(e.into());
         if self.pending {
             self.device_ms += self.start.elapsed_ms(&self.end).map_err(e)? as f64;
@@ -121,7 +125,7 @@ impl ReplayTiming {
         self.host_launch_s += t.elapsed().as_secs_f64();
         self.end.record(stream).map_err(e)?;
         self.pending = true;
-        if self.replays > 0 && self.replays % 64 == 0 {
+        if self.replays > 0 && self.replays.is_multiple_of(64) {
             let n = self.replays as f64;
             eprintln!(
                 "step timing: {} replays, host launch call {:.1} us, graph on the device {:.3} ms",

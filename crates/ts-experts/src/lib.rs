@@ -51,9 +51,17 @@ pub struct ExpertBytes<'a> {
     pub packed: [bool; 3],
 }
 
-/// Repacks one expert's matrix of projection `proj` (0 gate, 1 up, 2 down) of `layer` in
-/// place, returning whether it did ([`ExpertStore::pack`]).
-pub type Packer<'a> = &'a (dyn Fn(usize, usize, &mut [u8]) -> bool + Sync);
+/// Repacks expert matrices, at the same size, for a backend that reads them in another
+/// layout ([`ExpertStore::pack`]).
+pub trait Repack: Send + Sync {
+    /// Whether the matrices of projection `proj` (0 gate, 1 up, 2 down) of `layer` are repacked.
+    fn packs(&self, layer: usize, proj: usize) -> bool;
+    /// Repacks one expert's matrix of that projection in place.
+    fn pack(&self, layer: usize, proj: usize, bytes: &mut [u8]);
+}
+
+/// A [`Repack`] a store may keep (a streaming one repacks each matrix as it is read).
+pub type Packer = std::sync::Arc<dyn Repack>;
 
 /// Experts made available for one layer, in the order asked for. They stay
 /// valid (and, when streamed, protected from eviction) while this lives.
@@ -121,8 +129,9 @@ pub trait ExpertStore: Send + Sync {
     }
     /// Repacks the experts the store holds in memory it owns with `pack`, for a backend that
     /// reads them in another layout; [`ExpertBytes::packed`] then says which are. Returns how
-    /// many matrices were repacked (stores that map or stream their experts repack none).
-    fn pack(&mut self, pack: Packer<'_>) -> usize {
+    /// many matrices were repacked, or will be as they are read (a streaming store's); a store
+    /// that maps its experts repacks none (the mapping must stay the file's, pageable).
+    fn pack(&mut self, pack: Packer) -> usize {
         let _ = pack;
         0
     }

@@ -102,22 +102,21 @@ impl ExpertStore for ResidentExperts {
         ))
     }
 
-    fn pack(&mut self, pack: Packer<'_>) -> usize {
+    fn pack(&mut self, pack: Packer) -> usize {
         use rayon::prelude::*;
         let mut count = 0;
         for (layer, (data, packed)) in self.data.iter_mut().zip(&mut self.packed).enumerate() {
             let (Some(data), Some(l)) = (data, self.layout.layers[layer].as_ref()) else { continue };
             for (p, words) in data.iter_mut().enumerate() {
-                if packed[p] {
-                    continue; // repacking twice would scramble them
+                // Repacking twice would scramble them.
+                if packed[p] || !pack.packs(layer, p) {
+                    continue;
                 }
                 let size = l.proj[p].expert_bytes;
                 let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..size * l.n_expert];
-                // Every expert of a projection has one shape: all are repacked or none.
-                let done: Vec<bool> = bytes.par_chunks_mut(size.max(1)).map(|m| pack(layer, p, m)).collect();
-                assert!(done.iter().all(|&d| d == done[0]), "layer {layer}: experts of one shape packed unevenly");
-                packed[p] = done.first() == Some(&true);
-                count += done.iter().filter(|&&d| d).count();
+                bytes.par_chunks_mut(size.max(1)).for_each(|m| pack.pack(layer, p, m));
+                packed[p] = true;
+                count += l.n_expert;
             }
         }
         count

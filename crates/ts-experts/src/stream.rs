@@ -10,7 +10,7 @@
 
 use crate::slots::{EvictionPolicy, SlotCache};
 use crate::stats::{LayerCounters, StatsSnapshot};
-use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore, SetInner};
+use crate::{ExpertBytes, ExpertError, ExpertLayout, ExpertSet, ExpertStore, Packer, SetInner};
 use std::alloc::Layout;
 use std::collections::VecDeque;
 use std::fs::File;
@@ -212,6 +212,8 @@ struct ReadJob {
     slot: usize,
     placement: Placement,
     layer: usize,
+    /// 0 gate, 1 up, 2 down.
+    proj: usize,
     latch: Arc<Latch>,
 }
 
@@ -231,6 +233,9 @@ impl State {
 
 struct Shared {
     source: Box<dyn ReadSource>,
+    /// Set by [`ExpertStore::pack`]: the repacking each read matrix gets, and per layer which
+    /// projections it repacks.
+    repack: std::sync::OnceLock<(Packer, Vec<[bool; 3]>)>,
     slots: Vec<AlignedBuf>,
     queue: Mutex<VecDeque<ReadJob>>,
     queued: Condvar,
@@ -244,7 +249,10 @@ fn assign(st: &mut State, s: usize, layer: usize, e: usize, pl: &[Placement; 3])
     st.cache.assign(s, layer, e);
     let latch = Latch::new(3);
     st.latch[s] = Some(latch.clone());
-    pl.iter().map(|&placement| ReadJob { slot: s, placement, layer, latch: latch.clone() }).collect()
+    pl.iter()
+        .enumerate()
+        .map(|(proj, &placement)| ReadJob { slot: s, placement, layer, proj, latch: latch.clone() })
+        .collect()
 }
 
 /// A bounded cache of expert slots filled from disk.
@@ -286,6 +294,7 @@ impl StreamingExperts {
         let slots = (0..n_slots).map(|_| AlignedBuf::new(slot_bytes, align)).collect();
         let shared = Arc::new(Shared {
             source,
+            repack: std::sync::OnceLock::new(),
             slots,
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
@@ -393,6 +402,9 @@ fn reader_loop(shared: &Shared) {
         c.read_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
         if result.is_ok() {
             c.bytes_read.fetch_add(p.read_len as u64, Relaxed);
+            if let Some((packer, _)) = shared.repack.get().filter(|(_, packs)| packs[job.layer][job.proj]) {
+                packer.pack(job.layer, job.proj, &mut buf[p.data_skip..p.data_skip + p.data_len]);
+            }
         }
         job.latch.complete(result);
     }
@@ -440,7 +452,8 @@ impl PendingSet<'_> {
         // SAFETY: the reads into this slot are complete and the slot stays pinned while `self` lives.
         let part =
             |p: &Placement| unsafe { std::slice::from_raw_parts(base.add(p.slot_offset + p.data_skip), p.data_len) };
-        Ok(ExpertBytes { gate: part(&pl[0]), up: part(&pl[1]), down: part(&pl[2]), packed: [false; 3] })
+        let packed = self.store.shared.repack.get().map_or([false; 3], |(_, packs)| packs[self.layer]);
+        Ok(ExpertBytes { gate: part(&pl[0]), up: part(&pl[1]), down: part(&pl[2]), packed })
     }
 }
 
@@ -560,6 +573,32 @@ impl ExpertStore for StreamingExperts {
             }
         }
         self.submit(jobs);
+    }
+
+    /// Matrices are repacked by the reader that reads them; slots read before are dropped.
+    fn pack(&mut self, pack: Packer) -> usize {
+        let packs: Vec<[bool; 3]> = (0..self.layout.layers.len())
+            .map(|layer| std::array::from_fn(|p| self.layout.layers[layer].is_some() && pack.packs(layer, p)))
+            .collect();
+        let count = self
+            .layout
+            .layers
+            .iter()
+            .zip(&packs)
+            .map(|(l, p)| l.map_or(0, |l| l.n_expert * p.iter().filter(|&&b| b).count()));
+        let count: usize = count.sum();
+        if count == 0 || self.shared.repack.set((pack, packs)).is_err() {
+            return 0;
+        }
+        // `&mut self`: no set holds a slot; reads still running finish (and may pack) first.
+        let mut st = self.state.lock().unwrap();
+        for s in 0..self.slots() {
+            if let Some(latch) = st.latch[s].take() {
+                let _ = latch.wait();
+            }
+            st.cache.forget(s);
+        }
+        count
     }
 
     fn kind(&self) -> &'static str {

@@ -210,6 +210,26 @@ pub struct Model<B: Backend = Cpu> {
     packed_experts: usize,
 }
 
+/// The CPU's packed layout ([`ts_cpu::pack_rows`]) for each MoE layer's expert matrices:
+/// per layer, (type, rows, row length) of one expert's gate, up and down.
+struct CpuRepack {
+    shapes: Vec<Option<[(ts_gguf::GgmlType, usize, usize); 3]>>,
+}
+
+impl ts_experts::Repack for CpuRepack {
+    fn packs(&self, layer: usize, proj: usize) -> bool {
+        self.shapes.get(layer).copied().flatten().is_some_and(|s| ts_cpu::packs(s[proj].0, s[proj].1))
+    }
+
+    fn pack(&self, layer: usize, proj: usize, bytes: &mut [u8]) {
+        let (ty, n_rows, row_len) = self.shapes[layer].expect("a MoE layer")[proj];
+        // `packs` said yes and the shapes were checked at load: bytes marked packed but left
+        // as they were would be silent garbage, so a refusal here is a bug that stops.
+        let done = ts_cpu::pack_rows(ty, bytes, n_rows, row_len);
+        assert!(matches!(done, Ok(true)), "layer {layer} projection {proj}: {done:?}");
+    }
+}
+
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
         let ropes = cfg
@@ -229,13 +249,16 @@ impl Model {
     /// kernel. Returns how many matrices were repacked. The model then stays on the CPU
     /// (`into_backend` refuses it) and needs 8-bit activations (not `--exact-activations`).
     pub fn pack_experts(&mut self) -> usize {
-        let layers = &self.weights.layers;
-        let pack = |layer: usize, proj: usize, bytes: &mut [u8]| {
-            let Some(Ffn::Moe(w)) = layers.get(layer).map(|l| &l.ffn) else { return false };
-            let w = [&w.gate_exps, &w.up_exps, &w.down_exps][proj];
-            ts_cpu::pack_rows(w.ty, bytes, w.n_rows(), w.row_len()).unwrap_or(false)
-        };
-        self.packed_experts += self.experts.pack(&pack);
+        let shapes = self
+            .weights
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                Ffn::Moe(w) => Some([&w.gate_exps, &w.up_exps, &w.down_exps].map(|t| (t.ty, t.n_rows(), t.row_len()))),
+                Ffn::Dense { .. } => None,
+            })
+            .collect();
+        self.packed_experts += self.experts.pack(std::sync::Arc::new(CpuRepack { shapes }));
         self.packed_experts
     }
 

@@ -1,9 +1,10 @@
 //! Experts held in memory and repacked for the CPU's kernels (`Model::pack_experts`): the
 //! fixtures whose experts pack (MXFP4, Q4_K) against their transformers goldens, within
 //! the default mode's bound (tests/fixtures.rs), and against the same model with its experts
-//! in the GGUF layout, prompt and decode.
+//! in the GGUF layout, prompt and decode; streamed experts, repacked as their slots fill,
+//! give the resident packed model's logits.
 
-use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
+use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState, StreamOptions};
 
 /// Logits of every golden position, `chunk` rows per step.
 fn run(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
@@ -48,6 +49,21 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
                 assert!(diff <= 1e-2 * scale, "{name} chunk {chunk} row {p}: max |Δ| {diff} of {scale}");
             }
             println!("{name} chunk {chunk}: packed vs GGUF layout, worst row {worst:.2e} of its largest logit");
+            // Streamed through a cache of a token's experts and one more: most asks miss, and
+            // each matrix read is repacked by its reader.
+            let moe = plain.cfg.moe.clone().unwrap();
+            let roomy = StreamOptions { cache_bytes: 1 << 30, ..StreamOptions::default() };
+            let probe = Model::open(&f.model, ExpertPlacement::Stream(roomy.clone())).unwrap();
+            let slot = probe.experts.resident_bytes() / probe.experts.capacity() as u64;
+            let opts = StreamOptions { cache_bytes: slot * (moe.n_expert_used as u64 + 1), ..roomy };
+            for prefetch in [false, true] {
+                let mut streamed = Model::open(&f.model, ExpertPlacement::Stream(opts.clone())).unwrap();
+                streamed.prefetch_experts = prefetch;
+                assert_eq!(streamed.pack_experts(), matrices, "{name}: streamed and resident pack alike");
+                assert!(run(&streamed, &f.golden.tokens, chunk) == got, "{name} chunk {chunk} prefetch {prefetch}");
+                let stats = streamed.experts.stats().unwrap().total();
+                assert!(stats.misses > stats.hits / 4, "{name}: the cache should miss often: {stats:?}");
+            }
         }
         packed_fixtures += 1;
     }

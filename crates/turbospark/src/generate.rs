@@ -56,8 +56,9 @@ pub struct ModelArgs {
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
     exact_activations: bool,
-    /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked at
-    /// load into the layout the CPU's kernels read directly (MXFP4 on AVX-512 VNNI; as
+    /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked (at
+    /// load, or streamed ones as they are read) into the layout the CPU's kernels read
+    /// directly (MXFP4, Q4_K, Q6_K on AVX-512 VNNI; as
     /// llama.cpp's and ik_llama.cpp's repacking, which llama.cpp's `--no-repack` turns off).
     #[arg(long)]
     no_repack: bool,
@@ -413,7 +414,8 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
         let n = engine.model.pack_experts();
         if n > 0 {
-            eprintln!("experts: {n} matrices repacked for the CPU's kernels (--no-repack keeps the GGUF layout)");
+            let when = if engine.model.experts.kind() == "stream" { " as they are read" } else { "" };
+            eprintln!("experts: {n} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)");
         }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
         bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");
