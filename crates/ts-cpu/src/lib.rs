@@ -107,6 +107,13 @@ pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }
 
+/// Whether one row (decode) multiplies faster through [`matmul_packed`] than from GGUF blocks:
+/// MXFP4's (`matmul_bench --packed`, one thread: 222 -> 66-87 us). Q4_K's and Q6_K's one-row
+/// kernels are as fast on their blocks (memory-bound), so repacking them pays only for batches.
+pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
+    weight_ty == GgmlType::MXFP4
+}
+
 /// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the
 /// layout [`matmul_packed`] reads (the batch kernels' panels, built once instead of per
 /// call), where [`packs`] says so; returns whether it did. The bytes are then no longer GGUF

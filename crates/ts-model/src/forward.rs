@@ -214,11 +214,18 @@ pub struct Model<B: Backend = Cpu> {
 /// per layer, (type, rows, row length) of one expert's gate, up and down.
 struct CpuRepack {
     shapes: Vec<Option<[(ts_gguf::GgmlType, usize, usize); 3]>>,
+    /// Only types whose one-row products gain ([`ts_cpu::packed_row_is_faster`]): streamed
+    /// experts are repacked on every read, mostly for decode (Q4_K streamed under a memory
+    /// limit decoded 6% slower repacked: the readers' repacking shares the cores).
+    row_gains_only: bool,
 }
 
 impl ts_experts::Repack for CpuRepack {
     fn packs(&self, layer: usize, proj: usize) -> bool {
-        self.shapes.get(layer).copied().flatten().is_some_and(|s| ts_cpu::packs(s[proj].0, s[proj].1))
+        self.shapes.get(layer).copied().flatten().is_some_and(|s| {
+            let (ty, n_rows, _) = s[proj];
+            ts_cpu::packs(ty, n_rows) && (!self.row_gains_only || ts_cpu::packed_row_is_faster(ty))
+        })
     }
 
     fn pack(&self, layer: usize, proj: usize, bytes: &mut [u8]) {
@@ -258,7 +265,8 @@ impl Model {
                 Ffn::Dense { .. } => None,
             })
             .collect();
-        self.packed_experts += self.experts.pack(std::sync::Arc::new(CpuRepack { shapes }));
+        let row_gains_only = self.experts.kind() == "stream";
+        self.packed_experts += self.experts.pack(std::sync::Arc::new(CpuRepack { shapes, row_gains_only }));
         self.packed_experts
     }
 

@@ -23,6 +23,7 @@ fn run(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
 fn packed_experts_match_transformers_and_the_gguf_layout() {
     assert!(ts_cpu::Isa::Avx512.is_available(), "experts are packed on AVX-512 VNNI: this machine has none");
     let mut packed_fixtures = 0;
+    let mut streamed_packed = 0;
     for f in ts_testkit::fixtures() {
         let mut packed = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
         let matrices = packed.pack_experts();
@@ -50,7 +51,7 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
             }
             println!("{name} chunk {chunk}: packed vs GGUF layout, worst row {worst:.2e} of its largest logit");
             // Streamed through a cache of a token's experts and one more: most asks miss, and
-            // each matrix read is repacked by its reader.
+            // each matrix read is repacked by its reader where one row gains from it (MXFP4).
             let moe = plain.cfg.moe.clone().unwrap();
             let roomy = StreamOptions { cache_bytes: 1 << 30, ..StreamOptions::default() };
             let probe = Model::open(&f.model, ExpertPlacement::Stream(roomy.clone())).unwrap();
@@ -59,14 +60,27 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
             for prefetch in [false, true] {
                 let mut streamed = Model::open(&f.model, ExpertPlacement::Stream(opts.clone())).unwrap();
                 streamed.prefetch_experts = prefetch;
-                assert_eq!(streamed.pack_experts(), matrices, "{name}: streamed and resident pack alike");
-                assert!(run(&streamed, &f.golden.tokens, chunk) == got, "{name} chunk {chunk} prefetch {prefetch}");
+                let n = streamed.pack_experts();
+                let got_streamed = run(&streamed, &f.golden.tokens, chunk);
+                if n == matrices {
+                    assert!(got_streamed == got, "{name} chunk {chunk} prefetch {prefetch}: streamed packed");
+                    streamed_packed += 1;
+                } else {
+                    // Some types stay in the GGUF layout when streamed: within the bound above.
+                    assert!(n < matrices, "{name}: streamed packs {n} of {matrices}");
+                    for (g, w) in got_streamed.iter().zip(&want) {
+                        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+                        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        assert!(diff <= 1e-2 * scale, "{name} chunk {chunk} streamed ({n} packed)");
+                    }
+                }
                 let stats = streamed.experts.stats().unwrap().total();
                 assert!(stats.misses > stats.hits / 4, "{name}: the cache should miss often: {stats:?}");
             }
         }
         packed_fixtures += 1;
     }
+    assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
     assert!(
         packed_fixtures >= 2,
         "fixtures with experts the CPU packs (gpt_oss mxfp4, the q4_k_m MoE files) are missing"

@@ -57,7 +57,7 @@ pub struct ModelArgs {
     #[arg(long)]
     exact_activations: bool,
     /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked (at
-    /// load, or streamed ones as they are read) into the layout the CPU's kernels read
+    /// load, or streamed MXFP4 ones as they are read) into the layout the CPU's kernels read
     /// directly (MXFP4, Q4_K, Q6_K on AVX-512 VNNI; as
     /// llama.cpp's and ik_llama.cpp's repacking, which llama.cpp's `--no-repack` turns off).
     #[arg(long)]
