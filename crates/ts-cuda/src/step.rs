@@ -98,7 +98,11 @@ impl ReplayTiming {
 
     /// Launches `graph` between the two events; every 64 replays prints the means, and at
     /// the 32nd also times 16 replays back to back (a one-row step is idempotent).
-    fn launch(&mut self, graph: &cudarc::driver::CudaGraph, stream: &cudarc::driver::CudaStream) -> Result<(), ModelError> {
+    fn launch(
+        &mut self,
+        graph: &cudarc::driver::CudaGraph,
+        stream: &cudarc::driver::CudaStream,
+    ) -> Result<(), ModelError> {
         let e = |e: cudarc::driver::DriverError| err(e.into());
         if self.pending {
             self.device_ms += self.start.elapsed_ms(&self.end).map_err(e)? as f64;
