@@ -35,15 +35,15 @@ pub enum Grammar {
     Lark(String),
 }
 
-/// Whitespace JSON may have between tokens: at most 16 characters at a time. Unbounded
-/// whitespace lets a small model loop on newlines forever (a known failure of JSON modes).
-pub const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,16}";
-
-/// `schema` with llguidance's JSON options: bounded whitespace, unless the schema sets its own.
+/// `schema` with llguidance's JSON layout: one line, `", "` between items and `": "` after
+/// keys (as Python's json.dumps and the chat templates' `tojson` write it), unless the schema
+/// sets its own `x-guidance`. Free whitespace lets a small model put off a required `,` with
+/// newlines until its token limit (seen on Qwen2.5-Coder 0.5B), so there is none.
 pub fn with_json_options(schema: &Value) -> Value {
     let mut schema = schema.clone();
     if let Some(map) = schema.as_object_mut() {
-        map.entry("x-guidance").or_insert_with(|| json!({"whitespace_pattern": JSON_WHITESPACE}));
+        map.entry("x-guidance")
+            .or_insert_with(|| json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
     }
     schema
 }

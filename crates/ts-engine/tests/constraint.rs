@@ -130,3 +130,33 @@ fn schemas_llguidance_cannot_compile_are_refused_with_its_reason() {
     let undefined = grammars.compile(&Grammar::Lark("start: greeting".into()));
     assert!(matches!(&undefined, Err(ConstraintError::Compile(r)) if r.contains("greeting")), "{:?}", undefined.err());
 }
+
+#[test]
+fn forced_tool_calls_are_calls_whose_arguments_fit_the_parameters() {
+    use ts_engine::chat::reply::ReplyParser;
+    use ts_engine::chat::tool_calls::{ToolSyntax, forced_calls_grammar};
+    let engine = engine("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let source = engine.template.as_ref().unwrap().source();
+    let tools = vec![json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false}}})];
+    let grammar = forced_calls_grammar(source, &tools, false).expect("Qwen2.5 calls in Hermes JSON");
+    let (text, stop) = reply(&engine, "How warm is it in Oslo?", &Grammar::Lark(grammar), 60);
+    assert_eq!(stop, StopReason::Stop, "{text}");
+    let (content, _, calls) = ReplyParser::plain(ToolSyntax::of_template(source), &tools).parse_all(&text);
+    assert!(content.trim().is_empty(), "{text}");
+    assert_eq!(calls.len(), 1, "{text}");
+    assert_eq!(calls[0].name, "get_weather");
+    let args: Value = serde_json::from_str(&calls[0].arguments_json()).unwrap();
+    assert!(args["city"].as_str().is_some_and(|c| !c.is_empty() && c.chars().count() <= 20), "{text}");
+    assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()), "{text}");
+
+    // Gemma 3 shows no tools; Gemma 4-style or XML calls carry no JSON to constrain.
+    assert!(forced_calls_grammar(engine_template("gemma-3-270m-q4_k_m.gguf").as_str(), &tools, true).is_none());
+    assert!(forced_calls_grammar("{{ '<tool_call>\n<function=' }}", &tools, true).is_none());
+}
+
+fn engine_template(file: &str) -> String {
+    engine(file).template.map(|t| t.source().to_owned()).unwrap_or_default()
+}
