@@ -105,9 +105,15 @@ fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
 }
 
 /// One sequence's grammar state.
-#[derive(Clone)]
 pub struct Constraint {
     matcher: Matcher,
+}
+
+/// A copy with its own lexer caches, so that copies step in parallel without sharing a lock.
+impl Clone for Constraint {
+    fn clone(&self) -> Constraint {
+        Constraint { matcher: self.matcher.deep_clone() }
+    }
 }
 
 impl Constraint {
