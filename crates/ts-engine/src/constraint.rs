@@ -121,13 +121,23 @@ impl Constraint {
     /// (end-of-generation tokens are allowed once the grammar may end).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), ConstraintError> {
         let allowed = self.matcher.compute_mask_or_eos().map_err(|e| ConstraintError::Step(e.to_string()))?;
-        let n = allowed.len().min(logits.len());
-        for (id, l) in logits[..n].iter_mut().enumerate() {
-            if !allowed.is_allowed(id as u32) {
-                *l = f32::NEG_INFINITY;
+        // 32 tokens per word of the bit set: whole words allowed or banned at once.
+        let words = allowed.as_slice();
+        for (chunk, &bits) in logits.chunks_mut(32).zip(words) {
+            match bits {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                _ => {
+                    for (j, l) in chunk.iter_mut().enumerate() {
+                        if bits >> j & 1 == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
         }
-        logits[n..].fill(f32::NEG_INFINITY);
+        let covered = (words.len() * 32).min(logits.len());
+        logits[covered..].fill(f32::NEG_INFINITY);
         Ok(())
     }
 
