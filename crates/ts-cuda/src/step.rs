@@ -125,7 +125,7 @@ impl ReplayTiming {
         self.host_launch_s += t.elapsed().as_secs_f64();
         self.end.record(stream).map_err(e)?;
         self.pending = true;
-        if self.replays > 0 && self.replays % 64 == 0 {
+        if self.replays > 0 && self.replays.is_multiple_of(64) {
             let n = self.replays as f64;
             eprintln!(
                 "step timing: {} replays, host launch call {:.1} us, graph on the device {:.3} ms",
