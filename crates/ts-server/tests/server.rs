@@ -2,7 +2,8 @@
 //! tools/fetch-models.sh): the endpoints, batched decoding against one request
 //! at a time, stop sequences, seeds, hostile requests, and a client that
 //! vanishes mid-stream. The official `openai` Python client is driven by
-//! tools/server-test/openai_e2e.py (test `openai_python_client`).
+//! tools/server-test/openai_e2e.py (test `openai_python_client`), its tool calls by
+//! openai_tools_e2e.py and its structured output by openai_json_schema_e2e.py (on Qwen2.5-Coder).
 
 use serde_json::{Value, json};
 use std::io::{Read, Write};
