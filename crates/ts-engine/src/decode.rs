@@ -4,6 +4,7 @@
 //! generation, stop sequences, the token limit, a full context). `run`, `chat`,
 //! `perplexity` and the server's scheduler all go through these two.
 
+use crate::constraint::Constraint;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::session::{Engine, EngineError, StopReason};
 use ts_model::{Backend, Row, SeqState};
@@ -96,6 +97,10 @@ pub struct Decoding<'t> {
     generated: usize,
     /// Decoded text held back: it could be the start of a stop sequence.
     held: String,
+    /// The grammar the reply must follow, if any.
+    constraint: Option<Constraint>,
+    /// The logits under the constraint's mask (kept to reuse its allocation).
+    masked: Vec<f32>,
 }
 
 impl<'t> Decoding<'t> {
@@ -122,7 +127,16 @@ impl<'t> Decoding<'t> {
             max_tokens,
             generated: 0,
             held: String::new(),
+            constraint: None,
+            masked: Vec::new(),
         })
+    }
+
+    /// The same generation held to a grammar: it samples only tokens the
+    /// grammar allows and ends (as at a stop sequence) when the grammar is complete.
+    pub fn constrained(mut self, constraint: Option<Constraint>) -> Decoding<'t> {
+        self.constraint = constraint;
+        self
     }
 
     /// Tokens generated so far (an end-of-generation token not counted).
@@ -136,10 +150,21 @@ impl<'t> Decoding<'t> {
         if self.max_tokens == 0 {
             return Ok(Next { stop: Some(StopReason::Length), ..Next::default() });
         }
-        let token = self.sampler.try_sample(logits)?;
+        let token = match &mut self.constraint {
+            None => self.sampler.try_sample(logits)?,
+            Some(c) => {
+                self.masked.clear();
+                self.masked.extend_from_slice(logits);
+                c.mask(&mut self.masked)?;
+                self.sampler.try_sample(&self.masked)?
+            }
+        };
         self.sampler.accept(token);
         if self.tokenizer.is_eog(token) {
             return Ok(Next { token: Some(token), text: self.finish(), stop: Some(StopReason::EndOfGeneration) });
+        }
+        if let Some(c) = &mut self.constraint {
+            c.commit(token)?;
         }
         self.generated += 1;
         self.held.push_str(&self.decoder.push(token)?);
@@ -148,7 +173,9 @@ impl<'t> Decoding<'t> {
             self.held.truncate(cut);
             return Ok(Next { token: Some(token), text: std::mem::take(&mut self.held), stop: Some(StopReason::Stop) });
         }
-        let stop = if self.generated >= self.max_tokens {
+        let stop = if self.constraint.as_ref().is_some_and(Constraint::is_done) {
+            Some(StopReason::Stop)
+        } else if self.generated >= self.max_tokens {
             Some(StopReason::Length)
         } else if room == 0 {
             Some(StopReason::ContextFull)

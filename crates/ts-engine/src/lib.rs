@@ -1,4 +1,5 @@
 pub mod chat;
+pub mod constraint;
 pub mod decode;
 pub mod memory;
 pub mod reuse;

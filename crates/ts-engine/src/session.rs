@@ -3,10 +3,12 @@
 //! logits and perplexity.
 
 use crate::chat::ChatTemplate;
+use crate::constraint::{ConstraintError, Grammars};
 use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
 use crate::speculative::{DraftLength, Drafter, SpecOptions};
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState, Snapshot};
 use ts_tokenizer::Tokenizer;
@@ -25,6 +27,8 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, n_ctx: usize },
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Constraint(#[from] crate::constraint::ConstraintError),
     #[error(
         "this model has no tokenizer (tokenizer.ggml.model is '{0}'): give token ids, e.g. with `logits` or `bench`"
     )]
@@ -49,6 +53,8 @@ pub struct Engine<B: Backend = Cpu> {
     pub n_batch: usize,
     /// Keep activations in f32 for quantized weights (see `Scratch::exact`).
     pub exact_activations: bool,
+    /// The grammar compiler over the vocabulary, built at the first constrained request.
+    grammars: OnceLock<Result<Grammars, ConstraintError>>,
 }
 
 /// Timings of one generation.
@@ -121,7 +127,15 @@ impl Engine {
                 (Some(tokenizer), template)
             }
         };
-        Ok(Engine { model, tokenizer, template, pool, n_batch: 512, exact_activations: false })
+        Ok(Engine {
+            model,
+            tokenizer,
+            template,
+            pool,
+            n_batch: 512,
+            exact_activations: false,
+            grammars: OnceLock::new(),
+        })
     }
 
     /// The same engine with its model on another backend, built by `make`.
@@ -129,9 +143,9 @@ impl Engine {
         self,
         make: impl FnOnce(&Model) -> Result<B, ModelError>,
     ) -> Result<Engine<B>, EngineError> {
-        let Engine { model, tokenizer, template, pool, n_batch, exact_activations } = self;
+        let Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars } = self;
         let model = model.into_backend(make)?;
-        Ok(Engine { model, tokenizer, template, pool, n_batch, exact_activations })
+        Ok(Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars })
     }
 }
 
@@ -139,6 +153,12 @@ impl<B: Backend> Engine<B> {
     /// The tokenizer, or an error for a tokenizer-less model.
     pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
         self.tokenizer.as_ref().ok_or_else(|| EngineError::NoTokenizer("none".into()))
+    }
+
+    /// The grammar compiler for this model's vocabulary (built on first use).
+    pub fn grammars(&self) -> Result<&Grammars, EngineError> {
+        let tokenizer = self.tokenizer()?;
+        Ok(self.grammars.get_or_init(|| Grammars::new(tokenizer)).as_ref().map_err(Clone::clone)?)
     }
 
     /// Runs `f` on the engine's thread pool (the forward pass's threads).

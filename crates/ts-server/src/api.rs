@@ -1,7 +1,10 @@
 //! The OpenAI-compatible endpoints: request validation, prompt rendering and
 //! tokenization, and the answers (whole, or as server-sent events).
 
-use crate::request::{ChatFields, CompletionFields, DetokenizeBody, Generation, Stop, TokenizeBody, typed};
+use crate::request::{
+    ChatFields, ChatTools, CompletionFields, DetokenizeBody, Generation, ResponseFormat, Stop, TokenizeBody,
+    ToolChoice, typed,
+};
 use crate::scheduler::{Choice, Event, Finish, Job, TokenChoice, TokenLogprob, token_bytes};
 use crate::{AppState, ServeOptions};
 use axum::body::{Body, Bytes};
@@ -15,8 +18,9 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 use ts_engine::chat::reply::{ReplyEvent, ReplyParser};
-use ts_engine::chat::tool_calls::ToolSyntax;
+use ts_engine::chat::tool_calls::{ToolSyntax, forced_calls_grammar};
 use ts_engine::chat::{FunctionCall, TemplateKwargs};
+use ts_engine::constraint::{Constraint, Grammar};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::speculative::SpecOptions;
 use ts_model::Backend;
@@ -46,6 +50,11 @@ impl ApiError {
     /// A 400 about the field at `param` (a path).
     pub fn bad_field(message: impl Into<String>, param: String) -> ApiError {
         ApiError { param: Some(param), ..ApiError::bad(message, None) }
+    }
+
+    fn with_param(mut self, param: &str) -> ApiError {
+        self.param = Some(param.to_owned());
+        self
     }
 
     fn with_code(mut self, code: &'static str) -> ApiError {
@@ -130,6 +139,8 @@ struct Common {
     /// turns guessing off for this request.
     spec_max: Option<usize>,
     spec_min: Option<usize>,
+    /// The grammar replies are held to, and the field a grammar that does not compile is blamed on.
+    grammar: Option<(Grammar, String)>,
 }
 
 /// The most choices one request may ask for (`n`).
@@ -173,9 +184,10 @@ fn common(g: Generation, model_id: &str) -> Result<Common, ApiError> {
     if g.function_call.is_some() {
         return unsupported("function_call", "the legacy function calling; use 'tool_choice'");
     }
-    if g.response_format.is_some_and(|f| f.kind != "text") {
-        return unsupported("response_format", "replies are plain text (no JSON mode or schema)");
-    }
+    let grammar = match g.response_format {
+        None => None,
+        Some(f) => response_format_grammar(f)?,
+    };
     let temperature = in_range(g.temperature, "temperature", 0.0, 2.0)?.unwrap_or(1.0) as f32;
     let top_p = in_range(g.top_p, "top_p", 0.0, 1.0)?.unwrap_or(1.0) as f32;
     let presence = in_range(g.presence_penalty, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32;
@@ -246,7 +258,30 @@ fn common(g: Generation, model_id: &str) -> Result<Common, ApiError> {
         n,
         spec_max: g.spec_max.map(|n| n as usize),
         spec_min: g.spec_min.map(|n| n as usize),
+        grammar,
     })
+}
+
+/// The grammar `response_format` asks for: none for `text`, any JSON object for
+/// `json_object`, JSON valid under the schema for `json_schema`.
+fn response_format_grammar(f: ResponseFormat) -> Result<Option<(Grammar, String)>, ApiError> {
+    match f.kind.as_str() {
+        "text" => Ok(None),
+        "json_object" => Ok(Some((Grammar::JsonObject, "response_format".into()))),
+        "json_schema" => {
+            let spec = f.json_schema.ok_or_else(|| {
+                ApiError::bad("'response_format.json_schema' is required with type 'json_schema'", None)
+                    .with_param("response_format.json_schema")
+            })?;
+            let schema = spec.schema.map_or(json!({}), Value::Object);
+            Ok(Some((Grammar::JsonSchema(schema), "response_format.json_schema.schema".into())))
+        }
+        other => Err(ApiError::bad(
+            format!("'response_format.type' is '{other}'; it must be 'text', 'json_object' or 'json_schema'"),
+            None,
+        )
+        .with_param("response_format.type")),
+    }
 }
 
 /// Chat's `logprobs` (true or false) and `top_logprobs` (0 to 20, with logprobs).
@@ -365,6 +400,10 @@ fn submit<B: Backend>(
             .with_code("context_length_exceeded"));
         }
     };
+    let constraint = match &c.grammar {
+        None => None,
+        Some((grammar, param)) => Some(compile(st, grammar, param)?),
+    };
     let id = format!("{:x}{:06x}", now_secs(), st.next_id.fetch_add(1, Relaxed));
     let prompt_tokens = prompt.len();
     let mut receivers = Vec::with_capacity(c.n);
@@ -387,6 +426,7 @@ fn submit<B: Backend>(
         score_prompt: c.score_prompt,
         checkpoint,
         choices,
+        constraint,
         received: Instant::now(),
         spec: st.opts.spec.as_ref().map(|o| SpecOptions {
             draft_max: c.spec_max.unwrap_or(o.draft_max),
@@ -400,6 +440,17 @@ fn submit<B: Backend>(
         .send(job)
         .map_err(|_| ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down"))?;
     Ok((id, receivers, prompt_tokens))
+}
+
+/// `grammar` compiled for this model's vocabulary; one llguidance cannot compile is refused
+/// naming `param`, with llguidance's reason.
+fn compile<B: Backend>(st: &AppState<B>, grammar: &Grammar, param: &str) -> Result<Constraint, ApiError> {
+    let grammars = st.engine.grammars().map_err(|e| {
+        ApiError::bad(format!("'{param}' cannot be enforced with this model: {e}"), None).with_param(param)
+    })?;
+    grammars
+        .compile(grammar)
+        .map_err(|e| ApiError::bad(format!("'{param}' cannot be enforced: {e}"), None).with_param(param))
 }
 
 fn usage(prompt: usize, completion: usize) -> Value {
@@ -458,6 +509,15 @@ async fn chat_inner<B: Backend + 'static>(
             "this model's chat template does not show tools to the model"
         };
         return Err(ApiError::bad(format!("'tools' cannot be used: {why}"), Some("tools")));
+    }
+    if matches!(tools.choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        c.grammar = Some(forced_calls(
+            st,
+            fields.tools.as_deref().unwrap_or_default(),
+            &tools,
+            template.source(),
+            c.grammar.is_some(),
+        )?);
     }
     let mut kwargs = TemplateKwargs::new();
     if !tools.declared.is_empty() {
@@ -525,6 +585,39 @@ async fn chat_inner<B: Backend + 'static>(
         "choices": choices, "usage": usage(prompt_tokens, completion),
     });
     Ok(Json(body).into_response())
+}
+
+/// The grammar that holds a reply to calls of the declared tools (`tool_choice` required or
+/// named; `all`: the request's `tools`), each function's `parameters` checked to compile first so that one llguidance
+/// cannot compile is refused by its path.
+fn forced_calls<B: Backend>(
+    st: &AppState<B>,
+    all: &[Value],
+    tools: &ChatTools,
+    template: &str,
+    json_asked: bool,
+) -> Result<(Grammar, String), ApiError> {
+    if json_asked {
+        return Err(ApiError::bad(
+            "'response_format' cannot be combined with 'tool_choice' 'required' or a named function: the reply is a tool call",
+            Some("response_format"),
+        ));
+    }
+    let Some(lark) = forced_calls_grammar(template, &tools.declared, tools.parallel) else {
+        return Err(ApiError::bad(
+            "'tool_choice' 'required' or a named function cannot be enforced with this model: its tool calls \
+             do not carry JSON arguments (only Hermes <tool_call> JSON calls are constrained); use 'auto'",
+            Some("tool_choice"),
+        ));
+    };
+    for decl in &tools.declared {
+        let name = &decl["function"]["name"];
+        let i = all.iter().position(|t| &t["function"]["name"] == name).unwrap_or_default();
+        if let Some(p) = decl["function"].get("parameters") {
+            compile(st, &Grammar::JsonSchema(p.clone()), &format!("tools[{i}].function.parameters"))?;
+        }
+    }
+    Ok((Grammar::Lark(lark), "tool_choice".into()))
 }
 
 /// `tool_calls` when the model stopped after calling tools.

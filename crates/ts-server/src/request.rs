@@ -71,10 +71,27 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// `response_format`: `text`, `json_object` or `json_schema`.
 #[derive(Deserialize)]
 pub struct ResponseFormat {
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(default)]
+    pub json_schema: Option<JsonSchemaFormat>,
+}
+
+/// `response_format.json_schema`. The schema is enforced whatever `strict` says
+/// (as llama-server does); without one, any JSON value.
+#[derive(Deserialize)]
+pub struct JsonSchemaFormat {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub schema: Option<Map<String, Value>>,
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// `/v1/completions`' own fields.
@@ -148,9 +165,9 @@ pub enum ToolChoice {
     None,
     /// The model may call one.
     Auto,
-    /// The model is asked to call one (not enforced: no constrained decoding yet).
+    /// The reply is one or more calls (constrained to the tools' syntax and parameters).
     Required,
-    /// The model is asked to call this one, the only tool it is shown.
+    /// The reply is a call of this one, the only tool the model is shown (constrained).
     Function(String),
 }
 

@@ -14,6 +14,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
+use ts_engine::constraint::Constraint;
 use ts_engine::decode::{Decoding, Logits, Piece};
 use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
@@ -106,6 +107,8 @@ pub struct Job {
     /// generation prompt starts.
     pub checkpoint: Option<usize>,
     pub choices: Vec<Choice>,
+    /// The grammar the replies are held to, in its start state (each choice steps a copy).
+    pub constraint: Option<Constraint>,
     pub received: Instant,
     /// Prompt lookup's guess lengths, when this job guesses.
     pub spec: Option<SpecOptions>,
@@ -289,6 +292,7 @@ pub fn run<B: Backend>(
                     prompt: job.prompt.clone(),
                     stop: job.stop.clone(),
                     spec: job.spec.clone(),
+                    constraint: job.constraint.clone(),
                     choices: rest,
                     score_prompt: false,
                     ..job
@@ -594,7 +598,8 @@ fn start<'t>(
     prompt: &[u32],
 ) -> Result<Decoding<'t>, ts_engine::session::EngineError> {
     let c = &job.choices[choice];
-    Decoding::new(tokenizer, &c.sampler, prompt, job.max_tokens, job.special, job.stop.clone())
+    Ok(Decoding::new(tokenizer, &c.sampler, prompt, job.max_tokens, job.special, job.stop.clone())?
+        .constrained(job.constraint.clone()))
 }
 
 /// Mutable references to two different slots.

@@ -2,7 +2,8 @@
 //! tools/fetch-models.sh): the endpoints, batched decoding against one request
 //! at a time, stop sequences, seeds, hostile requests, and a client that
 //! vanishes mid-stream. The official `openai` Python client is driven by
-//! tools/server-test/openai_e2e.py (test `openai_python_client`).
+//! tools/server-test/openai_e2e.py (test `openai_python_client`), its tool calls by
+//! openai_tools_e2e.py and its structured output by openai_json_schema_e2e.py (on Qwen2.5-Coder).
 
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -621,8 +622,14 @@ fn logprobs_match_llama_cpp_logit_bias_steers_and_bad_requests_are_refused() {
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 7}]}), "messages[0].content"),
         (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}),
+            "response_format.type",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}),
+            "response_format.json_schema.schema",
         ),
     ] {
         let (status, v) = post(addr, path, &body);
@@ -978,5 +985,181 @@ fn tool_calls_on_qwen() {
     );
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "tools", "{v}");
+    server.stop().unwrap();
+}
+
+/// A schema with required fields, an enum, a bounded integer and a bounded array.
+fn order_schema() -> Value {
+    json!({"type": "object", "properties": {
+        "item": {"type": "string", "minLength": 1, "maxLength": 24},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
+        "size": {"enum": ["small", "medium", "large"]},
+        "extras": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2}},
+        "required": ["item", "quantity", "size", "extras"], "additionalProperties": false})
+}
+
+/// `text` parsed, and checked against [`order_schema`] rule by rule.
+fn check_order(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"));
+    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {text}"));
+    let mut keys: Vec<&str> = o.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["extras", "item", "quantity", "size"], "{text}");
+    assert!(o["item"].as_str().is_some_and(|s| (1..=24).contains(&s.chars().count())), "{text}");
+    assert!(o["quantity"].as_u64().is_some_and(|q| (1..=9).contains(&q)), "{text}");
+    assert!(["small", "medium", "large"].contains(&o["size"].as_str().unwrap_or_default()), "{text}");
+    let extras = o["extras"].as_array().unwrap();
+    assert!(extras.len() <= 2 && extras.iter().all(|e| e.as_str().is_some_and(|s| s.chars().count() <= 12)), "{text}");
+}
+
+/// Structured output on Qwen2.5-Coder: `json_schema` replies (whole, streamed, on
+/// /v1/completions) parse and keep the schema; `json_object` gives an object; `tool_choice`
+/// required or named gives a call whose arguments keep the function's parameters; what
+/// cannot be enforced is refused naming the field.
+#[test]
+fn structured_output_on_qwen() {
+    let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
+    let addr = server.addr;
+    let ask = |text: &str| json!([{"role": "user", "content": text}]);
+    let format =
+        json!({"type": "json_schema", "json_schema": {"name": "order", "schema": order_schema(), "strict": true}});
+    let request = json!({"messages": ask("Order a coffee for me, as JSON."), "response_format": format,
+                         "temperature": 0, "max_tokens": 80});
+    let (status, v) = post(addr, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    println!("json_schema: {text}");
+    check_order(text);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "the grammar ends the reply: {v}");
+
+    // Streamed, and sampled: still the schema.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["temperature"] = json!(1.0);
+    streamed["seed"] = json!(7);
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let (calls, text, finish) = streamed_calls(&body);
+    println!("streamed: {text}");
+    assert!(calls.is_empty());
+    check_order(&text);
+    assert_eq!(finish.as_deref(), Some("stop"), "{body}");
+
+    // /v1/completions takes response_format too.
+    let (status, v) = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "A coffee order as JSON: ", "response_format": format, "temperature": 0, "max_tokens": 80}),
+    );
+    assert_eq!(status, 200, "{v}");
+    check_order(v["choices"][0]["text"].as_str().unwrap());
+
+    // json_object: an object, whatever is in it.
+    let (status, v) = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": ask("Describe Paris in JSON."), "response_format": {"type": "json_object"},
+                "temperature": 0, "max_tokens": 60}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<Value>(text).is_ok_and(|o| o.is_object()), "{text}");
+    } else {
+        assert!(text.starts_with('{'), "{text}");
+    }
+
+    // tool_choice required: a call, whose arguments keep the parameters (an enum the prompt does
+    // not mention included), whole and streamed; a named function among two is the one called.
+    let weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": false}}});
+    let time = json!({"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+        "required": ["timezone"]}}});
+    let check_call = |call: &Value, name: &str| {
+        assert_eq!(call["function"]["name"], name, "{call}");
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        match name {
+            "get_weather" => {
+                assert!(args["city"].as_str().is_some_and(|c| !c.is_empty() && c.chars().count() <= 24), "{args}");
+                assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()), "{args}");
+            }
+            _ => {
+                let tz = args["timezone"].as_str().unwrap();
+                let (area, city) = tz.split_once('/').unwrap();
+                for part in [area, city] {
+                    let mut c = part.chars();
+                    assert!(c.next().is_some_and(|f| f.is_ascii_uppercase()), "{tz}");
+                    assert!(c.all(|c| c.is_ascii_lowercase()), "{tz}");
+                }
+            }
+        }
+    };
+    let tools_request = json!({"messages": ask("Is it cold in Oslo right now?"), "tools": [weather, time],
+                               "tool_choice": "required", "temperature": 0, "max_tokens": 60,
+                               "parallel_tool_calls": false});
+    let (status, v) = post(addr, "/v1/chat/completions", &tools_request);
+    assert_eq!(status, 200, "{v}");
+    println!("required: {}", v["choices"][0]["message"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    let name = calls[0]["function"]["name"].as_str().unwrap().to_owned();
+    check_call(&calls[0], &name);
+    let mut streamed = tools_request.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let (calls, _, finish) = streamed_calls(&body);
+    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
+    assert_eq!(calls.len(), 1, "{body}");
+    check_call(&calls[0], &name);
+
+    let mut named = tools_request.clone();
+    named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
+    let (status, v) = post(addr, "/v1/chat/completions", &named);
+    assert_eq!(status, 200, "{v}");
+    println!("named: {}", v["choices"][0]["message"]);
+    check_call(&v["choices"][0]["message"]["tool_calls"][0], "get_time");
+
+    // What cannot be enforced is refused by name.
+    let bad_schema = json!({"type": "json_schema", "json_schema": {"name": "x", "schema":
+        {"type": "integer", "minimum": 5, "maximum": 1}}});
+    let mut bad_tool = tools_request.clone();
+    bad_tool["tools"][1]["function"]["parameters"] = json!({"type": "object", "properties": {"t": {"type": "strin"}}});
+    let mut both = tools_request.clone();
+    both["response_format"] = json!({"type": "json_object"});
+    for (body, param) in [
+        (json!({"messages": ask("hi"), "response_format": bad_schema}), "response_format.json_schema.schema"),
+        (json!({"messages": ask("hi"), "response_format": {"type": "json_schema"}}), "response_format.json_schema"),
+        (bad_tool, "tools[1].function.parameters"),
+        (both, "response_format"),
+    ] {
+        let (status, v) = post(addr, "/v1/chat/completions", &body);
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+    }
+    server.stop().unwrap();
+}
+
+/// Twenty `json_schema` requests through the official `openai` Python client
+/// (tools/server-test/openai_json_schema_e2e.py), each reply validated by Python's jsonschema;
+/// some streamed.
+#[test]
+fn openai_python_client_json_schema() {
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
+    let script = ts_testkit::repo_root().join("tools/server-test/openai_json_schema_e2e.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(format!("http://{}/v1", server.addr))
+        .arg(ID)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     server.stop().unwrap();
 }
