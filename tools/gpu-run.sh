@@ -125,7 +125,8 @@ if [[ $what == peer-build ]]; then
         chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target llama-bench) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
         echo "$peer: build queued (log $dir.log)"
     done
-    [[ -n $chain ]] && setsid nohup bash -c "$chain" > /dev/null 2>&1 &
+    # Niced: our runs beside them keep their host thread.
+    [[ -n $chain ]] && setsid nohup nice -n 19 bash -c "$chain" > /dev/null 2>&1 &
 fi
 if [[ $what == timing ]]; then
     # `timing LIKE...`: where a replayed decode step's time goes (TURBOSPARK_STEP_TIMING), with
