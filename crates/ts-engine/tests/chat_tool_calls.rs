@@ -4,7 +4,7 @@
 
 use serde_json::{Value, json};
 use ts_engine::chat::FunctionCall;
-use ts_engine::chat::reply::{ReplyEvent, ReplyParser};
+use ts_engine::chat::reply::{ReplyParser, gather};
 use ts_engine::chat::tool_calls::{ToolCallParser, ToolSyntax};
 
 fn weather_tools() -> Vec<Value> {
@@ -27,15 +27,7 @@ fn parse_every_way(make: impl Fn() -> ReplyParser, text: &str) -> (String, Strin
             events.extend(parser.feed(piece));
         }
         events.extend(parser.finish());
-        let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
-        for event in events {
-            match event {
-                ReplyEvent::Content(t) => content += &t,
-                ReplyEvent::Reasoning(t) => reasoning += &t,
-                ReplyEvent::ToolCall(c) => calls.push(c),
-            }
-        }
-        (content, reasoning, calls)
+        gather(events)
     };
     let whole = run(&[text]);
     assert_eq!(make().parse_all(text), whole, "parse_all");

@@ -91,7 +91,7 @@ fn experts_in_use_are_never_evicted() {
     std::fs::remove_file(path).ok();
 }
 
-/// Where a [`Flaky`] source fails, shared with the test so it can clear the fault.
+/// Where a [`flaky`] source fails, shared with the test so it can clear the fault.
 struct Fault {
     /// The offset whose reads fail; [`Fault::CLEAR`] for none.
     at: AtomicU64,
@@ -115,20 +115,22 @@ impl Fault {
     }
 }
 
-/// Reads a file, failing the reads that cover the fault's offset while it is armed.
-struct Flaky {
+/// Reads a file, after `before(offset, len)` has let each read through (or failed it).
+struct Hooked {
     file: std::fs::File,
     path: PathBuf,
-    fault: Arc<Fault>,
+    before: Box<dyn Fn(u64, usize) -> io::Result<()> + Send + Sync>,
 }
 
-impl ReadSource for Flaky {
+impl Hooked {
+    fn new(path: &Path, before: impl Fn(u64, usize) -> io::Result<()> + Send + Sync + 'static) -> Hooked {
+        Hooked { file: std::fs::File::open(path).unwrap(), path: path.to_path_buf(), before: Box::new(before) }
+    }
+}
+
+impl ReadSource for Hooked {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let bad = self.fault.at.load(Ordering::SeqCst);
-        if (offset..offset + buf.len() as u64).contains(&bad) {
-            self.fault.injected.fetch_add(1, Ordering::SeqCst);
-            return Err(io::Error::other("injected media error"));
-        }
+        (self.before)(offset, buf.len())?;
         std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
     }
     fn alignment(&self) -> usize {
@@ -142,11 +144,23 @@ impl ReadSource for Flaky {
     }
 }
 
+/// Fails the reads that cover the fault's offset while it is armed.
+fn flaky(path: &Path, fault: Arc<Fault>) -> Hooked {
+    Hooked::new(path, move |offset, len| {
+        let bad = fault.at.load(Ordering::SeqCst);
+        if (offset..offset + len as u64).contains(&bad) {
+            fault.injected.fetch_add(1, Ordering::SeqCst);
+            return Err(io::Error::other("injected media error"));
+        }
+        Ok(())
+    })
+}
+
 /// A store over the fixture whose reads of expert 3's up matrix in layer 2 fail while armed.
 fn flaky_store(name: &str) -> (PathBuf, Vec<u8>, ExpertLayout, Arc<Fault>, StreamingExperts) {
     let (path, bytes, layout) = fixture(name);
     let fault = Fault::armed(layout.layers[2].unwrap().proj[1].offset(3) + 10);
-    let source = Flaky { file: std::fs::File::open(&path).unwrap(), path: path.clone(), fault: fault.clone() };
+    let source = flaky(&path, fault.clone());
     let store = StreamingExperts::with_source(layout.clone(), &opts(6 * 40_000, EvictionPolicy::Lru), Box::new(source))
         .unwrap();
     assert!(store.slots() >= 4, "{} slots", store.slots());
@@ -253,39 +267,17 @@ fn out_of_range_and_dense_layers_are_errors() {
     std::fs::remove_file(path).ok();
 }
 
-/// Reads a file once its gate is open: reads queued before that stay in flight.
-struct Gated {
-    file: std::fs::File,
-    path: PathBuf,
-    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
-}
-
-impl ReadSource for Gated {
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        let (lock, cv) = &*self.open;
-        let mut open = lock.lock().unwrap();
-        while !*open {
-            open = cv.wait(open).unwrap();
-        }
-        drop(open);
-        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
-    }
-    fn alignment(&self) -> usize {
-        1
-    }
-    fn direct(&self) -> bool {
-        false
-    }
-    fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
 #[test]
 fn a_set_waits_for_prefetches_in_flight_rather_than_refusing() {
     let (path, bytes, layout) = fixture("inflight");
+    // Reads wait until the gate opens: those queued before stay in flight.
     let open = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
-    let source = Gated { file: std::fs::File::open(&path).unwrap(), path: path.clone(), open: open.clone() };
+    let gate = open.clone();
+    let source = Hooked::new(&path, move |_, _| {
+        let (lock, cv) = &*gate;
+        let _open = cv.wait_while(lock.lock().unwrap(), |open| !*open).unwrap();
+        Ok(())
+    });
     let store = StreamingExperts::with_source(layout.clone(), &opts(4 * 40_000, EvictionPolicy::Lru), Box::new(source))
         .unwrap();
     let n = store.slots();

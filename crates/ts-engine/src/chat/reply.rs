@@ -67,15 +67,7 @@ impl ReplyParser {
     pub fn parse_all(mut self, text: &str) -> (String, String, Vec<FunctionCall>) {
         let mut events = self.feed(text);
         events.extend(self.finish());
-        let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
-        for event in events {
-            match event {
-                ReplyEvent::Content(t) => content += &t,
-                ReplyEvent::Reasoning(t) => reasoning += &t,
-                ReplyEvent::ToolCall(c) => calls.push(c),
-            }
-        }
-        (content, reasoning, calls)
+        gather(events)
     }
 
     fn harmony_events(&mut self, events: Vec<HarmonyEvent>) -> Vec<ReplyEvent> {
@@ -123,4 +115,17 @@ fn harmony_arguments(text: &str) -> Option<Value> {
         return Some(Value::Object(serde_json::Map::new()));
     }
     serde_json::from_str::<Value>(text.trim()).ok().filter(Value::is_object)
+}
+
+/// Events of a reply gathered into its content, reasoning and calls.
+pub fn gather(events: impl IntoIterator<Item = ReplyEvent>) -> (String, String, Vec<FunctionCall>) {
+    let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    for event in events {
+        match event {
+            ReplyEvent::Content(t) => content += &t,
+            ReplyEvent::Reasoning(t) => reasoning += &t,
+            ReplyEvent::ToolCall(c) => calls.push(c),
+        }
+    }
+    (content, reasoning, calls)
 }

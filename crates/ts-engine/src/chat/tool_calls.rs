@@ -257,10 +257,25 @@ fn declares(tools: &[Value], name: &str) -> bool {
 
 /// The length of the JSON object `text` opens with, through its closing brace.
 fn json_object_len(text: &str) -> Option<usize> {
-    if !text.starts_with('{') {
-        return None;
-    }
+    text.starts_with('{').then(|| json_scan(text).first_close).flatten()
+}
+
+/// Whether JSON text ends inside a string or an open bracket.
+fn json_open(text: &str) -> bool {
+    json_scan(text).open_at_end
+}
+
+/// JSON text read by its strings and brackets alone.
+struct JsonScan {
+    /// Just past the bracket that first brings the depth back to zero.
+    first_close: Option<usize>,
+    /// Whether the text ends inside a string or an open bracket.
+    open_at_end: bool,
+}
+
+fn json_scan(text: &str) -> JsonScan {
     let (mut depth, mut in_string, mut escaped) = (0i64, false, false);
+    let mut first_close = None;
     for (i, c) in text.char_indices() {
         if in_string {
             match (escaped, c) {
@@ -277,36 +292,13 @@ fn json_object_len(text: &str) -> Option<usize> {
             '}' | ']' => {
                 depth -= 1;
                 if depth == 0 {
-                    return Some(i + 1);
+                    first_close.get_or_insert(i + 1);
                 }
             }
             _ => {}
         }
     }
-    None
-}
-
-/// Whether JSON text ends inside a string or an open bracket.
-fn json_open(text: &str) -> bool {
-    let (mut depth, mut in_string, mut escaped) = (0i64, false, false);
-    for c in text.chars() {
-        if in_string {
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, '\\') => escaped = true,
-                (false, '"') => in_string = false,
-                _ => {}
-            }
-        } else {
-            match c {
-                '"' => in_string = true,
-                '{' | '[' => depth += 1,
-                '}' | ']' => depth -= 1,
-                _ => {}
-            }
-        }
-    }
-    in_string || depth > 0
+    JsonScan { first_close, open_at_end: in_string || depth > 0 }
 }
 
 /// `{"name": NAME, "arguments": {...}}`; `parameters` is taken for
