@@ -25,18 +25,7 @@ fn expect_error(args: &[&str], expected: &str) {
         "{args:?}: expected {expected:?} in {stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
-    said_once(lines[0]);
-}
-
-/// No part of `line` between ": " separators (an error and its causes) equals or lies
-/// inside another part: a cause printed again, or a path named twice.
-fn said_once(line: &str) {
-    let parts: Vec<&str> = line.trim_start_matches("error: ").split(": ").map(str::trim).collect();
-    for (i, a) in parts.iter().enumerate() {
-        for (j, b) in parts.iter().enumerate() {
-            assert!(i == j || !b.contains(a), "{a:?} is said twice in {line:?}");
-        }
-    }
+    assert_eq!(ts_testkit::repeated_part(lines[0]), None, "said twice in {stderr}");
 }
 
 fn variant(name: &str, edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<ts_testkit::TensorEntry>)) -> PathBuf {
