@@ -1,8 +1,9 @@
 """The chat page at `/` in headless Chromium (Debian's chromium and chromium-driver, through
 selenium): the model's name shows; a message gets a reply that is seen growing and ends with its
 tok/s; a long reply is stopped mid-way (it stops growing, the page is ready again, the server
-counts the request cancelled and frees its slot); a third turn sends the whole conversation back
-with the system prompt. Saves a screenshot.
+counts the request cancelled and frees its slot); a refused request shows the server's error and
+leaves the conversation as it was; a third turn sends the whole conversation back with the system
+prompt. Saves a screenshot.
 
 Usage: chat_page_browser.py BASE_URL MODEL_ID SCREENSHOT.png
 """
@@ -109,7 +110,7 @@ try:
     assert ready(), "the page is not ready after the first reply"
 
     # A long reply, stopped mid-way.
-    cancelled = metric("requests_cancelled_total")
+    cancelled, generated = metric("requests_cancelled_total"), metric("completion_tokens_total")
     fill("max-tokens", "1500")
     ask("Count from 1 to 500, one number per line.")
     second = reply()
@@ -129,7 +130,20 @@ try:
         lambda: metric("requests_cancelled_total") == cancelled + 1 and metric("slots_busy") == 0,
         10,
     )
-    print("server: requests_cancelled_total +1, slots_busy 0")
+    generated = metric("completion_tokens_total") - generated
+    print(f"server: requests_cancelled_total +1, slots_busy 0, {generated:.0f} tokens generated of 1500")
+    assert generated < 300, f"the server went on generating after Stop: {generated} tokens"
+
+    # A request the server refuses: the error is shown, the turn taken back, its text kept.
+    fill("max-tokens", "100000")
+    fill("prompt", "Too long a reply.")
+    el("send").click()
+    error = wait_for("the error", lambda: el("status").text, 10)
+    print(f"refused: {error}")
+    assert error.startswith("error: ") and "max_tokens" in error, error
+    assert el("prompt").get_attribute("value") == "Too long a reply.", "the refused text was not kept"
+    assert driver.execute_script("return document.querySelectorAll('#messages .msg').length") == 4
+    assert ready(), "the page is not ready after an error"
 
     # The next turn works and carries the conversation back.
     fill("max-tokens", "32")
@@ -140,7 +154,7 @@ try:
     print(f"reply 3: {text3!r}; {stats}")
     assert text3.strip() and "tok/s" in stats, stats
     sent = driver.execute_script("return window.sent")
-    assert len(sent) == 3, sent
+    assert len(sent) == 4, sent
     want = [
         {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -149,8 +163,8 @@ try:
         {"role": "assistant", "content": text2},
         {"role": "user", "content": "Thanks. Now say goodbye."},
     ]
-    assert sent[2]["messages"] == want, sent[2]["messages"]
-    assert sent[2]["stream"] is True and sent[2]["temperature"] == 0 and sent[2]["max_tokens"] == 32, sent[2]
+    assert sent[3]["messages"] == want, sent[3]["messages"]
+    assert sent[3]["stream"] is True and sent[3]["temperature"] == 0 and sent[3]["max_tokens"] == 32, sent[3]
     assert driver.execute_script("return document.querySelectorAll('#messages .msg').length") == 6
 
     driver.save_screenshot(screenshot)
