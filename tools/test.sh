@@ -9,6 +9,12 @@ if [ -x tools/fetch-vocab-corpus.sh ]; then tools/fetch-vocab-corpus.sh; fi
 # The official openai client, for the server's end-to-end test.
 TURBOSPARK_OPENAI_PYTHON=$(tools/server-test/setup.sh)
 export TURBOSPARK_OPENAI_PYTHON
+# Chromium for the chat page's browser test; where it cannot be installed that test is skipped, saying so.
+skip=()
+if ! tools/server-test/fetch-chromium.sh; then
+    skip=(-- --skip chat_page_in_a_browser)
+fi
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
-cargo test --release --workspace
+cargo test --release --workspace "${skip[@]}"
+if [ ${#skip[@]} -gt 0 ]; then echo "skipped: chat_page_in_a_browser (chromium could not be installed)" >&2; fi

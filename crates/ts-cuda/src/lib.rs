@@ -67,7 +67,7 @@ pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
 }
 
 fn err(e: CudaError) -> ModelError {
-    ModelError::Compute(format!("cuda: {e}"))
+    ModelError::Compute(e.to_string())
 }
 
 /// `[m][width]` f32 (or, for routes, i32) on the device: its own allocation, or

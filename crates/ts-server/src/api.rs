@@ -1090,6 +1090,12 @@ fn detokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response,
     Ok(Json(json!({"content": text, "prompt": text})).into_response())
 }
 
+/// `GET /`: the chat page, one self-contained file (no external assets) that talks to
+/// `/v1/chat/completions` on the same server.
+pub async fn page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], include_str!("chat.html")).into_response()
+}
+
 /// `GET /health`
 pub async fn health() -> Response {
     Json(json!({"status": "ok"})).into_response()

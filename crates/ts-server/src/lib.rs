@@ -1,5 +1,6 @@
 //! An OpenAI-compatible HTTP server over one model: `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`.
+//! `POST /v1/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`, and a chat
+//! page at `GET /`.
 //!
 //! Handlers (tokio, axum) validate requests, render and tokenize prompts, and
 //! queue jobs; one scheduler thread owns the model's sequences and decodes up
@@ -85,6 +86,7 @@ impl Drop for Running {
 pub fn router<B: Backend + 'static>(state: Arc<AppState<B>>) -> Router {
     let limit = state.opts.max_body;
     Router::new()
+        .route("/", get(api::page))
         .route("/v1/chat/completions", post(api::chat::<B>))
         .route("/v1/completions", post(api::completions::<B>))
         .route("/v1/models", get(api::models::<B>))

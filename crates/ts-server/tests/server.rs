@@ -3,7 +3,8 @@
 //! at a time, stop sequences, seeds, hostile requests, and a client that
 //! vanishes mid-stream. The official `openai` Python client is driven by
 //! tools/server-test/openai_e2e.py (test `openai_python_client`), its tool calls by
-//! openai_tools_e2e.py and its structured output by openai_json_schema_e2e.py (on Qwen2.5-Coder).
+//! openai_tools_e2e.py and its structured output by openai_json_schema_e2e.py (on Qwen2.5-Coder);
+//! the chat page at `/` is driven in headless Chromium by chat_page_browser.py.
 
 use serde_json::{Value, json};
 use std::io::{Read, Write};
@@ -291,8 +292,9 @@ fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
     let shown: Vec<&str> = last.lines().filter(|l| l.starts_with("turbospark_")).collect();
     assert!(cancelled, "the vanished client's sequence was not freed:\n{}", shown.join("\n"));
 
-    // Still serving, and correctly.
-    let (status, v) = post(addr, "/v1/chat/completions", &ok);
+    // Still serving, and correctly (greedy: a sampled reply to "hi" may end before 4 tokens).
+    let (status, v) =
+        post(addr, "/v1/chat/completions", &serde_json::from_slice(&with("temperature", json!(0))).unwrap());
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 4);
     let (_, _, m) = http(addr, "GET", "/metrics", b"");
@@ -1161,5 +1163,36 @@ fn openai_python_client_json_schema() {
         .unwrap();
     print!("{}", String::from_utf8_lossy(&out.stdout));
     assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    server.stop().unwrap();
+}
+
+/// The chat page at `/`: one self-contained HTML file, then driven in headless Chromium by
+/// tools/server-test/chat_page_browser.py (selenium with Debian's chromium-driver, from
+/// tools/server-test/fetch-chromium.sh): a streamed reply seen growing with its tok/s, a long
+/// reply stopped mid-way and cancelled by the server, a third turn carrying the conversation.
+/// The screenshot lands in the test's target directory (docs/chat-page.png is a copy).
+#[test]
+fn chat_page_in_a_browser() {
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let server = start(2048);
+    let (status, head, page) = http(server.addr, "GET", "/", b"");
+    assert_eq!(status, 200);
+    assert!(head.to_ascii_lowercase().contains("content-type: text/html"), "{head}");
+    assert!(page.contains("id=\"prompt\"") && !page.contains("://"), "the page must load nothing from elsewhere");
+    let screenshot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-page.png");
+    let _ = std::fs::remove_file(&screenshot);
+    let script = ts_testkit::repo_root().join("tools/server-test/chat_page_browser.py");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(format!("http://{}", server.addr))
+        .arg(ID)
+        .arg(&screenshot)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let png = std::fs::read(&screenshot).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "the screenshot is not a PNG");
     server.stop().unwrap();
 }

@@ -27,6 +27,14 @@ pub fn real_model(file: &str) -> PathBuf {
     path
 }
 
+/// A part of the one-line error `line` (`error: ` then parts between ": ", an error and its
+/// causes) that equals or lies inside another part: a cause printed again, or a path named twice.
+pub fn repeated_part(line: &str) -> Option<&str> {
+    let parts: Vec<&str> = line.trim().trim_start_matches("error: ").split(": ").map(str::trim).collect();
+    let inside = |(i, a): (usize, &&str)| parts.iter().enumerate().any(|(j, b)| i != j && b.contains(*a));
+    parts.iter().enumerate().find(|p| inside(*p)).map(|(_, a)| *a)
+}
+
 /// The committed reference fixtures (`tests/fixtures/<family>/`).
 pub fn fixtures_dir() -> PathBuf {
     repo_root().join("tests/fixtures")
@@ -125,5 +133,19 @@ impl Rng {
     /// `n` normals times `scale` plus `offset`.
     pub fn normals(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
         (0..n).map(|_| self.normal() * scale + offset).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::repeated_part;
+
+    #[test]
+    fn repeated_parts_are_found() {
+        let os = "error: /x.gguf: No such file or directory (os error 2): No such file or directory (os error 2)";
+        assert_eq!(repeated_part(os), Some("No such file or directory (os error 2)"));
+        assert_eq!(repeated_part("error: loading the tokenizer of /x.gguf: /x.gguf: gone"), Some("/x.gguf"));
+        assert_eq!(repeated_part("error: --draft-model: /x.gguf: No such file or directory (os error 2)"), None);
+        assert_eq!(repeated_part("error: --ctx-size must be at least 1"), None);
     }
 }

@@ -165,8 +165,7 @@ impl SpecArgs {
     pub fn load_draft(&self, global: &GlobalOptions, args: &ModelArgs) -> Result<Option<Engine>> {
         let Some(path) = &self.draft_model else { return Ok(None) };
         let opts = LoadOptions { threads: global.threads()?, experts: ExpertPlacement::Mapped };
-        let mut draft =
-            Engine::load(path, &opts).with_context(|| format!("loading --draft-model {}", path.display()))?;
+        let mut draft = Engine::load(path, &opts).context("--draft-model")?;
         draft.n_batch = args.batch;
         draft.exact_activations = args.exact_activations;
         Ok(Some(draft))

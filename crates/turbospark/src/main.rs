@@ -9,6 +9,7 @@ mod synth;
 mod tokenize;
 
 use anyhow::{Context, Result, bail};
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -162,7 +163,14 @@ fn main() -> ExitCode {
         // SAFETY: the first thing the process does, before any other thread exists.
         unsafe { std::env::set_var("CUDA_MODULE_LOADING", "EAGER") };
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() && e.kind() != ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            eprintln!("error: {}", usage_error(&e.to_string()));
+            return ExitCode::from(2);
+        }
+        Err(e) => e.exit(),
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -172,6 +180,22 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// clap's report of bad arguments as one line: its lines up to the usage, joined ("tip:"
+/// lines after a "; ", a list after its colon).
+fn usage_error(report: &str) -> String {
+    let mut line = String::new();
+    for part in report.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if part.starts_with("Usage:") || part.starts_with("For more information") {
+            break;
+        }
+        if !line.is_empty() {
+            line += if line.ends_with(':') { " " } else { "; " };
+        }
+        line += part.strip_prefix("error: ").unwrap_or(part);
+    }
+    line
 }
 
 /// Writes to stdout; a closed pipe (`| head`) ends the output quietly instead of panicking.

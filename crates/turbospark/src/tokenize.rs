@@ -45,8 +45,7 @@ fn text(args: &Args) -> Result<String> {
 
 pub fn run(model: &Path, args: &Args) -> Result<()> {
     let text = text(args)?;
-    let tokenizer =
-        Tokenizer::from_gguf(model).with_context(|| format!("loading the tokenizer of {}", model.display()))?;
+    let tokenizer = Tokenizer::from_gguf(model).context("loading the tokenizer")?;
     let ids = tokenizer.encode(&text, !args.no_bos, !args.no_parse_special)?;
     let out = if args.pieces {
         let mut s = String::new();

@@ -238,11 +238,12 @@ fn every_corruption_gets_a_one_line_error() {
             && lines.len() == 1
             && lines[0].starts_with("error: ")
             && lines[0].contains(expected)
+            && ts_testkit::repeated_part(lines[0]).is_none()
             && !stderr.contains("panicked");
         println!("{what:<40} -> {}", stderr.trim());
         if !ok {
             failures.push(format!(
-                "{what}: expected one line containing {expected:?}, got status {} and {stderr:?}",
+                "{what}: expected one line containing {expected:?}, each part said once, got status {} and {stderr:?}",
                 out.status
             ));
         }

@@ -13,6 +13,8 @@ fn fixture() -> PathBuf {
     ts_testkit::fixtures_dir().join("qwen2/model-f32.gguf")
 }
 
+/// Runs `args`, which must fail with one line `error: ...` containing `expected`, each part
+/// of it said once.
 fn expect_error(args: &[&str], expected: &str) {
     let (ok, stderr) = turbospark(args);
     assert!(!ok, "{args:?} succeeded");
@@ -23,6 +25,7 @@ fn expect_error(args: &[&str], expected: &str) {
         "{args:?}: expected {expected:?} in {stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(ts_testkit::repeated_part(lines[0]), None, "said twice in {stderr}");
 }
 
 fn variant(name: &str, edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<ts_testkit::TensorEntry>)) -> PathBuf {
@@ -133,4 +136,47 @@ fn logits_of_the_fixture_match_the_golden() {
     assert_eq!(rows.len(), 8);
     let c = golden.compare(&rows);
     assert!(c.max_rel_err() < 1e-4, "{c}");
+}
+
+/// Errors of every layer (the OS, the GGUF parser, the model, the expert store, argument
+/// parsing) are one line, each cause said once.
+#[test]
+fn errors_are_one_line_said_once() {
+    let dir = std::env::temp_dir().join(format!("ts-model-errors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Cut inside the metadata, and inside the tensor data.
+    let bytes = std::fs::read(fixture()).unwrap();
+    let (header_cut, data_cut) = (dir.join("header-cut.gguf"), dir.join("data-cut.gguf"));
+    std::fs::write(&header_cut, &bytes[..5000]).unwrap();
+    std::fs::write(&data_cut, &bytes[..bytes.len() / 3]).unwrap();
+    let arch = variant("arch-run", |md, _| {
+        md.iter_mut().find(|(k, _)| k == "general.architecture").unwrap().1 = Value::String("mamba9".into());
+    });
+    let mixtral = ts_testkit::fixtures_dir().join("mixtral/model-q8_0.gguf");
+    let qwen2 = fixture();
+    let q = s(&qwen2);
+    let cases: [(&[&str], &str); 13] = [
+        (&["run", "-m", "/nonexistent.gguf", "-p", "hi"], "/nonexistent.gguf: No such file or directory"),
+        (&["tokenize", "-m", "/nonexistent.gguf", "-p", "hi"], "/nonexistent.gguf: No such file or directory"),
+        (
+            &["run", "-m", q, "--draft-model", "/nonexistent.gguf", "-p", "hi", "-n", "1"],
+            "--draft-model: /nonexistent.gguf: No such file or directory",
+        ),
+        (&["run", "-m", q, "-f", "/nonexistent.txt"], "reading /nonexistent.txt: No such file or directory"),
+        (
+            &["run", "-m", s(&mixtral), "--experts", "stream", "--expert-cache", "10KiB", "-p", "hi", "-n", "1"],
+            "--expert-cache 10240 bytes holds 0 experts",
+        ),
+        (&["run", "-m", s(&header_cut), "-p", "hi"], "(file truncated or corrupt)"),
+        (&["tokenize", "-m", s(&header_cut), "-p", "hi"], "(file truncated or corrupt)"),
+        (&["run", "-m", s(&data_cut), "-p", "hi"], "lies past the end of the file"),
+        (&["run", "-m", s(&arch), "-p", "hi"], "unknown architecture 'mamba9'"),
+        (&["run", "-m", q, "-c", "0", "-p", "hi"], "--ctx-size must be at least 1"),
+        (&["run", "-m", q, "-c", "abc", "-p", "hi"], "invalid value 'abc' for '--ctx-size <CTX>'"),
+        (&["run", "-m", q, "--tmep", "1", "-p", "hi"], "unexpected argument '--tmep' found; tip:"),
+        (&["logits", "-m", q], "required arguments were not provided: --tokens"),
+    ];
+    for (args, expected) in cases {
+        expect_error(args, expected);
+    }
 }

@@ -47,7 +47,7 @@ fn serve_refuses_bad_flags_by_name() {
         (vec!["--max-body", "lots"], "--max-body lots"),
         (vec!["--host", "not an address"], "--host not an address"),
         (vec!["--parallel", "64", "-c", "512"], "raise -c"),
-        (vec!["--draft-model", "/nonexistent/draft.gguf"], "loading --draft-model /nonexistent/draft.gguf"),
+        (vec!["--draft-model", "/nonexistent/draft.gguf"], "--draft-model: /nonexistent/draft.gguf: No such file"),
         (vec!["--draft-max", "4"], "--draft-max needs a drafter"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
