@@ -302,23 +302,34 @@ fn hostile_requests_get_clear_errors_and_the_server_keeps_serving() {
     server.stop().unwrap();
 }
 
+/// Runs `tools/server-test/SCRIPT ARGS...` with the Python that `tools/server-test/setup.sh`
+/// made (`TURBOSPARK_OPENAI_PYTHON`, set by `tools/test.sh`), printing its output; fails with
+/// its output when it does.
+fn run_client_script(script: &str, args: &[&std::ffi::OsStr]) {
+    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
+        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
+    let out = std::process::Command::new(python)
+        .arg(ts_testkit::repo_root().join("tools/server-test").join(script))
+        .args(args)
+        .output()
+        .unwrap();
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+/// An openai client script against `server`'s `/v1` and model `ID`.
+fn run_openai_script(script: &str, server: &Running) {
+    let base = format!("http://{}/v1", server.addr);
+    run_client_script(script, &[base.as_ref(), ID.as_ref()]);
+}
+
 /// The official `openai` Python client against the server (tools/server-test/openai_e2e.py):
 /// chat whole and streamed, completions, stop sequences, seeds, usage, errors as the client's
 /// exception types. `tools/test.sh` makes the environment and sets `TURBOSPARK_OPENAI_PYTHON`.
 #[test]
 fn openai_python_client() {
-    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
-        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
     let server = start(1024);
-    let script = ts_testkit::repo_root().join("tools/server-test/openai_e2e.py");
-    let out = std::process::Command::new(python)
-        .arg(&script)
-        .arg(format!("http://{}/v1", server.addr))
-        .arg(ID)
-        .output()
-        .unwrap();
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    run_openai_script("openai_e2e.py", &server);
     server.stop().unwrap();
 }
 
@@ -326,18 +337,8 @@ fn openai_python_client() {
 /// (tools/server-test/openai_tools_e2e.py): call, tool result, answer; whole and streamed.
 #[test]
 fn openai_python_client_tool_calls() {
-    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
-        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
     let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
-    let script = ts_testkit::repo_root().join("tools/server-test/openai_tools_e2e.py");
-    let out = std::process::Command::new(python)
-        .arg(&script)
-        .arg(format!("http://{}/v1", server.addr))
-        .arg(ID)
-        .output()
-        .unwrap();
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    run_openai_script("openai_tools_e2e.py", &server);
     server.stop().unwrap();
 }
 
@@ -1151,18 +1152,8 @@ fn structured_output_on_qwen() {
 /// some streamed.
 #[test]
 fn openai_python_client_json_schema() {
-    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
-        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
     let server = start_model(ts_testkit::real_model(QWEN), 2048, false, None, None);
-    let script = ts_testkit::repo_root().join("tools/server-test/openai_json_schema_e2e.py");
-    let out = std::process::Command::new(python)
-        .arg(&script)
-        .arg(format!("http://{}/v1", server.addr))
-        .arg(ID)
-        .output()
-        .unwrap();
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    run_openai_script("openai_json_schema_e2e.py", &server);
     server.stop().unwrap();
 }
 
@@ -1173,8 +1164,6 @@ fn openai_python_client_json_schema() {
 /// The screenshot lands in the test's target directory (docs/chat-page.png is a copy).
 #[test]
 fn chat_page_in_a_browser() {
-    let python = std::env::var_os("TURBOSPARK_OPENAI_PYTHON")
-        .expect("TURBOSPARK_OPENAI_PYTHON is unset: set it to what tools/server-test/setup.sh prints");
     let server = start(2048);
     let (status, head, page) = http(server.addr, "GET", "/", b"");
     assert_eq!(status, 200);
@@ -1182,16 +1171,8 @@ fn chat_page_in_a_browser() {
     assert!(page.contains("id=\"prompt\"") && !page.contains("://"), "the page must load nothing from elsewhere");
     let screenshot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chat-page.png");
     let _ = std::fs::remove_file(&screenshot);
-    let script = ts_testkit::repo_root().join("tools/server-test/chat_page_browser.py");
-    let out = std::process::Command::new(python)
-        .arg(&script)
-        .arg(format!("http://{}", server.addr))
-        .arg(ID)
-        .arg(&screenshot)
-        .output()
-        .unwrap();
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let base = format!("http://{}", server.addr);
+    run_client_script("chat_page_browser.py", &[base.as_ref(), ID.as_ref(), screenshot.as_os_str()]);
     let png = std::fs::read(&screenshot).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "the screenshot is not a PNG");
     server.stop().unwrap();
