@@ -310,7 +310,9 @@ impl<B: Backend> Engine<B> {
             let token = next_token.expect("the last row gives a token to run");
             context.push(token);
             held += 1;
-            // Guesses must fit the context and the token limit.
+            // Guesses must fit the context and the token limit. A step's time includes
+            // guessing: a draft model's passes cost as much as the checked rows save.
+            let started = Instant::now();
             let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
             guesses = match spec.as_mut() {
                 Some((drafter, o)) if room > 0 => {
@@ -333,7 +335,6 @@ impl<B: Backend> Engine<B> {
                 snapshot = self.model.is_recurrent().then(|| self.model.snapshot(seq)).transpose()?;
                 (Logits::All, &mut checking)
             };
-            let started = Instant::now();
             rows = self.step(&mut [&mut *seq], &[Piece { tokens: &piece, logits }], s)?.remove(0);
             last_step = Some(started.elapsed().as_secs_f64());
         }

@@ -31,11 +31,11 @@ impl Default for SpecOptions {
 pub const DEFAULT_P_MIN: f32 = 0.75;
 
 /// The number of guesses worth checking, learnt as the generation goes: the time of a
-/// plain step, the extra time per checked guess and the fraction of guesses kept
-/// (moving averages) give the expected tokens per second of each length, `(1 - a^(n+1)) /
-/// (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain steps) when
-/// guessing does not pay, with a check every [`DraftLength::PROBE`] plain steps to see
-/// whether that has changed.
+/// plain step, the extra time per checked guess (guessing included) and the fraction of
+/// guesses kept (moving averages) give the expected tokens per second of each length,
+/// `(1 - a^(n+1)) / (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain
+/// steps) when guessing does not pay, with a check every [`DraftLength::PROBE`] plain steps
+/// to see whether that has changed. The first step is plain, to measure `t`.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     plain_secs: Option<f64>,
@@ -46,7 +46,7 @@ pub struct DraftLength {
 
 impl Default for DraftLength {
     fn default() -> Self {
-        // Optimistic until measured: guesses cost nothing and half are kept.
+        // Optimistic once a plain step is measured: guesses cost nothing and half are kept.
         DraftLength { plain_secs: None, secs_per_guess: 0.0, kept: 0.5, plain_since_check: 0 }
     }
 }
@@ -58,7 +58,9 @@ impl DraftLength {
 
     /// How many of up to `max` guesses to check now.
     pub fn limit(&self, max: usize) -> usize {
-        let Some(t) = self.plain_secs else { return max };
+        // Without a plain step's time no guess can be weighed (a drafter that always
+        // guesses would never give one).
+        let Some(t) = self.plain_secs else { return 0 };
         let a = self.kept.clamp(0.0, 0.999);
         let rate = |n: usize| (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64);
         let best = (0..=max).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap_or(0);
@@ -255,8 +257,9 @@ mod tests {
     #[test]
     fn draft_length_follows_cost_and_acceptance() {
         let mut d = DraftLength::default();
-        assert_eq!(d.limit(8), 8, "optimistic before any measurement");
+        assert_eq!(d.limit(8), 0, "a plain step first, to measure it");
         d.plain(0.010);
+        assert_eq!(d.limit(8), 8, "optimistic once it is measured");
         // Cheap guesses, nearly all kept: the longest.
         for _ in 0..20 {
             d.checked(0.011, 8, 8);
