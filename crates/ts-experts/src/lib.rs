@@ -54,8 +54,9 @@ pub struct ExpertBytes<'a> {
 /// Repacks expert matrices, at the same size, for a backend that reads them in another
 /// layout ([`ExpertStore::pack`]).
 pub trait Repack: Send + Sync {
-    /// Whether the matrices of projection `proj` (0 gate, 1 up, 2 down) of `layer` are repacked.
-    fn packs(&self, layer: usize, proj: usize) -> bool;
+    /// Whether the matrices of projection `proj` (0 gate, 1 up, 2 down) of `layer` are repacked:
+    /// once, or (`on_every_read`, a streaming store's) each time they are read.
+    fn packs(&self, layer: usize, proj: usize, on_every_read: bool) -> bool;
     /// Repacks one expert's matrix of that projection in place.
     fn pack(&self, layer: usize, proj: usize, bytes: &mut [u8]);
 }

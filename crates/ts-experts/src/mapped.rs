@@ -109,7 +109,7 @@ impl ExpertStore for ResidentExperts {
             let (Some(data), Some(l)) = (data, self.layout.layers[layer].as_ref()) else { continue };
             for (p, words) in data.iter_mut().enumerate() {
                 // Repacking twice would scramble them.
-                if packed[p] || !pack.packs(layer, p) {
+                if packed[p] || !pack.packs(layer, p, false) {
                     continue;
                 }
                 let size = l.proj[p].expert_bytes;

@@ -578,7 +578,7 @@ impl ExpertStore for StreamingExperts {
     /// Matrices are repacked by the reader that reads them; slots read before are dropped.
     fn pack(&mut self, pack: Packer) -> usize {
         let packs: Vec<[bool; 3]> = (0..self.layout.layers.len())
-            .map(|layer| std::array::from_fn(|p| self.layout.layers[layer].is_some() && pack.packs(layer, p)))
+            .map(|layer| std::array::from_fn(|p| self.layout.layers[layer].is_some() && pack.packs(layer, p, true)))
             .collect();
         let count = self
             .layout

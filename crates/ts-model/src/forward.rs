@@ -214,17 +214,16 @@ pub struct Model<B: Backend = Cpu> {
 /// per layer, (type, rows, row length) of one expert's gate, up and down.
 struct CpuRepack {
     shapes: Vec<Option<[(ts_gguf::GgmlType, usize, usize); 3]>>,
-    /// Only types whose one-row products gain ([`ts_cpu::packed_row_is_faster`]): streamed
-    /// experts are repacked on every read, mostly for decode (Q4_K streamed under a memory
-    /// limit decoded 6% slower repacked: the readers' repacking shares the cores).
-    row_gains_only: bool,
 }
 
 impl ts_experts::Repack for CpuRepack {
-    fn packs(&self, layer: usize, proj: usize) -> bool {
+    /// Repacked on every read only where one row gains ([`ts_cpu::packed_row_is_faster`]):
+    /// streamed experts serve mostly decode (Q4_K streamed under a memory limit decoded 6%
+    /// slower repacked: the readers' repacking shares the cores).
+    fn packs(&self, layer: usize, proj: usize, on_every_read: bool) -> bool {
         self.shapes.get(layer).copied().flatten().is_some_and(|s| {
             let (ty, n_rows, _) = s[proj];
-            ts_cpu::packs(ty, n_rows) && (!self.row_gains_only || ts_cpu::packed_row_is_faster(ty))
+            ts_cpu::packs(ty, n_rows) && (!on_every_read || ts_cpu::packed_row_is_faster(ty))
         })
     }
 
@@ -250,11 +249,12 @@ impl Model {
         Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu, packed_experts: 0 }
     }
 
-    /// Repacks the routed experts the store holds in memory (`--experts resident`) into the
-    /// CPU's packed layout where its kernels have one (MXFP4: [`ts_cpu::pack_rows`]), so that
-    /// no batch builds their panels again and decode reads them at 4 bits through the batch
-    /// kernel. Returns how many matrices were repacked. The model then stays on the CPU
-    /// (`into_backend` refuses it) and needs 8-bit activations (not `--exact-activations`).
+    /// Repacks the routed experts the store holds in memory into the CPU's packed layout where
+    /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K), so that no batch builds
+    /// their panels again and decode reads them through the packed kernel: resident ones now,
+    /// streamed MXFP4 ones as their slots fill. Returns how many matrices are (or will be)
+    /// repacked. The model then stays on the CPU (`into_backend` refuses it) and needs 8-bit
+    /// activations (not `--exact-activations`).
     pub fn pack_experts(&mut self) -> usize {
         let shapes = self
             .weights
@@ -265,8 +265,7 @@ impl Model {
                 Ffn::Dense { .. } => None,
             })
             .collect();
-        let row_gains_only = self.experts.kind() == "stream";
-        self.packed_experts += self.experts.pack(std::sync::Arc::new(CpuRepack { shapes, row_gains_only }));
+        self.packed_experts += self.experts.pack(std::sync::Arc::new(CpuRepack { shapes }));
         self.packed_experts
     }
 

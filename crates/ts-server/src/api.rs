@@ -112,10 +112,15 @@ fn tokenizer_of<B: Backend>(st: &AppState<B>) -> Result<&ts_tokenizer::Tokenizer
     st.engine.tokenizer().map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
-/// `ids` as token ids of a vocabulary of `n_vocab`, or an error naming `param`.
-fn token_ids(ids: &[Value], n_vocab: usize, param: &'static str) -> Result<Vec<u32>, ApiError> {
-    ids.iter()
-        .map(|x| x.as_u64().filter(|&id| id < n_vocab as u64).map(|id| id as u32))
+/// `ids` as token ids of a vocabulary of `n_vocab` (`None`: not a non-negative integer), or
+/// an error naming `param`.
+fn token_ids(
+    ids: impl IntoIterator<Item = Option<u64>>,
+    n_vocab: usize,
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    ids.into_iter()
+        .map(|id| id.filter(|&id| id < n_vocab as u64).map(|id| id as u32))
         .collect::<Option<Vec<u32>>>()
         .ok_or_else(|| ApiError::bad(format!("'{param}' must hold token ids below {n_vocab}"), Some(param)))
 }
@@ -908,7 +913,7 @@ async fn completions_inner<B: Backend + 'static>(
             (s.clone(), tokens, bos_added)
         }
         Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_u64) => {
-            let ids = token_ids(a, tokenizer.vocab_size(), "prompt")?;
+            let ids = token_ids(a.iter().map(Value::as_u64), tokenizer.vocab_size(), "prompt")?;
             let text = ids.iter().map(|&id| String::from_utf8_lossy(&token_bytes(tokenizer, id, true)).into_owned());
             (text.collect(), ids, false)
         }
@@ -1077,12 +1082,7 @@ fn detokenize_inner<B: Backend>(st: &AppState<B>, v: &Value) -> Result<Response,
     let tokenizer = tokenizer_of(st)?;
     let body: DetokenizeBody = typed(v, "")?;
     let ids = body.tokens.ok_or_else(|| ApiError::bad("'tokens' (token ids) is required", Some("tokens")))?;
-    let n_vocab = tokenizer.vocab_size();
-    let ids = ids
-        .into_iter()
-        .map(|id| u32::try_from(id).ok().filter(|&id| (id as usize) < n_vocab))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| ApiError::bad(format!("'tokens' must hold token ids below {n_vocab}"), Some("tokens")))?;
+    let ids = token_ids(ids.into_iter().map(Some), tokenizer.vocab_size(), "tokens")?;
     // Control tokens as their markers, as llama-server gives them (and /tokenize parses them).
     let bytes =
         tokenizer.detokenize(&ids, false, true).map_err(|e| ApiError::bad(format!("decoding: {e}"), Some("tokens")))?;
