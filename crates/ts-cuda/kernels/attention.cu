@@ -116,9 +116,28 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 }
 
 #define ATTN_WARPS 4
+// Positions scored together: their weights wait in shared memory for the values' pass.
+#define ATTN_TILE 128
+// Lanes that share one position's dot product in the scores' pass.
+#define ATTN_GROUP 8
 
-// One query head of one row over the positions it sees (its window, or all
-// up to its position), online softmax per warp, warps combined at the end.
+// Max (is_max) or sum over the block's ATTN_WARPS warps; red holds ATTN_WARPS floats and is
+// free again when every thread has returned.
+__device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_max) {
+    v = is_max ? warp_max(v) : warp_sum(v);
+    if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int w = 1; w < ATTN_WARPS; w++) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+    return r;
+}
+
+// One query head of one row over the positions it sees (its window, or all up to its
+// position), ATTN_TILE positions at a time: groups of ATTN_GROUP lanes score one position
+// each (a tile's keys all in flight at once, not one position per warp after another), the
+// tile's max and weights are taken over the block, then each warp adds the values of every
+// fourth position; the running max and sum rescale the warps' sums from tile to tile, and
+// the warps' sums are added at the end.
 // q [m][n_head*hd], out [m][n_head*hdv]; grid = (n_head, m), block = 32*ATTN_WARPS.
 // sinks [n_head] or null: an extra logit in the denominator only. Heads of up
 // to MAX_HEAD_DIM (`attention`: 256; `attention_wide`: 512, gemma4's global layers).
@@ -126,68 +145,107 @@ template <int MAX_HEAD_DIM>
 __device__ __forceinline__ void attention_head(const float* q, float* out, const RowKv* info, int n_head,
                                                int n_head_kv, int hd, int hdv, float scale, float softcap,
                                                const float* sinks, int window, signed char* oq, float2* ods) {
-    int h = blockIdx.x, r = blockIdx.y;
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    RowKv ri = info[r];
-    int kvh = h / (n_head / n_head_kv);
-    int kv_dim = n_head_kv * hd, v_dim = n_head_kv * hdv;
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const RowKv ri = info[r];
+    const int kvh = h / (n_head / n_head_kv);
+    const int kv_dim = n_head_kv * hd, v_dim = n_head_kv * hdv;
     const float* qh = q + (long long)r * n_head * hd + h * hd;
     const float* K = (const float*)ri.k + kvh * hd;
     const float* V = (const float*)ri.v + kvh * hdv;
 
-    __shared__ float qs[MAX_HEAD_DIM];
+    __shared__ __align__(16) float qs[MAX_HEAD_DIM];
+    __shared__ float weight[ATTN_TILE];
+    __shared__ float red[ATTN_WARPS];
     for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
 
-    int first = window > 0 ? max(0, ri.pos + 1 - window) : 0;
+    const int first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
+    const int last = (int)ri.pos;
+    // Keys read 4 floats at a time where every head's keys start on 16 bytes.
+    const bool vec = hd % 4 == 0;
+    const int group = threadIdx.x / ATTN_GROUP, in_group = threadIdx.x % ATTN_GROUP;
+    const int groups = blockDim.x / ATTN_GROUP;
     float mx = -INFINITY, sum = 0.0f;
     float acc[MAX_HEAD_DIM / WARP];
 #pragma unroll
     for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) acc[j] = 0.0f;
 
-    for (int p = first + warp; p <= ri.pos; p += ATTN_WARPS) {
-        int slot = p % ri.slots;
-        const float* kp = K + (long long)slot * kv_dim;
-        float d = 0.0f;
-        for (int i = lane; i < hd; i += WARP) d += qs[i] * kp[i];
-        float s = warp_sum(d) * scale;
-        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-        float nm = fmaxf(mx, s);
-        float corr = expf(mx - nm), e = expf(s - nm);
-        sum = sum * corr + e;
-        const float* vp = V + (long long)slot * v_dim;
+    for (int start = first; start <= last; start += ATTN_TILE) {
+        const int n = min(ATTN_TILE, last + 1 - start);
+        // Whole warps go round together (the groups' shuffles name every lane).
+#pragma unroll 4
+        for (int base = 0; base < n; base += groups) {
+            const int t = base + group;
+            float d = 0.0f;
+            if (t < n) {
+                const float* kp = K + (long long)((start + t) % ri.slots) * kv_dim;
+                if (vec) {
+                    for (int i = 4 * in_group; i < hd; i += 4 * ATTN_GROUP) {
+                        const float4 k4 = *(const float4*)(kp + i);
+                        const float4 q4 = *(const float4*)(qs + i);
+                        d += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+                    }
+                } else {
+                    for (int i = in_group; i < hd; i += ATTN_GROUP) d += qs[i] * kp[i];
+                }
+            }
 #pragma unroll
-        for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
-            int i = lane + j * WARP;
-            if (i < hdv) acc[j] = acc[j] * corr + e * vp[i];
+            for (int o = ATTN_GROUP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            float s = d * scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            if (t < n && in_group == 0) weight[t] = s;
         }
-        mx = nm;
+        __syncthreads();
+        float tile_max = -INFINITY;
+        for (int t = threadIdx.x; t < n; t += blockDim.x) tile_max = fmaxf(tile_max, weight[t]);
+        const float new_max = fmaxf(mx, attn_block_reduce(tile_max, red, true));
+        float tile_sum = 0.0f;
+        for (int t = threadIdx.x; t < n; t += blockDim.x) {
+            const float e = expf(weight[t] - new_max);
+            weight[t] = e;
+            tile_sum += e;
+        }
+        // The reduction's barrier also makes the weights whole; red is read before it is
+        // written again.
+        __syncthreads();
+        tile_sum = attn_block_reduce(tile_sum, red, false);
+        const float corr = expf(mx - new_max);
+        sum = sum * corr + tile_sum;
+        mx = new_max;
+#pragma unroll
+        for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) acc[j] *= corr;
+#pragma unroll 4
+        for (int t = warp; t < n; t += ATTN_WARPS) {
+            const float e = weight[t];
+            const float* vp = V + (long long)((start + t) % ri.slots) * v_dim;
+#pragma unroll
+            for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
+                const int i = lane + j * WARP;
+                if (i < hdv) acc[j] += e * vp[i];
+            }
+        }
+        // The next tile's scores overwrite the weights.
+        __syncthreads();
     }
 
-    __shared__ float wmax[ATTN_WARPS], wsum[ATTN_WARPS];
     __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
-    if (lane == 0) {
-        wmax[warp] = mx;
-        wsum[warp] = sum;
-    }
 #pragma unroll
     for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
-        int i = lane + j * WARP;
+        const int i = lane + j * WARP;
         if (i < hdv) wacc[warp][i] = acc[j];
     }
     __syncthreads();
-    float M = sinks ? sinks[h] : -INFINITY;
-    for (int w = 0; w < ATTN_WARPS; w++) M = fmaxf(M, wmax[w]);
-    float denom = sinks ? expf(sinks[h] - M) : 0.0f;
-    for (int w = 0; w < ATTN_WARPS; w++)
-        if (wmax[w] > -INFINITY) denom += wsum[w] * expf(wmax[w] - M);
+    // With a sink the denominator gains exp(sink); all taken relative to the larger max.
+    const float top = sinks ? fmaxf(mx, sinks[h]) : mx;
+    const float keep = expf(mx - top);
+    const float denom = sum * keep + (sinks ? expf(sinks[h] - top) : 0.0f);
     const long long o = (long long)r * n_head * hdv + h * hdv;
     // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
     for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
         float v = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; w++)
-            if (wmax[w] > -INFINITY) v += wacc[w][i] * expf(wmax[w] - M);
-        v /= denom;
+        for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+        v = v * keep / denom;
         out[o + i] = v;
         if (oq) ts_q8_store_warp(v, o + i, oq, ods);
     }
