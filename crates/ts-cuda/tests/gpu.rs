@@ -570,10 +570,13 @@ fn attention_matches_the_cpu() {
         (32, 4, 128, None, false, None),
         (12, 4, 64, Some(7), true, Some(30.0)),
         (6, 6, 96, Some(40), false, None),
+        (4, 2, 66, Some(200), true, None),
     ] {
         // Chunks of 4 rows take the per-row kernel; of 20, `attention_prompt` where the shape allows.
+        // 300 positions: the per-row kernel's tiles of 128 (three, the last partial), windows
+        // wrapping their ring of slots; a head size not a multiple of 4 reads keys one by one.
         for chunk in [4, 20] {
-            let n = 60;
+            let n = 300;
             let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
             let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n, chunk).unwrap();
             let mut seq = SeqState { state: kv, n_past: 0, n_ctx: n };
