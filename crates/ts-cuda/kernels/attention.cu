@@ -121,6 +121,20 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 // Lanes that share one position's dot product in the scores' pass.
 #define ATTN_GROUP 8
 
+// A decode attention launch: grid (n_head, m, n_split), block 32 * ATTN_WARPS.
+struct DecodeAttn {
+    const float* q;  // [m][n_head * hd]
+    float* out;  // [m][n_head * hdv]
+    const RowKv* info;  // [m]
+    const float* sinks;  // [n_head] or null: an extra logit in the denominator only
+    signed char* oq;  // with ods, not null: out also quantized to 8 bits (hdv a multiple of 32)
+    float2* ods;
+    float* partial;  // n_split > 1: [m][n_head][n_split][2 + hdv] (max, sum, weighted values)
+    unsigned int* done;  // n_split > 1: [m * n_head] counters, zero between launches
+    int n_head, n_head_kv, hd, hdv, window;
+    float scale, softcap;
+};
+
 // Max (is_max) or sum over the block's ATTN_WARPS warps; red holds ATTN_WARPS floats and is
 // free again when every thread has returned.
 __device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_max) {
@@ -137,14 +151,17 @@ __device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_
 // each (a tile's keys all in flight at once, not one position per warp after another), the
 // tile's max and weights are taken over the block, then each warp adds the values of every
 // fourth position; the running max and sum rescale the warps' sums from tile to tile, and
-// the warps' sums are added at the end.
-// q [m][n_head*hd], out [m][n_head*hdv]; grid = (n_head, m), block = 32*ATTN_WARPS.
-// sinks [n_head] or null: an extra logit in the denominator only. Heads of up
-// to MAX_HEAD_DIM (`attention`: 256; `attention_wide`: 512, gemma4's global layers).
+// the warps' sums are added at the end. With n_split = gridDim.z > 1 the positions are cut
+// into n_split runs of whole tiles, one per block (long contexts: more blocks at work); each
+// leaves its max, sum and weighted values in `partial`, and the block that finishes last
+// (`done`) combines them and resets its counter. Heads of up to MAX_HEAD_DIM (`attention`:
+// 256; `attention_wide`: 512, gemma4's global layers).
 template <int MAX_HEAD_DIM>
-__device__ __forceinline__ void attention_head(const float* q, float* out, const RowKv* info, int n_head,
-                                               int n_head_kv, int hd, int hdv, float scale, float softcap,
-                                               const float* sinks, int window, signed char* oq, float2* ods) {
+__device__ __forceinline__ void attention_head(const DecodeAttn& p) {
+    const float* q = p.q;
+    const RowKv* info = p.info;
+    const int n_head = p.n_head, n_head_kv = p.n_head_kv, hd = p.hd, hdv = p.hdv, window = p.window;
+    const float scale = p.scale, softcap = p.softcap;
     const int h = blockIdx.x, r = blockIdx.y;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const RowKv ri = info[r];
@@ -160,8 +177,12 @@ __device__ __forceinline__ void attention_head(const float* q, float* out, const
     for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
 
-    const int first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
-    const int last = (int)ri.pos;
+    const int n_split = gridDim.z, split = blockIdx.z;
+    const int seen_first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
+    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+    const int tiles_per_split = (tiles + n_split - 1) / n_split;
+    const int first = seen_first + split * tiles_per_split * ATTN_TILE;
+    const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
     // Keys read 4 floats at a time where every head's keys start on 16 bytes.
     const bool vec = hd % 4 == 0;
     const int group = threadIdx.x / ATTN_GROUP, in_group = threadIdx.x % ATTN_GROUP;
@@ -236,35 +257,72 @@ __device__ __forceinline__ void attention_head(const float* q, float* out, const
         if (i < hdv) wacc[warp][i] = acc[j];
     }
     __syncthreads();
-    // With a sink the denominator gains exp(sink); all taken relative to the larger max.
-    const float top = sinks ? fmaxf(mx, sinks[h]) : mx;
-    const float keep = expf(mx - top);
-    const float denom = sum * keep + (sinks ? expf(sinks[h] - top) : 0.0f);
     const long long o = (long long)r * n_head * hdv + h * hdv;
-    // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
+    const float sink = p.sinks ? p.sinks[h] : -INFINITY;
+    if (n_split == 1) {
+        // With a sink the denominator gains exp(sink); all taken relative to the larger max.
+        const float top = fmaxf(mx, sink);
+        const float keep = expf(mx - top);
+        const float denom = sum * keep + (p.sinks ? expf(sink - top) : 0.0f);
+        // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
+        for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
+            float v = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+            v = v * keep / denom;
+            p.out[o + i] = v;
+            if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
+        }
+        return;
+    }
+    // This run's part; a run past the last position leaves max -inf, sum 0.
+    const long long head = (long long)r * n_head + h;
+    float* part = p.partial + (head * n_split + split) * (2 + hdv);
+    if (threadIdx.x == 0) {
+        part[0] = mx;
+        part[1] = sum;
+    }
     for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
         float v = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
-        v = v * keep / denom;
-        out[o + i] = v;
-        if (oq) ts_q8_store_warp(v, o + i, oq, ods);
+        part[2 + i] = v;
     }
+    // Parts written before the count; the last block to count reads them all.
+    __threadfence();
+    __syncthreads();
+    __shared__ bool last_block;
+    if (threadIdx.x == 0) last_block = atomicAdd(p.done + head, 1u) == (unsigned)n_split - 1;
+    __syncthreads();
+    if (!last_block) return;
+    __threadfence();
+    const float* parts = p.partial + head * n_split * (2 + hdv);
+    float top = sink;
+    for (int s = 0; s < n_split; s++) top = fmaxf(top, __ldcg(parts + s * (2 + hdv)));
+    float denom = p.sinks ? expf(sink - top) : 0.0f;
+    for (int s = 0; s < n_split; s++) {
+        const float m_s = __ldcg(parts + s * (2 + hdv));
+        if (m_s > -INFINITY) denom += __ldcg(parts + s * (2 + hdv) + 1) * expf(m_s - top);
+    }
+    for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
+        float v = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            const float m_s = __ldcg(parts + s * (2 + hdv));
+            if (m_s > -INFINITY) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * expf(m_s - top);
+        }
+        v /= denom;
+        p.out[o + i] = v;
+        if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
+    }
+    if (threadIdx.x == 0) p.done[head] = 0;
 }
 
-// oq, ods not null: out also quantized to 8 bits (as quantize_q8_1 would) for the output
-// projection; hdv must then be a multiple of 32.
-extern "C" __global__ void attention(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv, int hd,
-                                     int hdv, float scale, float softcap, const float* sinks, int window,
-                                     signed char* oq, float2* ods) {
+extern "C" __global__ void attention(const DecodeAttn p) {
     ts_grid_begin();
-    attention_head<256>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window, oq, ods);
+    attention_head<256>(p);
 }
 
-extern "C" __global__ void attention_wide(const float* q, float* out, const RowKv* info, int n_head, int n_head_kv,
-                                          int hd, int hdv, float scale, float softcap, const float* sinks, int window,
-                                          signed char* oq, float2* ods) {
+extern "C" __global__ void attention_wide(const DecodeAttn p) {
     ts_grid_begin();
-    attention_head<512>(q, out, info, n_head, n_head_kv, hd, hdv, scale, softcap, sinks, window, oq, ods);
+    attention_head<512>(p);
 }
 
 // Attention for a prompt: rows of one sequence, heads and values of at most 128. A block takes

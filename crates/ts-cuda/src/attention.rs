@@ -165,10 +165,14 @@ impl Cuda {
             Some(s) => self.vptr(s)?,
             None => 0,
         };
-        let args = |rows: Option<i32>| {
-            let mut a = vec![Arg::Ptr(self.p(q)), Arg::Ptr(self.p(&out)), Arg::Ptr(info)];
-            a.extend(rows.map(Arg::I32));
-            a.extend([
+        if prompt_attention(shape, rows) {
+            let group = shape.n_head / shape.n_head_kv;
+            let grid = ((m * group).div_ceil(PROMPT_QUERIES) as u32, shape.n_head_kv as u32, 1);
+            let args = [
+                Arg::Ptr(self.p(q)),
+                Arg::Ptr(self.p(&out)),
+                Arg::Ptr(info),
+                Arg::I32(m as i32),
                 Arg::I32(shape.n_head as i32),
                 Arg::I32(shape.n_head_kv as i32),
                 Arg::I32(shape.head_dim as i32),
@@ -177,13 +181,8 @@ impl Cuda {
                 Arg::F32(shape.softcap.unwrap_or(0.0)),
                 Arg::Ptr(sinks),
                 Arg::I32(self.windows[il]),
-            ]);
-            a
-        };
-        if prompt_attention(shape, rows) {
-            let group = shape.n_head / shape.n_head_kv;
-            let grid = ((m * group).div_ceil(PROMPT_QUERIES) as u32, shape.n_head_kv as u32, 1);
-            self.launch("attention_prompt", grid, (128, 1, 1), &args(Some(m as i32)))?;
+            ];
+            self.launch("attention_prompt", grid, (128, 1, 1), &args)?;
             return Ok(out);
         }
         // Few rows: the output's 8-bit copy for the output projection's matvec, written here.
@@ -191,16 +190,38 @@ impl Cuda {
             true => Some(self.q8_buffer(m, shape.n_head * shape.head_dim_v)?),
             false => None,
         };
-        let mut a = args(None);
-        a.extend(match &q8 {
-            Some((q, _)) => [Arg::Ptr(q.q(0)), Arg::Ptr(q.ds(0))],
-            None => [Arg::Ptr(0), Arg::Ptr(0)],
-        });
-        self.launch(
+        // The split is fixed by the cache's size, not the position: a recorded step replays it.
+        let slots = self.step.lock().expect("step lock").as_ref().and_then(|s| s.slots.get(il).copied()).unwrap_or(0);
+        let n_split = match m * shape.n_head <= SPLIT_COUNTERS {
+            true => slots.div_ceil(SPLIT_POSITIONS).clamp(1, MAX_SPLIT),
+            false => 1,
+        };
+        let partial = match n_split > 1 {
+            true => Some(self.act(m * shape.n_head * n_split * (2 + shape.head_dim_v))?),
+            false => None,
+        };
+        let params = DecodeAttn {
+            q: self.p(q),
+            out: self.p(&out),
+            info,
+            sinks,
+            oq: q8.as_ref().map_or(0, |(q, _)| q.q(0)),
+            ods: q8.as_ref().map_or(0, |(q, _)| q.ds(0)),
+            partial: partial.as_ref().map_or(0, |a| self.p(a)),
+            done: self.gpu.ptr(&self.attn_done),
+            n_head: shape.n_head as i32,
+            n_head_kv: shape.n_head_kv as i32,
+            hd: shape.head_dim as i32,
+            hdv: shape.head_dim_v as i32,
+            window: self.windows[il],
+            scale: shape.scale,
+            softcap: shape.softcap.unwrap_or(0.0),
+        };
+        self.launch_with(
             if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
-            (shape.n_head as u32, m as u32, 1),
+            (shape.n_head as u32, m as u32, n_split as u32),
             (128, 1, 1),
-            &a,
+            &params,
         )?;
         if let Some((q, buf)) = q8 {
             self.remember_quantized(out.ptr, q, buf);
@@ -208,6 +229,36 @@ impl Cuda {
         Ok(out)
     }
 }
+
+/// Counters of decode attention's split runs (`Cuda::attn_done`): rows x query heads.
+pub(crate) const SPLIT_COUNTERS: usize = 4096;
+/// Cache slots per run of a split decode attention (four of attention.cu's 128-position tiles).
+const SPLIT_POSITIONS: usize = 512;
+/// Runs a decode attention is split into at most.
+const MAX_SPLIT: usize = 16;
+
+/// attention.cu's `DecodeAttn`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DecodeAttn {
+    q: u64,
+    out: u64,
+    info: u64,
+    sinks: u64,
+    oq: u64,
+    ods: u64,
+    partial: u64,
+    done: u64,
+    n_head: i32,
+    n_head_kv: i32,
+    hd: i32,
+    hdv: i32,
+    window: i32,
+    scale: f32,
+    softcap: f32,
+}
+
+const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 96);
 
 /// attention.cu's `ROPE_STORE_MAX_HEAD`.
 const ROPE_STORE_MAX_HEAD: usize = 512;

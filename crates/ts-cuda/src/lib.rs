@@ -145,6 +145,9 @@ pub struct Cuda {
     n_expert: usize,
     /// `router_route`'s finished blocks per row, `[DEVICE_MOE_ROWS]`, zero between launches.
     route_done: CudaSlice<i32>,
+    /// Decode attention's finished runs per (row, head), `[attention::SPLIT_COUNTERS]`, zero
+    /// between launches.
+    attn_done: CudaSlice<u32>,
 }
 
 /// How to place a model on the GPU.
@@ -199,6 +202,7 @@ impl Cuda {
         Ok(Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
             route_done: gpu.zeros(moe::DEVICE_MOE_ROWS).map_err(err)?,
+            attn_done: gpu.zeros(attention::SPLIT_COUNTERS).map_err(err)?,
             gpu,
             weights: BTreeMap::new(),
             vectors: HashMap::new(),

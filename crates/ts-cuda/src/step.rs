@@ -27,6 +27,8 @@ pub(crate) struct Step {
     pub(crate) n_runs: usize,
     pub(crate) n_chunks: usize,
     pub(crate) longest: usize,
+    /// Per layer, the most cache slots any row's sequence has there (0: no cache).
+    pub(crate) slots: Vec<usize>,
 }
 
 /// A recurrent layer's view of the step: device addresses of its rows' `RowKv`s,
@@ -294,6 +296,7 @@ impl Cuda {
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
         let mut kv = Vec::with_capacity(n_layer * m * 3);
+        let mut layer_slots = vec![0; n_layer];
         for il in 0..n_layer {
             for r in rows {
                 let layers = &seqs[r.seq].state.layers;
@@ -304,6 +307,7 @@ impl Cuda {
                 };
                 kv.extend(match own {
                     GpuLayerState::Kv { k, v, slots } => {
+                        layer_slots[il] = layer_slots[il].max(*slots);
                         [self.gpu.ptr(k), self.gpu.ptr(v), *slots as u64 | (r.pos as u64) << 32]
                     }
                     GpuLayerState::SharedKv(_) => [0, 0, (r.pos as u64) << 32],
@@ -344,6 +348,7 @@ impl Cuda {
                 n_runs: 0,
                 n_chunks: 0,
                 longest: 0,
+                slots: Vec::new(),
             });
             g.decode = Default::default();
             g.logits = Default::default();
@@ -353,6 +358,7 @@ impl Cuda {
         st.n_runs = runs.len() / 4;
         st.n_chunks = n_chunks;
         st.longest = longest;
+        st.slots = layer_slots;
         st.tokens_host = tokens.clone();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let stream = self.gpu.stream.cu_stream();

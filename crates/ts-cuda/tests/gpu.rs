@@ -575,11 +575,12 @@ fn attention_matches_the_cpu() {
         // Chunks of 4 rows take the per-row kernel; of 20, `attention_prompt` where the shape allows.
         // 300 positions: the per-row kernel's tiles of 128 (three, the last partial), windows
         // wrapping their ring of slots; a head size not a multiple of 4 reads keys one by one.
-        for chunk in [4, 20] {
+        // A cache of 2048 positions splits the per-row kernel's positions over 4 blocks.
+        for (chunk, n_ctx) in [(4, 300), (4, 2048), (20, 300)] {
             let n = 300;
             let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
-            let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n, chunk).unwrap();
-            let mut seq = SeqState { state: kv, n_past: 0, n_ctx: n };
+            let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n_ctx, chunk).unwrap();
+            let mut seq = SeqState { state: kv, n_past: 0, n_ctx };
             let sink_v = rng.normals(n_head, 1.0, 0.0);
             let mut c = Cuda::open(0).unwrap();
             c.upload_vec(&sink_v).unwrap();
@@ -628,7 +629,7 @@ fn attention_matches_the_cpu() {
                 }
             }
             println!(
-                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk}: {worst:.2e}"
+                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk} cache {n_ctx}: {worst:.2e}"
             );
             assert!(worst < 1e-5, "{worst:e}");
         }
