@@ -14,6 +14,8 @@ export TURBOSPARK_ROOT=$PWD
 # gpu-build.sh carries the binaries xz-compressed: unpacked once per machine.
 B=/tmp/devbin
 mkdir -p $B
+# Carried once per lease: later calls of a warm machine may leave .devbin out.
+shopt -s nullglob
 for z in .devbin/*.xz; do
     n=$B/$(basename "$z" .xz)
     [[ -x $n && $n -nt $z ]] || { xz -dc "$z" > "$n" && chmod +x "$n"; }
@@ -169,24 +171,29 @@ if [[ $what == side ]]; then
     # `side LIKE...`: ours beside llama.cpp's llama-bench (started by `peer-build` on this
     # machine) on each synthetic model: every expert in VRAM, then ours with a quarter of
     # the expert bytes in VRAM beside llama.cpp with every expert on the CPU (16 threads).
+    # A LIKE that is a file (a staged real model) is benchmarked as it is; without experts it
+    # has no quarter-tier runs.
     shift
     for like in "$@"; do
-        f=$(synth "$like")
+        if [[ -f $like ]]; then f=$like; else f=$(synth "$like"); fi
+        like=$(basename "$like" .gguf)
         q=$(quarter "$f")
         n_layer=$("$B"/turbospark inspect --json "$f" | python3 -c 'import json,sys
 d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tensors"] if t["name"].startswith("blk.")) + 1)')
         echo "== $like, turbospark: every expert in VRAM"
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" | grep -E "^\||tok/s|error|RSS"
-        echo "== $like, turbospark: a quarter of the expert bytes in VRAM"
-        "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
-            | grep -E "^\||tok/s|error|RSS"
+        if ((q > 0)); then
+            echo "== $like, turbospark: a quarter of the expert bytes in VRAM"
+            "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
+                | grep -E "^\||tok/s|error|RSS"
+        fi
         if [[ -f /tmp/lcbuild.log ]]; then
             for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
             tail -1 /tmp/lcbuild.log
             echo "== $like, llama.cpp: every layer on the GPU"
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
                 | grep -E "^\||error"
-            echo "== $like, llama.cpp: every layer's experts on the CPU (16 threads)"
+            ((q > 0)) && echo "== $like, llama.cpp: every layer's experts on the CPU (16 threads)" &&
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -ncmoe "$n_layer" -t 16 -p 512 -n 64 -r 2 2>&1 \
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
@@ -197,7 +204,7 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
             echo "== $like, ik_llama.cpp: every layer on the GPU"
             /tmp/ikbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
                 | grep -E "^\||error"
-            echo "== $like, ik_llama.cpp: every layer's experts on the CPU (16 threads)"
+            ((q > 0)) && echo "== $like, ik_llama.cpp: every layer's experts on the CPU (16 threads)" &&
             /tmp/ikbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 --n-cpu-moe "$n_layer" -rtr 1 -t 16 -p 512 -n 64 -r 2 2>&1 \
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
