@@ -224,16 +224,16 @@ if [[ $what == peer-profile ]]; then
     rm -f "$OUT/peer-profile-$like.log"
 fi
 if [[ $what == sweep ]]; then
-    # `sweep LIKE...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM) under each setting
-    # of a build's measurement knobs, one process per setting.
+    # `sweep LIKE...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM; SWEEP_BENCH gives
+    # other bench flags) under each setting of a build's measurement knobs, one process each.
     shift
     for like in "$@"; do
         f=$(synth "$like")
         IFS=';' read -ra settings <<< "${SWEEP:-}"
         for setting in "${settings[@]}"; do
-            echo "== $like, pp512 with $setting"
-            env $setting "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 0 -r 3 2>&1 | tee -a "$OUT/sweep-$like.log" \
-                | grep -E "^\|.*pp|error"
+            echo "== $like, ${SWEEP_BENCH:-pp512} with $setting"
+            env $setting "$B"/turbospark bench -m "$f" --device cuda ${SWEEP_BENCH:--p 512 -n 0 -r 3} 2>&1 \
+                | tee -a "$OUT/sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
         done
     done
 fi

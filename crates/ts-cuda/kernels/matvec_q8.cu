@@ -13,6 +13,13 @@
 // slots (MoE). (Two rows per group, sharing their activation loads, measured slower on the
 // H200: qwen3-30b-a3b decode 196 against 205 tok/s, half the groups.)
 
+// Units per trip of a lane's loop (a measurement knob: TURBOSPARK_NVRTC_DEFINES=TS_Q8_UNROLL=N).
+#ifndef TS_Q8_UNROLL
+#define TS_Q8_UNROLL 2
+#endif
+#define TS_PRAGMA_TEXT(x) _Pragma(#x)
+#define TS_PRAGMA(x) TS_PRAGMA_TEXT(x)
+
 // Sum over each group of `lanes` lanes (a power of two).
 __device__ __forceinline__ float ts_lanes_sum(float v, int lanes) {
     for (int off = lanes >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -51,7 +58,7 @@ __device__ __forceinline__ void ts_q8_row(const ts_u8* __restrict__ w, const TsQ
     const int units = x.k >> 5;
     // Two units per trip, so that their loads are in flight together: a build with this
     // measured 205 tok/s of qwen3-30b-a3b decode on the H200, one without it 187.
-#pragma unroll 2
+    TS_PRAGMA(unroll TS_Q8_UNROLL)
     for (int u = l.j; u < units; u += lanes) V::template dot<M>(row, u, x, acc);
     TS_UNROLL
     for (int r = 0; r < M; r++) acc[r] = ts_lanes_sum(acc[r], lanes);
@@ -145,7 +152,7 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
     const long long at = e * p.expert_stride + (long long)l.row * V::row_bytes(p.k);
     float g[1] = {0.0f}, u[1] = {0.0f};
     const int units = p.k >> 5;
-#pragma unroll 2
+    TS_PRAGMA(unroll TS_Q8_UNROLL)
     for (int c = l.j; c < units; c += p.lanes) {
         V::template dot<1>(p.w_gate + at, c, x, g);
         V::template dot<1>(p.w_up + at, c, x, u);

@@ -38,6 +38,22 @@
 #define TS_UNROLL _Pragma("unroll")
 #endif
 
+// Cache operators of weight loads. The wide loads of aligned fields skip L1 (weights are read
+// once per step). The word loads of misaligned blocks (MXFP4's 17 bytes, Q8_0's 34, Q6_K's
+// 210) go through L1: neighbouring lanes read the same sectors again, word by word (H200,
+// tg128: gpt-oss-20b 327 -> 369 tok/s, qwen3-30b-a3b 271 -> 277). Measurement knobs
+// (TURBOSPARK_NVRTC_DEFINES): TS_ALIGNED_L1, TS_WORD_NO_L1.
+#ifdef TS_ALIGNED_L1
+#define TS_LD_ALIGNED "ld.global.nc"
+#else
+#define TS_LD_ALIGNED "ld.global.nc.L1::no_allocate"
+#endif
+#ifdef TS_WORD_NO_L1
+#define TS_LD_WORD "ld.global.nc.L1::no_allocate"
+#else
+#define TS_LD_WORD "ld.global.nc"
+#endif
+
 typedef unsigned char ts_u8;
 typedef unsigned short ts_u16;
 typedef unsigned int ts_u32;
@@ -79,7 +95,7 @@ __device__ __forceinline__ ts_u16 ts_ld16(const ts_u8* p) {
     return v;
 #else
     ts_u16 v;
-    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    asm(TS_LD_WORD ".u16 %0, [%1];" : "=h"(v) : "l"(p));
     return v;
 #endif
 }
@@ -92,7 +108,7 @@ __device__ __forceinline__ ts_u32 ts_ld32(const ts_u8* p) {
     return v;
 #else
     ts_u32 v;
-    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    asm(TS_LD_WORD ".u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 #endif
 }
@@ -102,7 +118,7 @@ __device__ __forceinline__ void ts_ld64(const ts_u8* p, ts_u32* w) {
     assert((ts_addr(p) & 7) == 0);
     memcpy(w, p, 8);
 #else
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    asm(TS_LD_ALIGNED ".v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
 #endif
 }
 
@@ -111,7 +127,7 @@ __device__ __forceinline__ void ts_ld128(const ts_u8* p, ts_u32* w) {
     assert((ts_addr(p) & 15) == 0);
     memcpy(w, p, 16);
 #else
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm(TS_LD_ALIGNED ".v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
         : "l"(p));
 #endif
@@ -263,8 +279,8 @@ __device__ __forceinline__ ts_u32 ts_ldu32(const ts_u8* p) {
     asm("{\n\t.reg .pred p;\n\t"
         "setp.ne.s32 p, %3, 0;\n\t"
         "mov.b32 %1, 0;\n\t"
-        "ld.global.nc.L1::no_allocate.u32 %0, [%2];\n\t"
-        "@p ld.global.nc.L1::no_allocate.u32 %1, [%2+4];\n\t}"
+        TS_LD_WORD ".u32 %0, [%2];\n\t"
+        "@p " TS_LD_WORD ".u32 %1, [%2+4];\n\t}"
         : "=r"(lo), "=r"(hi)
         : "l"(a), "r"(mis));
 #endif
@@ -303,12 +319,12 @@ __device__ __forceinline__ void ts_ld_wide(const ts_u8* p, ts_u32* w) {
             "setp.ne.s32 sh, %11, 0;\n\t"
             "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
             "mov.b32 %4, 0;\n\tmov.b32 %5, 0;\n\tmov.b32 %6, 0;\n\tmov.b32 %7, 0;\n\tmov.b32 %8, 0;\n\t"
-            "@al ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%9];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %4, [%10];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %5, [%10+4];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %6, [%10+8];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %7, [%10+12];\n\t"
-            "@sh ld.global.nc.L1::no_allocate.u32 %8, [%10+16];\n\t}"
+            "@al " TS_LD_ALIGNED ".v4.u32 {%0, %1, %2, %3}, [%9];\n\t"
+            "@un " TS_LD_WORD ".u32 %4, [%10];\n\t"
+            "@un " TS_LD_WORD ".u32 %5, [%10+4];\n\t"
+            "@un " TS_LD_WORD ".u32 %6, [%10+8];\n\t"
+            "@un " TS_LD_WORD ".u32 %7, [%10+12];\n\t"
+            "@sh " TS_LD_WORD ".u32 %8, [%10+16];\n\t}"
             : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]), "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]),
               "=r"(r[4])
             : "l"(p), "l"(base), "r"(mis));
@@ -317,10 +333,10 @@ __device__ __forceinline__ void ts_ld_wide(const ts_u8* p, ts_u32* w) {
             "and.b64 t, %5, 7;\n\tsetp.eq.u64 al, t, 0;\n\tsetp.ne.u64 un, t, 0;\n\t"
             "setp.ne.s32 sh, %7, 0;\n\t"
             "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\tmov.b32 %4, 0;\n\t"
-            "@al ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%5];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %2, [%6];\n\t"
-            "@un ld.global.nc.L1::no_allocate.u32 %3, [%6+4];\n\t"
-            "@sh ld.global.nc.L1::no_allocate.u32 %4, [%6+8];\n\t}"
+            "@al " TS_LD_ALIGNED ".v2.u32 {%0, %1}, [%5];\n\t"
+            "@un " TS_LD_WORD ".u32 %2, [%6];\n\t"
+            "@un " TS_LD_WORD ".u32 %3, [%6+4];\n\t"
+            "@sh " TS_LD_WORD ".u32 %4, [%6+8];\n\t}"
             : "=r"(v[0]), "=r"(v[1]), "=r"(r[0]), "=r"(r[1]), "=r"(r[2])
             : "l"(p), "l"(base), "r"(mis));
     }

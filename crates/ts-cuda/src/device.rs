@@ -296,8 +296,12 @@ fn compile(arch: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, CudaError> {
 /// Compiles every kernel for `arch` (e.g. `sm_90`).
 pub fn compile_for(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let src = kernel_source();
-    let opts =
-        cudarc::nvrtc::CompileOptions { arch: Some(arch), options: vec!["--std=c++17".into()], ..Default::default() };
+    let mut options = vec!["--std=c++17".to_string()];
+    // A measurement knob: kernel variants chosen by defines ("TS_UNALIGNED_L1 TS_Q8_UNROLL=4").
+    if let Ok(defines) = std::env::var("TURBOSPARK_NVRTC_DEFINES") {
+        options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
+    }
+    let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
     guard("loading NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
         .map_err(|e| CudaError::Compile(e.to_string()))
 }
