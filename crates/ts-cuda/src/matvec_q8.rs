@@ -123,9 +123,8 @@ pub(crate) struct IndexedMatvec {
 pub(crate) fn lanes_for(k: usize, rows: usize) -> i32 {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     // A measurement knob: the threads a matvec should reach before lanes stop doubling.
-    let threads = *THREADS.get_or_init(|| {
-        std::env::var("TURBOSPARK_Q8_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(64 * 1024)
-    });
+    let threads = *THREADS
+        .get_or_init(|| std::env::var("TURBOSPARK_Q8_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(64 * 1024));
     let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
     while lanes < 32 && rows * lanes < threads {
         lanes *= 2;
