@@ -24,6 +24,11 @@ pub struct SynthArgs {
     /// Seed of the random weights; the same seed gives the same file.
     #[arg(long = "seed", default_value_t = 0)]
     seed: u64,
+    /// Copy the tokenizer (every `tokenizer.*` key, chat template included) from this GGUF, so
+    /// that the file can generate text (`bench` with a drafter, `run`): its tokens must fit
+    /// the imitated model's vocabulary (Qwen2.5's GGUFs for the Qwen3 families, for example).
+    #[arg(long = "tokenizer-from", value_name = "GGUF")]
+    tokenizer_from: Option<PathBuf>,
     /// Print the planned size and exit without writing.
     #[arg(long = "dry-run")]
     dry_run: bool,
@@ -41,7 +46,10 @@ pub fn run(global: &GlobalOptions, args: &SynthArgs) -> Result<()> {
         seed: args.seed,
         threads: global.threads.map(|_| global.threads()).transpose()?,
     };
-    let plan = ts_synth::Plan::new(&spec, &opts)?;
+    let mut plan = ts_synth::Plan::new(&spec, &opts)?;
+    if let Some(source) = &args.tokenizer_from {
+        take_tokenizer(&mut plan, source)?;
+    }
     let size = plan.file_size()?;
     let describe = format!(
         "{} like {}: {} layer{}, {} experts (top {}), {} tensors, {:.2} GiB",
@@ -68,4 +76,25 @@ pub fn run(global: &GlobalOptions, args: &SynthArgs) -> Result<()> {
         )
         .as_bytes(),
     )
+}
+
+/// Replaces the plan's tokenizer-less vocabulary with `source`'s tokenizer.
+fn take_tokenizer(plan: &mut ts_synth::Plan, source: &std::path::Path) -> Result<()> {
+    let file = ts_gguf::GgufFile::open(source)?;
+    let md = file.metadata();
+    let n_tokens = md
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+        .map(|a| a.len())
+        .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer (no tokenizer.ggml.tokens)", source.display()))?;
+    anyhow::ensure!(
+        n_tokens <= plan.spec.n_vocab,
+        "{} has {n_tokens} tokens; {} has a vocabulary of {}",
+        source.display(),
+        plan.spec.name,
+        plan.spec.n_vocab
+    );
+    plan.metadata.retain(|(k, _)| !k.starts_with("tokenizer."));
+    plan.metadata.extend(md.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())));
+    Ok(())
 }
