@@ -146,6 +146,11 @@ impl Constraint {
         self.matcher.consume_token(token).map_err(|e| ConstraintError::Step(e.to_string()))
     }
 
+    /// Whether what was generated is a whole sentence of the grammar (more may follow).
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
     /// Whether the grammar is complete: nothing may follow what was generated.
     pub fn is_done(&self) -> bool {
         self.matcher.is_stopped()

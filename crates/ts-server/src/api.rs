@@ -611,7 +611,8 @@ fn forced_calls<B: Backend>(
     let Some(lark) = forced_calls_grammar(template, &tools.declared, tools.parallel) else {
         return Err(ApiError::bad(
             "'tool_choice' 'required' or a named function cannot be enforced with this model: its tool calls \
-             do not carry JSON arguments (only Hermes <tool_call> JSON calls are constrained); use 'auto'",
+             are in no syntax this server can hold a reply to (Hermes JSON, Qwen3-Coder XML, GLM, Gemma 4, \
+             gpt-oss harmony); use 'auto'",
             Some("tool_choice"),
         ));
     };

@@ -1147,6 +1147,69 @@ fn structured_output_on_qwen() {
     server.stop().unwrap();
 }
 
+/// `tool_choice` required on a model whose template writes Qwen3.5's XML calls (the
+/// qwen3_5_moe fixture: random weights, so only the grammar makes it call): a parsed call
+/// whose arguments keep the declared parameters, whole and streamed; a named function is the
+/// one called.
+#[test]
+fn forced_tool_calls_in_xml_syntax() {
+    let server = start_model(ts_testkit::fixtures_dir().join("qwen3_5_moe/model-f32.gguf"), 2048, false, None, None);
+    let addr = server.addr;
+    let weather = json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit"]}}});
+    let time = json!({"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}});
+    let check = |call: &Value| {
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        let o = args.as_object().unwrap_or_else(|| panic!("{call}"));
+        match call["function"]["name"].as_str().unwrap() {
+            "get_weather" => {
+                assert!(o.keys().all(|k| ["city", "unit", "days"].contains(&k.as_str())), "{args}");
+                assert!(o["city"].as_str().is_some_and(|c| c.chars().count() <= 12), "{args}");
+                assert!(["celsius", "fahrenheit"].contains(&o["unit"].as_str().unwrap_or_default()), "{args}");
+                assert!(o.get("days").is_none_or(|d| d.as_u64().is_some_and(|d| (1..=7).contains(&d))), "{args}");
+            }
+            "get_time" => {
+                assert!(o.len() == 1 && o["zone"].as_str().is_some_and(|z| z.chars().count() <= 8), "{args}")
+            }
+            other => panic!("{other} is not declared"),
+        }
+    };
+    let request = json!({"messages": [{"role": "user", "content": "Is it cold in Oslo?"}], "tools": [weather, time],
+                         "tool_choice": "required", "temperature": 0, "max_tokens": 200, "parallel_tool_calls": false});
+    let (status, v) = post(addr, "/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{v}");
+    println!("required: {}", v["choices"][0]["message"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    check(&calls[0]);
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let (calls, _, finish) = streamed_calls(&body);
+    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
+    assert_eq!(calls.len(), 1, "{body}");
+    check(&calls[0]);
+
+    let mut named = request.clone();
+    named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
+    named["temperature"] = json!(1.0);
+    named["seed"] = json!(3);
+    let (status, v) = post(addr, "/v1/chat/completions", &named);
+    assert_eq!(status, 200, "{v}");
+    println!("named: {}", v["choices"][0]["message"]);
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_time", "{v}");
+    check(call);
+    server.stop().unwrap();
+}
+
 /// Twenty `json_schema` requests through the official `openai` Python client
 /// (tools/server-test/openai_json_schema_e2e.py), each reply validated by Python's jsonschema;
 /// some streamed.

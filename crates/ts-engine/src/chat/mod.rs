@@ -3,6 +3,7 @@
 //! does, and reading replies back: gpt-oss's harmony format, tool calls.
 
 mod clock;
+mod forced_calls;
 pub mod harmony;
 mod json;
 pub mod reply;

@@ -15,10 +15,10 @@
 //! out: a reply that opens with a bare `{"name": ..., "arguments": ...}` object
 //! naming a declared tool is a call too (llama.cpp's Hermes parser takes these).
 
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use super::FunctionCall;
-use crate::constraint::with_json_options;
+pub use super::forced_calls::forced_calls_grammar;
 
 /// A tool-call syntax with start and end markers around each call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,39 +81,6 @@ impl ToolSyntax {
             _ => false,
         }
     }
-}
-
-/// The grammar (llguidance's Lark) of a reply made only of calls to `tools`
-/// (declarations as sent), each in the template's syntax with arguments valid
-/// under its function's `parameters`: `tool_choice` required or named. With
-/// `parallel`, one call or more, one per line. `None` where the template's calls
-/// do not carry JSON arguments (Qwen3-Coder's XML, GLM's pairs, Gemma 4's own
-/// notation, or no syntax we read): those cannot be held to a schema.
-pub fn forced_calls_grammar(template: &str, tools: &[Value], parallel: bool) -> Option<String> {
-    let json_hermes = ToolSyntax::of_template(template) == Some(ToolSyntax::Hermes)
-        && !template.contains("<function=")
-        && !template.contains("<arg_key>");
-    if !json_hermes || tools.is_empty() {
-        return None;
-    }
-    let calls: Vec<Value> = tools
-        .iter()
-        .map(|t| {
-            let f = &t["function"];
-            let parameters =
-                f.get("parameters").filter(|p| p.is_object()).cloned().unwrap_or(json!({"type": "object"}));
-            json!({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
-                   "required": ["name", "arguments"], "additionalProperties": false})
-        })
-        .collect();
-    let call = match <[Value; 1]>::try_from(calls) {
-        Ok([one]) => one,
-        Err(many) => json!({"anyOf": many}),
-    };
-    let (start, end) = ToolSyntax::Hermes.markers();
-    let call = format!("call: \"{start}\\n\" %json{} \"\\n{end}\"", with_json_options(&call));
-    let start = if parallel { "start: call (\"\\n\" call)*" } else { "start: call" };
-    Some(format!("{start}\n{call}\n"))
 }
 
 /// What a stretch of reply text turned out to be.
