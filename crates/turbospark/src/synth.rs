@@ -95,6 +95,7 @@ fn take_tokenizer(plan: &mut ts_synth::Plan, source: &std::path::Path) -> Result
         plan.spec.n_vocab
     );
     plan.metadata.retain(|(k, _)| !k.starts_with("tokenizer."));
-    plan.metadata.extend(md.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())));
+    plan.metadata
+        .extend(md.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())));
     Ok(())
 }
