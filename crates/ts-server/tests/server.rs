@@ -818,6 +818,26 @@ fn weather_tool() -> Value {
 
 /// The `tool_calls` of a streamed chat answer, put together from its `delta.tool_calls`
 /// chunks; checks that each call's first chunk carries its id, type and name.
+/// The one tool call a forced (`tool_choice` required, `parallel_tool_calls` false) request
+/// gets, whole and streamed: each reply must finish with `tool_calls` and hold one call.
+fn one_forced_call(addr: SocketAddr, request: &Value) -> [Value; 2] {
+    let (status, v) = post(addr, "/v1/chat/completions", request);
+    assert_eq!(status, 200, "{v}");
+    println!("required: {}", v["choices"][0]["message"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    let whole = calls[0].clone();
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
+    assert_eq!(status, 200, "{body}");
+    let (calls, _, finish) = streamed_calls(&body);
+    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
+    assert_eq!(calls.len(), 1, "{body}");
+    [whole, calls[0].clone()]
+}
+
 fn streamed_calls(body: &str) -> (Vec<Value>, String, Option<String>) {
     let (mut calls, mut content, mut finish): (Vec<Value>, String, Option<String>) = (Vec::new(), String::new(), None);
     for data in body.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
@@ -1103,22 +1123,10 @@ fn structured_output_on_qwen() {
     let tools_request = json!({"messages": ask("Is it cold in Oslo right now?"), "tools": [weather, time],
                                "tool_choice": "required", "temperature": 0, "max_tokens": 60,
                                "parallel_tool_calls": false});
-    let (status, v) = post(addr, "/v1/chat/completions", &tools_request);
-    assert_eq!(status, 200, "{v}");
-    println!("required: {}", v["choices"][0]["message"]);
-    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
-    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    let name = calls[0]["function"]["name"].as_str().unwrap().to_owned();
-    check_call(&calls[0], &name);
-    let mut streamed = tools_request.clone();
-    streamed["stream"] = json!(true);
-    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
-    assert_eq!(status, 200, "{body}");
-    let (calls, _, finish) = streamed_calls(&body);
-    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
-    assert_eq!(calls.len(), 1, "{body}");
-    check_call(&calls[0], &name);
+    let [whole, streamed] = one_forced_call(addr, &tools_request);
+    let name = whole["function"]["name"].as_str().unwrap().to_owned();
+    check_call(&whole, &name);
+    check_call(&streamed, &name);
 
     let mut named = tools_request.clone();
     named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
@@ -1180,22 +1188,9 @@ fn forced_tool_calls_in_xml_syntax() {
     };
     let request = json!({"messages": [{"role": "user", "content": "Is it cold in Oslo?"}], "tools": [weather, time],
                          "tool_choice": "required", "temperature": 0, "max_tokens": 200, "parallel_tool_calls": false});
-    let (status, v) = post(addr, "/v1/chat/completions", &request);
-    assert_eq!(status, 200, "{v}");
-    println!("required: {}", v["choices"][0]["message"]);
-    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
-    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.len(), 1, "{v}");
-    check(&calls[0]);
-
-    let mut streamed = request.clone();
-    streamed["stream"] = json!(true);
-    let (status, _, body) = http(addr, "POST", "/v1/chat/completions", streamed.to_string().as_bytes());
-    assert_eq!(status, 200, "{body}");
-    let (calls, _, finish) = streamed_calls(&body);
-    assert_eq!(finish.as_deref(), Some("tool_calls"), "{body}");
-    assert_eq!(calls.len(), 1, "{body}");
-    check(&calls[0]);
+    for call in one_forced_call(addr, &request) {
+        check(&call);
+    }
 
     let mut named = request.clone();
     named["tool_choice"] = json!({"type": "function", "function": {"name": "get_time"}});
