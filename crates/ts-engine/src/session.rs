@@ -8,7 +8,7 @@ use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
 use crate::speculative::{DraftLength, Drafter, SpecOptions};
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState, Snapshot};
 use ts_tokenizer::Tokenizer;
@@ -55,6 +55,9 @@ pub struct Engine<B: Backend = Cpu> {
     pub exact_activations: bool,
     /// The grammar compiler over the vocabulary, built at the first constrained request.
     grammars: OnceLock<Result<Grammars, ConstraintError>>,
+    /// How many guesses paid in the generations so far: where the next one starts, so that
+    /// short generations do not each pay for learning it again.
+    draft_length: Mutex<DraftLength>,
 }
 
 /// Timings of one generation.
@@ -135,6 +138,7 @@ impl Engine {
             n_batch: 512,
             exact_activations: false,
             grammars: OnceLock::new(),
+            draft_length: Mutex::default(),
         })
     }
 
@@ -143,13 +147,19 @@ impl Engine {
         self,
         make: impl FnOnce(&Model) -> Result<B, ModelError>,
     ) -> Result<Engine<B>, EngineError> {
-        let Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars } = self;
+        let Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars, draft_length } = self;
         let model = model.into_backend(make)?;
-        Ok(Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars })
+        Ok(Engine { model, tokenizer, template, pool, n_batch, exact_activations, grammars, draft_length })
     }
 }
 
 impl<B: Backend> Engine<B> {
+    /// Starts the next generation's draft length from the prior again, as if it were the
+    /// first: the learnt one is carried from generation to generation otherwise.
+    pub fn forget_draft_length(&self) {
+        *self.draft_length.lock().expect("draft length lock") = DraftLength::default();
+    }
+
     /// The tokenizer, or an error for a tokenizer-less model.
     pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
         self.tokenizer.as_ref().ok_or_else(|| EngineError::NoTokenizer("none".into()))
@@ -269,7 +279,7 @@ impl<B: Backend> Engine<B> {
         let mut guesses: Vec<u32> = Vec::new();
         let mut snapshot = None;
         // How many guesses pay, and the last step's time (measured once its guesses are judged).
-        let mut length = DraftLength::default();
+        let mut length = self.draft_length.lock().expect("draft length lock").clone();
         let mut last_step: Option<f64> = None;
         'generation: loop {
             let accepted_before = stats.accepted;
@@ -339,6 +349,7 @@ impl<B: Backend> Engine<B> {
             last_step = Some(started.elapsed().as_secs_f64());
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
+        *self.draft_length.lock().expect("draft length lock") = length;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))

@@ -28,6 +28,8 @@ fn generate(
     let tokens = engine.tokenizer().unwrap().encode(PROMPT, true, false).unwrap();
     let mut seq = engine.new_sequence(256).unwrap();
     let opts = SpecOptions { draft_max: 5, draft_min: 0 };
+    // Each run checks guessing from the start, not from what the runs before learnt.
+    engine.forget_draft_length();
     let spec = drafter.map(|d| (d, &opts));
     let (out, stats) = engine.generate(&mut seq, &tokens, n, sampler, false, spec, |_| true).unwrap();
     // The sequence holds the prompt and every generated token but the last (sampled, not run;

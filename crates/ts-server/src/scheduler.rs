@@ -132,8 +132,9 @@ struct Guessing<R> {
 }
 
 impl<R> Guessing<R> {
-    fn new(opts: &SpecOptions) -> Guessing<R> {
-        Guessing { opts: opts.clone(), length: DraftLength::default(), guesses: Vec::new(), kept: 0, snapshot: None }
+    /// Starts from `learnt`: what the requests before learnt about how many guesses pay.
+    fn new(opts: &SpecOptions, learnt: &DraftLength) -> Guessing<R> {
+        Guessing { opts: opts.clone(), length: learnt.clone(), guesses: Vec::new(), kept: 0, snapshot: None }
     }
 }
 
@@ -246,6 +247,8 @@ pub fn run<B: Backend>(
     let model = &engine.model;
     let mut active: Vec<Active<'_, B::Recurrent>> = Vec::new();
     let mut waiting: VecDeque<Job> = VecDeque::new();
+    // How many guesses paid in the last finished request that guessed: where the next starts.
+    let mut learnt = DraftLength::default();
     let mut scratch = engine.scratch();
     // Steps that check guesses give each row what a one-row step gives.
     let mut checking = engine.scratch();
@@ -335,7 +338,7 @@ pub fn run<B: Backend>(
                     pending: Vec::new(),
                     prefill_time: Duration::ZERO,
                     started: Instant::now(),
-                    guessing: job.spec.as_ref().map(Guessing::new),
+                    guessing: job.spec.as_ref().map(|o| Guessing::new(o, &learnt)),
                 }),
                 Err(e) => {
                     for c in &job.choices {
@@ -531,7 +534,7 @@ pub fn run<B: Backend>(
                             pending: Vec::new(),
                             prefill_time: a.prefill_time,
                             started: a.started,
-                            guessing: a.job.spec.as_ref().map(Guessing::new),
+                            guessing: a.job.spec.as_ref().map(|o| Guessing::new(o, &learnt)),
                         },
                     )),
                     Err(e) => {
@@ -583,6 +586,9 @@ pub fn run<B: Backend>(
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, finish) in finished {
             let a = active.remove(i);
+            if let Some(g) = &a.guessing {
+                learnt = g.length.clone();
+            }
             finish_job(&a, finish, &metrics);
             free.push(a.slot);
             metrics.busy.fetch_sub(1, Relaxed);
