@@ -34,26 +34,32 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// plain step, the extra time per checked guess (guessing included) and the fraction of
 /// guesses kept (moving averages) give the expected tokens per second of each length,
 /// `(1 - a^(n+1)) / (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain
-/// steps) when guessing does not pay, with a check every [`DraftLength::PROBE`] plain steps
-/// to see whether that has changed. The first step is plain, to measure `t`.
+/// steps) when guessing does not pay, with a check after [`DraftLength::PROBE`] plain steps
+/// to see whether that has changed, and twice as many after each check that finds it has not
+/// (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts where they
+/// stream). The first step is plain, to measure `t`.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     plain_secs: Option<f64>,
     secs_per_guess: f64,
     kept: f64,
     plain_since_check: usize,
+    /// Plain steps before the next check while guessing does not pay.
+    probe_every: usize,
 }
 
 impl Default for DraftLength {
     fn default() -> Self {
         // Optimistic once a plain step is measured: guesses cost nothing and half are kept.
-        DraftLength { plain_secs: None, secs_per_guess: 0.0, kept: 0.5, plain_since_check: 0 }
+        DraftLength { plain_secs: None, secs_per_guess: 0.0, kept: 0.5, plain_since_check: 0, probe_every: Self::PROBE }
     }
 }
 
 impl DraftLength {
-    /// Plain steps between two checks while guessing does not pay.
+    /// Plain steps before the first check once guessing does not pay.
     pub const PROBE: usize = 16;
+    /// The most plain steps between two checks.
+    pub const MAX_PROBE: usize = 256;
     const WEIGHT: f64 = 0.25;
 
     /// How many of up to `max` guesses to check now.
@@ -61,10 +67,14 @@ impl DraftLength {
         // Without a plain step's time no guess can be weighed (a drafter that always
         // guesses would never give one).
         let Some(t) = self.plain_secs else { return 0 };
+        let best = (0..=max).max_by(|&x, &y| self.rate(t, x).total_cmp(&self.rate(t, y))).unwrap_or(0);
+        if best == 0 && self.plain_since_check >= self.probe_every { max.min(2) } else { best }
+    }
+
+    /// Expected tokens per second with `n` guesses a step, a plain step taking `t`.
+    fn rate(&self, t: f64, n: usize) -> f64 {
         let a = self.kept.clamp(0.0, 0.999);
-        let rate = |n: usize| (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64);
-        let best = (0..=max).max_by(|&x, &y| rate(x).total_cmp(&rate(y))).unwrap_or(0);
-        if best == 0 && self.plain_since_check >= Self::PROBE { max.min(2) } else { best }
+        (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64)
     }
 
     /// A plain step took `secs`.
@@ -75,6 +85,8 @@ impl DraftLength {
 
     /// A checking step of `guesses` guesses took `secs` and kept `kept`.
     pub fn checked(&mut self, secs: f64, guesses: usize, kept: usize) {
+        // A check after a long run of plain steps (a probe, or a drafter that had nothing).
+        let probed = self.plain_since_check >= self.probe_every;
         self.plain_since_check = 0;
         if guesses == 0 {
             return;
@@ -84,6 +96,12 @@ impl DraftLength {
         if let Some(t) = self.plain_secs {
             let per = ((secs - t) / guesses as f64).max(0.0);
             self.secs_per_guess += Self::WEIGHT * (per - self.secs_per_guess);
+            let pays = (1..=2).any(|n| self.rate(t, n) > self.rate(t, 0));
+            if pays {
+                self.probe_every = Self::PROBE;
+            } else if probed {
+                self.probe_every = (2 * self.probe_every).min(Self::MAX_PROBE);
+            }
         }
     }
 }
@@ -270,10 +288,23 @@ mod tests {
             d.checked(0.010 + 8.0 * 0.010, 8, 0);
         }
         assert_eq!(d.limit(8), 0);
-        for _ in 0..DraftLength::PROBE {
+        // A check after PROBE plain steps; each that finds no change doubles the wait.
+        let mut wait = DraftLength::PROBE;
+        for _ in 0..6 {
+            for _ in 1..wait {
+                d.plain(0.010);
+            }
+            assert_eq!(d.limit(8), 0, "{wait} plain steps before the next check");
             d.plain(0.010);
+            assert_eq!(d.limit(8), 2, "a check after {wait}");
+            d.checked(0.010 + 2.0 * 0.010, 2, 0);
+            wait = (2 * wait).min(DraftLength::MAX_PROBE);
         }
-        assert_eq!(d.limit(8), 2);
+        // A check where guessing pays again: back to the longest, and to short waits.
+        for _ in 0..20 {
+            d.checked(0.011, 2, 2);
+        }
+        assert_eq!(d.limit(8), 8);
     }
 
     #[test]
