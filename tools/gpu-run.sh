@@ -98,14 +98,20 @@ quarter() {
 d=json.load(sys.stdin); print(sum(t["bytes"] for t in d["tensors"] if "_exps" in t["name"]) // 4)'
 }
 if [[ $what == batched ]]; then
-    # `batched LIKE...`: generation of 1, 4 and 16 sequences at once, all in VRAM (llama.cpp's
-    # llama-batched-bench -npl is the peer).
+    # `batched LIKE...`: generation of 1, 4 and 16 sequences at once, all in VRAM, beside
+    # llama.cpp's llama-batched-bench -npl where `peer-build` built it.
     shift
     for like in "$@"; do
         f=$(synth "$like")
         echo "== $like, turbospark: 1, 4, 16 sequences"
         "$B"/turbospark bench -m "$f" --device cuda -p 128 -n 64 -r 2 --parallel 1,4,16 2>&1 \
             | tee -a "$OUT/batched-$like.log" | grep -E "^\||error"
+        if [[ -f /tmp/lcbuild.log ]]; then
+            for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+            echo "== $like, llama.cpp llama-batched-bench: 1, 4, 16 sequences (S_TG t/s is generation)"
+            /tmp/lcbuild/bin/llama-batched-bench -m "$f" -ngl 99 -fa 1 -c 4096 -npp 128 -ntg 64 -npl 1,4,16 2>&1 \
+                | tee -a "$OUT/batched-$like.log" | grep -E "^\||error"
+        fi
     done
 fi
 if [[ $what == peer-build ]]; then
@@ -124,7 +130,10 @@ if [[ $what == peer-build ]]; then
         [[ -f $src ]] || continue
         rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
         : > $dir.log
-        chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target llama-bench) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
+        # llama.cpp also builds llama-batched-bench, the peer of `batched`.
+        targets="llama-bench"
+        [[ $peer == llama ]] && targets="llama-bench llama-batched-bench"
+        chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target $targets) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
         echo "$peer: build queued (log $dir.log)"
     done
     # Niced: our runs beside them keep their host thread.
