@@ -8,8 +8,9 @@ def old(l, k, gating, renorm, scale):
     ids=[]; w=[]
     for j in range(k):
         best=-math.inf; bi=None
+        bi=0x7fffffff
         for i in range(n):
-            if v[i]>best: best=v[i]; bi=i
+            if v[i]>best or (v[i]==best and i<bi): best=v[i]; bi=i
         ids.append(bi); w.append(best); v[bi]=-math.inf
     if gating==1:
         m0=w[0]; e=[math.exp(x-m0) for x in w]; s=sum(e); w=[x/s for x in e]
@@ -34,7 +35,7 @@ def regs(l, k, gating, renorm, scale, PL):
         for lane in range(32):
             best=-INF; bi=0x7fffffff
             for j in range(PL):
-                if v[lane][j]>best: best=v[lane][j]; bi=lane+32*j
+                if lane+32*j<n and (v[lane][j]>best or (v[lane][j]==best and bi==0x7fffffff)): best=v[lane][j]; bi=lane+32*j
             cand.append((best,bi))
         # butterfly reduce
         for o in (16,8,4,2,1):
@@ -57,6 +58,9 @@ random.seed(3)
 for n,k,PL in [(128,8,4),(32,4,1),(60,4,2),(256,8,8),(20,2,1)]:
     for trial in range(200):
         l=[round(random.gauss(0,1),1) for _ in range(n)]  # rounding makes ties
+        if trial % 4 == 0:  # fewer finite logits than k: the rest are taken at -inf
+            l=[x if random.random() < k/n/4 else -math.inf for x in l]
+            l[random.randrange(n)]=0.0
         gating=random.choice([0,1]); renorm=random.choice([0,1])
         scale=[0.5+i/n for i in range(n)] if random.random()<0.5 else None
         a=old(l,k,gating,renorm,scale); b=regs(l,k,gating,renorm,scale,PL)
