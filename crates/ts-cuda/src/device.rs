@@ -297,7 +297,7 @@ fn compile(arch: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, CudaError> {
 pub fn compile_for(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let src = kernel_source();
     let mut options = vec!["--std=c++17".to_string()];
-    // A measurement knob: kernel variants chosen by defines ("TS_UNALIGNED_L1 TS_Q8_UNROLL=4").
+    // A measurement knob: kernel variants chosen by defines ("TS_WORD_NO_L1 TS_Q8_UNROLL=4").
     if let Ok(defines) = std::env::var("TURBOSPARK_NVRTC_DEFINES") {
         options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
     }

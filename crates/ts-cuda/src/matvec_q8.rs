@@ -119,14 +119,11 @@ pub(crate) struct IndexedMatvec {
 }
 
 /// Lanes per weight row (4 to 32): about four units (32 weights) each, and more
-/// lanes when there are too few rows to fill the GPU with threads.
+/// lanes when there are too few rows to fill the GPU with threads (64 Ki threads: 128 Ki
+/// and 256 Ki measured no faster on the H200, docs/BENCHMARKS.md).
 pub(crate) fn lanes_for(k: usize, rows: usize) -> i32 {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    // A measurement knob: the threads a matvec should reach before lanes stop doubling.
-    let threads = *THREADS
-        .get_or_init(|| std::env::var("TURBOSPARK_Q8_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(64 * 1024));
     let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
-    while lanes < 32 && rows * lanes < threads {
+    while lanes < 32 && rows * lanes < 64 * 1024 {
         lanes *= 2;
     }
     lanes as i32

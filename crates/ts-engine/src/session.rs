@@ -154,10 +154,21 @@ impl Engine {
 }
 
 impl<B: Backend> Engine<B> {
+    /// How many guesses paid in the generations so far (of this engine, or of the server's
+    /// requests): where the next generation starts.
+    pub fn learnt_draft_length(&self) -> DraftLength {
+        self.draft_length.lock().expect("draft length lock").clone()
+    }
+
+    /// Records what a finished generation learnt, for the next one.
+    pub fn remember_draft_length(&self, length: &DraftLength) {
+        *self.draft_length.lock().expect("draft length lock") = length.clone();
+    }
+
     /// Starts the next generation's draft length from the prior again, as if it were the
     /// first: the learnt one is carried from generation to generation otherwise.
     pub fn forget_draft_length(&self) {
-        *self.draft_length.lock().expect("draft length lock") = DraftLength::default();
+        self.remember_draft_length(&DraftLength::default());
     }
 
     /// The tokenizer, or an error for a tokenizer-less model.
@@ -279,7 +290,7 @@ impl<B: Backend> Engine<B> {
         let mut guesses: Vec<u32> = Vec::new();
         let mut snapshot = None;
         // How many guesses pay, and the last step's time (measured once its guesses are judged).
-        let mut length = self.draft_length.lock().expect("draft length lock").clone();
+        let mut length = self.learnt_draft_length();
         let mut last_step: Option<f64> = None;
         'generation: loop {
             let accepted_before = stats.accepted;
@@ -349,7 +360,7 @@ impl<B: Backend> Engine<B> {
             last_step = Some(started.elapsed().as_secs_f64());
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
-        *self.draft_length.lock().expect("draft length lock") = length;
+        self.remember_draft_length(&length);
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))

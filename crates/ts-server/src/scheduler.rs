@@ -132,7 +132,8 @@ struct Guessing<R> {
 }
 
 impl<R> Guessing<R> {
-    /// Starts from `learnt`: what the requests before learnt about how many guesses pay.
+    /// Starts from `learnt`: what the requests before learnt about how many guesses pay
+    /// ([`ts_engine::session::Engine::learnt_draft_length`]).
     fn new(opts: &SpecOptions, learnt: &DraftLength) -> Guessing<R> {
         Guessing { opts: opts.clone(), length: learnt.clone(), guesses: Vec::new(), kept: 0, snapshot: None }
     }
@@ -247,8 +248,6 @@ pub fn run<B: Backend>(
     let model = &engine.model;
     let mut active: Vec<Active<'_, B::Recurrent>> = Vec::new();
     let mut waiting: VecDeque<Job> = VecDeque::new();
-    // How many guesses paid in the last finished request that guessed: where the next starts.
-    let mut learnt = DraftLength::default();
     let mut scratch = engine.scratch();
     // Steps that check guesses give each row what a one-row step gives.
     let mut checking = engine.scratch();
@@ -338,7 +337,7 @@ pub fn run<B: Backend>(
                     pending: Vec::new(),
                     prefill_time: Duration::ZERO,
                     started: Instant::now(),
-                    guessing: job.spec.as_ref().map(|o| Guessing::new(o, &learnt)),
+                    guessing: job.spec.as_ref().map(|o| Guessing::new(o, &engine.learnt_draft_length())),
                 }),
                 Err(e) => {
                     for c in &job.choices {
@@ -534,7 +533,7 @@ pub fn run<B: Backend>(
                             pending: Vec::new(),
                             prefill_time: a.prefill_time,
                             started: a.started,
-                            guessing: a.job.spec.as_ref().map(|o| Guessing::new(o, &learnt)),
+                            guessing: a.job.spec.as_ref().map(|o| Guessing::new(o, &engine.learnt_draft_length())),
                         },
                     )),
                     Err(e) => {
@@ -587,7 +586,7 @@ pub fn run<B: Backend>(
         for (i, finish) in finished {
             let a = active.remove(i);
             if let Some(g) = &a.guessing {
-                learnt = g.length.clone();
+                engine.remember_draft_length(&g.length);
             }
             finish_job(&a, finish, &metrics);
             free.push(a.slot);
