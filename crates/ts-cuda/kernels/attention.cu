@@ -454,3 +454,207 @@ extern "C" __global__ void __launch_bounds__(128)
             if (lane + j * WARP < hdv) o[lane + j * WARP] = acc[qq][j] * keep / denom;
     }
 }
+
+// ---- Prompt attention on the f16 tensor cores ----
+//
+// attention_prompt_mma_<HD>(PromptAttn): as attention_prompt, for heads of HD (64 or 128, keys
+// and values alike), with Q.K and P.V as mma.m16n8k16 (f16 inputs, f32 sums): a block takes
+// 64 query rows (flat: row * group + head within the KV head's group) of one KV head, a warp
+// 16 of them; keys and values come in tiles of 64 positions, converted to f16 in shared memory
+// (values transposed, so each lane's B fragment is one 32-bit load). Online softmax in f32 per
+// query row over the tiles, as in FlashAttention-2 (Dao, 2023): the score accumulators' layout
+// is the A fragment of the P.V product, so P never leaves registers.
+// Fragment layouts (PTX ISA, mma.m16n8k16 .f16): lane = 4g + s; A a0 (row g, k 2s..2s+1),
+// a1 (row g + 8), a2 (row g, k 2s + 8..), a3 (row g + 8, k 2s + 8..); B b0 (k 2s..2s+1, col g),
+// b1 (k 2s + 8.., col g); C c0 c1 (row g, cols 2s, 2s + 1), c2 c3 (row g + 8).
+
+#define FA_ROWS 64
+#define FA_KEYS 64
+
+// attention_prompt_mma's parameters (crates/ts-cuda/src/attention.rs mirrors them).
+struct PromptAttn {
+    const float* q;  // [m][n_head * hd]
+    float* out;  // [m][n_head * hd]
+    const RowKv* info;  // [m], one sequence
+    const float* sinks;  // [n_head] or null
+    int m, n_head, n_head_kv, hd;
+    float scale, softcap;
+    int window;  // 0: none
+};
+
+// Two floats as f16x2 (lo in the low half).
+__device__ __forceinline__ ts_u32 ts_half2(float lo, float hi) {
+    ts_u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void ts_mma_f16(float (&c)[4], ts_u32 a0, ts_u32 a1, ts_u32 a2, ts_u32 a3, ts_u32 b0,
+                                           ts_u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int HD>
+__device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
+    // Row strides padded by 8 halves: the lanes' 32-bit fragment loads fall in distinct banks.
+    __shared__ ts_u32 ks[FA_KEYS][(HD + 8) / 2];  // keys: [position][element pair]
+    __shared__ ts_u32 vt[HD][(FA_KEYS + 8) / 2];  // values transposed: [element][position pair]
+    __shared__ int range[2];
+    const int group = p.n_head / p.n_head_kv, kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, s = lane & 3;
+    const int n_flat = p.m * group, flat0 = blockIdx.x * FA_ROWS;
+    const int kv_dim = p.n_head_kv * HD;
+    if (threadIdx.x == 0) {
+        int lo = 0x7fffffff, hi = -1;
+        for (int row = flat0 / group; row <= (min(flat0 + FA_ROWS, n_flat) - 1) / group; row++) {
+            const int pos = p.info[row].pos;
+            lo = min(lo, p.window > 0 ? max(0, pos + 1 - p.window) : 0);
+            hi = max(hi, pos);
+        }
+        range[0] = lo, range[1] = hi;
+    }
+    // This lane's two query rows (h = 0: g, h = 1: g + 8 of the warp's 16): position, first
+    // position seen (-1 and 0 past the last row), and their q as A fragments.
+    int qpos[2], qfirst[2];
+    ts_u32 qa[HD / 16][4];
+    TS_UNROLL
+    for (int h = 0; h < 2; h++) {
+        const int flat = flat0 + warp * 16 + g + 8 * h;
+        const bool live = flat < n_flat;
+        const int row = live ? flat / group : 0, head = kvh * group + (live ? flat % group : 0);
+        qpos[h] = live ? p.info[row].pos : -1;
+        qfirst[h] = p.window > 0 ? max(0, qpos[h] + 1 - p.window) : 0;
+        const float* qr = p.q + ((long long)row * p.n_head + head) * HD;
+        TS_UNROLL
+        for (int kb = 0; kb < HD / 16; kb++) {
+            const float2 lo = live ? *reinterpret_cast<const float2*>(qr + 16 * kb + 2 * s) : make_float2(0.0f, 0.0f);
+            const float2 hi = live ? *reinterpret_cast<const float2*>(qr + 16 * kb + 8 + 2 * s) : make_float2(0.0f, 0.0f);
+            qa[kb][h] = ts_half2(lo.x, lo.y);
+            qa[kb][2 + h] = ts_half2(hi.x, hi.y);
+        }
+    }
+    // The warp's span of positions: tiles outside it are skipped (the block's loads go on).
+    int wlo = min(qpos[0] < 0 ? 0x7fffffff : qfirst[0], qpos[1] < 0 ? 0x7fffffff : qfirst[1]);
+    int whi = max(qpos[0], qpos[1]);
+    for (int off = 16; off > 0; off >>= 1) {
+        wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, off));
+        whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, off));
+    }
+    float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
+    float o[HD / 8][4];
+    TS_UNROLL
+    for (int db = 0; db < HD / 8; db++) o[db][0] = o[db][1] = o[db][2] = o[db][3] = 0.0f;
+    __syncthreads();
+    const RowKv seq = p.info[0];
+    const float* K = (const float*)seq.k + kvh * HD;
+    const float* V = (const float*)seq.v + kvh * HD;
+    for (int p0 = range[0]; p0 <= range[1]; p0 += FA_KEYS) {
+        __syncthreads();  // the previous tile is no longer read
+        for (int i = threadIdx.x; i < FA_KEYS * HD / 2; i += blockDim.x) {
+            const int l = i / (HD / 2), e = 2 * (i - l * (HD / 2)), pos = p0 + l;
+            const float2 k = pos <= range[1] ? *reinterpret_cast<const float2*>(K + (long long)(pos % seq.slots) * kv_dim + e)
+                                             : make_float2(0.0f, 0.0f);
+            ks[l][e / 2] = ts_half2(k.x, k.y);
+        }
+        for (int i = threadIdx.x; i < FA_KEYS / 2 * HD / 2; i += blockDim.x) {
+            const int lp = 2 * (i / (HD / 2)), e = 2 * (i - lp / 2 * (HD / 2));
+            const float2 zero = make_float2(0.0f, 0.0f);
+            const float2 v0 = p0 + lp <= range[1]
+                                  ? *reinterpret_cast<const float2*>(V + (long long)((p0 + lp) % seq.slots) * kv_dim + e)
+                                  : zero;
+            const float2 v1 = p0 + lp + 1 <= range[1]
+                                  ? *reinterpret_cast<const float2*>(V + (long long)((p0 + lp + 1) % seq.slots) * kv_dim + e)
+                                  : zero;
+            vt[e][lp / 2] = ts_half2(v0.x, v1.x);
+            vt[e + 1][lp / 2] = ts_half2(v0.y, v1.y);
+        }
+        __syncthreads();
+        if (p0 > whi || p0 + FA_KEYS - 1 < wlo) continue;
+        // Scores of the warp's 16 rows at the tile's 64 positions.
+        float sc[FA_KEYS / 8][4];
+        TS_UNROLL
+        for (int nb = 0; nb < FA_KEYS / 8; nb++) {
+            sc[nb][0] = sc[nb][1] = sc[nb][2] = sc[nb][3] = 0.0f;
+            TS_UNROLL
+            for (int kb = 0; kb < HD / 16; kb++)
+                ts_mma_f16(sc[nb], qa[kb][0], qa[kb][1], qa[kb][2], qa[kb][3], ks[8 * nb + g][8 * kb + s],
+                           ks[8 * nb + g][8 * kb + 4 + s]);
+        }
+        // Scale, cap, mask; the rows' new maxima over the quad's lanes.
+        float tmax[2] = {-INFINITY, -INFINITY};
+        TS_UNROLL
+        for (int nb = 0; nb < FA_KEYS / 8; nb++)
+            TS_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int h = i >> 1, pos = p0 + 8 * nb + 2 * s + (i & 1);
+                float v = sc[nb][i] * p.scale;
+                if (p.softcap > 0.0f) v = p.softcap * tanhf(v / p.softcap);
+                v = pos >= qfirst[h] && pos <= qpos[h] ? v : -INFINITY;
+                sc[nb][i] = v;
+                tmax[h] = fmaxf(tmax[h], v);
+            }
+        float corr[2];
+        TS_UNROLL
+        for (int h = 0; h < 2; h++) {
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+            tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+            const float nm = fmaxf(mx[h], tmax[h]);
+            // nm is -inf only while the row has seen no position (then nothing here either).
+            corr[h] = nm == -INFINITY ? 1.0f : expf(mx[h] - nm);
+            mx[h] = nm;
+            sum[h] *= corr[h];
+        }
+        TS_UNROLL
+        for (int nb = 0; nb < FA_KEYS / 8; nb++)
+            TS_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int h = i >> 1;
+                const float e = sc[nb][i] == -INFINITY ? 0.0f : expf(sc[nb][i] - mx[h]);
+                sc[nb][i] = e;
+                sum[h] += e;
+            }
+        TS_UNROLL
+        for (int db = 0; db < HD / 8; db++) {
+            o[db][0] *= corr[0], o[db][1] *= corr[0];
+            o[db][2] *= corr[1], o[db][3] *= corr[1];
+        }
+        // O += P V: positions 16kk.. are score blocks 2kk and 2kk + 1.
+        TS_UNROLL
+        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+            const ts_u32 a0 = ts_half2(sc[2 * kk][0], sc[2 * kk][1]), a1 = ts_half2(sc[2 * kk][2], sc[2 * kk][3]);
+            const ts_u32 a2 = ts_half2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            const ts_u32 a3 = ts_half2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+            TS_UNROLL
+            for (int db = 0; db < HD / 8; db++)
+                ts_mma_f16(o[db], a0, a1, a2, a3, vt[8 * db + g][8 * kk + s], vt[8 * db + g][8 * kk + 4 + s]);
+        }
+    }
+    TS_UNROLL
+    for (int h = 0; h < 2; h++) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        const int flat = flat0 + warp * 16 + g + 8 * h;
+        if (flat >= n_flat) continue;
+        const int row = flat / group, head = kvh * group + flat % group;
+        const float top = p.sinks ? fmaxf(p.sinks[head], mx[h]) : mx[h];
+        const float keep = expf(mx[h] - top);
+        const float scale = keep / (sum[h] * keep + (p.sinks ? expf(p.sinks[head] - top) : 0.0f));
+        float* out = p.out + ((long long)row * p.n_head + head) * HD;
+        TS_UNROLL
+        for (int db = 0; db < HD / 8; db++)
+            *reinterpret_cast<float2*>(out + 8 * db + 2 * s) = make_float2(o[db][2 * h] * scale, o[db][2 * h + 1] * scale);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_prompt_mma_64(const PromptAttn p) {
+    ts_grid_begin();
+    ts_attention_prompt_mma<64>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_prompt_mma_128(const PromptAttn p) {
+    ts_grid_begin();
+    ts_attention_prompt_mma<128>(p);
+}

@@ -156,8 +156,15 @@ impl Cuda {
         self.launch_with("rope_store", ((m * (n_head + n_head_kv)) as u32, 1, 1), (128, 1, 1), &params)
     }
 
-    /// [`ts_model::Backend::attention`].
-    pub(crate) fn run_attention(&self, il: usize, shape: &AttnShape, q: &Act, rows: &[Row]) -> Result<Act, ModelError> {
+    /// [`ts_model::Backend::attention`]; `exact`: f32 throughout (no tensor cores).
+    pub(crate) fn run_attention(
+        &self,
+        il: usize,
+        shape: &AttnShape,
+        q: &Act,
+        rows: &[Row],
+        exact: bool,
+    ) -> Result<Act, ModelError> {
         let m = rows.len();
         let info = self.row_kv(il, m)?;
         let out = self.act(m * shape.n_head * shape.head_dim_v)?;
@@ -165,6 +172,25 @@ impl Cuda {
             Some(s) => self.vptr(s)?,
             None => 0,
         };
+        if let Some(hd) = prompt_mma_head(shape, rows, exact) {
+            let params = PromptAttn {
+                q: self.p(q),
+                out: self.p(&out),
+                info,
+                sinks,
+                m: m as i32,
+                n_head: shape.n_head as i32,
+                n_head_kv: shape.n_head_kv as i32,
+                hd: hd as i32,
+                scale: shape.scale,
+                softcap: shape.softcap.unwrap_or(0.0),
+                window: self.windows[il],
+            };
+            let group = shape.n_head / shape.n_head_kv;
+            let grid = ((m * group).div_ceil(PROMPT_MMA_ROWS) as u32, shape.n_head_kv as u32, 1);
+            self.launch_with(&format!("attention_prompt_mma_{hd}"), grid, (128, 1, 1), &params)?;
+            return Ok(out);
+        }
         if prompt_attention(shape, rows) {
             let group = shape.n_head / shape.n_head_kv;
             let grid = ((m * group).div_ceil(PROMPT_QUERIES) as u32, shape.n_head_kv as u32, 1);
@@ -285,6 +311,35 @@ struct RopeStore {
     norm: i32,
     mscale: f32,
     eps: f32,
+}
+
+/// attention.cu's `PromptAttn`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PromptAttn {
+    q: u64,
+    out: u64,
+    info: u64,
+    sinks: u64,
+    m: i32,
+    n_head: i32,
+    n_head_kv: i32,
+    hd: i32,
+    scale: f32,
+    softcap: f32,
+    window: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<PromptAttn>() == 64);
+
+/// Query rows per block of attention.cu's `attention_prompt_mma_*` (`FA_ROWS`).
+const PROMPT_MMA_ROWS: usize = 64;
+
+/// The head size whose `attention_prompt_mma_<hd>` takes these rows: a prompt as for
+/// [`prompt_attention`], keys and values of one size, 64 or 128, and f16 arithmetic allowed.
+fn prompt_mma_head(shape: &AttnShape, rows: &[Row], exact: bool) -> Option<usize> {
+    let hd = shape.head_dim;
+    (!exact && prompt_attention(shape, rows) && shape.head_dim_v == hd && matches!(hd, 64 | 128)).then_some(hd)
 }
 
 /// Queries per block of attention.cu's `attention_prompt`.

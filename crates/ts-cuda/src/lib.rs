@@ -798,8 +798,9 @@ impl Backend for Cuda {
         q: &Act,
         rows: &[Row],
         _seqs: &mut [&mut SeqState<GpuState>],
+        s: &GpuScratch,
     ) -> Result<Act, ModelError> {
-        self.run_attention(il, shape, q, rows)
+        self.run_attention(il, shape, q, rows, s.exact)
     }
 
     fn rope_store(

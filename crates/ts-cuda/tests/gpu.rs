@@ -331,7 +331,7 @@ fn rope_store_matches_the_cpu() {
             softcap: None,
             sinks: None,
         };
-        let got = c.to_host(&c.attention(0, &shape, &gq, &rows, &mut [&mut seq]).unwrap()).unwrap();
+        let got = c.to_host(&c.attention(0, &shape, &gq, &rows, &mut [&mut seq], &c.scratch(true)).unwrap()).unwrap();
         let mut err_attn = 0f32;
         for i in 0..m {
             for h in 0..n_head {
@@ -572,11 +572,16 @@ fn attention_matches_the_cpu() {
         (6, 6, 96, Some(40), false, None),
         (4, 2, 66, Some(200), true, None),
     ] {
-        // Chunks of 4 rows take the per-row kernel; of 20, `attention_prompt` where the shape allows.
-        // 300 positions: the per-row kernel's tiles of 128 (three, the last partial), windows
-        // wrapping their ring of slots; a head size not a multiple of 4 reads keys one by one.
-        // A cache of 2048 positions splits the per-row kernel's positions over 4 blocks.
-        for (chunk, n_ctx) in [(4, 300), (4, 2048), (20, 300)] {
+        // Chunks of 4 rows take the per-row kernel; of 20, `attention_prompt` where the shape allows,
+        // and without `exact` `attention_prompt_mma` (f16 tensor cores) for heads of 64 and 128:
+        // chunks of 20 and 60 cover its 64-row blocks partly and its 64-position tiles across
+        // chunk edges. 300 positions: the per-row kernel's tiles of 128 (three, the last
+        // partial), windows wrapping their ring of slots; a head size not a multiple of 4 reads
+        // keys one by one. A cache of 2048 positions splits the per-row kernel's positions
+        // over 4 blocks.
+        for (chunk, n_ctx, exact) in
+            [(4, 300, true), (4, 2048, true), (20, 300, true), (20, 300, false), (60, 300, false)]
+        {
             let n = 300;
             let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
             let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n_ctx, chunk).unwrap();
@@ -600,14 +605,22 @@ fn attention_matches_the_cpu() {
             for c0 in (0..n).step_by(chunk) {
                 let rows: Vec<Row> = (c0..c0 + chunk).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
                 let slice = |v: &[f32], w: usize| v[c0 * w..(c0 + chunk) * w].to_vec();
-                c.begin_step(&rows, &mut [&mut seq], &c.scratch(true)).unwrap();
+                let scratch = c.scratch(exact);
+                c.begin_step(&rows, &mut [&mut seq], &scratch).unwrap();
                 let (k, v) = (
                     c.act_from_host(&slice(&keys, kv_dim)).unwrap(),
                     c.act_from_host(&slice(&values, kv_dim)).unwrap(),
                 );
                 c.store_kv(0, &k, &v, &rows, &mut [&mut seq]).unwrap();
                 let out = c
-                    .attention(0, &shape, &c.act_from_host(&slice(&q, q_dim)).unwrap(), &rows, &mut [&mut seq])
+                    .attention(
+                        0,
+                        &shape,
+                        &c.act_from_host(&slice(&q, q_dim)).unwrap(),
+                        &rows,
+                        &mut [&mut seq],
+                        &scratch,
+                    )
                     .unwrap();
                 let got = c.to_host(&out).unwrap();
                 for (i, r) in rows.iter().enumerate() {
@@ -629,9 +642,11 @@ fn attention_matches_the_cpu() {
                 }
             }
             println!(
-                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk} cache {n_ctx}: {worst:.2e}"
+                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk} cache {n_ctx} exact {exact}: {worst:.2e}"
             );
-            assert!(worst < 1e-5, "{worst:e}");
+            // f16 keys, values, queries and weights where the tensor cores took the prompt.
+            let f16 = !exact && chunk >= 16 && matches!(hd, 64 | 128);
+            assert!(worst < if f16 { 4e-3 } else { 1e-5 }, "{worst:e}");
         }
     }
 }

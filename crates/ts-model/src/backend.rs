@@ -204,7 +204,8 @@ pub trait Backend: Sized + Send + Sync {
         seqs: &mut [&mut SeqState<Self::State>],
     ) -> Result<(), ModelError>;
     /// Attends each row's q over the positions it sees in layer `il`'s cache (or in the
-    /// cache of the earlier layer it shares); returns `[m][n_head * head_dim_v]`.
+    /// cache of the earlier layer it shares); returns `[m][n_head * head_dim_v]`. The
+    /// scratch says whether the step asked for exact (f32) arithmetic.
     fn attention(
         &self,
         il: usize,
@@ -212,6 +213,7 @@ pub trait Backend: Sized + Send + Sync {
         q: &Self::Act,
         rows: &[Row],
         seqs: &mut [&mut SeqState<Self::State>],
+        scratch: &Self::Scratch,
     ) -> Result<Self::Act, ModelError>;
     /// A layer's queries and keys made ready and its keys and values stored: `q` and `k`
     /// per-head RMS-normed where `norm` is given, both rotated by layer `il`'s `rope` at each

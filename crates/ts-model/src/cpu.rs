@@ -146,6 +146,7 @@ impl Backend for Cpu {
         q: &Vec<f32>,
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
+        _scratch: &Scratch,
     ) -> Result<Vec<f32>, ModelError> {
         let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
         let q_dim = shape.n_head * hd;

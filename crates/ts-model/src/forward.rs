@@ -567,7 +567,7 @@ impl<B: Backend> Model<B> {
             softcap: None,
             sinks: layer.sinks.as_deref(),
         };
-        let mut out = be.attention(il, &shape, &q, rows, seqs)?;
+        let mut out = be.attention(il, &shape, &q, rows, seqs, scratch)?;
         if let Some(g) = &gate {
             be.mul_sigmoid(&mut out, g)?;
         }
