@@ -560,7 +560,10 @@ __device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
             ks[l][e / 2] = ts_half2(k.x, k.y);
         }
         for (int i = threadIdx.x; i < FA_KEYS / 2 * HD / 2; i += blockDim.x) {
-            const int lp = 2 * (i / (HD / 2)), e = 2 * (i - lp / 2 * (HD / 2));
+            // A warp's lanes: 8 position pairs by 4 element pairs, so that its loads read whole
+            // sectors and its transposed stores fall in distinct banks.
+            const int j = i >> 5, pp = (j & 3) * 8 + (i & 7), ep = (j >> 2) * 4 + ((i >> 3) & 3);
+            const int lp = 2 * pp, e = 2 * ep;
             const float2 zero = make_float2(0.0f, 0.0f);
             const float2 v0 = p0 + lp <= range[1]
                                   ? *reinterpret_cast<const float2*>(V + (long long)((p0 + lp) % seq.slots) * kv_dim + e)
