@@ -15,6 +15,12 @@
 // chunk's scales. grid x over 16 * TS_MMA_WARPS output rows, y over the tiles; block 32 x TS_MMA_WARPS.
 
 #define TS_MMA_WARPS 4
+// Chunks of the tile's activations staged in shared memory at a time, read there by the
+// block's warps (each read them from global memory before: L1-bound, 4 times over).
+#define TS_MMA_STAGE 8
+// A pair's staged row: TS_MMA_STAGE chunks of 32 int8 and 16 bytes of padding, so that the 8
+// pairs and 4 words a fragment load reads fall in distinct banks.
+#define TS_MMA_XROW (32 * TS_MMA_STAGE + 16)
 
 // A tile (int4): x the expert's index among the weights (expert, or cache slot), y the expert
 // (bias rows), z its first pair in the grouped order, w its pair count (1 .. P).
@@ -64,19 +70,39 @@ __device__ __forceinline__ void ts_mma_k16(int (&c)[4], ts_u32 a0, ts_u32 a1, ts
         : "r"(a0), "r"(a1), "r"(b));
 }
 
+// The tile's activations for chunks c0 .. c0 + TS_MMA_STAGE - 1 (those below `units`), for
+// every pair of the tile (P rows; rows past the tile's pairs hold what the buffer holds
+// there, never used): xs [P][TS_MMA_XROW] bytes, ds [P][TS_MMA_STAGE].
+template <int NT>
+__device__ __forceinline__ void ts_mma_stage(const signed char* xq, const float2* xds, int k, int c0,
+                                             signed char* xs, float2* ds) {
+    const int units = k >> 5, n = min(TS_MMA_STAGE, units - c0);
+    // 16 bytes at a time: a chunk is two.
+    for (int i = threadIdx.x; i < 8 * NT * n * 2; i += blockDim.x) {
+        const int pair = i / (2 * n), part = i - pair * 2 * n;
+        *reinterpret_cast<int4*>(xs + pair * TS_MMA_XROW + 16 * part) =
+            __ldg(reinterpret_cast<const int4*>(xq + (ts_u64)pair * k + 32 * c0 + 16 * part));
+    }
+    for (int i = threadIdx.x; i < 8 * NT * n; i += blockDim.x) {
+        const int pair = i / n, c = i - pair * n;
+        ds[pair * TS_MMA_STAGE + c] = __ldg(xds + (ts_u64)pair * units + c0 + c);
+    }
+}
+
 // acc[w][n][i] += chunk c of weight rows g (fa[w]) and g + 8 (fb[w]) of W matrices times the
 // tile's pairs 8n + 2s and 8n + 2s + 1 (i = 0, 1: row g; 2, 3: row g + 8), for the tile's
-// activations xq/xds (each loaded once for the W matrices).
+// activations staged by ts_mma_stage (cs: the chunk's place among them; each loaded once for
+// the W matrices).
 template <class V, int NT, int W>
-__device__ __forceinline__ void ts_mma_chunk(const TsFrag (&fa)[W], const TsFrag (&fb)[W], const signed char* xq,
-                                             const float2* xds, int k, int c, float (&acc)[W][NT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, s = lane & 3, units = k >> 5;
+__device__ __forceinline__ void ts_mma_chunk(const TsFrag (&fa)[W], const TsFrag (&fb)[W], const signed char* xs,
+                                             const float2* ds, int cs, float (&acc)[W][NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, s = lane & 3;
     TS_UNROLL
     for (int n = 0; n < NT; n++) {
-        const int* xb = reinterpret_cast<const int*>(xq + (ts_u64)(8 * n + g) * k + 32 * c + 4 * s);
-        const ts_u32 b0 = (ts_u32)__ldg(xb), b1 = (ts_u32)__ldg(xb + 4);
-        const float2 x0 = __ldg(xds + (ts_u64)(8 * n + 2 * s) * units + c);
-        const float2 x1 = __ldg(xds + (ts_u64)(8 * n + 2 * s + 1) * units + c);
+        const int* xb = reinterpret_cast<const int*>(xs + (8 * n + g) * TS_MMA_XROW + 32 * cs + 4 * s);
+        const ts_u32 b0 = (ts_u32)xb[0], b1 = (ts_u32)xb[4];
+        const float2 x0 = ds[(8 * n + 2 * s) * TS_MMA_STAGE + cs];
+        const float2 x1 = ds[(8 * n + 2 * s + 1) * TS_MMA_STAGE + cs];
         TS_UNROLL
         for (int w = 0; w < W; w++) {
             int r[4] = {0, 0, 0, 0};
@@ -134,20 +160,28 @@ __device__ __forceinline__ void ts_mma_store(int row0, int n_out, int first, int
 
 template <class V, int NT>
 __device__ __forceinline__ void ts_moe_mm_q8(const MoeMmQ8& p) {
+    __shared__ __align__(16) signed char xs[8 * NT * TS_MMA_XROW];
+    __shared__ float2 ds[8 * NT * TS_MMA_STAGE];
     const int4 t = p.tiles[blockIdx.y];
+    // Warps past n_out still stage activations for the others (their rows repeat the last).
     const TsMmaRows rows = ts_mma_rows<V>(p.n_out, p.k);
-    if (rows.row0 >= p.n_out) return;
     const ts_u8* w = p.w + t.x * p.expert_stride;
     const signed char* xq = p.xq + (ts_u64)t.z * p.k;
     const float2* xds = p.xds + (ts_u64)t.z * (p.k >> 5);
-    const int s = threadIdx.x & 3;
+    const int s = threadIdx.x & 3, units = p.k >> 5;
     float acc[1][NT][4];
     TS_UNROLL
     for (int n = 0; n < NT; n++) acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.0f;
+    for (int c0 = 0; c0 < units; c0 += TS_MMA_STAGE) {
+        __syncthreads();  // the previous stage is no longer read
+        ts_mma_stage<NT>(xq, xds, p.k, c0, xs, ds);
+        __syncthreads();
+        const int n = min(TS_MMA_STAGE, units - c0);
 #pragma unroll 2
-    for (int c = 0; c < (p.k >> 5); c++) {
-        const TsFrag fa[1] = {V::frag(w + rows.a, c, s)}, fb[1] = {V::frag(w + rows.b, c, s)};
-        ts_mma_chunk<V, NT, 1>(fa, fb, xq, xds, p.k, c, acc);
+        for (int cs = 0; cs < n; cs++) {
+            const TsFrag fa[1] = {V::frag(w + rows.a, c0 + cs, s)}, fb[1] = {V::frag(w + rows.b, c0 + cs, s)};
+            ts_mma_chunk<V, NT, 1>(fa, fb, xs, ds, cs, acc);
+        }
     }
     const float* bias = p.bias ? p.bias + (ts_u64)t.y * p.n_out : nullptr;
     ts_mma_store<NT>(rows.row0, p.n_out, t.z, t.w, [&](int n, int i, ts_u64 at, int row) {
@@ -157,23 +191,32 @@ __device__ __forceinline__ void ts_moe_mm_q8(const MoeMmQ8& p) {
 
 template <class V, int NT>
 __device__ __forceinline__ void ts_moe_mm_gate_up_q8(const MoeMmGateUpQ8& p) {
+    __shared__ __align__(16) signed char xs[8 * NT * TS_MMA_XROW];
+    __shared__ float2 ds[8 * NT * TS_MMA_STAGE];
     const int4 t = p.tiles[blockIdx.y];
+    // Warps past n_out still stage activations for the others (their rows repeat the last).
     const TsMmaRows rows = ts_mma_rows<V>(p.n_out, p.k);
-    if (rows.row0 >= p.n_out) return;
     const long long at = t.x * p.expert_stride;
     const ts_u8 *wg = p.w_gate + at, *wu = p.w_up + at;
     const signed char* xq = p.xq + (ts_u64)t.z * p.k;
     const float2* xds = p.xds + (ts_u64)t.z * (p.k >> 5);
-    const int s = threadIdx.x & 3;
+    const int s = threadIdx.x & 3, units = p.k >> 5;
     float acc[2][NT][4];  // gate, up
     TS_UNROLL
     for (int n = 0; n < NT; n++)
         TS_UNROLL
         for (int i = 0; i < 4; i++) acc[0][n][i] = 0.0f, acc[1][n][i] = 0.0f;
-    for (int c = 0; c < (p.k >> 5); c++) {
-        const TsFrag fa[2] = {V::frag(wg + rows.a, c, s), V::frag(wu + rows.a, c, s)};
-        const TsFrag fb[2] = {V::frag(wg + rows.b, c, s), V::frag(wu + rows.b, c, s)};
-        ts_mma_chunk<V, NT, 2>(fa, fb, xq, xds, p.k, c, acc);
+    for (int c0 = 0; c0 < units; c0 += TS_MMA_STAGE) {
+        __syncthreads();  // the previous stage is no longer read
+        ts_mma_stage<NT>(xq, xds, p.k, c0, xs, ds);
+        __syncthreads();
+        const int n = min(TS_MMA_STAGE, units - c0);
+        for (int cs = 0; cs < n; cs++) {
+            const int c = c0 + cs;
+            const TsFrag fa[2] = {V::frag(wg + rows.a, c, s), V::frag(wu + rows.a, c, s)};
+            const TsFrag fb[2] = {V::frag(wg + rows.b, c, s), V::frag(wu + rows.b, c, s)};
+            ts_mma_chunk<V, NT, 2>(fa, fb, xs, ds, cs, acc);
+        }
     }
     const ts_u64 bi = (ts_u64)t.y * p.n_out;
     ts_mma_store<NT>(rows.row0, p.n_out, t.z, t.w, [&](int n, int i, ts_u64 at, int row) {
