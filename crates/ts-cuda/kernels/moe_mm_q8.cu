@@ -21,6 +21,9 @@
 // A pair's staged row: TS_MMA_STAGE chunks of 32 int8 and 16 bytes of padding, so that the 8
 // pairs and 4 words a fragment load reads fall in distinct banks.
 #define TS_MMA_XROW (32 * TS_MMA_STAGE + 16)
+// A pair's staged scales: TS_MMA_STAGE float2 and one of padding (the 4 pairs a lane group
+// reads fall in distinct banks).
+#define TS_MMA_DSROW (TS_MMA_STAGE + 1)
 
 // A tile (int4): x the expert's index among the weights (expert, or cache slot), y the expert
 // (bias rows), z its first pair in the grouped order, w its pair count (1 .. P).
@@ -72,7 +75,7 @@ __device__ __forceinline__ void ts_mma_k16(int (&c)[4], ts_u32 a0, ts_u32 a1, ts
 
 // The tile's activations for chunks c0 .. c0 + TS_MMA_STAGE - 1 (those below `units`), for
 // every pair of the tile (P rows; rows past the tile's pairs hold what the buffer holds
-// there, never used): xs [P][TS_MMA_XROW] bytes, ds [P][TS_MMA_STAGE].
+// there, never used): xs [P][TS_MMA_XROW] bytes, ds [P][TS_MMA_DSROW].
 template <int NT>
 __device__ __forceinline__ void ts_mma_stage(const signed char* xq, const float2* xds, int k, int c0,
                                              signed char* xs, float2* ds) {
@@ -85,7 +88,7 @@ __device__ __forceinline__ void ts_mma_stage(const signed char* xq, const float2
     }
     for (int i = threadIdx.x; i < 8 * NT * n; i += blockDim.x) {
         const int pair = i / n, c = i - pair * n;
-        ds[pair * TS_MMA_STAGE + c] = __ldg(xds + (ts_u64)pair * units + c0 + c);
+        ds[pair * TS_MMA_DSROW + c] = __ldg(xds + (ts_u64)pair * units + c0 + c);
     }
 }
 
@@ -101,8 +104,8 @@ __device__ __forceinline__ void ts_mma_chunk(const TsFrag (&fa)[W], const TsFrag
     for (int n = 0; n < NT; n++) {
         const int* xb = reinterpret_cast<const int*>(xs + (8 * n + g) * TS_MMA_XROW + 32 * cs + 4 * s);
         const ts_u32 b0 = (ts_u32)xb[0], b1 = (ts_u32)xb[4];
-        const float2 x0 = ds[(8 * n + 2 * s) * TS_MMA_STAGE + cs];
-        const float2 x1 = ds[(8 * n + 2 * s + 1) * TS_MMA_STAGE + cs];
+        const float2 x0 = ds[(8 * n + 2 * s) * TS_MMA_DSROW + cs];
+        const float2 x1 = ds[(8 * n + 2 * s + 1) * TS_MMA_DSROW + cs];
         TS_UNROLL
         for (int w = 0; w < W; w++) {
             int r[4] = {0, 0, 0, 0};
@@ -161,7 +164,7 @@ __device__ __forceinline__ void ts_mma_store(int row0, int n_out, int first, int
 template <class V, int NT>
 __device__ __forceinline__ void ts_moe_mm_q8(const MoeMmQ8& p) {
     __shared__ __align__(16) signed char xs[8 * NT * TS_MMA_XROW];
-    __shared__ float2 ds[8 * NT * TS_MMA_STAGE];
+    __shared__ float2 ds[8 * NT * TS_MMA_DSROW];
     const int4 t = p.tiles[blockIdx.y];
     // Warps past n_out still stage activations for the others (their rows repeat the last).
     const TsMmaRows rows = ts_mma_rows<V>(p.n_out, p.k);
@@ -192,7 +195,7 @@ __device__ __forceinline__ void ts_moe_mm_q8(const MoeMmQ8& p) {
 template <class V, int NT>
 __device__ __forceinline__ void ts_moe_mm_gate_up_q8(const MoeMmGateUpQ8& p) {
     __shared__ __align__(16) signed char xs[8 * NT * TS_MMA_XROW];
-    __shared__ float2 ds[8 * NT * TS_MMA_STAGE];
+    __shared__ float2 ds[8 * NT * TS_MMA_DSROW];
     const int4 t = p.tiles[blockIdx.y];
     // Warps past n_out still stage activations for the others (their rows repeat the last).
     const TsMmaRows rows = ts_mma_rows<V>(p.n_out, p.k);
