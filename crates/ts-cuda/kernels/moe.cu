@@ -39,6 +39,73 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 
 #define MAX_EXPERTS 1024
 
+// ts_route_row for at most 32 * PL experts and k <= 32, the logits in registers (PL per lane)
+// and selection j held by lane j: no shared memory, no lane-0 loops.
+template <int PL>
+__device__ __forceinline__ void ts_route_regs(const float* l, int row, int n_expert, int k, int gating,
+                                              int renormalize, const float* scale, int* ids, float* weights) {
+    const int lane = threadIdx.x & 31;
+    float v[PL];
+    float mx = -INFINITY;
+    TS_UNROLL
+    for (int j = 0; j < PL; j++) {
+        const int i = lane + 32 * j;
+        v[j] = i < n_expert ? __ldcg(l + i) : -INFINITY;
+        mx = fmaxf(mx, v[j]);
+    }
+    mx = warp_max(mx);
+    if (gating == 0) {
+        float s = 0.0f;
+        TS_UNROLL
+        for (int j = 0; j < PL; j++) {
+            if (lane + 32 * j < n_expert) {
+                v[j] = expf(v[j] - mx);
+                s += v[j];
+            }
+        }
+        s = warp_sum(s);
+        TS_UNROLL
+        for (int j = 0; j < PL; j++)
+            if (lane + 32 * j < n_expert) v[j] /= s;
+    }
+    float my_w = 0.0f;
+    int my_id = 0;
+    for (int sel = 0; sel < k; sel++) {
+        float best = -INFINITY;
+        int bi = 0x7fffffff;
+        TS_UNROLL
+        for (int j = 0; j < PL; j++) {
+            if (v[j] > best) {  // ascending indices: a tie keeps the lower
+                best = v[j];
+                bi = lane + 32 * j;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        if (lane == sel) my_w = best, my_id = bi;
+        TS_UNROLL
+        for (int j = 0; j < PL; j++)
+            if (bi == lane + 32 * j) v[j] = -INFINITY;
+    }
+    const bool mine = lane < k;
+    if (gating == 1) {
+        const float m0 = __shfl_sync(0xffffffffu, my_w, 0);  // the first selection is the largest
+        my_w = mine ? expf(my_w - m0) : 0.0f;
+        my_w /= warp_sum(my_w);
+    }
+    if (renormalize) my_w /= fmaxf(warp_sum(mine ? my_w : 0.0f), 6.103515625e-5f);
+    if (mine) {
+        ids[row * k + lane] = my_id;
+        weights[row * k + lane] = scale ? my_w * scale[my_id] : my_w;
+    }
+}
+
 // Routes row `row` from its router logits l [n_expert]: gating 0 = softmax then
 // top-k, 1 = top-k then softmax over the k; renormalize divides the k weights by
 // their sum (floored like llama.cpp); then each weight times its expert's
@@ -47,6 +114,18 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 // that those another block just wrote are seen.
 __device__ void ts_route_row(const float* l, int row, int n_expert, int k, int gating, int renormalize,
                              const float* scale, int* ids, float* weights) {
+    if (k <= 32 && n_expert <= 256) {
+        if (n_expert <= 32) {
+            ts_route_regs<1>(l, row, n_expert, k, gating, renormalize, scale, ids, weights);
+        } else if (n_expert <= 64) {
+            ts_route_regs<2>(l, row, n_expert, k, gating, renormalize, scale, ids, weights);
+        } else if (n_expert <= 128) {
+            ts_route_regs<4>(l, row, n_expert, k, gating, renormalize, scale, ids, weights);
+        } else {
+            ts_route_regs<8>(l, row, n_expert, k, gating, renormalize, scale, ids, weights);
+        }
+        return;
+    }
     __shared__ float v[MAX_EXPERTS];
     __shared__ float sel_w[64];
     int lane = threadIdx.x;

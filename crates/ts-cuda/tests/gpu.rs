@@ -400,6 +400,9 @@ fn router_route_matches_the_cpu() {
         (128, 8, 2048, Gating::Softmax, true, false),
         (32, 4, 2880, Gating::SoftmaxOverTopK, false, true),
         (60, 4, 64, Gating::Softmax, false, true),
+        // 256 experts: the most the register path takes; 512 (Qwen3-Next): the shared-memory one.
+        (256, 8, 1024, Gating::Softmax, true, false),
+        (512, 10, 256, Gating::Softmax, true, true),
     ] {
         let moe = MoeConfig { n_expert, n_expert_used: k, n_ff_exp: 8, gating, renormalize, shared: None };
         let (router, wf) = random_weight(&mut rng, GgmlType::F32, n_expert, n_embd);
