@@ -75,7 +75,9 @@ __device__ __forceinline__ void ts_route_regs(const float* l, int row, int n_exp
         int bi = 0x7fffffff;
         TS_UNROLL
         for (int j = 0; j < PL; j++) {
-            if (v[j] > best) {  // ascending indices: a tie keeps the lower
+            // Ascending indices: a tie keeps the lower; an expert is taken even at -inf (as
+            // the shared-memory path does), never a slot past n_expert.
+            if (lane + 32 * j < n_expert && (v[j] > best || (v[j] == best && bi == 0x7fffffff))) {
                 best = v[j];
                 bi = lane + 32 * j;
             }
