@@ -1,5 +1,5 @@
-# Emulates ts_route_regs (tools/patches/gpu-route-regs.patch) warp by warp in Python and checks its ids
-# and weights against the shared-memory algorithm it replaces, ties included. Run: python3 gpu-route-regs-emulate.py
+# Emulates ts_route_regs (ts-cuda kernels) warp by warp in Python and checks its ids
+# and weights against the shared-memory algorithm it replaces, ties included. Run: python3 route-regs-emulate.py
 import math, random
 def old(l, k, gating, renorm, scale):
     n=len(l); v=list(l); mx=max(v)

@@ -1,5 +1,5 @@
-# Checks the staged activation indices of tools/patches/gpu-moe-stage.patch against the global ones
-# (ts_mma_stage's copy, then ts_mma_chunk's reads). Run: python3 gpu-moe-stage-check.py
+# Checks the staged activation indices of the grouped expert kernels (moe_mm_q8.cu) against the global ones
+# (ts_mma_stage's copy, then ts_mma_chunk's reads). Run: python3 moe-stage-check.py
 import random
 STAGE, XROW, NT = 8, 32*8+16, 4
 for k in (768, 2048, 2880):

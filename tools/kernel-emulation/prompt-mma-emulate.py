@@ -1,6 +1,6 @@
-# Lane-level emulation (numpy) of attention_prompt_mma's indexing in tools/patches/gpu-prompt-mma.patch: its
+# Lane-level emulation (numpy) of attention_prompt_mma's indexing (ts-cuda kernels): its
 # fragments, masks and online softmax, one block at a time, against a plain reference (f16
-# rounding where the kernel rounds). Run: python3 gpu-prompt-mma-emulate.py (needs numpy).
+# rounding where the kernel rounds). Run: python3 prompt-mma-emulate.py (needs numpy).
 import numpy as np
 rng = np.random.default_rng(1)
 def h(x): return np.float16(x).astype(np.float64)
