@@ -7,6 +7,8 @@
 //   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
 //       moe_gate_up_<t> of matmul.cu.
+//   moe_chunk_q8_<t>(MoeChunkQ8), moe_chunk_gate_up_q8_<t>(MoeChunkGateUpQ8): the same for
+//       chunks of one expert's rows (moe_group_pairs), each expert's weights read once.
 // Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares a weight row, each lane
 // taking units j, j + lanes, ... (vdot.cuh), so that a row of few units still keeps a warp
 // busy; a block is (32, 4): 4 * 32 / lanes rows. Grid x: ceil(n_out / rows per block); y:
@@ -166,6 +168,97 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
     }
 }
 
+// The chunked expert matvecs (steps of a few rows per expert, moe.rs): block row y takes
+// chunk y of moe_group_pairs (expert, first place, rows), whose activation rows are
+// consecutive in the grouped order, and reads the expert's weights once for them; blocks past
+// the chunk count return. Outputs go to the same places.
+struct MoeChunkQ8 {
+    const ts_u8* w;  // expert 0
+    const int* chunks;  // [][3] (expert, first place, rows)
+    const int* count;  // [1] chunks
+    const signed char* xq;  // [places][k], grouped order
+    const float2* xds;
+    float* y;  // [places][n_out]
+    const float* bias;  // [n_expert][n_out] or null
+    long long expert_stride;  // bytes
+    int n_out, k, lanes;
+};
+
+struct MoeChunkGateUpQ8 {
+    const ts_u8* w_gate;
+    const ts_u8* w_up;
+    const int* chunks;  // as MoeChunkQ8
+    const int* count;
+    const signed char* xq;
+    const float2* xds;
+    float* h;  // [places][n_out]
+    const float* gate_bias;  // [n_expert][n_out] or null
+    const float* up_bias;
+    long long expert_stride;
+    int n_out, k, lanes;
+    int kind;  // activation.cuh
+    float alpha, limit;
+};
+
+template <class V>
+__device__ __forceinline__ void ts_moe_chunk_q8(const MoeChunkQ8& p) {
+    if ((int)blockIdx.y >= *p.count) return;
+    const int* ch = p.chunks + 3 * blockIdx.y;
+    const int e = ch[0], at = ch[1];
+    const MatvecQ8 mv{p.w + e * p.expert_stride,
+                      p.xq + (ts_u64)at * p.k,
+                      p.xds + (ts_u64)at * (p.k >> 5),
+                      p.y + (ts_u64)at * p.n_out,
+                      p.bias ? p.bias + (ts_u64)e * p.n_out : nullptr,
+                      p.n_out,
+                      p.k,
+                      ch[2],
+                      p.lanes};
+    ts_matvec_q8<V>(mv);
+}
+
+// Gate and up of activation rows r0 .. r0 + M - 1 (places) of expert e, their biases and the
+// activation.
+template <class V, int M>
+__device__ __forceinline__ void ts_chunk_gate_up_rows(const MoeChunkGateUpQ8& p, const TsQ8Lane& l, int e, int r0) {
+    const TsQ8 x{p.xq + (ts_u64)r0 * p.k, p.xds + (ts_u64)r0 * (p.k >> 5), p.k};
+    const long long at = e * p.expert_stride + (long long)l.row * V::row_bytes(p.k);
+    float g[M], u[M];
+    TS_UNROLL
+    for (int r = 0; r < M; r++) g[r] = 0.0f, u[r] = 0.0f;
+    const int units = p.k >> 5;
+    TS_PRAGMA(unroll TS_Q8_UNROLL)
+    for (int c = l.j; c < units; c += p.lanes) {
+        V::template dot<M>(p.w_gate + at, c, x, g);
+        V::template dot<M>(p.w_up + at, c, x, u);
+    }
+    TS_UNROLL
+    for (int r = 0; r < M; r++) g[r] = ts_lanes_sum(g[r], p.lanes), u[r] = ts_lanes_sum(u[r], p.lanes);
+    if (l.live && l.j == 0) {
+        const long long bi = (long long)e * p.n_out + l.row;
+        const float gb = p.gate_bias ? p.gate_bias[bi] : 0.0f, ub = p.up_bias ? p.up_bias[bi] : 0.0f;
+        TS_UNROLL
+        for (int r = 0; r < M; r++)
+            p.h[(ts_u64)(r0 + r) * p.n_out + l.row] = ts_gated(p.kind, g[r] + gb, u[r] + ub, p.alpha, p.limit);
+    }
+}
+
+// A chunk's rows in passes of at most two (as ts_matvec_q8).
+template <class V>
+__device__ __forceinline__ void ts_moe_chunk_gate_up_q8(const MoeChunkGateUpQ8& p) {
+    if ((int)blockIdx.y >= *p.count) return;
+    const int* ch = p.chunks + 3 * blockIdx.y;
+    const int e = ch[0], end = ch[1] + ch[2];
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+    for (int r0 = ch[1]; r0 < end; r0 += 2) {
+        if (end - r0 >= 2) {
+            ts_chunk_gate_up_rows<V, 2>(p, l, e, r0);
+        } else {
+            ts_chunk_gate_up_rows<V, 1>(p, l, e, r0);
+        }
+    }
+}
+
 #define TS_DEFINE_Q8_KERNELS(t)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) matvec_q8_##t(const MatvecQ8 p) {                              \
         ts_grid_begin();                                                                                              \
@@ -178,6 +271,14 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q8_##t(const MoeGateUpQ8 p) {                      \
         ts_grid_begin();                                                                                              \
         ts_moe_gate_up_q8<vdot_##t>(p);                                                                               \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) moe_chunk_q8_##t(const MoeChunkQ8 p) {                         \
+        ts_grid_begin();                                                                                              \
+        ts_moe_chunk_q8<vdot_##t>(p);                                                                                 \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) moe_chunk_gate_up_q8_##t(const MoeChunkGateUpQ8 p) {           \
+        ts_grid_begin();                                                                                              \
+        ts_moe_chunk_gate_up_q8<vdot_##t>(p);                                                                         \
     }
 
 TS_Q8_TYPES(TS_DEFINE_Q8_KERNELS)

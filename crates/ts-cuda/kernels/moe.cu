@@ -243,3 +243,57 @@ extern "C" __global__ void router_route(const RouterRoute p) {
         ts_route_row(p.logits + (long long)r * p.n_expert, r, p.n_expert, p.k, p.gating, p.renormalize, p.scale, p.ids,
                      p.weights);
 }
+
+// moe_group_pairs' parameters (crates/ts-cuda/src/moe.rs mirrors them).
+struct MoeGroupPairs {
+    const int* ids;  // [n] = [m][k]: each (row, slot) pair's expert
+    int* grouped;  // [3][n]: the pairs in expert order, their rows (pair / k), each pair's place
+    int* chunks;  // [max_chunks][3]: (expert, first place, rows), at most `chunk` rows each
+    int* count;  // [1]: how many chunks were written
+    int n, k, n_expert, chunk;
+};
+
+// A step's (row, slot) pairs grouped by expert on the device, for the chunked expert matvecs
+// of matvec_q8.cu: what moe.rs's host grouping computes, without the round trip. Within an
+// expert the pairs' order is the atomics' (each pair's result does not depend on it).
+// One block of 256 threads; n_expert <= MAX_EXPERTS.
+extern "C" __global__ void __launch_bounds__(256) moe_group_pairs(const MoeGroupPairs p) {
+    ts_grid_begin();
+    __shared__ int count[MAX_EXPERTS], start[MAX_EXPERTS], first_chunk[MAX_EXPERTS], fill[MAX_EXPERTS];
+    for (int e = threadIdx.x; e < p.n_expert; e += blockDim.x) count[e] = 0, fill[e] = 0;
+    __syncthreads();
+    // The router writes ids below n_expert; clamped all the same, so that no write strays.
+    for (int i = threadIdx.x; i < p.n; i += blockDim.x) atomicAdd(&count[min(max(p.ids[i], 0), p.n_expert - 1)], 1);
+    __syncthreads();
+    if (threadIdx.x < WARP) {
+        // Exclusive scans of pairs and chunks over the experts: lane l takes a run of them.
+        const int lane = threadIdx.x, per = (p.n_expert + WARP - 1) / WARP;
+        const int e0 = min(lane * per, p.n_expert), e1 = min(e0 + per, p.n_expert);
+        int pairs = 0, chunks = 0;
+        for (int e = e0; e < e1; e++) pairs += count[e], chunks += (count[e] + p.chunk - 1) / p.chunk;
+        int ps = pairs, cs = chunks;
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, ps, o), b = __shfl_up_sync(0xffffffffu, cs, o);
+            if (lane >= o) ps += a, cs += b;
+        }
+        ps -= pairs, cs -= chunks;
+        for (int e = e0; e < e1; e++) {
+            start[e] = ps, first_chunk[e] = cs;
+            ps += count[e], cs += (count[e] + p.chunk - 1) / p.chunk;
+        }
+        if (lane == WARP - 1) *p.count = cs;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < p.n_expert; e += blockDim.x) {
+        int* ch = p.chunks + 3 * first_chunk[e];
+        for (int at = start[e]; at < start[e] + count[e]; at += p.chunk, ch += 3)
+            ch[0] = e, ch[1] = at, ch[2] = min(p.chunk, start[e] + count[e] - at);
+    }
+    for (int i = threadIdx.x; i < p.n; i += blockDim.x) {
+        const int e = min(max(p.ids[i], 0), p.n_expert - 1);
+        const int place = start[e] + atomicAdd(&fill[e], 1);
+        p.grouped[place] = i;
+        p.grouped[p.n + place] = i / p.k;
+        p.grouped[2 * p.n + i] = place;
+    }
+}

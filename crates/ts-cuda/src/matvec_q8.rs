@@ -103,6 +103,45 @@ pub(crate) struct MoeGateUpQ8 {
     pub limit: f32,
 }
 
+/// matvec_q8.cu's `MoeChunkQ8`: [`Cuda::chunk_matvec_q8`] fills the activations and lanes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MoeChunkQ8 {
+    pub w: u64,
+    pub chunks: u64,
+    pub count: u64,
+    pub xq: u64,
+    pub xds: u64,
+    pub y: u64,
+    pub bias: u64,
+    pub expert_stride: i64,
+    pub n_out: i32,
+    pub k: i32,
+    pub lanes: i32,
+}
+
+/// matvec_q8.cu's `MoeChunkGateUpQ8`: [`Cuda::chunk_gate_up_q8`] fills the activations and lanes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct MoeChunkGateUpQ8 {
+    pub w_gate: u64,
+    pub w_up: u64,
+    pub chunks: u64,
+    pub count: u64,
+    pub xq: u64,
+    pub xds: u64,
+    pub h: u64,
+    pub gate_bias: u64,
+    pub up_bias: u64,
+    pub expert_stride: i64,
+    pub n_out: i32,
+    pub k: i32,
+    pub lanes: i32,
+    pub kind: i32,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
 /// One expert-indexed matvec over `slots` slots: slot s multiplies expert
 /// (or cache slot) `index[s]` of `w` (`expert_stride` bytes apart) by
 /// activation row `s / x_group` into row s of `y` `[slots][n_out]`.
@@ -254,5 +293,35 @@ impl Cuda {
         let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, slots as u32, 1);
         let out = (p.h, 4 * slots * p.n_out as usize);
         self.keeping_quantized(&[out], || self.launch_with(&format!("moe_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p))
+    }
+
+    /// One projection of every chunk of `max_chunks` (kernel suffix `sfx`), `xq` the
+    /// activations in the grouped order; `p`'s activations and lanes are filled here.
+    pub(crate) fn chunk_matvec_q8(
+        &self,
+        sfx: &str,
+        p: MoeChunkQ8,
+        max_chunks: usize,
+        xq: &Q8Act,
+    ) -> Result<(), ModelError> {
+        let lanes = lanes_for(p.k as usize, p.n_out as usize * max_chunks);
+        let p = MoeChunkQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
+        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
+        self.launch_with(&format!("moe_chunk_q8_{sfx}"), grid, (32, 4, 1), &p)
+    }
+
+    /// Gate, up, their biases and the activation of every chunk (see
+    /// [`Cuda::chunk_matvec_q8`]).
+    pub(crate) fn chunk_gate_up_q8(
+        &self,
+        sfx: &str,
+        p: MoeChunkGateUpQ8,
+        max_chunks: usize,
+        xq: &Q8Act,
+    ) -> Result<(), ModelError> {
+        let lanes = lanes_for(p.k as usize, p.n_out as usize * max_chunks);
+        let p = MoeChunkGateUpQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
+        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
+        self.launch_with(&format!("moe_chunk_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p)
     }
 }

@@ -3,13 +3,16 @@
 //! `mul_mat_id`) over the stacked tensors or over the VRAM cache's slots, and
 //! the weighted sum. A step of at most [`DEVICE_MOE_ROWS`] rows runs every
 //! (row, slot) pair as one slot of an expert-indexed matvec, without a host
-//! round trip (so decode steps replay as a CUDA graph); larger steps group
-//! pairs by expert on the host and multiply every expert's pairs in one grouped
-//! launch per projection (moe_mm.rs), or, for exact activations and types without
-//! integer dot products, each expert once on its rows.
+//! round trip (so decode steps replay as a CUDA graph); steps of up to
+//! [`CHUNKED_MOE_ROWS`] rows group the pairs by expert on the device and multiply
+//! chunks of one expert's rows with 8-bit matvecs (several sequences decoding at
+//! once); larger steps group pairs by expert on the host and multiply every
+//! expert's pairs in one grouped launch per projection (moe_mm.rs), or, for exact
+//! activations and types without integer dot products, each expert once on its rows.
 
 use crate::device::Arg;
-use crate::matvec_q8::{IndexedMatvec, MoeGateUpQ8, q8_suffix};
+use crate::matmul::{GEMM_MIN_ROWS, MATVEC_ROWS};
+use crate::matvec_q8::{IndexedMatvec, MoeChunkGateUpQ8, MoeChunkQ8, MoeGateUpQ8, q8_suffix};
 use crate::moe_mm::{MoeMmGateUpQ8, MoeMmQ8};
 use crate::{Act, Cuda, Matmul, err, type_suffix};
 use cudarc::driver::CudaSlice;
@@ -25,6 +28,24 @@ use ts_model::weights::Weight;
 /// the device; larger ones group rows by expert on the host.
 pub const DEVICE_MOE_ROWS: usize = 8;
 
+/// Steps of more than [`DEVICE_MOE_ROWS`] and at most this many rows group their pairs
+/// by expert on the device and run chunked matvecs (where the types allow): every expert's
+/// weights read once, no host round trip. From [`GEMM_MIN_ROWS`] on, the tensor cores.
+pub const CHUNKED_MOE_ROWS: usize = GEMM_MIN_ROWS - 1;
+
+/// The fewest rows that take the chunked matvecs: [`DEVICE_MOE_ROWS`] + 1, or the
+/// measurement knob `TURBOSPARK_CHUNKED_MOE_FROM` (2 to 8 also moves steps of few rows
+/// off the per-pair matvecs).
+fn chunked_from() -> usize {
+    static FROM: OnceLock<usize> = OnceLock::new();
+    *FROM.get_or_init(|| {
+        std::env::var("TURBOSPARK_CHUNKED_MOE_FROM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(DEVICE_MOE_ROWS + 1, |v: usize| v.max(2))
+    })
+}
+
 /// Each row's k experts `ids` (i32) and weights `wts`, `[m][k]` on the device;
 /// once asked for, the ids on the host and the pairs grouped by expert.
 pub struct GpuRoutes {
@@ -34,6 +55,7 @@ pub struct GpuRoutes {
     pub(crate) k: usize,
     host: OnceLock<Vec<usize>>,
     grouping: OnceLock<Grouping>,
+    chunked: OnceLock<ChunkedPairs>,
     /// The grouped kernels' tiles of the last group of experts multiplied.
     pub(crate) tiles: std::sync::Mutex<Option<crate::moe_mm::Tiles>>,
 }
@@ -51,7 +73,16 @@ struct Grouping {
 impl GpuRoutes {
     /// Routes of `m` rows, `k` each, whose ids and weights a kernel writes into `ids` and `wts`.
     fn new(ids: Act, wts: Act, m: usize, k: usize) -> GpuRoutes {
-        GpuRoutes { ids, wts, m, k, host: OnceLock::new(), grouping: OnceLock::new(), tiles: Default::default() }
+        GpuRoutes {
+            ids,
+            wts,
+            m,
+            k,
+            host: OnceLock::new(),
+            grouping: OnceLock::new(),
+            chunked: OnceLock::new(),
+            tiles: Default::default(),
+        }
     }
 
     /// The routes' expert ids `[m][k]` (i32) on the device.
@@ -63,6 +94,46 @@ impl GpuRoutes {
     pub fn weights(&self) -> &Act {
         &self.wts
     }
+}
+
+/// A step's pairs grouped by expert on the device (moe.cu's `moe_group_pairs`), for the
+/// chunked matvecs: `grouped` `[3][m * k]` i32 as [`Grouping`]'s device array, `chunks`
+/// `[max_chunks][3]` (expert, first place, rows) and then their count.
+struct ChunkedPairs {
+    grouped: Act,
+    chunks: Act,
+    max_chunks: usize,
+}
+
+impl ChunkedPairs {
+    /// Each grouped pair's row (device address of `[m * k]` i32).
+    fn rows(&self, pairs: usize) -> u64 {
+        self.grouped.ptr + (4 * pairs) as u64
+    }
+
+    /// Each pair's place in the grouped order (device address of `[m * k]` i32).
+    fn places(&self, pairs: usize) -> u64 {
+        self.grouped.ptr + (8 * pairs) as u64
+    }
+
+    /// The device address of the chunk count.
+    fn count(&self) -> u64 {
+        self.chunks.ptr + (12 * self.max_chunks) as u64
+    }
+}
+
+/// moe.cu's `MoeGroupPairs`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MoeGroupPairs {
+    ids: u64,
+    grouped: u64,
+    chunks: u64,
+    count: u64,
+    n: i32,
+    k: i32,
+    n_expert: i32,
+    chunk: i32,
 }
 
 impl Grouping {
@@ -200,6 +271,50 @@ impl Cuda {
         Ok(r.host.get_or_init(|| ids))
     }
 
+    /// The 8-bit kernel suffixes (gate and up, down) when `r`'s experts run as chunked
+    /// matvecs: a step of `chunked_from()` to [`CHUNKED_MOE_ROWS`] rows, the stacked
+    /// experts, 8-bit activations, integer dot products for all three projections.
+    fn chunked_suffixes(
+        &self,
+        w: &MoeWeights,
+        r: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        exact: bool,
+    ) -> Option<(&'static str, &'static str)> {
+        let rows = chunked_from()..=CHUNKED_MOE_ROWS;
+        if exact || !rows.contains(&r.m) || !matches!(at, ExpertsAt::Stacked) || w.gate_exps.ty != w.up_exps.ty {
+            return None;
+        }
+        // moe_group_pairs' shared arrays.
+        if w.gate_exps.dims[2] > 1024 {
+            return None;
+        }
+        Some((q8_suffix(w.gate_exps.ty)?, q8_suffix(w.down_exps.ty)?))
+    }
+
+    /// The pairs of `r` grouped by expert on the device (one launch, made once per routes).
+    fn chunked_pairs<'r>(&self, r: &'r GpuRoutes, n_expert: usize) -> Result<&'r ChunkedPairs, ModelError> {
+        if let Some(c) = r.chunked.get() {
+            return Ok(c);
+        }
+        let pairs = r.m * r.k;
+        let max_chunks = pairs.min(n_expert + pairs / MATVEC_ROWS);
+        let (grouped, chunks) = (self.act(3 * pairs)?, self.act(3 * max_chunks + 1)?);
+        let c = ChunkedPairs { grouped, chunks, max_chunks };
+        let p = MoeGroupPairs {
+            ids: r.ids.ptr,
+            grouped: c.grouped.ptr,
+            chunks: c.chunks.ptr,
+            count: c.count(),
+            n: pairs as i32,
+            k: r.k as i32,
+            n_expert: n_expert as i32,
+            chunk: MATVEC_ROWS as i32,
+        };
+        self.launch_with("moe_group_pairs", (1, 1, 1), (256, 1, 1), &p)?;
+        Ok(r.chunked.get_or_init(|| c))
+    }
+
     /// The pairs of `r` grouped by expert (made once per routes).
     fn grouping<'r>(&self, r: &'r GpuRoutes, n_expert: usize) -> Result<&'r Grouping, ModelError> {
         if let Some(g) = r.grouping.get() {
@@ -280,6 +395,30 @@ impl Cuda {
         let (pairs, k) = (r.m * r.k, r.k);
         let h = self.act(pairs * f)?;
         let bias = |b: &Option<Vec<f32>>| b.as_ref().map_or(Ok(0), |b| self.vptr(b));
+        if let Some((sfx, _)) = self.chunked_suffixes(w, r, at, exact) {
+            // h in the order of the pairs grouped by expert, as below, grouped on the device.
+            let c = self.chunked_pairs(r, w.gate_exps.dims[2])?;
+            let (xq, _buf) = self.gather_quantized(x, c.rows(pairs), pairs, e)?;
+            let (kind, alpha, limit) = activation_args(act);
+            let p = MoeChunkGateUpQ8 {
+                w_gate: self.wptr(&w.gate_exps)?,
+                w_up: self.wptr(&w.up_exps)?,
+                chunks: c.chunks.ptr,
+                count: c.count(),
+                h: self.p(&h),
+                gate_bias: bias(&w.gate_bias)?,
+                up_bias: bias(&w.up_bias)?,
+                expert_stride: w.gate_exps.matrix_stride() as i64,
+                n_out: f as i32,
+                k: e as i32,
+                kind,
+                alpha,
+                limit,
+                ..Default::default()
+            };
+            self.chunk_gate_up_q8(sfx, p, c.max_chunks, &xq)?;
+            return Ok(h);
+        }
         if r.m > DEVICE_MOE_ROWS {
             // h in the order of the pairs grouped by expert: each expert's rows in place.
             let (kind, alpha, limit) = activation_args(act);
@@ -423,6 +562,23 @@ impl Cuda {
     ) -> Result<(), ModelError> {
         let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
         let pairs = r.m * r.k;
+        if let Some((_, sfx)) = self.chunked_suffixes(w, r, at, exact) {
+            // h and y in the grouped order of `gate_up`'s chunks.
+            let c = self.chunked_pairs(r, w.down_exps.dims[2])?;
+            let hq = self.quantized(self.p(h), pairs, f)?;
+            let p = MoeChunkQ8 {
+                w: self.wptr(&w.down_exps)?,
+                chunks: c.chunks.ptr,
+                count: c.count(),
+                y: self.p(y),
+                bias: w.down_bias.as_ref().map_or(Ok(0), |b| self.vptr(b))?,
+                expert_stride: w.down_exps.matrix_stride() as i64,
+                n_out: e as i32,
+                k: f as i32,
+                ..Default::default()
+            };
+            return self.keeping_quantized(&[(p.y, 4 * pairs * e)], || self.chunk_matvec_q8(sfx, p, c.max_chunks, &hq));
+        }
         if r.m > DEVICE_MOE_ROWS {
             // h and y in the order of the pairs grouped by expert (see `Grouping`).
             let sfx = q8_suffix(w.down_exps.ty).filter(|_| !exact);
@@ -477,8 +633,9 @@ impl Cuda {
     pub(crate) fn combine_rows(&self, y: &Act, r: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
         let out = self.act(r.m * width)?;
         // Many-row steps left y in the order of the pairs grouped by expert.
-        let index = match r.grouping.get() {
-            Some(g) if r.m > DEVICE_MOE_ROWS => self.gpu.ptr(&g.device) + (8 * r.m * r.k) as u64,
+        let index = match (r.chunked.get(), r.grouping.get()) {
+            (Some(c), _) => c.places(r.m * r.k),
+            (None, Some(g)) if r.m > DEVICE_MOE_ROWS => self.gpu.ptr(&g.device) + (8 * r.m * r.k) as u64,
             _ => 0,
         };
         self.launch(
