@@ -329,7 +329,7 @@ fn packed_rows_match_the_gguf_rows() {
         assert!(ts_cpu::packs(ty, n_out));
         assert!(ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap());
         assert_ne!(packed, w, "packing changed nothing");
-        for m in [1, 3, 4, 5, 16, 33] {
+        for m in [1, 3, 4, 5, 8, 12, 16, 33] {
             let xf = common::rows(&mut rng, m * k);
             let mut x = QuantizedRows::new();
             x.quantize(ty, &xf, k).unwrap();
