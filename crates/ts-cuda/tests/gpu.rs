@@ -988,3 +988,68 @@ fn real_models_greedy_same_as_cpu() {
     assert!(compared > 0, "none of the models is staged in {}", ts_testkit::models_dir().display());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Guesses of the plain run's own tokens with every third one wrong (each checking step
+/// keeps two and rejects the next, so the cache, and the hybrids' recurrent state, is
+/// rolled back and run again).
+struct ScriptedGuesses {
+    truth: Vec<u32>,
+    prompt_len: usize,
+}
+
+impl ts_engine::speculative::Drafter for ScriptedGuesses {
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, ts_engine::session::EngineError> {
+        let right = &self.truth[(context.len() - self.prompt_len).min(self.truth.len())..];
+        Ok(right.iter().take(max).enumerate().map(|(i, &t)| if i % 3 == 2 { t ^ 1 } else { t }).collect())
+    }
+}
+
+/// Speculative decoding on the GPU: on every fixture family, greedy generation with guesses
+/// (prompt lookup, and scripted guesses with rejections) gives the same tokens as without;
+/// the checking steps are steps of several rows of one sequence.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn speculation_keeps_greedy_output_on_the_gpu() {
+    use ts_engine::sampler::SamplerConfig;
+    use ts_engine::speculative::{Drafter, NgramDrafter, SpecOptions};
+    drop(gpu()); // a clear failure first when there is no device
+    let fixtures = ts_testkit::fixtures();
+    let mut families: Vec<&str> = fixtures.iter().map(|f| f.family.as_str()).collect();
+    families.dedup();
+    let (mut failures, mut rejected) = (Vec::new(), 0);
+    for family in families {
+        let variants: Vec<_> = fixtures.iter().filter(|f| f.family == family).collect();
+        let fx = variants.iter().find(|f| f.variant == "q8_0").unwrap_or(&variants[0]);
+        let opts = ts_engine::session::LoadOptions { threads: 2, experts: ExpertPlacement::Mapped };
+        let engine =
+            ts_engine::session::Engine::load(&fx.model, &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+        let prompt = engine.tokenizer().unwrap().encode("one two three four, one two three four, one two", true, false);
+        let prompt = prompt.unwrap();
+        let spec_opts = SpecOptions { draft_max: 5, draft_min: 0 };
+        let run = |drafter: Option<&mut dyn Drafter>| {
+            let mut seq = engine.new_sequence(256).unwrap();
+            engine.forget_draft_length();
+            let spec = drafter.map(|d| (d, &spec_opts));
+            engine.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap()
+        };
+        let (plain, _) = run(None);
+        let (lookup, s1) = run(Some(&mut NgramDrafter::default()));
+        let mut scripted = ScriptedGuesses { truth: plain.clone(), prompt_len: prompt.len() };
+        let (guessed, s2) = run(Some(&mut scripted));
+        println!(
+            "{family}/{}: prompt lookup {}/{} guesses kept in {} steps, scripted {}/{} in {}",
+            fx.variant, s1.accepted, s1.drafted, s1.spec_steps, s2.accepted, s2.drafted, s2.spec_steps
+        );
+        rejected += s2.drafted - s2.accepted;
+        for (what, got) in [("prompt lookup", &lookup), ("scripted guesses", &guessed)] {
+            if got != &plain {
+                failures.push(format!("{family}/{}: {what} changed the greedy output", fx.variant));
+            }
+        }
+        if plain.len() >= 3 && s2.drafted <= s2.accepted {
+            failures.push(format!("{family}: no scripted guess was rejected"));
+        }
+    }
+    assert!(rejected > 0, "no guess was rejected: the rollback did not run");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
