@@ -716,10 +716,9 @@ unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[AR
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * MXFP4_PACKED_BLOCK);
-            if C == 1 {
-                // One activation row reads the weights from memory (decode).
-                crate::simd::prefetch_ahead(block, MXFP4_PACKED_BLOCK);
-            }
+            // Decode reads the weights from memory once; a batch's first pass over a panel
+            // does too, and its later passes warm the next panel (16 KiB ahead).
+            crate::simd::prefetch_ahead(block, MXFP4_PACKED_BLOCK);
             // Codes are unsigned values plus 16: taken back through the block sums.
             let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 4));
             for t in 0..4 {
@@ -807,9 +806,8 @@ unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow
         let set = |v: u32| _mm512_set1_epi32(v as i32);
         for b in 0..nb {
             let block = panel.add(b * Q4K_PACKED_BLOCK);
-            if C == 1 {
-                crate::simd::prefetch_ahead(block, Q4K_PACKED_BLOCK);
-            }
+            // As in the MXFP4 pass: every pass, so that later passes warm the next panel.
+            crate::simd::prefetch_ahead(block, Q4K_PACKED_BLOCK);
             // Words a, b, c of each row's scale bytes; groups 0-3 in the low words, 4-7 in the high.
             let load = |at: usize| _mm512_loadu_si512(block.add(at).cast());
             let (wa, wb, wc) = (load(2048), load(2112), load(2176));
@@ -931,9 +929,8 @@ unsafe fn q6k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * Q6K_PACKED_BLOCK);
-            if C == 1 {
-                crate::simd::prefetch_ahead(block, Q6K_PACKED_BLOCK);
-            }
+            // As in the MXFP4 pass: every pass, so that later passes warm the next panel.
+            crate::simd::prefetch_ahead(block, Q6K_PACKED_BLOCK);
             let load = |at: usize| _mm512_loadu_si512(block.add(at).cast());
             let scales: [__m512i; 4] = std::array::from_fn(|j| load(3072 + 64 * j));
             // Group g's scale, sign-extended from byte g % 4 of its dword.
