@@ -304,10 +304,13 @@ impl Cuda {
         max_chunks: usize,
         xq: &Q8Act,
     ) -> Result<(), ModelError> {
-        let lanes = lanes_for(p.k as usize, p.n_out as usize * max_chunks);
-        let p = MoeChunkQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
-        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
-        self.launch_with(&format!("moe_chunk_q8_{sfx}"), grid, (32, 4, 1), &p)
+        let (n_out, k) = (p.n_out as usize, p.k as usize);
+        self.launch_chunks(&format!("moe_chunk_q8_{sfx}"), n_out, k, max_chunks, |lanes| MoeChunkQ8 {
+            xq: xq.q(0),
+            xds: xq.ds(0),
+            lanes,
+            ..p
+        })
     }
 
     /// Gate, up, their biases and the activation of every chunk (see
@@ -319,9 +322,27 @@ impl Cuda {
         max_chunks: usize,
         xq: &Q8Act,
     ) -> Result<(), ModelError> {
-        let lanes = lanes_for(p.k as usize, p.n_out as usize * max_chunks);
-        let p = MoeChunkGateUpQ8 { xq: xq.q(0), xds: xq.ds(0), lanes, ..p };
-        let grid = ((p.n_out as usize).div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
-        self.launch_with(&format!("moe_chunk_gate_up_q8_{sfx}"), grid, (32, 4, 1), &p)
+        let (n_out, k) = (p.n_out as usize, p.k as usize);
+        self.launch_chunks(&format!("moe_chunk_gate_up_q8_{sfx}"), n_out, k, max_chunks, |lanes| MoeChunkGateUpQ8 {
+            xq: xq.q(0),
+            xds: xq.ds(0),
+            lanes,
+            ..p
+        })
+    }
+
+    /// Kernel `name` over `max_chunks` chunks of `n_out` outputs of `k` inputs, in (32, 4)
+    /// blocks; `params(lanes)` gives its parameters for the lanes chosen here.
+    fn launch_chunks<P: Copy>(
+        &self,
+        name: &str,
+        n_out: usize,
+        k: usize,
+        max_chunks: usize,
+        params: impl FnOnce(i32) -> P,
+    ) -> Result<(), ModelError> {
+        let lanes = lanes_for(k, n_out * max_chunks);
+        let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
+        self.launch_with(name, grid, (32, 4, 1), &params(lanes))
     }
 }
