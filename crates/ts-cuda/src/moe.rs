@@ -33,19 +33,6 @@ pub const DEVICE_MOE_ROWS: usize = 8;
 /// weights read once, no host round trip. From [`GEMM_MIN_ROWS`] on, the tensor cores.
 pub const CHUNKED_MOE_ROWS: usize = GEMM_MIN_ROWS - 1;
 
-/// The fewest rows that take the chunked matvecs: [`DEVICE_MOE_ROWS`] + 1, or the
-/// measurement knob `TURBOSPARK_CHUNKED_MOE_FROM` (2 to 8 also moves steps of few rows
-/// off the per-pair matvecs).
-fn chunked_from() -> usize {
-    static FROM: OnceLock<usize> = OnceLock::new();
-    *FROM.get_or_init(|| {
-        std::env::var("TURBOSPARK_CHUNKED_MOE_FROM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(DEVICE_MOE_ROWS + 1, |v: usize| v.max(2))
-    })
-}
-
 /// Each row's k experts `ids` (i32) and weights `wts`, `[m][k]` on the device;
 /// once asked for, the ids on the host and the pairs grouped by expert.
 pub struct GpuRoutes {
@@ -272,8 +259,9 @@ impl Cuda {
     }
 
     /// The 8-bit kernel suffixes (gate and up, down) when `r`'s experts run as chunked
-    /// matvecs: a step of `chunked_from()` to [`CHUNKED_MOE_ROWS`] rows, the stacked
-    /// experts, 8-bit activations, integer dot products for all three projections.
+    /// matvecs: a step of more than [`DEVICE_MOE_ROWS`] and at most [`CHUNKED_MOE_ROWS`] rows,
+    /// the stacked experts, 8-bit activations, integer dot products for all three projections.
+    /// (`moe_group_pairs` holds up to 1024 experts in shared memory: the most `Cuda::new` takes.)
     fn chunked_suffixes(
         &self,
         w: &MoeWeights,
@@ -281,12 +269,8 @@ impl Cuda {
         at: &ExpertsAt<'_, GpuExpertGroup>,
         exact: bool,
     ) -> Option<(&'static str, &'static str)> {
-        let rows = chunked_from()..=CHUNKED_MOE_ROWS;
+        let rows = DEVICE_MOE_ROWS + 1..=CHUNKED_MOE_ROWS;
         if exact || !rows.contains(&r.m) || !matches!(at, ExpertsAt::Stacked) || w.gate_exps.ty != w.up_exps.ty {
-            return None;
-        }
-        // moe_group_pairs' shared arrays.
-        if w.gate_exps.dims[2] > 1024 {
             return None;
         }
         Some((q8_suffix(w.gate_exps.ty)?, q8_suffix(w.down_exps.ty)?))
