@@ -81,6 +81,8 @@ pub struct Gpu {
     /// How many of the streams launches are spread over: `BRANCHES`, or 1 with
     /// `TURBOSPARK_NO_BRANCHES` (a measurement knob).
     pub branches: usize,
+    /// Host transfers and waits so far (uploads, syncs): a step with any cannot be recorded.
+    pub transfers: std::sync::atomic::AtomicU64,
 }
 
 /// Streams that launches may be spread over ([`Gpu::launch_on`]), `stream` included.
@@ -108,7 +110,18 @@ impl Gpu {
         // TURBOSPARK_NO_PDL: a measurement knob (launches without programmatic dependence).
         let dependent_launch = arch.0 >= 9 && std::env::var_os("TURBOSPARK_NO_PDL").is_none();
         let branches = if std::env::var_os("TURBOSPARK_NO_BRANCHES").is_some() { 1 } else { BRANCHES };
-        Ok(Gpu { ctx, stream, funcs, name, arch, dependent_launch, side, on: Default::default(), branches })
+        Ok(Gpu {
+            ctx,
+            stream,
+            funcs,
+            name,
+            arch,
+            dependent_launch,
+            side,
+            on: Default::default(),
+            branches,
+            transfers: Default::default(),
+        })
     }
 
     /// Makes side stream `i` (1 to `BRANCHES - 1`) wait for what `stream` has queued.
@@ -228,6 +241,7 @@ impl Gpu {
     }
 
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.transfers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if data.is_empty() {
             return self.alloc(1);
         }
@@ -235,6 +249,7 @@ impl Gpu {
     }
 
     pub fn sync(&self) -> Result<(), CudaError> {
+        self.transfers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(self.stream.synchronize()?)
     }
 

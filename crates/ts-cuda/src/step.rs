@@ -43,8 +43,11 @@ pub(crate) struct Runs {
     pub(crate) longest: usize,
 }
 
-/// Bytes of the arena single-row steps allocate their activations from.
+/// Bytes of the arena recorded steps allocate their activations from.
 pub(crate) const ARENA_BYTES: usize = 256 << 20;
+
+/// The most rows of a recorded step: below cuBLAS's (whose staging is not in the arena).
+pub(crate) const GRAPH_MAX_ROWS: usize = crate::matmul::GEMM_MIN_ROWS - 1;
 
 /// How launches are treated during a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,19 +59,47 @@ pub(crate) enum Mode {
     Capture = 1,
 }
 
-/// A decode step recorded once and replayed: one launch instead of hundreds.
+/// What a recorded step's launches depend on beyond the device data they read (tokens,
+/// positions, cache addresses, which the step uploads first): its row count, which rows share
+/// a sequence (each row the index of its sequence's first row: prompt attention and the
+/// recurrent layers' runs), whether the rows want logits, exact activations, and per layer
+/// the most cache slots (decode attention's split).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct StepKey {
+    m: usize,
+    sequences: Vec<u32>,
+    logits: bool,
+    exact: bool,
+    slots: Vec<usize>,
+}
+
+/// What is known of a kind of step.
+pub(crate) enum Recording {
+    /// A step of several rows ran once directly, its activations in the arena, to see that
+    /// they fit there and that it made no host transfer; recorded on its next occurrence if so.
+    Measured { fits: bool },
+    /// Recorded: replayed from now on; where it leaves its logits (arena address, length).
+    Graph { graph: SendGraph, logits: Option<(u64, usize)> },
+}
+
+/// Steps recorded once and replayed: one launch instead of hundreds. One-row steps are
+/// recorded at their first occurrence; steps of up to [`GRAPH_MAX_ROWS`] rows (several
+/// sequences decoding, a draft's verification) at their second, after a measured run.
 pub(crate) struct Graphs {
     pub(crate) arena: CudaSlice<u8>,
     pub(crate) arena_used: usize,
     pub(crate) arena_on: bool,
-    /// One recording per kind of one-row step: without logits (a prompt's
-    /// last-but-one token, say) or with them, plus 2 with exact activations;
-    /// they launch different kernels.
-    pub(crate) decode: [Option<SendGraph>; 4],
-    /// Where each recording leaves its logits (arena address, length), if it has any.
-    pub(crate) logits: [Option<(u64, usize)>; 4],
-    /// Which recording the current step uses.
-    pub(crate) kind: usize,
+    /// The current step measures its arena use: past the arena, it allocates instead.
+    pub(crate) measuring: bool,
+    /// The measured step outgrew the arena.
+    pub(crate) overflowed: bool,
+    /// The device's transfer count when the measured step began.
+    pub(crate) transfers_at_start: u64,
+    pub(crate) recorded: std::collections::HashMap<StepKey, Recording>,
+    /// The kind of the step being recorded or measured.
+    pub(crate) current: Option<StepKey>,
+    /// Steps run from a recording so far (its first launch included).
+    pub(crate) replays: u64,
     /// `TURBOSPARK_STEP_TIMING`: a measurement knob timing each replay on the device.
     pub(crate) timing: Option<ReplayTiming>,
 }
@@ -152,15 +183,20 @@ impl Cuda {
         let mut g = self.graphs.lock().expect("graph lock");
         if g.arena_on {
             let bytes = (len * 4).div_ceil(256) * 256;
-            if g.arena_used + bytes > ARENA_BYTES {
+            if g.arena_used + bytes <= ARENA_BYTES {
+                let ptr = self.gpu.ptr(&g.arena) + g.arena_used as u64;
+                g.arena_used += bytes;
+                return Ok(Act { ptr, len, _own: None });
+            }
+            if !g.measuring {
                 return Err(ModelError::Compute(format!(
-                    "cuda: a one-row step needs more than the {} MiB activation arena",
+                    "cuda: a recorded step needs more than the {} MiB activation arena",
                     ARENA_BYTES >> 20
                 )));
             }
-            let ptr = self.gpu.ptr(&g.arena) + g.arena_used as u64;
-            g.arena_used += bytes;
-            return Ok(Act { ptr, len, _own: None });
+            // The rest of a measured step allocates; it will not be recorded.
+            g.overflowed = true;
+            g.arena_on = false;
         }
         drop(g);
         let buf = self.gpu.alloc::<f32>(len).map_err(err)?;
@@ -252,10 +288,14 @@ impl Cuda {
         self.gpu.launch_1d(name, n, args).map_err(err)
     }
 
-    /// Ends a capture a failed step left open, dropping what it recorded.
-    fn abandon_capture(&self) {
+    /// Ends a capture a failed step left open, dropping what it recorded; that kind of step
+    /// then runs directly.
+    fn abandon_capture(&self, g: &mut Graphs) {
         if self.mode() == Mode::Capture {
             let _ = self.gpu.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            if let Some(key) = g.current.take() {
+                g.recorded.insert(key, Recording::Measured { fits: false });
+            }
         }
         self.set_mode(Mode::Direct);
     }
@@ -290,7 +330,7 @@ impl Cuda {
         // of a many-row step freed while recording is an invalid graph).
         self.q8_last.lock().expect("q8 lock").take();
         let mut g = self.graphs.lock().expect("graph lock");
-        self.abandon_capture();
+        self.abandon_capture(&mut g);
         let m = rows.len();
         let n_layer = seqs.first().map_or(0, |s| s.state.layers.len());
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
@@ -336,7 +376,8 @@ impl Cuda {
         // recorded against older ones is dropped when they move.
         let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
         if !fits {
-            let cap = m.max(8);
+            // Room for every recorded size at once: growing batches keep their recordings.
+            let cap = m.max(GRAPH_MAX_ROWS + 1);
             *step = Some(Step {
                 m,
                 tokens_host: Vec::new(),
@@ -350,8 +391,7 @@ impl Cuda {
                 longest: 0,
                 slots: Vec::new(),
             });
-            g.decode = Default::default();
-            g.logits = Default::default();
+            g.recorded.clear();
         }
         let st = step.as_mut().expect("step buffers");
         st.m = m;
@@ -378,27 +418,63 @@ impl Cuda {
         // Pageable copies return once the bytes are staged; the kernels after them see them in order.
         g.arena_used = 0;
         g.arena_on = m == 1;
-        if self.use_graphs && m == 1 && self.tier.is_none() {
-            g.kind = rows[0].logits as usize + 2 * scratch.exact as usize;
-            if g.decode[g.kind].is_some() {
-                let g = &mut *g;
-                let graph = &g.decode[g.kind].as_ref().expect("recorded step").0;
+        (g.measuring, g.overflowed, g.current) = (false, false, None);
+        let key = self.step_key(rows, scratch.exact, &st.slots);
+        drop(step);
+        let Some(key) = key else { return Ok(StepStart::Run) };
+        let g = &mut *g;
+        match g.recorded.get(&key) {
+            Some(Recording::Graph { graph, logits }) => {
                 match &mut g.timing {
-                    Some(t) => t.launch(graph, &self.gpu.stream)?,
-                    None => graph.launch().map_err(|e| err(e.into()))?,
+                    Some(t) => t.launch(&graph.0, &self.gpu.stream)?,
+                    None => graph.0.launch().map_err(|e| err(e.into()))?,
                 }
+                g.replays += 1;
                 g.arena_on = false;
-                let logits = g.logits[g.kind].map(|(ptr, len)| Act { ptr, len, _own: None });
-                return Ok(StepStart::Replayed { logits });
-            } else {
+                let logits = logits.map(|(ptr, len)| Act { ptr, len, _own: None });
+                Ok(StepStart::Replayed { logits })
+            }
+            Some(Recording::Measured { fits: false }) => {
+                g.arena_on = false;
+                Ok(StepStart::Run)
+            }
+            None if m > 1 => {
+                // Run directly once, on the arena, watching for overflow and host transfers.
+                g.arena_on = true;
+                g.measuring = true;
+                g.transfers_at_start = self.gpu.transfers.load(std::sync::atomic::Ordering::Relaxed);
+                g.current = Some(key);
+                Ok(StepStart::Run)
+            }
+            _ => {
+                g.arena_on = true;
+                g.current = Some(key);
                 self.gpu
                     .stream
                     .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(|e| err(e.into()))?;
                 self.set_mode(Mode::Capture);
+                Ok(StepStart::Run)
             }
         }
-        Ok(StepStart::Run)
+    }
+
+    /// The kind of step `rows` are, if such steps can be recorded: graphs on, no expert
+    /// cache (its copies and slot lookups are host work), at most [`GRAPH_MAX_ROWS`] rows, and
+    /// every row or none wanting logits (choosing some is an upload).
+    fn step_key(&self, rows: &[Row], exact: bool, slots: &[usize]) -> Option<StepKey> {
+        let m = rows.len();
+        let logits = rows.first()?.logits;
+        if !self.use_graphs || self.tier.is_some() || m > GRAPH_MAX_ROWS || rows.iter().any(|r| r.logits != logits) {
+            return None;
+        }
+        let sequences = rows.iter().map(|r| rows.iter().position(|o| o.seq == r.seq).unwrap_or(0) as u32).collect();
+        Some(StepKey { m, sequences, logits, exact, slots: slots.to_vec() })
+    }
+
+    /// Steps run from a recorded graph so far (tests: that recording happened).
+    pub fn graph_replays(&self) -> u64 {
+        self.graphs.lock().expect("graph lock").replays
     }
 
     /// [`ts_model::Backend::end_step`]: a recorded step's graph is launched here.
@@ -408,20 +484,42 @@ impl Cuda {
         self.set_mode(Mode::Direct);
         match mode {
             Mode::Capture => {
+                let key = g.current.take();
                 let graph = self
                     .gpu
                     .stream
                     .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                    .map_err(|e| err(e.into()))?
-                    .ok_or_else(|| ModelError::Compute("cuda: the decode step recorded no work".into()))?;
-                graph.launch().map_err(|e| err(e.into()))?;
-                let kind = g.kind;
-                g.decode[kind] = Some(SendGraph(graph));
-                g.logits[kind] = logits.map(|l| (l.ptr, l.len));
+                    .map_err(|e| err(e.into()))
+                    .and_then(|g| g.ok_or_else(|| ModelError::Compute("cuda: the step recorded no work".into())))
+                    .and_then(|graph| graph.launch().map_err(|e| err(e.into())).map(|()| graph));
+                match (graph, key) {
+                    (Ok(graph), Some(key)) => {
+                        let logits = logits.map(|l| (l.ptr, l.len));
+                        g.recorded.insert(key, Recording::Graph { graph: SendGraph(graph), logits });
+                        g.replays += 1;
+                    }
+                    (Ok(_), None) => {}
+                    (Err(e), key) => {
+                        // That kind of step runs directly from now on.
+                        if let Some(key) = key {
+                            g.recorded.insert(key, Recording::Measured { fits: false });
+                        }
+                        (g.arena_on, g.measuring) = (false, false);
+                        return Err(e);
+                    }
+                }
             }
-            Mode::Direct => {}
+            Mode::Direct => {
+                if g.measuring
+                    && let Some(key) = g.current.take()
+                {
+                    let transfers = self.gpu.transfers.load(std::sync::atomic::Ordering::Relaxed);
+                    let fits = !g.overflowed && transfers == g.transfers_at_start;
+                    g.recorded.insert(key, Recording::Measured { fits });
+                }
+            }
         }
-        g.arena_on = false;
+        (g.arena_on, g.measuring, g.current) = (false, false, None);
         Ok(())
     }
 }

@@ -404,9 +404,10 @@ impl<B: Backend> Model<B> {
         if let Some(ffn) = pending {
             be.add(&mut x, &ffn)?;
         }
-        advance(rows, seqs);
         let logits = self.output(rows, &x, scratch)?;
         be.end_step(logits.as_ref())?;
+        // Only a step that ran (or was recorded and launched) moves its sequences on.
+        advance(rows, seqs);
         self.logits_to_host(logits)
     }
 
