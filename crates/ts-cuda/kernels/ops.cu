@@ -51,11 +51,13 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     float* op = out + (long long)blockIdx.x * width;
     signed char* qp = q ? q + (long long)blockIdx.x * width : nullptr;
     float2* dp = q ? ds + (long long)blockIdx.x * (width / 32) : nullptr;
-    float held[RMS_HELD];
+    float held[RMS_HELD], wheld[RMS_HELD];
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < RMS_HELD; j++) {
         int i = threadIdx.x + j * blockDim.x;
+        // The weights are loaded with x, not after the block sum: one memory wait less.
+        wheld[j] = i < width && w ? w[i] : 1.0f;
         held[j] = i < width ? xp[i] : 0.0f;
         if (ADD && i < width) {
             held[j] += yp[i];
@@ -78,7 +80,7 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     for (int j = 0; j < RMS_HELD; j++) {
         int i = threadIdx.x + j * blockDim.x;
         if (i < width) {
-            const float v = held[j] * scale * (w ? w[i] : 1.0f);
+            const float v = held[j] * scale * wheld[j];
             op[i] = v;
             if (qp) ts_q8_store_warp(v, i, qp, dp);
         }
