@@ -271,6 +271,28 @@ impl Gpu {
 /// process and device, shared by every `Gpu` opened on it.
 type Loaded = (Arc<CudaContext>, Arc<HashMap<String, CudaFunction>>);
 
+/// Keeps memory freed back to the device's default pool mapped for the next allocation. Steps
+/// of several rows allocate their activations from that pool (stream-ordered), and with the
+/// driver's default threshold of 0 each synchronization (a step's logits download) hands the
+/// freed memory back to the driver, so the next step maps it again.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), CudaError> {
+    use cudarc::driver::{result, sys};
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let mut threshold = u64::MAX;
+    // SAFETY: the device is the context's; the attribute takes a u64.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(ctx.cu_device())?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )?;
+    }
+    Ok(())
+}
+
 fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
     static LOADED: std::sync::Mutex<Vec<(usize, Loaded)>> = std::sync::Mutex::new(Vec::new());
     let mut all = LOADED.lock().expect("kernel cache lock");
@@ -280,6 +302,7 @@ fn loaded(ordinal: usize) -> Result<Loaded, CudaError> {
     let ctx = CudaContext::new(ordinal)?;
     // One stream, ordered: no per-buffer events needed.
     unsafe { ctx.disable_event_tracking() };
+    keep_freed_memory(&ctx)?;
     let ptx = compile(ctx.compute_capability()?)?;
     let names = ptx_entries(&ptx.to_src());
     let module = ctx.load_module(ptx)?;
