@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|spec]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -259,6 +259,24 @@ if [[ $what == ncu-detail ]]; then
         --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
         "$B"/turbospark bench -m "$f" --device cuda ${DETAIL_BENCH:--p 512 -n 0 -r 1} 2>&1 | tee "$OUT/ncu-detail-$like.log" \
         | grep -vE "^ *-+ *$|^ *$|^==PROF==" | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|Active Warps|Block Limit|Executed Ipc|OPT|sec|^  [a-z_]" | head -${LINES_MAX:-80}
+fi
+if [[ $what == spec ]]; then
+    # `spec MODEL PROMPT_FILE [FLAGS]`: greedy generation of 256 tokens on the GPU without and
+    # with prompt lookup (or FLAGS, e.g. "--spec-mtp"), two interleaved rounds: the speed and
+    # acceptance lines `run` writes on stderr, and whether the texts are the same.
+    flags=${4:---spec-ngram}
+    for round in 1 2; do
+        for with in plain spec; do
+            extra=""
+            [[ $with == spec ]] && extra=$flags
+            echo "== round $round, $with $extra"
+            "$B"/turbospark run -m "$2" --device cuda -f "$3" -n 256 --temp 0 $extra \
+                2> "$OUT/spec-$with-$round.err" > "$OUT/spec-$with-$round.txt"
+            grep -E "generation:|speculative:" "$OUT/spec-$with-$round.err"
+        done
+        cmp -s "$OUT/spec-plain-$round.txt" "$OUT/spec-spec-$round.txt" && echo "round $round: same text" \
+            || { echo "round $round: the texts differ"; failed=1; }
+    done
 fi
 if ((failed)); then
     echo "gpu-run.sh: tests failed (logs in $OUT)" >&2
