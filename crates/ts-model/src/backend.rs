@@ -144,12 +144,39 @@ pub trait Backend: Sized + Send + Sync {
         Ok(StepStart::Run)
     }
 
+    /// [`Backend::begin_step`] for a step whose ops must all be called: one that hands back
+    /// more than logits (the trunk's hidden states) or runs the MTP head. A backend that
+    /// records steps neither replays nor records it.
+    fn begin_direct_step(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<Self::State>],
+        scratch: &Self::Scratch,
+    ) -> Result<(), ModelError> {
+        match self.begin_step(rows, seqs, scratch)? {
+            StepStart::Run => Ok(()),
+            StepStart::Replayed { .. } => {
+                Err(ModelError::Compute(format!("{}: a step that must run was replayed", self.name())))
+            }
+        }
+    }
+
+    /// The state of one MTP sequence of `n_ctx` positions: the keys and values of the MTP
+    /// head's layer (block `n_layer`), and nothing for the trunk's layers.
+    fn new_mtp_state(&self, model: &Model<Self>, n_ctx: usize) -> Result<Self::State, ModelError> {
+        let _ = (model, n_ctx);
+        Err(ModelError::Compute(format!("the {} backend does not run multi-token-prediction heads", self.name())))
+    }
+
     /// Called once at the end of each forward step whose ops ran, after its last op and
     /// before its logits (`[rows wanting logits][n_vocab]`, if any) are read.
     fn end_step(&self, _logits: Option<&Self::Act>) -> Result<(), ModelError> {
         Ok(())
     }
 
+    /// `x` `[m][width]` from the host into the backend's memory (the MTP head's hidden-state
+    /// input, which the host keeps between steps).
+    fn upload(&self, x: &[f32]) -> Result<Self::Act, ModelError>;
     /// Rows `tokens` of the embedding table `table` `[n_vocab][n_embd]`.
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Self::Act, ModelError>;
     /// `x[m][k] · wᵀ (+ bias)` for `w` of ggml shape `[k, n_out]` and `bias`

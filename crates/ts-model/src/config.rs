@@ -246,6 +246,9 @@ pub struct ArchConfig {
     /// Multi-token-prediction layers after the main ones (`nextn_predict_layers`),
     /// not part of the main forward pass.
     pub n_nextn: usize,
+    /// The plan of the first multi-token-prediction layer (GGUF block `n_layer`), where the
+    /// file has one: a full-attention layer with the trunk's attention settings and FFN kind.
+    pub nextn_layer: Option<LayerConfig>,
     /// Width of each layer's slice of the per-layer embeddings (Gemma 4's E models; 0: none).
     pub per_layer_input: usize,
 }
@@ -435,9 +438,24 @@ impl ArchConfig {
             attn_output_gate: false,
             delta_net: None,
             n_nextn,
+            nextn_layer: None,
             per_layer_input: 0,
         };
         (fam.finish)(&k, &mut cfg)?;
+        if n_nextn > 0 {
+            // The MTP layer attends as the trunk's full-attention layers do (qwen35moe:
+            // `src/models/qwen35moe.cpp` builds it as one), over a cache of its own.
+            let attn = cfg.layers.iter().filter_map(|l| l.attention()).find(|a| a.sliding_window.is_none());
+            let attn = attn.cloned().ok_or_else(|| ModelError::BadKey {
+                key: k.name("nextn_predict_layers"),
+                problem: "a multi-token-prediction layer needs the trunk to have a full-attention layer".into(),
+            })?;
+            cfg.nextn_layer = Some(LayerConfig {
+                mixer: Mixer::Attention(AttnLayer { kv_from: None, ..attn }),
+                moe: cfg.moe.is_some(),
+                n_ff: cfg.n_ff,
+            });
+        }
         Ok(cfg)
     }
 

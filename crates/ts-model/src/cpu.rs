@@ -55,6 +55,14 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn new_mtp_state(&self, model: &Model<Self>, n_ctx: usize) -> Result<CpuState, ModelError> {
+        CpuState::for_mtp(&model.cfg, n_ctx)
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
+        Ok(x.to_vec())
+    }
+
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         let e = table.row_len();
         let row_bytes = table.row_bytes();

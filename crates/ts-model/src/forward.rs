@@ -6,7 +6,7 @@
 use crate::Cpu;
 use crate::ModelError;
 use crate::backend::{AttnShape, Backend, HeadNorm, StepStart};
-use crate::config::{ArchConfig, GatedActivation, QkNorm, RopeLayout, RopeScaling};
+use crate::config::{ArchConfig, GatedActivation, LayerConfig, QkNorm, RopeLayout, RopeScaling};
 use crate::state::{SeqState, Snapshot};
 use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
 use crate::weights::Weight;
@@ -238,9 +238,11 @@ impl ts_experts::Repack for CpuRepack {
 
 impl Model {
     pub fn new(cfg: ArchConfig, weights: ModelWeights, experts: Box<dyn ExpertStore>) -> Model {
+        // The MTP layer's table, where there is one, is entry `n_layer`.
         let ropes = cfg
             .layers
             .iter()
+            .chain(cfg.nextn_layer.as_ref())
             .map(|l| {
                 l.attention()
                     .map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref().filter(|_| a.rope_freq_factors)))
@@ -328,6 +330,30 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The plan of block `il`: a trunk layer, or the MTP head's layer at `n_layer`.
+    fn plan(&self, il: usize) -> &LayerConfig {
+        match self.cfg.layers.get(il) {
+            Some(l) => l,
+            None => self.cfg.nextn_layer.as_ref().expect("block n_layer is the MTP layer"),
+        }
+    }
+
+    /// Checks that every row names one of `seqs`, fits its context and holds a token of the vocabulary.
+    fn check_rows(&self, rows: &[Row], seqs: &[&mut SeqState<B::State>]) -> Result<(), ModelError> {
+        for r in rows {
+            let seq = seqs
+                .get(r.seq)
+                .ok_or_else(|| ModelError::Compute(format!("row names sequence {} of {}", r.seq, seqs.len())))?;
+            if r.pos >= seq.n_ctx {
+                return Err(ModelError::ContextFull { pos: r.pos, n_ctx: seq.n_ctx });
+            }
+            if r.token as usize >= self.cfg.n_vocab {
+                return Err(ModelError::TokenOutOfRange { token: r.token, n_vocab: self.cfg.n_vocab });
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `rows` through the model, updating each row's sequence cache, and
     /// returns the logits of the rows that asked for them, in row order.
     pub fn forward(
@@ -336,24 +362,40 @@ impl<B: Backend> Model<B> {
         seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        Ok(self.run_trunk(rows, seqs, scratch, false)?.0)
+    }
+
+    /// [`Model::forward`], also handing back every row's final-normed hidden state (after
+    /// `output_norm`, what the MTP head reads), `[rows][n_embd]`. Such a step always runs
+    /// its ops (a backend does not replay a recording for it).
+    pub fn forward_hidden(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<B::State>],
+        scratch: &mut B::Scratch,
+    ) -> Result<(Vec<Vec<f32>>, Vec<f32>), ModelError> {
+        let (logits, hidden) = self.run_trunk(rows, seqs, scratch, true)?;
+        Ok((logits, hidden.expect("asked for the hidden states")))
+    }
+
+    /// The trunk's step: logits of the rows that want them and, with `hidden`, every
+    /// row's final-normed hidden state (nothing computed for it otherwise).
+    fn run_trunk(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<B::State>],
+        scratch: &mut B::Scratch,
+        hidden: bool,
+    ) -> Result<(Vec<Vec<f32>>, Option<Vec<f32>>), ModelError> {
         let cfg = &self.cfg;
         let be = &self.backend;
         let m = rows.len();
-        for r in rows {
-            let seq = seqs
-                .get(r.seq)
-                .ok_or_else(|| ModelError::Compute(format!("row names sequence {} of {}", r.seq, seqs.len())))?;
-            if r.pos >= seq.n_ctx {
-                return Err(ModelError::ContextFull { pos: r.pos, n_ctx: seq.n_ctx });
-            }
-            if r.token as usize >= cfg.n_vocab {
-                return Err(ModelError::TokenOutOfRange { token: r.token, n_vocab: cfg.n_vocab });
-            }
-        }
-
-        if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
+        self.check_rows(rows, seqs)?;
+        if hidden {
+            be.begin_direct_step(rows, seqs, scratch)?;
+        } else if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
             advance(rows, seqs);
-            return self.logits_to_host(logits);
+            return Ok((self.logits_to_host(logits)?, None));
         }
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
@@ -404,11 +446,87 @@ impl<B: Backend> Model<B> {
         if let Some(ffn) = pending {
             be.add(&mut x, &ffn)?;
         }
-        let logits = self.output(rows, &x, scratch)?;
+        let (logits, hidden) = match hidden {
+            false => (self.output(rows, &x, scratch)?, None),
+            true => {
+                let normed = be.rms_norm_to(&x, &self.weights.output_norm, cfg.rms_eps)?;
+                let logits = self.head(rows, &normed, &self.weights.output, scratch)?;
+                (logits, Some(normed))
+            }
+        };
         be.end_step(logits.as_ref())?;
         // Only a step that ran (or was recorded and launched) moves its sequences on.
         advance(rows, seqs);
-        self.logits_to_host(logits)
+        let hidden = hidden.map(|h| be.to_host(&h)).transpose()?;
+        Ok((self.logits_to_host(logits)?, hidden))
+    }
+
+    /// One step of the MTP head ([`crate::tensors::MtpWeights`]): row i pairs the token
+    /// `rows[i].token` (x at t + 1) with `hidden[i]` (`[n_embd]`, the trunk's final-normed
+    /// hidden state at t, or the head's own `hidden` output of the row before when
+    /// chaining guesses) at position `rows[i].pos` of its sequence, an MTP sequence
+    /// ([`Model::new_mtp_sequence`]) whose cache the row's keys and values go into. Returns
+    /// the logits of the rows that want them (guesses for t + 2) and every row's `hidden`
+    /// output. The sequences' `n_past` are left to the caller.
+    pub fn mtp_forward(
+        &self,
+        rows: &[Row],
+        hidden: &[f32],
+        seqs: &mut [&mut SeqState<B::State>],
+        scratch: &mut B::Scratch,
+    ) -> Result<MtpOutput, ModelError> {
+        let (cfg, be) = (&self.cfg, &self.backend);
+        let mtp = self.weights.mtp.as_ref().ok_or_else(|| {
+            ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into())
+        })?;
+        let (m, e, il) = (rows.len(), cfg.n_embd, cfg.n_layer);
+        if hidden.len() != m * e {
+            return Err(ModelError::Compute(format!("MTP: {} hidden floats for {m} rows of {e}", hidden.len())));
+        }
+        self.check_rows(rows, seqs)?;
+        be.begin_direct_step(rows, seqs, scratch)?;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let mut x = be.embed(mtp.embed_tokens.as_ref().unwrap_or(&self.weights.token_embd), &tokens)?;
+        if let Some(s) = cfg.embed_scale {
+            be.scale(&mut x, s)?;
+        }
+        be.rms_norm(&mut x, e, Some(&mtp.enorm), cfg.rms_eps)?;
+        let mut h = be.upload(hidden)?;
+        be.rms_norm(&mut h, e, Some(&mtp.hnorm), cfg.rms_eps)?;
+        // eh_proj · [e; h], as the sum of its two halves' products.
+        let mut u = be.linear(&mtp.eh_proj_embd, None, &x, m, scratch)?;
+        let from_hidden = be.linear(&mtp.eh_proj_hidden, None, &h, m, scratch)?;
+        be.add(&mut u, &from_hidden)?;
+        let layer = &mtp.layer;
+        let normed = be.rms_norm_to(&u, &layer.attn_norm, cfg.rms_eps)?;
+        let MixerWeights::Attention(w) = &layer.mixer else {
+            return Err(ModelError::Compute("MTP: the layer is not an attention layer".into()));
+        };
+        let mut attn = self.attention(il, w, rows, seqs, &normed, scratch)?;
+        if let Some(w) = &layer.attn_post_norm {
+            be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
+        }
+        let normed = be.add_rms_norm_to(&mut u, &attn, &layer.ffn_norm, cfg.rms_eps)?;
+        let mut ffn = match &layer.ffn {
+            Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
+            Ffn::Moe(w) => self.moe_ffn(il, w, &u, &normed, m, scratch)?,
+        };
+        if let Some(w) = &layer.ffn_post_norm {
+            be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
+        }
+        be.add(&mut u, &ffn)?;
+        let out = be.rms_norm_to(&u, &mtp.shared_head_norm, cfg.rms_eps)?;
+        let logits = self.head(rows, &out, mtp.head.as_ref().unwrap_or(&self.weights.output), scratch)?;
+        be.end_step(logits.as_ref())?;
+        Ok(MtpOutput { logits: self.logits_to_host(logits)?, hidden: be.to_host(&out)? })
+    }
+
+    /// A new MTP sequence of `n_ctx` positions: the cache of the MTP head's layer only.
+    pub fn new_mtp_sequence(&self, n_ctx: usize) -> Result<SeqState<B::State>, ModelError> {
+        if self.weights.mtp.is_none() {
+            return Err(ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()));
+        }
+        Ok(SeqState { state: self.backend.new_mtp_state(self, n_ctx)?, n_past: 0, n_ctx })
     }
 
     /// A step's logits `[rows][n_vocab]` on the host, one Vec per row.
@@ -504,7 +622,7 @@ impl<B: Backend> Model<B> {
         let cfg = &self.cfg;
         let be = &self.backend;
         let m = rows.len();
-        let a = cfg.attn(il);
+        let a = self.plan(il).attention().expect("an attention layer");
         let (hd, hdv) = (a.head_dim, a.head_dim_v);
         // The projections of one input together (a backend may overlap them). A layer sharing an
         // earlier layer's keys and values computes only its queries; without a V projection
@@ -597,6 +715,43 @@ impl<B: Backend> Model<B> {
         }
         Ok(Some(logits))
     }
+
+    /// The output head `head` over already normed rows `normed` `[rows][n_embd]`, for the
+    /// rows that want logits, `[wanted][n_vocab]`.
+    fn head(
+        &self,
+        rows: &[Row],
+        normed: &B::Act,
+        head: &Weight,
+        scratch: &mut B::Scratch,
+    ) -> Result<Option<B::Act>, ModelError> {
+        let be = &self.backend;
+        let wanted: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, _)| i).collect();
+        if wanted.is_empty() {
+            return Ok(None);
+        }
+        let selected;
+        let normed = if wanted.len() == rows.len() {
+            normed
+        } else {
+            selected = be.select_rows(normed, self.cfg.n_embd, &wanted)?;
+            &selected
+        };
+        let mut logits = be.linear(head, self.weights.output_bias.as_deref(), normed, wanted.len(), scratch)?;
+        if let Some(c) = self.cfg.final_softcap {
+            be.softcap(&mut logits, c)?;
+        }
+        Ok(Some(logits))
+    }
+}
+
+/// What one step of the MTP head gives.
+pub struct MtpOutput {
+    /// `[wanted][n_vocab]`: the logits of the rows that asked for them, in row order.
+    pub logits: Vec<Vec<f32>>,
+    /// `[rows][n_embd]`: every row's output after `shared_head_norm` (the hidden input of
+    /// the next guess when chaining).
+    pub hidden: Vec<f32>,
 }
 
 /// Each row's sequence now holds its position.

@@ -16,7 +16,7 @@ pub mod weights;
 pub use backend::{AttnShape, Backend, StepStart};
 pub use config::{Arch, ArchConfig};
 pub use cpu::Cpu;
-pub use forward::{Model, Row, Scratch};
+pub use forward::{Model, MtpOutput, Row, Scratch};
 pub use state::{CpuState, SeqState, Snapshot};
 pub use ts_experts::{
     EvictionPolicy, ExpertLayout, ExpertStore, LayerLayout, MappedExperts, ProjLayout, ResidentExperts, StatsSnapshot,
@@ -102,9 +102,11 @@ pub fn expert_layout(file: &GgufFile, weights: &tensors::ModelWeights) -> Expert
         expert_bytes: w.row_bytes() * w.n_rows(),
         stride: w.matrix_stride(),
     };
+    // The MTP head's layer, where there is one, is layer `n_layer` of the store.
     let layers = weights
         .layers
         .iter()
+        .chain(weights.mtp.iter().map(|m| &m.layer))
         .map(|l| match &l.ffn {
             tensors::Ffn::Moe(m) => Some(LayerLayout {
                 n_expert: m.gate_exps.dims[2],

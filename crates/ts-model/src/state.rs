@@ -158,6 +158,26 @@ impl CpuState {
         CpuState { layers }
     }
 
+    /// An MTP sequence's state ([`crate::Backend::new_mtp_state`]): the MTP layer's cache at
+    /// index `n_layer`; each trunk layer holds nothing (marked as sharing that cache, which no
+    /// trunk layer reads in such a state).
+    pub fn for_mtp(cfg: &ArchConfig, n_ctx: usize) -> Result<CpuState, ModelError> {
+        let Some(Mixer::Attention(a)) = cfg.nextn_layer.as_ref().map(|l| &l.mixer) else {
+            return Err(ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()));
+        };
+        let slots = n_ctx.max(1);
+        let mut layers = vec![LayerState::SharedKv(cfg.n_layer); cfg.n_layer];
+        layers.push(LayerState::Kv(LayerCache {
+            k: vec![0.0; slots * a.kv_dim()],
+            v: vec![0.0; slots * a.v_dim()],
+            slots,
+            kv_dim: a.kv_dim(),
+            v_dim: a.v_dim(),
+            window: None,
+        }));
+        Ok(CpuState { layers })
+    }
+
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerState::bytes).sum()
     }

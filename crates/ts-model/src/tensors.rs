@@ -3,7 +3,7 @@
 //! compute with, and of the right shape, or the open fails naming it.
 
 use crate::ModelError;
-use crate::config::{Arch, ArchConfig, DeltaNetConfig, Mixer, QkNorm};
+use crate::config::{Arch, ArchConfig, AttnLayer, DeltaNetConfig, LayerConfig, Mixer, QkNorm};
 use crate::weights::Weight;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -84,6 +84,17 @@ pub enum Role {
     PostFfwNorm2,
     /// Gate and up of every expert in one tensor, `[n_embd, 2 n_ff_exp, n_expert]`, gate rows first.
     FfnGateUpExps,
+    /// MTP head (`blk.{n_layer}.nextn.*`): `[2 n_embd, n_embd]`, reading [normed embedding; normed hidden].
+    NextnEhProj,
+    /// MTP head: norms of the embedding and of the trunk's hidden state, `[n_embd]`.
+    NextnEnorm,
+    NextnHnorm,
+    /// MTP head: the norm before the output head, `[n_embd]`.
+    NextnSharedHeadNorm,
+    /// MTP head: its own embedding table and output head, `[n_embd, n_vocab]` (optional;
+    /// Qwen's share the trunk's).
+    NextnEmbedTokens,
+    NextnSharedHeadHead,
 }
 
 impl Role {
@@ -137,6 +148,12 @@ impl Role {
             Role::PostFfwNorm1 => "post_ffw_norm_1",
             Role::PostFfwNorm2 => "post_ffw_norm_2",
             Role::FfnGateUpExps => "ffn_gate_up_exps",
+            Role::NextnEhProj => "nextn.eh_proj",
+            Role::NextnEnorm => "nextn.enorm",
+            Role::NextnHnorm => "nextn.hnorm",
+            Role::NextnSharedHeadNorm => "nextn.shared_head_norm",
+            Role::NextnEmbedTokens => "nextn.embed_tokens",
+            Role::NextnSharedHeadHead => "nextn.shared_head_head",
         }
     }
 
@@ -303,6 +320,30 @@ pub struct PerLayerInputWeights {
     pub proj_norm: Vec<f32>,
 }
 
+/// The multi-token-prediction ("nextn") head, GGUF block `n_layer` (docs/MTP.md §3): for the
+/// trunk's final-normed hidden state `h` `[n_embd]` at position t and the token `x` at t + 1,
+/// `u = eh_proj · [enorm(embed(x)); hnorm(h)]`, one decoder layer over its own cache,
+/// `h' = shared_head_norm(layer(u))` and `logits = output · h'` (the guess for t + 2).
+/// The GGUF's norms already hold Qwen's `1 + w`.
+pub struct MtpWeights {
+    /// `[n_embd, n_embd]` each: the columns of `eh_proj` `[2 n_embd, n_embd]` that read the
+    /// normed embedding (its first half), and those that read the normed hidden state.
+    pub eh_proj_embd: Weight,
+    pub eh_proj_hidden: Weight,
+    /// `[n_embd]`.
+    pub enorm: Vec<f32>,
+    /// `[n_embd]`.
+    pub hnorm: Vec<f32>,
+    /// `[n_embd]`.
+    pub shared_head_norm: Vec<f32>,
+    /// `[n_embd, n_vocab]`: the head's own embedding table and output head, where the
+    /// file has them (else the trunk's `token_embd` and `output`).
+    pub embed_tokens: Option<Weight>,
+    pub head: Option<Weight>,
+    /// The decoder layer: full attention and the trunk's kind of FFN ([`ArchConfig::nextn_layer`]).
+    pub layer: LayerWeights,
+}
+
 pub struct ModelWeights {
     /// `[n_embd, n_vocab]`.
     pub token_embd: Weight,
@@ -315,6 +356,8 @@ pub struct ModelWeights {
     pub rope_freqs: Option<Vec<f32>>,
     pub per_layer_input: Option<PerLayerInputWeights>,
     pub layers: Vec<LayerWeights>,
+    /// The multi-token-prediction head, where the file has one (`nextn_predict_layers` > 0).
+    pub mtp: Option<MtpWeights>,
 }
 
 impl ModelWeights {
@@ -446,7 +489,9 @@ impl ModelWeights {
             }
             None => token_embd.clone(),
         };
-        let layers = (0..cfg.n_layer).map(|l| load_layer(&ld, cfg, l)).collect::<Result<_, _>>()?;
+        let layers =
+            (0..cfg.n_layer).map(|l| load_layer(&ld, cfg, l, &cfg.layers[l])).collect::<Result<_, _>>()?;
+        let mtp = cfg.nextn_layer.as_ref().map(|plan| load_mtp(&ld, cfg, plan)).transpose()?;
         Ok(ModelWeights {
             output_norm: ld.vector(Role::OutputNorm, None, "weight", &[e])?,
             output_bias: ld.opt_vector(Role::Output, None, "bias", &[v])?,
@@ -465,15 +510,40 @@ impl ModelWeights {
             token_embd,
             output,
             layers,
+            mtp,
         })
     }
 }
 
-fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, ModelError> {
+/// The MTP head of block `n_layer`: a file that declares `nextn_predict_layers` but lacks a
+/// tensor of it fails to open, naming the tensor.
+fn load_mtp(ld: &Loader, cfg: &ArchConfig, plan: &LayerConfig) -> Result<MtpWeights, ModelError> {
+    let (e, v, l) = (cfg.n_embd, cfg.n_vocab, cfg.n_layer);
+    let il = Some(l);
+    let eh_proj = ld.matrix(Role::NextnEhProj, il, &[2 * e, e])?;
+    let half = |first: usize, part: &str| {
+        eh_proj.select_columns(&format!("{} ({part})", eh_proj.name), first, e).map_err(|problem| {
+            ModelError::BadTensor { name: eh_proj.name.clone(), problem }
+        })
+    };
+    Ok(MtpWeights {
+        eh_proj_embd: half(0, "embedding columns")?,
+        eh_proj_hidden: half(e, "hidden columns")?,
+        enorm: ld.vector(Role::NextnEnorm, il, "weight", &[e])?,
+        hnorm: ld.vector(Role::NextnHnorm, il, "weight", &[e])?,
+        shared_head_norm: ld.vector(Role::NextnSharedHeadNorm, il, "weight", &[e])?,
+        embed_tokens: ld.opt_matrix(Role::NextnEmbedTokens, il, &[e, v])?,
+        head: ld.opt_matrix(Role::NextnSharedHeadHead, il, &[e, v])?,
+        layer: load_layer(ld, cfg, l, plan)?,
+    })
+}
+
+/// Block `l`'s weights, laid out as `plan` says.
+fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize, plan: &LayerConfig) -> Result<LayerWeights, ModelError> {
     let e = cfg.n_embd;
     let il = Some(l);
-    let mixer = match &cfg.layers[l].mixer {
-        Mixer::Attention(_) => MixerWeights::Attention(load_attention(ld, cfg, l)?),
+    let mixer = match &plan.mixer {
+        Mixer::Attention(a) => MixerWeights::Attention(load_attention(ld, cfg, l, a)?),
         Mixer::DeltaNet => MixerWeights::DeltaNet(load_delta_net(ld, cfg, l)?),
     };
     Ok(LayerWeights {
@@ -482,7 +552,7 @@ fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, M
         attn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostAttnNorm, il, "weight", &[e])?) } else { None },
         ffn_norm: ld.vector(cfg.family().ffn_norm, il, "weight", &[e])?,
         ffn_post_norm: if cfg.post_norms { Some(ld.vector(Role::PostFfwNorm, il, "weight", &[e])?) } else { None },
-        ffn: load_ffn(ld, cfg, l)?,
+        ffn: load_ffn(ld, cfg, l, plan)?,
         per_layer: match cfg.per_layer_input {
             0 => None,
             p => Some(PerLayerWeights {
@@ -495,8 +565,7 @@ fn load_layer(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<LayerWeights, M
     })
 }
 
-fn load_attention(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<AttnWeights, ModelError> {
-    let a = cfg.attn(l);
+fn load_attention(ld: &Loader, cfg: &ArchConfig, l: usize, a: &AttnLayer) -> Result<AttnWeights, ModelError> {
     let (e, q, kv, vd) = (cfg.n_embd, cfg.n_head * a.head_dim, a.kv_dim(), a.v_dim());
     let il = Some(l);
     let fam = cfg.family();
@@ -600,7 +669,7 @@ fn split_qkvz(w: &Weight, d: &DeltaNetConfig) -> (Weight, Weight) {
     )
 }
 
-fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> {
+fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize, plan: &LayerConfig) -> Result<Ffn, ModelError> {
     let e = cfg.n_embd;
     let il = Some(l);
     let dense = |f: usize| -> Result<(Weight, Weight, Weight), ModelError> {
@@ -611,9 +680,9 @@ fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> 
         ))
     };
     let moe = match &cfg.moe {
-        Some(moe) if cfg.layers[l].moe => moe,
+        Some(moe) if plan.moe => moe,
         _ => {
-            let (gate, up, down) = dense(cfg.layers[l].n_ff)?;
+            let (gate, up, down) = dense(plan.n_ff)?;
             return Ok(Ffn::Dense { gate, up, down });
         }
     };
@@ -635,7 +704,7 @@ fn load_ffn(ld: &Loader, cfg: &ArchConfig, l: usize) -> Result<Ffn, ModelError> 
             post_norm: None,
         }),
         (None, true) => {
-            let (gate, up, down) = dense(cfg.layers[l].n_ff)?;
+            let (gate, up, down) = dense(plan.n_ff)?;
             Some(SharedExpertWeights { gate, up, down, gate_inp: None, post_norm: norm(Role::PostFfwNorm1)? })
         }
         (None, false) => None,

@@ -128,6 +128,24 @@ impl Weight {
         Weight::from_bytes(name, self.ty, vec![self.row_len(), rows.len()], bytes)
     }
 
+    /// Columns `first..first + n` of every row, as a new matrix `[n, n_rows]` (bytes copied):
+    /// one half of the MTP head's `eh_proj`. `first` and `n` must fall on the type's blocks.
+    pub fn select_columns(&self, name: &str, first: usize, n: usize) -> Result<Weight, String> {
+        let (k, block) = (self.row_len(), self.ty.block_size() as usize);
+        if first % block != 0 || n % block != 0 || first + n > k {
+            return Err(format!(
+                "{}: columns {first}..{} of rows of {k} do not fall on its {block}-element blocks",
+                self.name,
+                first + n
+            ));
+        }
+        let (rb, per_block) = (self.row_bytes(), self.ty.type_size() as usize);
+        let (start, len) = (first / block * per_block, n / block * per_block);
+        let bytes =
+            (0..self.n_rows()).flat_map(|r| self.bytes()[r * rb + start..r * rb + start + len].iter().copied()).collect();
+        Ok(Weight::from_bytes(name, self.ty, vec![n, self.n_rows()], bytes))
+    }
+
     /// The whole tensor as f32 (norm weights, biases, small tables).
     pub fn to_f32(&self) -> Vec<f32> {
         let n: usize = self.dims.iter().product();
