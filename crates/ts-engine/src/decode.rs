@@ -37,6 +37,41 @@ impl<B: Backend> Engine<B> {
         pieces: &[Piece],
         scratch: &mut B::Scratch,
     ) -> Result<Vec<Vec<Vec<f32>>>, EngineError> {
+        Ok(self.run_step(seqs, pieces, scratch, false)?.0)
+    }
+
+    /// [`Engine::step`], also handing back each piece's final-normed hidden states,
+    /// `[tokens][n_embd]` per piece (what an MTP head reads: [`ts_model::Model::forward_hidden`]).
+    #[allow(clippy::type_complexity)]
+    pub fn step_hidden(
+        &self,
+        seqs: &mut [&mut SeqState<B::State>],
+        pieces: &[Piece],
+        scratch: &mut B::Scratch,
+    ) -> Result<(Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>), EngineError> {
+        let (logits, hidden) = self.run_step(seqs, pieces, scratch, true)?;
+        let hidden = hidden.expect("asked for the hidden states");
+        let e = self.model.cfg.n_embd;
+        let mut at = 0;
+        let per_piece = pieces
+            .iter()
+            .map(|p| {
+                let h = hidden[at * e..(at + p.tokens.len()) * e].to_vec();
+                at += p.tokens.len();
+                h
+            })
+            .collect();
+        Ok((logits, per_piece))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn run_step(
+        &self,
+        seqs: &mut [&mut SeqState<B::State>],
+        pieces: &[Piece],
+        scratch: &mut B::Scratch,
+        hidden: bool,
+    ) -> Result<(Vec<Vec<Vec<f32>>>, Option<Vec<f32>>), EngineError> {
         if seqs.len() != pieces.len() {
             return Err(EngineError::Invalid(format!("{} pieces for {} sequences", pieces.len(), seqs.len())));
         }
@@ -57,10 +92,14 @@ impl<B: Backend> Engine<B> {
                 },
             }));
         }
-        let mut forward = || self.model.forward(&rows, seqs, scratch);
-        let logits = if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() };
-        let mut logits = logits?.into_iter();
-        Ok(pieces
+        let mut forward = || match hidden {
+            false => self.model.forward(&rows, seqs, scratch).map(|l| (l, None)),
+            true => self.model.forward_hidden(&rows, seqs, scratch).map(|(l, h)| (l, Some(h))),
+        };
+        let out = if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() };
+        let (logits, hidden) = out?;
+        let mut logits = logits.into_iter();
+        let logits = pieces
             .iter()
             .map(|p| {
                 let n = match p.logits {
@@ -70,7 +109,8 @@ impl<B: Backend> Engine<B> {
                 };
                 logits.by_ref().take(n).collect()
             })
-            .collect())
+            .collect();
+        Ok((logits, hidden))
     }
 }
 

@@ -212,6 +212,18 @@ impl<B: Backend> Engine<B> {
         tokens: &[u32],
         all: bool,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.prefill_observed(seq, tokens, all, None)
+    }
+
+    /// [`Engine::prefill`], handing each chunk's final-normed hidden states to `observer`
+    /// where it reads them ([`Drafter::wants_hidden`]: an MTP head).
+    pub fn prefill_observed(
+        &self,
+        seq: &mut SeqState<B::State>,
+        tokens: &[u32],
+        all: bool,
+        mut observer: Option<&mut dyn Drafter>,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         if seq.n_past + tokens.len() > seq.n_ctx {
             return Err(EngineError::PromptTooLong { tokens: seq.n_past + tokens.len(), n_ctx: seq.n_ctx });
         }
@@ -224,7 +236,16 @@ impl<B: Backend> Engine<B> {
                 (false, true) => Logits::Last,
                 (false, false) => Logits::None,
             };
-            out.extend(self.step(&mut [&mut *seq], &[Piece { tokens: chunk, logits }], &mut scratch)?.remove(0));
+            let piece = [Piece { tokens: chunk, logits }];
+            match observer.as_deref_mut().filter(|d| d.wants_hidden()) {
+                Some(d) => {
+                    let first = seq.n_past;
+                    let (mut l, h) = self.step_hidden(&mut [&mut *seq], &piece, &mut scratch)?;
+                    d.observe(first, chunk, &h[0]);
+                    out.extend(l.remove(0));
+                }
+                None => out.extend(self.step(&mut [&mut *seq], &piece, &mut scratch)?.remove(0)),
+            }
         }
         Ok(out)
     }
@@ -245,8 +266,12 @@ impl<B: Backend> Engine<B> {
         on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
         let t0 = Instant::now();
-        let logits =
-            self.prefill(seq, prompt, false)?.pop().ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
+        let mut spec = spec;
+        let observer = spec.as_mut().map(|(d, _)| &mut **d as &mut dyn Drafter);
+        let logits = self
+            .prefill_observed(seq, prompt, false, observer)?
+            .pop()
+            .ok_or_else(|| EngineError::Invalid("empty prompt".into()))?;
         let prompt_time = t0.elapsed();
         let (generated, mut stats) = self.decode(seq, logits, prompt, max_tokens, sampler, special, spec, on_text)?;
         stats.prompt_tokens = prompt.len();
@@ -356,7 +381,16 @@ impl<B: Backend> Engine<B> {
                 snapshot = self.model.is_recurrent().then(|| self.model.snapshot(seq)).transpose()?;
                 (Logits::All, &mut checking)
             };
-            rows = self.step(&mut [&mut *seq], &[Piece { tokens: &piece, logits }], s)?.remove(0);
+            let step = [Piece { tokens: &piece, logits }];
+            rows = match spec.as_mut().filter(|(d, _)| d.wants_hidden()) {
+                Some((drafter, _)) => {
+                    let first = seq.n_past;
+                    let (mut l, h) = self.step_hidden(&mut [&mut *seq], &step, s)?;
+                    drafter.observe(first, &piece, &h[0]);
+                    l.remove(0)
+                }
+                None => self.step(&mut [&mut *seq], &step, s)?.remove(0),
+            };
             last_step = Some(started.elapsed().as_secs_f64());
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;

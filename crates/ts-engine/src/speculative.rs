@@ -8,7 +8,7 @@
 
 use crate::decode::{Logits, Piece};
 use crate::session::{Engine, EngineError};
-use ts_model::{Backend, SeqState};
+use ts_model::{Backend, Row, SeqState};
 use ts_tokenizer::Tokenizer;
 
 /// How many tokens to guess per step (llama.cpp's `--draft-max`, `--draft-min`; a draft
@@ -110,6 +110,19 @@ impl DraftLength {
 pub trait Drafter {
     /// Up to `max` guesses of the tokens after `context` (every token of the text so far).
     fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError>;
+
+    /// Whether the drafter reads the target's final-normed hidden states (an MTP head): the
+    /// target's steps then hand them to [`Drafter::observe`] (they cost nothing otherwise).
+    fn wants_hidden(&self) -> bool {
+        false
+    }
+
+    /// The target ran `tokens` at positions `first..` of the sequence, with final-normed
+    /// hidden states `hidden` `[tokens.len()][n_embd]`: positions from `first` on that an
+    /// earlier call gave are replaced (rows of guesses not kept, run again).
+    fn observe(&mut self, first: usize, tokens: &[u32], hidden: &[f32]) {
+        let _ = (first, tokens, hidden);
+    }
 }
 
 /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -215,10 +228,130 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
     }
 }
 
+/// The target's own multi-token-prediction head guesses (`--spec-mtp`; docs/MTP.md): MTP row
+/// p pairs the token at p + 1 with the target's final-normed hidden state at p, at position p
+/// of the head's own cache. Each guess round first runs the rows the cache lacks up to the
+/// newest (the kept tokens of the last check and the token about to run, with the target's
+/// hidden states of that check), then chains greedy guesses one row at a time, each reading
+/// the head's own normed output of the row before. Chained rows stay in the cache only until
+/// the next round writes those positions again from the target's hidden states, so rows of
+/// guesses the target rejected never remain. The target's hidden states come through
+/// [`Drafter::observe`]; a position it never reported (a prompt read without them) leaves
+/// the round without guesses.
+pub struct MtpDrafter<'e, B: Backend> {
+    engine: &'e Engine<B>,
+    /// The head's cache ([`ts_model::Model::new_mtp_sequence`]).
+    seq: SeqState<B::State>,
+    scratch: B::Scratch,
+    /// The token the target ran at each position `0..seen.len()`, and its hidden state there,
+    /// `[seen.len()][n_embd]` (`u32::MAX` where none was reported).
+    seen: Vec<u32>,
+    hidden: Vec<f32>,
+    /// The context whose rows the cache holds: row p for each p + 1 < `fed.len()`.
+    fed: Vec<u32>,
+}
+
+impl<'e, B: Backend> MtpDrafter<'e, B> {
+    /// A drafter of `engine`'s MTP head for contexts of up to `n_ctx` tokens; an error naming
+    /// `--spec-mtp` for a model without one.
+    pub fn new(engine: &'e Engine<B>, n_ctx: usize) -> Result<Self, EngineError> {
+        if engine.model.weights.mtp.is_none() {
+            return Err(EngineError::Invalid(format!(
+                "--spec-mtp: this model has no multi-token-prediction layer ({}.nextn_predict_layers is {})",
+                engine.model.cfg.arch.gguf_name(),
+                engine.model.cfg.n_nextn
+            )));
+        }
+        let seq = engine.model.new_mtp_sequence(n_ctx)?;
+        Ok(MtpDrafter { engine, seq, scratch: engine.scratch(), seen: Vec::new(), hidden: Vec::new(), fed: Vec::new() })
+    }
+
+    /// One step of the head over `rows` with hidden inputs `hidden`.
+    fn run(&mut self, rows: &[Row], hidden: &[f32]) -> Result<ts_model::MtpOutput, EngineError> {
+        let (model, seq, scratch) = (&self.engine.model, &mut self.seq, &mut self.scratch);
+        let mut go = || model.mtp_forward(rows, hidden, &mut [&mut *seq], scratch);
+        let out = if model.backend.uses_thread_pool() { self.engine.install(go) } else { go() };
+        Ok(out?)
+    }
+}
+
+impl<B: Backend> Drafter for MtpDrafter<'_, B> {
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+
+    fn observe(&mut self, first: usize, tokens: &[u32], hidden: &[f32]) {
+        let e = self.engine.model.cfg.n_embd;
+        if hidden.len() != tokens.len() * e {
+            return;
+        }
+        // Later positions are replaced; positions never reported stay unusable.
+        self.seen.resize(first, u32::MAX);
+        self.hidden.resize(first * e, 0.0);
+        self.seen.extend_from_slice(tokens);
+        self.hidden.extend_from_slice(hidden);
+    }
+
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError> {
+        let len = context.len();
+        if max == 0 || len < 2 {
+            return Ok(Vec::new());
+        }
+        let e = self.engine.model.cfg.n_embd;
+        // The newest row pairs the token about to run with the target's state before it.
+        let newest = len - 2;
+        let common = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count();
+        let from = common.saturating_sub(1).min(newest);
+        if self.seen.len() <= newest || self.seen[from..=newest] != context[from..=newest] {
+            return Ok(Vec::new());
+        }
+        // Guesses must fit the head's cache: row p is at position p.
+        let max = max.min(self.seq.n_ctx.saturating_sub(newest + 1));
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let chunk = self.engine.n_batch.max(1);
+        let mut last = None;
+        let mut p = from;
+        while p <= newest {
+            let end = (p + chunk).min(newest + 1);
+            let rows: Vec<Row> = (p..end)
+                .map(|q| Row { token: context[q + 1], pos: q, seq: 0, logits: q == newest })
+                .collect();
+            let hidden = self.hidden[p * e..end * e].to_vec();
+            last = Some(self.run(&rows, &hidden)?);
+            p = end;
+        }
+        self.fed = context.to_vec();
+        self.seq.n_past = newest + 1;
+        let out = last.expect("at least the newest row ran");
+        let mut logits = out.logits.into_iter().next().expect("the newest row's logits");
+        let mut hidden = out.hidden[out.hidden.len() - e..].to_vec();
+        let mut drafts = Vec::with_capacity(max);
+        loop {
+            let token = argmax(&logits);
+            drafts.push(token);
+            if drafts.len() == max {
+                break;
+            }
+            let row = Row { token, pos: newest + drafts.len(), seq: 0, logits: true };
+            let out = self.run(&[row], &hidden)?;
+            logits = out.logits.into_iter().next().expect("the chained row's logits");
+            hidden = out.hidden;
+        }
+        Ok(drafts)
+    }
+}
+
+/// The most likely token of `logits` (the first of ties).
+fn argmax(logits: &[f32]) -> u32 {
+    logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b }) as u32
+}
+
 /// The most likely token of `logits` (the first of ties) and its softmax probability.
 fn top_probability(logits: &[f32]) -> (u32, f32) {
-    let best = logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b });
-    (best as u32, crate::session::log_softmax_at(logits, best).exp() as f32)
+    let best = argmax(logits);
+    (best, crate::session::log_softmax_at(logits, best as usize).exp() as f32)
 }
 
 /// A draft model must give every token id the target's text (llama.cpp allows the two

@@ -8,7 +8,7 @@
 
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, StopReason};
-use ts_engine::speculative::{Drafter, ModelDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
 use ts_model::ExpertPlacement;
 
 fn engine(path: &std::path::Path) -> Engine {
@@ -132,4 +132,84 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
     let err = ModelDrafter::new(&draft, target.tokenizer().unwrap(), 256, 0.0).err().expect("refused");
     let msg = err.to_string();
     assert!(msg.contains("--draft-model") && msg.contains("vocabulary") || msg.contains("tokenizer"), "{msg}");
+}
+
+/// The MTP head of the qwen3_5_moe fixture (the only family whose file has one) guesses:
+/// greedy output equal to the plain run's on f32 and q8_0, guesses checked and some of them
+/// rejected (random weights: the head is mostly wrong); every other family's file refuses
+/// `--spec-mtp` by name.
+#[test]
+fn mtp_guesses_leave_greedy_output_unchanged() {
+    let mut with_mtp = 0;
+    for f in ts_testkit::fixtures() {
+        let target = engine(&f.model);
+        if target.model.cfg.n_nextn == 0 {
+            let err = MtpDrafter::new(&target, 256).err().expect("refused");
+            assert!(err.to_string().contains("--spec-mtp"), "{}/{}: {err}", f.family, f.variant);
+            continue;
+        }
+        with_mtp += 1;
+        let greedy = SamplerConfig::greedy();
+        let (plain, _) = generate(&target, &greedy, 40, None);
+        let mut mtp = MtpDrafter::new(&target, 256).unwrap();
+        let (guessed, s) = generate(&target, &greedy, 40, Some(&mut mtp));
+        println!(
+            "{}/{} MTP head: {} steps, {}/{} guesses kept",
+            f.family, f.variant, s.spec_steps, s.accepted, s.drafted
+        );
+        assert_eq!(guessed, plain, "{}/{}: the MTP head changed the output", f.family, f.variant);
+        assert!(s.spec_steps > 0 && s.drafted > s.accepted, "{}/{}: {s:?}", f.family, f.variant);
+        // A second generation on the same drafter (a new prompt from position 0) guesses again.
+        let (again, s2) = generate(&target, &greedy, 40, Some(&mut mtp));
+        assert_eq!(again, plain, "{}/{}: a second generation", f.family, f.variant);
+        assert!(s2.spec_steps > 0, "{}/{}: no guesses the second time", f.family, f.variant);
+    }
+    assert!(with_mtp >= 2, "the qwen3_5_moe fixture's f32 and q8_0 files have an MTP layer");
+}
+
+/// Runs the MTP head's bookkeeping as it would guess, but checks scripted guesses (the
+/// plain run's tokens with every third wrong), so that rows are kept and rejected.
+struct MtpShadow<'e> {
+    mtp: MtpDrafter<'e, ts_model::Cpu>,
+    scripted: ScriptedDrafter,
+}
+
+impl Drafter for MtpShadow<'_> {
+    fn wants_hidden(&self) -> bool {
+        true
+    }
+    fn observe(&mut self, first: usize, tokens: &[u32], hidden: &[f32]) {
+        self.mtp.observe(first, tokens, hidden);
+    }
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, ts_engine::session::EngineError> {
+        self.mtp.draft(context, max)?;
+        self.scripted.draft(context, max)
+    }
+}
+
+/// Rows of rejected guesses do not stay in the MTP head's cache: after a generation whose
+/// checks kept some guesses and rejected others, the head guesses what a fresh head given
+/// the whole text at once guesses.
+#[test]
+fn mtp_cache_holds_only_kept_rows() {
+    let dir = ts_testkit::fixtures_dir();
+    let target = engine(&dir.join("qwen3_5_moe/model-f32.gguf"));
+    let greedy = SamplerConfig::greedy();
+    let (plain, _) = generate(&target, &greedy, 30, None);
+    let prompt = target.tokenizer().unwrap().encode(PROMPT, true, false).unwrap();
+    let scripted = ScriptedDrafter { truth: plain.clone(), prompt_len: prompt.len() };
+    let mut shadow = MtpShadow { mtp: MtpDrafter::new(&target, 256).unwrap(), scripted };
+    let (out, s) = generate(&target, &greedy, 30, Some(&mut shadow));
+    assert_eq!(out, plain);
+    assert!(s.accepted > 0 && s.drafted > s.accepted, "{s:?}");
+    let mut text = prompt.clone();
+    text.extend_from_slice(&out);
+    let incremental = shadow.mtp.draft(&text, 4).unwrap();
+    let mut fresh = MtpDrafter::new(&target, 256).unwrap();
+    let mut seq = target.new_sequence(256).unwrap();
+    target.prefill_observed(&mut seq, &text[..text.len() - 1], false, Some(&mut fresh)).unwrap();
+    let whole = fresh.draft(&text, 4).unwrap();
+    println!("after {}/{} kept: guesses {incremental:?}, fresh head {whole:?}", s.accepted, s.drafted);
+    assert_eq!(incremental.len(), 4);
+    assert_eq!(incremental, whole);
 }
