@@ -37,7 +37,7 @@ use ts_gguf::GgmlType;
 use ts_model::backend::ExpertsAt;
 use ts_model::backend::{AttnShape, HeadNorm};
 use ts_model::config::{AttnLayer, GatedActivation, Mixer, MoeConfig};
-use ts_model::tensors::{Ffn, MixerWeights, MoeWeights};
+use ts_model::tensors::{Ffn, LayerWeights, MixerWeights, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Backend, Model, ModelError, Row, SeqState, StepStart};
 
@@ -261,7 +261,50 @@ impl Cuda {
             self.upload_weight(&p.model_proj)?;
             self.upload_vec(&p.proj_norm)?;
         }
-        for (il, l) in w.layers.iter().enumerate() {
+        // Block n_layer, where there is one, is the MTP head's layer.
+        for (il, l) in w.layers.iter().chain(w.mtp.iter().map(|m| &m.layer)).enumerate() {
+            self.upload_layer(l)?;
+            let table = match &model.ropes[il] {
+                Some(rope) => Some(self.gpu.upload(&rope.inv_freq).map_err(err)?),
+                None => None,
+            };
+            self.ropes.push(table);
+            let window = model.cfg.layers.get(il).and_then(|l| l.sliding_window());
+            self.windows.push(window.unwrap_or(0) as i32);
+        }
+        if let Some(m) = &w.mtp {
+            for t in [Some(&m.eh_proj_embd), Some(&m.eh_proj_hidden), m.embed_tokens.as_ref(), m.head.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                self.upload_weight(t)?;
+            }
+            for v in [&m.enorm, &m.hnorm, &m.shared_head_norm] {
+                self.upload_vec(v)?;
+            }
+        }
+        for a in model.cfg.layers.iter().filter_map(|l| l.attention()) {
+            let (hd, hdv) = (a.head_dim, a.head_dim_v);
+            if hd > 512 || hdv > 512 {
+                return Err(ModelError::Compute(format!(
+                    "cuda: head size {hd}/{hdv} is over the attention kernel's 512"
+                )));
+            }
+        }
+        if let Some(moe) = &model.cfg.moe
+            && (moe.n_expert > 1024 || moe.n_expert_used > 64)
+        {
+            return Err(ModelError::Compute(format!(
+                "cuda: {} experts, {} per token is over the router kernel's 1024 / 64",
+                moe.n_expert, moe.n_expert_used
+            )));
+        }
+        self.gpu.sync().map_err(err)?;
+        Ok(())
+    }
+
+    /// Puts one block's weights on the device (routed experts only without an expert tier).
+    fn upload_layer(&mut self, l: &LayerWeights) -> Result<(), ModelError> {
             if let Some(p) = &l.per_layer {
                 self.upload_weight(&p.inp_gate)?;
                 self.upload_weight(&p.proj)?;
@@ -330,30 +373,6 @@ impl Cuda {
                     }
                 }
             }
-            let table = match &model.ropes[il] {
-                Some(rope) => Some(self.gpu.upload(&rope.inv_freq).map_err(err)?),
-                None => None,
-            };
-            self.ropes.push(table);
-            self.windows.push(model.cfg.layers[il].sliding_window().unwrap_or(0) as i32);
-        }
-        for a in model.cfg.layers.iter().filter_map(|l| l.attention()) {
-            let (hd, hdv) = (a.head_dim, a.head_dim_v);
-            if hd > 512 || hdv > 512 {
-                return Err(ModelError::Compute(format!(
-                    "cuda: head size {hd}/{hdv} is over the attention kernel's 512"
-                )));
-            }
-        }
-        if let Some(moe) = &model.cfg.moe
-            && (moe.n_expert > 1024 || moe.n_expert_used > 64)
-        {
-            return Err(ModelError::Compute(format!(
-                "cuda: {} experts, {} per token is over the router kernel's 1024 / 64",
-                moe.n_expert, moe.n_expert_used
-            )));
-        }
-        self.gpu.sync().map_err(err)?;
         Ok(())
     }
 
@@ -662,7 +681,38 @@ impl Backend for Cuda {
         seqs: &mut [&mut SeqState<GpuState>],
         scratch: &GpuScratch,
     ) -> Result<StepStart<Act>, ModelError> {
-        self.start_step(rows, seqs, scratch)
+        self.start_step(rows, seqs, scratch, true)
+    }
+
+    fn begin_direct_step(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+        scratch: &GpuScratch,
+    ) -> Result<(), ModelError> {
+        match self.start_step(rows, seqs, scratch, false)? {
+            StepStart::Run => Ok(()),
+            StepStart::Replayed { .. } => Err(ModelError::Compute("cuda: a direct step was replayed".into())),
+        }
+    }
+
+    fn new_mtp_state(&self, model: &Model<Self>, n_ctx: usize) -> Result<GpuState, ModelError> {
+        let cfg = &model.cfg;
+        let Some(Mixer::Attention(a)) = cfg.nextn_layer.as_ref().map(|l| &l.mixer) else {
+            return Err(ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()));
+        };
+        if model.weights.mtp.is_none() || self.ropes.len() <= cfg.n_layer {
+            return Err(ModelError::Compute("cuda: the MTP head's weights are not on the device".into()));
+        }
+        // The trunk's layers hold nothing here (marked as sharing the MTP layer's cache).
+        let mut layers: Vec<GpuLayerState> = (0..cfg.n_layer).map(|_| GpuLayerState::SharedKv(cfg.n_layer)).collect();
+        layers.push(self.kv_layer(None, a.kv_dim(), a.v_dim(), n_ctx, 1)?);
+        Ok(GpuState { layers })
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<Act, ModelError> {
+        let buf = self.gpu.upload(x).map_err(err)?;
+        Ok(Act { ptr: self.gpu.ptr(&buf), len: x.len(), _own: Some(buf) })
     }
 
     fn end_step(&self, logits: Option<&Act>) -> Result<(), ModelError> {

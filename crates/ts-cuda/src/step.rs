@@ -324,6 +324,7 @@ impl Cuda {
         rows: &[Row],
         seqs: &mut [&mut SeqState<GpuState>],
         scratch: &GpuScratch,
+        replayable: bool,
     ) -> Result<StepStart<Act>, ModelError> {
         self.wrote();
         // Drops the last step's quantized activations here, not inside a capture (a buffer
@@ -419,7 +420,9 @@ impl Cuda {
         g.arena_used = 0;
         g.arena_on = m == 1;
         (g.measuring, g.overflowed, g.current) = (false, false, None);
-        let key = self.step_key(rows, scratch.exact, &st.slots);
+        // A step that must run its ops (hidden states handed back, the MTP head) is neither
+        // replayed nor recorded.
+        let key = self.step_key(rows, scratch.exact, &st.slots).filter(|_| replayable);
         drop(step);
         let Some(key) = key else { return Ok(StepStart::Run) };
         let g = &mut *g;

@@ -40,6 +40,8 @@ pub struct ServeOptions {
     pub spec: Option<ts_engine::speculative::SpecOptions>,
     /// The draft model's `--draft-p-min`.
     pub draft_p_min: f32,
+    /// `--spec-mtp`: each slot's guesses come from the model's own MTP head (with `spec`).
+    pub spec_mtp: bool,
 }
 
 /// What every handler shares.
@@ -122,6 +124,10 @@ pub fn spawn_with_draft<B: Backend + 'static>(
     {
         let (engine, metrics) = (engine.clone(), metrics.clone());
         let (slots, ctx, cache, p_min) = (opts.parallel, opts.slot_ctx, opts.prompt_cache, opts.draft_p_min);
+        let mtp = opts.spec_mtp && opts.spec.is_some();
+        if mtp && engine.model.weights.mtp.is_none() {
+            return Err("--spec-mtp: this model has no multi-token-prediction (nextn) layer".into());
+        }
         // The draft model checked before the server listens.
         if let Some(d) = &draft {
             let target = engine.tokenizer().map_err(|e| e.to_string())?;
@@ -131,7 +137,7 @@ pub fn spawn_with_draft<B: Backend + 'static>(
             .name("scheduler".into())
             .spawn(move || {
                 let drafter = draft.as_ref().map(|d| (d, p_min));
-                scheduler::run(&engine, drafter, rx, slots, ctx, cache, metrics)
+                scheduler::run(&engine, drafter, mtp, rx, slots, ctx, cache, metrics)
             })
             .map_err(|e| format!("starting the scheduler: {e}"))?;
     }

@@ -19,7 +19,7 @@ use ts_engine::decode::{Decoding, Logits, Piece};
 use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, StopReason};
-use ts_engine::speculative::{DraftLength, Drafter, ModelDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{DraftLength, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
 use ts_model::{Backend, SeqState, Snapshot};
 
 /// Why a generation ended, as OpenAI names it.
@@ -214,9 +214,15 @@ const SCORED_ROWS: usize = 64;
 /// layer rewinds to any position; a model with recurrent layers goes back to
 /// the end of the slot's last prompt (kept as a snapshot), or continues the
 /// slot's state when the prompt extends everything it holds.
+///
+/// With `spec_mtp`, each slot has the model's MTP head ([`MtpDrafter`]), which every step
+/// hands the slot's hidden states (from the slot's first prompt on, so that a reused prefix
+/// was seen too); a lone request guesses with its slot's head.
+#[allow(clippy::too_many_arguments)]
 pub fn run<B: Backend>(
     engine: &Engine<B>,
     draft: Option<(&Engine<B>, f32)>,
+    spec_mtp: bool,
     jobs: Receiver<Job>,
     n_slots: usize,
     n_ctx: usize,
@@ -245,6 +251,17 @@ pub fn run<B: Backend>(
             }
         },
     };
+    // Per slot, the MTP head's state (its cache and the hidden states it has seen).
+    let mut mtp: Vec<Option<MtpDrafter<'_, B>>> = (0..slots.len())
+        .map(|i| match spec_mtp.then(|| MtpDrafter::new(engine, n_ctx)).transpose() {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!("slot {i}: the MTP head cannot guess ({e})");
+                None
+            }
+        })
+        .collect();
+    let observing = mtp.iter().any(Option::is_some);
     let model = &engine.model;
     let mut active: Vec<Active<'_, B::Recurrent>> = Vec::new();
     let mut waiting: VecDeque<Job> = VecDeque::new();
@@ -381,8 +398,12 @@ pub fn run<B: Backend>(
             if let Some(g) = &mut a.guessing {
                 let slot = &slots[a.slot];
                 let left = a.job.max_tokens.saturating_sub(a.decoding.generated());
+                let d: &mut dyn Drafter = match mtp[a.slot].as_mut() {
+                    Some(m) => m,
+                    None => drafter.as_mut(),
+                };
                 g.guesses = match alone {
-                    true => guesses(g, drafter.as_mut(), &slot.history, a.next, &slot.seq, left),
+                    true => guesses(g, d, &slot.history, a.next, &slot.seq, left),
                     false => Vec::new(),
                 };
                 if !g.guesses.is_empty() {
@@ -426,6 +447,8 @@ pub fn run<B: Backend>(
             budget -= n;
             prompt_rows += n;
         }
+        // Where each piece starts in its sequence (for the MTP heads' hidden states).
+        let firsts: Vec<usize> = pieces.iter().map(|(i, _, _)| slots[active[*i].slot].seq.n_past).collect();
         let result = {
             let mut by_slot: Vec<Option<&mut SeqState<B::State>>> =
                 slots.iter_mut().map(|s| Some(&mut s.seq)).collect();
@@ -436,7 +459,11 @@ pub fn run<B: Backend>(
             let step: Vec<Piece> = pieces.iter().map(|(_, tokens, logits)| Piece { tokens, logits: *logits }).collect();
             let s = if guessed > 0 { &mut checking } else { &mut scratch };
             // A panic in a step (a bug) ends the requests in it, not the server.
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step(&mut seqs, &step, s))).unwrap_or_else(
+            let run = || match observing {
+                true => engine.step_hidden(&mut seqs, &step, s).map(|(l, h)| (l, Some(h))),
+                false => engine.step(&mut seqs, &step, s).map(|l| (l, None)),
+            };
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(
                 |p| {
                     let msg =
                         p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
@@ -445,7 +472,14 @@ pub fn run<B: Backend>(
             )
         };
         let logits = match result {
-            Ok(l) => l,
+            Ok((l, hidden)) => {
+                for (((i, tokens, _), &first), h) in pieces.iter().zip(&firsts).zip(hidden.iter().flatten()) {
+                    if let Some(m) = mtp[active[*i].slot].as_mut() {
+                        m.observe(first, tokens, h);
+                    }
+                }
+                l
+            }
             Err(e) => {
                 // A failed step leaves the states suspect: end every request in it.
                 for a in active.drain(..) {

@@ -53,6 +53,7 @@ fn start_model(
         prompt_cache,
         spec,
         draft_p_min: DEFAULT_P_MIN,
+        spec_mtp: false,
     };
     ts_server::spawn_with_draft(load(path), draft.map(load), opts, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
@@ -691,6 +692,7 @@ fn start_hybrid(prompt_cache: bool) -> (Running, Engine) {
         prompt_cache,
         spec: None,
         draft_p_min: DEFAULT_P_MIN,
+        spec_mtp: false,
     };
     (ts_server::spawn(load(), opts, "127.0.0.1:0".parse().unwrap()).unwrap(), load())
 }

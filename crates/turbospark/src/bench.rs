@@ -60,7 +60,8 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     }
     let threads = global.threads()?;
     let spec = args.spec.options()?;
-    let (engine, _, cuda) = load(global, &args.model)?;
+    let (mut engine, _, cuda) = load(global, &args.model)?;
+    args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(global, &args.model)?;
     let path = global.model(None)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
@@ -255,7 +256,14 @@ fn run_on<B: ts_model::Backend>(
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
     }
     for (test, st, generated) in &spec_lines {
-        s += &format!("{test}: {}, {generated} tokens\n", crate::generate::spec_summary(st));
+        // The speed-up over the same greedy generations without guesses.
+        let plain = test.strip_suffix("+spec").and_then(|p| results.iter().find(|r| r.0 == p));
+        let spec = results.iter().find(|r| &r.0 == test);
+        let speedup = match (plain, spec) {
+            (Some(p), Some(q)) if p.1.0 > 0.0 => format!(", speed-up {:.2}x", q.1.0 / p.1.0),
+            _ => String::new(),
+        };
+        s += &format!("{test}: {}, {generated} tokens{speedup}\n", crate::generate::spec_summary(st));
     }
     crate::write_stdout(s.as_bytes())
 }

@@ -10,7 +10,7 @@ use ts_engine::memory::{auto_placement, available_memory, expert_and_dense_bytes
 use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
-use ts_engine::speculative::{DEFAULT_P_MIN, Drafter, ModelDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{DEFAULT_P_MIN, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// When to guess and fetch the next layer's experts early (`--expert-prefetch`).
@@ -116,6 +116,10 @@ pub struct SpecArgs {
     /// (prompt lookup): no second model.
     #[arg(long)]
     spec_ngram: bool,
+    /// Guess with the model's own multi-token-prediction head (a GGUF `nextn` layer, as
+    /// Qwen3.5/3.6 MoE files converted with it carry): no second model.
+    #[arg(long, conflicts_with_all = ["spec_ngram", "draft_model"])]
+    pub(crate) spec_mtp: bool,
     /// Most guesses per step [default: 16].
     #[arg(long, value_name = "N")]
     draft_max: Option<usize>,
@@ -135,20 +139,23 @@ impl SpecArgs {
             draft_max: self.draft_max.unwrap_or(d.draft_max),
             draft_min: self.draft_min.unwrap_or(d.draft_min),
         };
-        if self.draft_model.is_none() && !self.spec_ngram {
+        if self.draft_model.is_none() && !self.spec_ngram && !self.spec_mtp {
             for (set, flag) in [
                 (self.draft_max.is_some(), "--draft-max"),
                 (self.draft_min.is_some(), "--draft-min"),
                 (self.draft_p_min.is_some(), "--draft-p-min"),
             ] {
                 if set {
-                    bail!("{flag} needs a drafter: --draft-model PATH or --spec-ngram");
+                    bail!("{flag} needs a drafter: --draft-model PATH, --spec-ngram or --spec-mtp");
                 }
             }
             return Ok(None);
         }
         if self.spec_ngram && self.draft_p_min.is_some() {
             bail!("--draft-p-min applies to a --draft-model, not to --spec-ngram");
+        }
+        if self.spec_mtp && self.draft_p_min.is_some() {
+            bail!("--draft-p-min applies to a --draft-model, not to --spec-mtp (the MTP head guesses greedily)");
         }
         if !(0.0..=1.0).contains(&self.p_min()) {
             bail!("--draft-p-min must be between 0 and 1");
@@ -159,6 +166,22 @@ impl SpecArgs {
     /// The draft model's `--draft-p-min`.
     pub(crate) fn p_min(&self) -> f32 {
         self.draft_p_min.unwrap_or(DEFAULT_P_MIN)
+    }
+
+    /// Checks `--spec-mtp` against the model (refused by name without a nextn layer), and
+    /// leaves the MTP head out of the model when it is not asked for (no backend then holds it).
+    pub fn prepare(&self, engine: &mut Engine) -> Result<()> {
+        if self.spec_mtp && engine.model.weights.mtp.is_none() {
+            bail!(
+                "--spec-mtp: this model has no multi-token-prediction layer ({}.nextn_predict_layers is {})",
+                engine.model.cfg.arch.gguf_name(),
+                engine.model.cfg.n_nextn
+            );
+        }
+        if !self.spec_mtp {
+            engine.model.weights.mtp = None;
+        }
+        Ok(())
     }
 
     /// The draft model, loaded for the CPU with the target's threads (every weight resident).
@@ -176,13 +199,14 @@ impl SpecArgs {
 /// vocabulary), prompt lookup, or none.
 pub(crate) fn drafter<'d, B: Backend>(
     spec: &SpecArgs,
-    engine: &Engine<B>,
+    engine: &'d Engine<B>,
     draft: Option<&'d Engine<B>>,
     n_ctx: usize,
 ) -> Result<Option<Box<dyn Drafter + 'd>>> {
     Ok(match draft {
         Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, spec.p_min())?)),
         None if spec.spec_ngram => Some(Box::new(NgramDrafter::default())),
+        None if spec.spec_mtp => Some(Box::new(MtpDrafter::new(engine, n_ctx)?)),
         None => None,
     })
 }
@@ -458,7 +482,8 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
         (None, None) => bail!("no prompt given: pass -p TEXT or -f FILE"),
     };
     let spec = args.spec.options()?;
-    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
+    args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(global, &args.model)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
         &engine,
@@ -506,7 +531,8 @@ fn run_on<B: Backend>(
 
 pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     let spec = args.spec.options()?;
-    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
+    args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(global, &args.model)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| chat_on(
         &engine,
@@ -566,13 +592,19 @@ fn chat_on<B: Backend>(
         let tokenizer = engine.tokenizer()?;
         let split =
             conversation_end(template, &messages, &TemplateKwargs::new(), tokenizer, &tokens).filter(|&at| at > common);
+        // An MTP head reads the target's hidden states of every position the prompt adds.
         if let Some(at) = split {
-            engine.prefill(&mut cached.seq, &tokens[common..at], false)?;
+            let observer = drafter.as_deref_mut().map(|d| d as &mut dyn Drafter);
+            engine.prefill_observed(&mut cached.seq, &tokens[common..at], false, observer)?;
             cached.ran(&tokens[common..at]);
             cached.remember(&engine.model)?;
         }
         let from = split.unwrap_or(common);
-        let logits = engine.prefill(&mut cached.seq, &tokens[from..], false)?.pop().expect("one prompt token is run");
+        let observer = drafter.as_deref_mut().map(|d| d as &mut dyn Drafter);
+        let logits = engine
+            .prefill_observed(&mut cached.seq, &tokens[from..], false, observer)?
+            .pop()
+            .expect("one prompt token is run");
         let prompt_time = t0.elapsed();
         cached.ran(&tokens[from..]);
         cached.remember(&engine.model)?;

@@ -49,7 +49,8 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     let model_id = args.alias.clone().unwrap_or_else(|| {
         path.file_name().map(|f| f.to_string_lossy().trim_end_matches(".gguf").to_string()).unwrap_or_default()
     });
-    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
+    args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(global, &args.model)?;
     // -c is the total, split between the slots; without it each slot gets the model's default.
     let slot_ctx = if args.model.ctx_given() { n_ctx / args.parallel } else { n_ctx };
@@ -67,6 +68,7 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
         prompt_cache: args.prompt_cache,
         spec,
         draft_p_min: args.spec.p_min(),
+        spec_mtp: args.spec.spec_mtp,
     };
     crate::on_device!(global, engine, draft, cuda, |engine, draft| {
         let running = ts_server::spawn_with_draft(engine, draft, opts.clone(), addr).map_err(anyhow::Error::msg)?;
