@@ -1054,6 +1054,65 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The MTP head on the GPU (`--spec-mtp`): on the fixtures with a nextn layer (qwen3_5_moe,
+/// qwen3_next; F32 and Q8_0), the head's logits for the trunk's hidden states equal the CPU's
+/// (exact activations, within 1e-3 of each row's largest), and greedy generation with its
+/// guesses gives the plain run's tokens, on the GPU and on the CPU alike.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn mtp_head_keeps_greedy_output_on_the_gpu() {
+    use ts_engine::sampler::SamplerConfig;
+    use ts_engine::speculative::{MtpDrafter, SpecOptions};
+    use ts_model::Row;
+    drop(gpu()); // a clear failure first when there is no device
+    let opts = ts_engine::session::LoadOptions { threads: 2, experts: ExpertPlacement::Mapped };
+    let mut checked = 0;
+    for fx in ts_testkit::fixtures() {
+        let mut cpu = ts_engine::session::Engine::load(&fx.model, &opts).unwrap();
+        if cpu.model.weights.mtp.is_none() {
+            continue;
+        }
+        checked += 1;
+        cpu.exact_activations = true;
+        let mut gpu = ts_engine::session::Engine::load(&fx.model, &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+        gpu.exact_activations = true;
+        let prompt = cpu.tokenizer().unwrap().encode("one two three four, one two three four, one two", true, false);
+        let prompt = prompt.unwrap();
+        // The head over the CPU trunk's hidden states, one step on each backend.
+        let n = prompt.len() - 1;
+        let rows: Vec<Row> = (0..n).map(|p| Row { token: prompt[p + 1], pos: p, seq: 0, logits: true }).collect();
+        let trunk: Vec<Row> = (0..n).map(|p| Row { token: prompt[p], pos: p, seq: 0, logits: false }).collect();
+        let mut seq = cpu.new_sequence(64).unwrap();
+        let (_, hidden) = cpu.model.forward_hidden(&trunk, &mut [&mut seq], &mut cpu.scratch()).unwrap();
+        let mut cpu_mtp = cpu.model.new_mtp_sequence(64).unwrap();
+        let want = cpu.model.mtp_forward(&rows, &hidden, &mut [&mut cpu_mtp], &mut cpu.scratch()).unwrap();
+        let mut gpu_mtp = gpu.model.new_mtp_sequence(64).unwrap();
+        let got = gpu.model.mtp_forward(&rows, &hidden, &mut [&mut gpu_mtp], &mut gpu.scratch()).unwrap();
+        for (p, (a, b)) in got.logits.iter().zip(&want.logits).enumerate() {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(d <= 1e-3 * scale, "{}/{} row {p}: MTP logits off by {d} of {scale}", fx.family, fx.variant);
+        }
+        // Greedy generation with and without the head's guesses.
+        let spec_opts = SpecOptions { draft_max: 4, draft_min: 0 };
+        let mut outputs = Vec::new();
+        for with_mtp in [false, true] {
+            let mut seq = gpu.new_sequence(256).unwrap();
+            gpu.forget_draft_length();
+            let mut mtp = MtpDrafter::new(&gpu, 256).unwrap();
+            let spec = with_mtp.then_some((&mut mtp as &mut dyn ts_engine::speculative::Drafter, &spec_opts));
+            let (out, s) = gpu.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap();
+            println!("{}/{} mtp {with_mtp}: {}/{} guesses kept in {} steps", fx.family, fx.variant, s.accepted, s.drafted, s.spec_steps);
+            if with_mtp {
+                assert!(s.spec_steps > 0, "{}/{}: the head guessed nothing", fx.family, fx.variant);
+            }
+            outputs.push(out);
+        }
+        assert_eq!(outputs[0], outputs[1], "{}/{}: the MTP head changed the greedy output", fx.family, fx.variant);
+    }
+    assert!(checked >= 2, "no fixture with an MTP layer");
+}
+
 /// Steps of several rows recorded as graphs: the first step of a kind runs directly, the
 /// second is recorded, later ones replay it. Several sequences stepped together, one row each
 /// (batched decode: 4 rows take the per-pair expert matvecs, 12 the chunked ones), and rows of

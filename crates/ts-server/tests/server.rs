@@ -1237,3 +1237,60 @@ fn chat_page_in_a_browser() {
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "the screenshot is not a PNG");
     server.stop().unwrap();
 }
+
+/// The model's MTP head guessing in the server (`--spec-mtp`, an MTP head per slot, four
+/// slots, `--prompt-cache`): on the MTP fixtures (qwen3_5_moe F32 and Q8_0, qwen3_next F32)
+/// greedy replies equal those of a server that does not guess, one request at a time, two at
+/// once, and a second turn that reuses the first's cached prompt; the head guessed. A model
+/// without a nextn layer is refused by name before the server starts.
+#[test]
+fn mtp_head_keeps_greedy_replies() {
+    let start = |path: &std::path::Path, spec: bool| {
+        let load = || Engine::load(path, &LoadOptions { threads: 2, experts: ExpertPlacement::Mapped }).unwrap();
+        let opts = ServeOptions {
+            model_id: ID.into(),
+            parallel: 4,
+            slot_ctx: 512,
+            max_body: 1 << 20,
+            prompt_cache: true,
+            spec: spec.then(SpecOptions::default),
+            draft_p_min: DEFAULT_P_MIN,
+            spec_mtp: spec,
+        };
+        ts_server::spawn(load(), opts, "127.0.0.1:0".parse().unwrap())
+    };
+    let prompts = ["Tell me about the sea.", "one two three four, one two three four, one two"];
+    for file in ["qwen3_5_moe/model-f32.gguf", "qwen3_5_moe/model-q8_0.gguf", "qwen3_next/model-f32.gguf"] {
+        let path = ts_testkit::fixtures_dir().join(file);
+        let (plain, guessing) = (start(&path, false).unwrap(), start(&path, true).unwrap());
+        let ask = |addr, messages: &Value| {
+            let req = json!({"model": ID, "messages": messages, "max_tokens": 24, "temperature": 0});
+            let (status, v) = post(addr, "/v1/chat/completions", &req);
+            assert_eq!(status, 200, "{v}");
+            content(&v)
+        };
+        let turns: Vec<Value> = prompts.iter().map(|p| json!([{"role": "user", "content": p}])).collect();
+        let want: Vec<String> = turns.iter().map(|t| ask(plain.addr, t)).collect();
+        for (t, w) in turns.iter().zip(&want) {
+            assert_eq!(&ask(guessing.addr, t), w, "{file}: alone");
+        }
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = turns.iter().map(|t| s.spawn(move || ask(guessing.addr, t))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, want, "{file}: together");
+        // A second turn: its start is read from the slot's cache, which the head saw too.
+        let mut second = turns[0].as_array().unwrap().clone();
+        second.push(json!({"role": "assistant", "content": want[0]}));
+        second.push(json!({"role": "user", "content": "And the mountains?"}));
+        let second = Value::Array(second);
+        assert_eq!(ask(guessing.addr, &second), ask(plain.addr, &second), "{file}: second turn");
+        let drafted = metric(guessing.addr, "spec_drafted_total");
+        println!("{file}: {} of {drafted} guesses kept", metric(guessing.addr, "spec_accepted_total"));
+        assert!(drafted > 0.0, "{file}: the MTP head guessed nothing");
+        plain.stop().unwrap();
+        guessing.stop().unwrap();
+    }
+    let err = start(&ts_testkit::fixtures_dir().join("llama/model-q8_0.gguf"), true).err().expect("refused");
+    assert!(err.contains("--spec-mtp"), "{err}");
+}
