@@ -305,74 +305,74 @@ impl Cuda {
 
     /// Puts one block's weights on the device (routed experts only without an expert tier).
     fn upload_layer(&mut self, l: &LayerWeights) -> Result<(), ModelError> {
-            if let Some(p) = &l.per_layer {
-                self.upload_weight(&p.inp_gate)?;
-                self.upload_weight(&p.proj)?;
-                self.upload_vec(&p.post_norm)?;
-            }
-            for t in l.mixer.matrices() {
-                self.upload_weight(t)?;
-            }
-            match &l.mixer {
-                MixerWeights::Attention(a) => {
-                    for v in [&a.bq, &a.bk, &a.bv, &a.bo, &a.q_norm, &a.k_norm, &a.sinks] {
-                        self.upload_opt(v)?;
-                    }
-                }
-                MixerWeights::DeltaNet(d) => {
-                    for v in [&d.conv, &d.dt_bias, &d.a, &d.norm] {
-                        self.upload_vec(v)?;
-                    }
+        if let Some(p) = &l.per_layer {
+            self.upload_weight(&p.inp_gate)?;
+            self.upload_weight(&p.proj)?;
+            self.upload_vec(&p.post_norm)?;
+        }
+        for t in l.mixer.matrices() {
+            self.upload_weight(t)?;
+        }
+        match &l.mixer {
+            MixerWeights::Attention(a) => {
+                for v in [&a.bq, &a.bk, &a.bv, &a.bo, &a.q_norm, &a.k_norm, &a.sinks] {
+                    self.upload_opt(v)?;
                 }
             }
-            self.upload_vec(&l.attn_norm)?;
-            self.upload_vec(&l.ffn_norm)?;
-            for v in [&l.attn_post_norm, &l.ffn_post_norm] {
-                self.upload_opt(v)?;
+            MixerWeights::DeltaNet(d) => {
+                for v in [&d.conv, &d.dt_bias, &d.a, &d.norm] {
+                    self.upload_vec(v)?;
+                }
             }
-            match &l.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    for t in [gate, up, down] {
+        }
+        self.upload_vec(&l.attn_norm)?;
+        self.upload_vec(&l.ffn_norm)?;
+        for v in [&l.attn_post_norm, &l.ffn_post_norm] {
+            self.upload_opt(v)?;
+        }
+        match &l.ffn {
+            Ffn::Dense { gate, up, down } => {
+                for t in [gate, up, down] {
+                    self.upload_weight(t)?;
+                }
+            }
+            Ffn::Moe(m) => {
+                self.upload_weight(&m.router)?;
+                // A fused gate_up tensor goes up once; its halves point into it.
+                if self.tier.is_none()
+                    && let Some(both) = m.gate_exps.span_through(&m.up_exps)
+                {
+                    self.upload_bytes(&m.gate_exps.name, both)?;
+                }
+                for t in [&m.gate_exps, &m.up_exps, &m.down_exps] {
+                    if type_suffix(t.ty).is_none() {
+                        self.upload_weight(t)?; // the error names the tensor
+                    }
+                    if self.tier.is_none() {
                         self.upload_weight(t)?;
                     }
                 }
-                Ffn::Moe(m) => {
-                    self.upload_weight(&m.router)?;
-                    // A fused gate_up tensor goes up once; its halves point into it.
-                    if self.tier.is_none()
-                        && let Some(both) = m.gate_exps.span_through(&m.up_exps)
-                    {
-                        self.upload_bytes(&m.gate_exps.name, both)?;
+                for v in [
+                    &m.router_bias,
+                    &m.gate_bias,
+                    &m.up_bias,
+                    &m.down_bias,
+                    &m.expert_scale,
+                    &m.input_norm,
+                    &m.router_norm,
+                    &m.output_norm,
+                ] {
+                    self.upload_opt(v)?;
+                }
+                if let Some(s) = &m.shared {
+                    for t in [&s.gate, &s.up, &s.down] {
+                        self.upload_weight(t)?;
                     }
-                    for t in [&m.gate_exps, &m.up_exps, &m.down_exps] {
-                        if type_suffix(t.ty).is_none() {
-                            self.upload_weight(t)?; // the error names the tensor
-                        }
-                        if self.tier.is_none() {
-                            self.upload_weight(t)?;
-                        }
-                    }
-                    for v in [
-                        &m.router_bias,
-                        &m.gate_bias,
-                        &m.up_bias,
-                        &m.down_bias,
-                        &m.expert_scale,
-                        &m.input_norm,
-                        &m.router_norm,
-                        &m.output_norm,
-                    ] {
-                        self.upload_opt(v)?;
-                    }
-                    if let Some(s) = &m.shared {
-                        for t in [&s.gate, &s.up, &s.down] {
-                            self.upload_weight(t)?;
-                        }
-                        self.upload_opt(&s.gate_inp)?;
-                        self.upload_opt(&s.post_norm)?;
-                    }
+                    self.upload_opt(&s.gate_inp)?;
+                    self.upload_opt(&s.post_norm)?;
                 }
             }
+        }
         Ok(())
     }
 

@@ -1074,7 +1074,8 @@ fn mtp_head_keeps_greedy_output_on_the_gpu() {
         }
         checked += 1;
         cpu.exact_activations = true;
-        let mut gpu = ts_engine::session::Engine::load(&fx.model, &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+        let mut gpu =
+            ts_engine::session::Engine::load(&fx.model, &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
         gpu.exact_activations = true;
         let prompt = cpu.tokenizer().unwrap().encode("one two three four, one two three four, one two", true, false);
         let prompt = prompt.unwrap();
@@ -1101,8 +1102,12 @@ fn mtp_head_keeps_greedy_output_on_the_gpu() {
             gpu.forget_draft_length();
             let mut mtp = MtpDrafter::new(&gpu, 256).unwrap();
             let spec = with_mtp.then_some((&mut mtp as &mut dyn ts_engine::speculative::Drafter, &spec_opts));
-            let (out, s) = gpu.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap();
-            println!("{}/{} mtp {with_mtp}: {}/{} guesses kept in {} steps", fx.family, fx.variant, s.accepted, s.drafted, s.spec_steps);
+            let (out, s) =
+                gpu.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap();
+            println!(
+                "{}/{} mtp {with_mtp}: {}/{} guesses kept in {} steps",
+                fx.family, fx.variant, s.accepted, s.drafted, s.spec_steps
+            );
             if with_mtp {
                 assert!(s.spec_steps > 0, "{}/{}: the head guessed nothing", fx.family, fx.variant);
             }

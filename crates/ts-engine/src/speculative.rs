@@ -315,9 +315,8 @@ impl<B: Backend> Drafter for MtpDrafter<'_, B> {
         let mut p = from;
         while p <= newest {
             let end = (p + chunk).min(newest + 1);
-            let rows: Vec<Row> = (p..end)
-                .map(|q| Row { token: context[q + 1], pos: q, seq: 0, logits: q == newest })
-                .collect();
+            let rows: Vec<Row> =
+                (p..end).map(|q| Row { token: context[q + 1], pos: q, seq: 0, logits: q == newest }).collect();
             let hidden = self.hidden[p * e..end * e].to_vec();
             last = Some(self.run(&rows, &hidden)?);
             p = end;

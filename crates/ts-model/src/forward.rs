@@ -386,7 +386,7 @@ impl<B: Backend> Model<B> {
         seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
         hidden: bool,
-    ) -> Result<(Vec<Vec<f32>>, Option<Vec<f32>>), ModelError> {
+    ) -> Result<TrunkOutput, ModelError> {
         let cfg = &self.cfg;
         let be = &self.backend;
         let m = rows.len();
@@ -476,9 +476,11 @@ impl<B: Backend> Model<B> {
         scratch: &mut B::Scratch,
     ) -> Result<MtpOutput, ModelError> {
         let (cfg, be) = (&self.cfg, &self.backend);
-        let mtp = self.weights.mtp.as_ref().ok_or_else(|| {
-            ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into())
-        })?;
+        let mtp = self
+            .weights
+            .mtp
+            .as_ref()
+            .ok_or_else(|| ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()))?;
         let (m, e, il) = (rows.len(), cfg.n_embd, cfg.n_layer);
         if hidden.len() != m * e {
             return Err(ModelError::Compute(format!("MTP: {} hidden floats for {m} rows of {e}", hidden.len())));
@@ -744,6 +746,9 @@ impl<B: Backend> Model<B> {
         Ok(Some(logits))
     }
 }
+
+/// A trunk step's logits rows, and its rows' final-normed hidden states where asked for.
+type TrunkOutput = (Vec<Vec<f32>>, Option<Vec<f32>>);
 
 /// What one step of the MTP head gives.
 pub struct MtpOutput {

@@ -489,8 +489,7 @@ impl ModelWeights {
             }
             None => token_embd.clone(),
         };
-        let layers =
-            (0..cfg.n_layer).map(|l| load_layer(&ld, cfg, l, &cfg.layers[l])).collect::<Result<_, _>>()?;
+        let layers = (0..cfg.n_layer).map(|l| load_layer(&ld, cfg, l, &cfg.layers[l])).collect::<Result<_, _>>()?;
         let mtp = cfg.nextn_layer.as_ref().map(|plan| load_mtp(&ld, cfg, plan)).transpose()?;
         Ok(ModelWeights {
             output_norm: ld.vector(Role::OutputNorm, None, "weight", &[e])?,
@@ -522,9 +521,9 @@ fn load_mtp(ld: &Loader, cfg: &ArchConfig, plan: &LayerConfig) -> Result<MtpWeig
     let il = Some(l);
     let eh_proj = ld.matrix(Role::NextnEhProj, il, &[2 * e, e])?;
     let half = |first: usize, part: &str| {
-        eh_proj.select_columns(&format!("{} ({part})", eh_proj.name), first, e).map_err(|problem| {
-            ModelError::BadTensor { name: eh_proj.name.clone(), problem }
-        })
+        eh_proj
+            .select_columns(&format!("{} ({part})", eh_proj.name), first, e)
+            .map_err(|problem| ModelError::BadTensor { name: eh_proj.name.clone(), problem })
     };
     Ok(MtpWeights {
         eh_proj_embd: half(0, "embedding columns")?,

@@ -132,7 +132,7 @@ impl Weight {
     /// one half of the MTP head's `eh_proj`. `first` and `n` must fall on the type's blocks.
     pub fn select_columns(&self, name: &str, first: usize, n: usize) -> Result<Weight, String> {
         let (k, block) = (self.row_len(), self.ty.block_size() as usize);
-        if first % block != 0 || n % block != 0 || first + n > k {
+        if !first.is_multiple_of(block) || !n.is_multiple_of(block) || first + n > k {
             return Err(format!(
                 "{}: columns {first}..{} of rows of {k} do not fall on its {block}-element blocks",
                 self.name,
@@ -141,8 +141,9 @@ impl Weight {
         }
         let (rb, per_block) = (self.row_bytes(), self.ty.type_size() as usize);
         let (start, len) = (first / block * per_block, n / block * per_block);
-        let bytes =
-            (0..self.n_rows()).flat_map(|r| self.bytes()[r * rb + start..r * rb + start + len].iter().copied()).collect();
+        let bytes = (0..self.n_rows())
+            .flat_map(|r| self.bytes()[r * rb + start..r * rb + start + len].iter().copied())
+            .collect();
         Ok(Weight::from_bytes(name, self.ty, vec![n, self.n_rows()], bytes))
     }
 

@@ -26,7 +26,8 @@ struct Reference {
 }
 
 fn read_reference(path: &std::path::Path) -> Reference {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e} (tools/fixtures/mtp_ref.py makes it)", path.display()));
+    let b =
+        std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e} (tools/fixtures/mtp_ref.py makes it)", path.display()));
     assert_eq!(&b[..8], b"TSMTP1\0\0", "{}", path.display());
     let mut at = 8;
     let mut u32s = |n: usize| -> Vec<u32> {
@@ -78,9 +79,8 @@ fn mtp_head_matches_the_numpy_reference() {
 
         // The trunk hands back its final-normed hidden states h_0..h_{rows-1}.
         let mut seq = SeqState::new(&model.cfg, 64, 64);
-        let rows: Vec<Row> = (0..r.rows + 1)
-            .map(|p| Row { token: r.tokens[p], pos: p, seq: 0, logits: p == r.rows })
-            .collect();
+        let rows: Vec<Row> =
+            (0..r.rows + 1).map(|p| Row { token: r.tokens[p], pos: p, seq: 0, logits: p == r.rows }).collect();
         let (logits, hidden) = model.forward_hidden(&rows, &mut [&mut seq], &mut scratch).unwrap();
         assert_eq!((logits.len(), hidden.len()), (1, (r.rows + 1) * e));
         let mut worst = 0f32;

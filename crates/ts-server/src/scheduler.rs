@@ -463,13 +463,11 @@ pub fn run<B: Backend>(
                 true => engine.step_hidden(&mut seqs, &step, s).map(|(l, h)| (l, Some(h))),
                 false => engine.step(&mut seqs, &step, s).map(|l| (l, None)),
             };
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(
-                |p| {
-                    let msg =
-                        p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                    Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())).into())
-                },
-            )
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|p| {
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                Err(ts_model::ModelError::Compute(format!("internal error: {}", msg.unwrap_or_default())).into())
+            })
         };
         let logits = match result {
             Ok((l, hidden)) => {
