@@ -261,6 +261,13 @@ impl Cuda {
             self.upload_weight(&p.model_proj)?;
             self.upload_vec(&p.proj_norm)?;
         }
+        // The expert tier's counters and slots know the trunk's layers only.
+        if w.mtp.is_some() && self.tier.is_some() {
+            return Err(ModelError::Compute(
+                "cuda: --spec-mtp with --expert-cache is not supported (the MTP head's experts are not in the VRAM cache)"
+                    .into(),
+            ));
+        }
         // Block n_layer, where there is one, is the MTP head's layer.
         for (il, l) in w.layers.iter().chain(w.mtp.iter().map(|m| &m.layer)).enumerate() {
             self.upload_layer(l)?;
