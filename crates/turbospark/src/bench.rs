@@ -225,7 +225,11 @@ fn run_on<B: ts_model::Backend>(
                     })
                 });
                 let spec = spec_lines.iter().find(|l| &l.0 == t).map(|(_, st, n)| {
-                    json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n})
+                    let plain = t.strip_suffix("+spec").and_then(|p| results.iter().find(|r| r.0 == p));
+                    let speed_up = plain.filter(|p| p.1.0 > 0.0).map(|p| m / p.1.0);
+                    json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n,
+                           "acceptance": st.acceptance(), "speed_up": speed_up,
+                           "tokens_per_step": (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64})
                 });
                 json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache, "speculative": spec})
             })

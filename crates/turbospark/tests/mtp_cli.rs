@@ -66,6 +66,16 @@ fn bench_reports_the_mtp_heads_guesses() {
     let line = text.lines().find(|l| l.starts_with("g24 greedy+spec:")).unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains("guesses kept") && line.contains("tokens per checking step"), "{line}");
     assert!(line.contains("48 tokens") && line.contains("speed-up"), "{line}");
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let o = turbospark(&json_args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let spec = v["tests"].as_array().unwrap().iter().find(|t| t["test"] == "g24 greedy+spec").unwrap();
+    let spec = &spec["speculative"];
+    assert_eq!(spec["generated"], 48, "{v}");
+    assert!(spec["speed_up"].as_f64().unwrap() > 0.0 && spec["tokens_per_step"].as_f64().unwrap() >= 1.0, "{v}");
+    assert!(spec["acceptance"].as_f64().unwrap() <= 1.0, "{v}");
 }
 
 #[test]
