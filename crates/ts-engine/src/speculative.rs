@@ -249,6 +249,8 @@ pub struct MtpDrafter<'e, B: Backend> {
     hidden: Vec<f32>,
     /// The context whose rows the cache holds: row p for each p + 1 < `fed.len()`.
     fed: Vec<u32>,
+    /// The logits the last guess was taken from, `[n_vocab]`.
+    last_logits: Vec<f32>,
 }
 
 impl<'e, B: Backend> MtpDrafter<'e, B> {
@@ -263,7 +265,13 @@ impl<'e, B: Backend> MtpDrafter<'e, B> {
             )));
         }
         let seq = engine.model.new_mtp_sequence(n_ctx)?;
-        Ok(MtpDrafter { engine, seq, scratch: engine.scratch(), seen: Vec::new(), hidden: Vec::new(), fed: Vec::new() })
+        let (seen, hidden, fed, last_logits) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        Ok(MtpDrafter { engine, seq, scratch: engine.scratch(), seen, hidden, fed, last_logits })
+    }
+
+    /// The head's logits of the last guess it made, `[n_vocab]` (empty before any).
+    pub fn last_logits(&self) -> &[f32] {
+        &self.last_logits
     }
 
     /// One step of the head over `rows` with hidden inputs `hidden`.
@@ -338,6 +346,7 @@ impl<B: Backend> Drafter for MtpDrafter<'_, B> {
             logits = out.logits.into_iter().next().expect("the chained row's logits");
             hidden = out.hidden;
         }
+        self.last_logits = logits;
         Ok(drafts)
     }
 }

@@ -212,4 +212,52 @@ fn mtp_cache_holds_only_kept_rows() {
     println!("after {}/{} kept: guesses {incremental:?}, fresh head {whole:?}", s.accepted, s.drafted);
     assert_eq!(incremental.len(), 4);
     assert_eq!(incremental, whole);
+    // The target's hidden states came from checking steps here and from one prompt step
+    // there (not bit-identical on the hybrids): the last guess's logits agree within 1e-4.
+    let (a, b) = (shadow.mtp.last_logits(), fresh.last_logits());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    println!("last guess's logits: max |d| {d:.2e} of {scale:.2}");
+    assert!(a.len() == b.len() && d <= 1e-4 * scale, "max |d| {d} of {scale}");
+}
+
+/// A kept guess's row is run again from the target's hidden state, not left as the head's
+/// own chained row: two of the head's guesses taken as kept (the target run on them, as a
+/// check that keeps them would) leave the head guessing what a fresh head given the whole
+/// text guesses.
+#[test]
+fn mtp_rows_of_kept_guesses_come_from_the_target() {
+    use ts_engine::decode::{Logits, Piece};
+    let dir = ts_testkit::fixtures_dir();
+    let target = engine(&dir.join("qwen3_5_moe/model-q8_0.gguf"));
+    let prompt = target.tokenizer().unwrap().encode(PROMPT, true, false).unwrap();
+    let mut seq = target.new_sequence(256).unwrap();
+    let mut mtp = MtpDrafter::new(&target, 256).unwrap();
+    target.prefill_observed(&mut seq, &prompt, false, Some(&mut mtp)).unwrap();
+    let mut text = prompt.clone();
+    text.push(7);
+    let guesses = mtp.draft(&text, 3).unwrap();
+    assert_eq!(guesses.len(), 3);
+    // The check ran the next token and the guesses; the first two are kept, then token 11.
+    let mut piece = vec![7];
+    piece.extend_from_slice(&guesses);
+    let first = seq.n_past;
+    let mut scratch = target.scratch();
+    let (_, hidden) =
+        target.step_hidden(&mut [&mut seq], &[Piece { tokens: &piece, logits: Logits::All }], &mut scratch).unwrap();
+    mtp.observe(first, &piece, &hidden[0]);
+    seq.n_past = first + 3;
+    text.extend_from_slice(&guesses[..2]);
+    text.push(11);
+    let again = mtp.draft(&text, 4).unwrap();
+    let mut fresh = MtpDrafter::new(&target, 256).unwrap();
+    let mut whole = target.new_sequence(256).unwrap();
+    target.prefill_observed(&mut whole, &text[..text.len() - 1], false, Some(&mut fresh)).unwrap();
+    assert_eq!(again, fresh.draft(&text, 4).unwrap(), "guesses {guesses:?}");
+    // The last guess's logits too (rows batched otherwise: f32 rounding apart).
+    let (a, b) = (mtp.last_logits(), fresh.last_logits());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    println!("last guess's logits: max |d| {d:.2e} of {scale:.2}");
+    assert!(a.len() == b.len() && d <= 1e-4 * scale, "max |d| {d} of {scale}");
 }
