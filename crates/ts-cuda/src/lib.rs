@@ -261,15 +261,11 @@ impl Cuda {
             self.upload_weight(&p.model_proj)?;
             self.upload_vec(&p.proj_norm)?;
         }
-        // The expert tier's counters and slots know the trunk's layers only.
-        if w.mtp.is_some() && self.tier.is_some() {
-            return Err(ModelError::Compute(
-                "cuda: --spec-mtp with --expert-cache is not supported (the MTP head's experts are not in the VRAM cache)"
-                    .into(),
-            ));
-        }
-        // Block n_layer, where there is one, is the MTP head's layer.
-        for (il, l) in w.layers.iter().chain(w.mtp.iter().map(|m| &m.layer)).enumerate() {
+        // Block n_layer, where there is one, is the MTP head's layer. The expert tier's counters
+        // and slots know the trunk's layers only: with it, the head stays on the host and
+        // `new_mtp_state` refuses `--spec-mtp`.
+        let mtp = w.mtp.as_ref().filter(|_| self.tier.is_none());
+        for (il, l) in w.layers.iter().chain(mtp.map(|m| &m.layer)).enumerate() {
             self.upload_layer(l)?;
             let table = match &model.ropes[il] {
                 Some(rope) => Some(self.gpu.upload(&rope.inv_freq).map_err(err)?),
@@ -279,7 +275,7 @@ impl Cuda {
             let window = model.cfg.layers.get(il).and_then(|l| l.sliding_window());
             self.windows.push(window.unwrap_or(0) as i32);
         }
-        if let Some(m) = &w.mtp {
+        if let Some(m) = mtp {
             for t in [Some(&m.eh_proj_embd), Some(&m.eh_proj_hidden), m.embed_tokens.as_ref(), m.head.as_ref()]
                 .into_iter()
                 .flatten()
@@ -708,6 +704,12 @@ impl Backend for Cuda {
         let Some(Mixer::Attention(a)) = cfg.nextn_layer.as_ref().map(|l| &l.mixer) else {
             return Err(ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()));
         };
+        if self.tier.is_some() {
+            return Err(ModelError::Compute(
+                "cuda: --spec-mtp with --expert-cache is not supported (the MTP head's experts are not in the VRAM cache)"
+                    .into(),
+            ));
+        }
         if model.weights.mtp.is_none() || self.ropes.len() <= cfg.n_layer {
             return Err(ModelError::Compute("cuda: the MTP head's weights are not on the device".into()));
         }
