@@ -410,21 +410,7 @@ impl<B: Backend> Model<B> {
                 Some(ffn) => be.add_rms_norm_to(&mut x, &ffn, &layer.attn_norm, cfg.rms_eps)?,
                 None => be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?,
             };
-            let mut attn = match &layer.mixer {
-                MixerWeights::Attention(w) => self.attention(il, w, rows, seqs, &normed, scratch)?,
-                MixerWeights::DeltaNet(w) => self.delta_net(il, w, rows, seqs, &normed, scratch)?,
-            };
-            if let Some(w) = &layer.attn_post_norm {
-                be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
-            }
-            let normed = be.add_rms_norm_to(&mut x, &attn, &layer.ffn_norm, cfg.rms_eps)?;
-            let mut ffn = match &layer.ffn {
-                Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
-                Ffn::Moe(w) => self.moe_ffn(il, w, &x, &normed, m, scratch)?,
-            };
-            if let Some(w) = &layer.ffn_post_norm {
-                be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
-            }
+            let ffn = self.block(il, layer, rows, seqs, &mut x, &normed, scratch)?;
             if layer.per_layer.is_none() && layer.output_scale.is_none() {
                 pending = Some(ffn);
                 continue;
@@ -459,6 +445,38 @@ impl<B: Backend> Model<B> {
         advance(rows, seqs);
         let hidden = hidden.map(|h| be.to_host(&h)).transpose()?;
         Ok((self.logits_to_host(logits)?, hidden))
+    }
+
+    /// Block `il`'s mixer on `normed` (its input `x` after the block's first norm), added into
+    /// `x`, then its FFN on the second norm: the FFN's output `[m][n_embd]`, not yet added.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        il: usize,
+        layer: &crate::tensors::LayerWeights,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<B::State>],
+        x: &mut B::Act,
+        normed: &B::Act,
+        scratch: &mut B::Scratch,
+    ) -> Result<B::Act, ModelError> {
+        let (cfg, be, m) = (&self.cfg, &self.backend, rows.len());
+        let mut attn = match &layer.mixer {
+            MixerWeights::Attention(w) => self.attention(il, w, rows, seqs, normed, scratch)?,
+            MixerWeights::DeltaNet(w) => self.delta_net(il, w, rows, seqs, normed, scratch)?,
+        };
+        if let Some(w) = &layer.attn_post_norm {
+            be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
+        }
+        let normed = be.add_rms_norm_to(x, &attn, &layer.ffn_norm, cfg.rms_eps)?;
+        let mut ffn = match &layer.ffn {
+            Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
+            Ffn::Moe(w) => self.moe_ffn(il, w, x, &normed, m, scratch)?,
+        };
+        if let Some(w) = &layer.ffn_post_norm {
+            be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
+        }
+        Ok(ffn)
     }
 
     /// One step of the MTP head ([`crate::tensors::MtpWeights`]): row i pairs the token
@@ -501,21 +519,10 @@ impl<B: Backend> Model<B> {
         be.add(&mut u, &from_hidden)?;
         let layer = &mtp.layer;
         let normed = be.rms_norm_to(&u, &layer.attn_norm, cfg.rms_eps)?;
-        let MixerWeights::Attention(w) = &layer.mixer else {
+        if !matches!(layer.mixer, MixerWeights::Attention(_)) {
             return Err(ModelError::Compute("MTP: the layer is not an attention layer".into()));
-        };
-        let mut attn = self.attention(il, w, rows, seqs, &normed, scratch)?;
-        if let Some(w) = &layer.attn_post_norm {
-            be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
         }
-        let normed = be.add_rms_norm_to(&mut u, &attn, &layer.ffn_norm, cfg.rms_eps)?;
-        let mut ffn = match &layer.ffn {
-            Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
-            Ffn::Moe(w) => self.moe_ffn(il, w, &u, &normed, m, scratch)?,
-        };
-        if let Some(w) = &layer.ffn_post_norm {
-            be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
-        }
+        let ffn = self.block(il, layer, rows, seqs, &mut u, &normed, scratch)?;
         be.add(&mut u, &ffn)?;
         let out = be.rms_norm_to(&u, &mtp.shared_head_norm, cfg.rms_eps)?;
         let logits = self.head(rows, &out, mtp.head.as_ref().unwrap_or(&self.weights.output), scratch)?;
