@@ -704,25 +704,11 @@ impl<B: Backend> Model<B> {
 
     /// Final norm and output head for the rows that want logits, `[wanted][n_vocab]`.
     fn output(&self, rows: &[Row], x: &B::Act, scratch: &mut B::Scratch) -> Result<Option<B::Act>, ModelError> {
-        let be = &self.backend;
-        let wanted: Vec<usize> = rows.iter().enumerate().filter(|(_, r)| r.logits).map(|(i, _)| i).collect();
-        if wanted.is_empty() {
+        if rows.iter().all(|r| !r.logits) {
             return Ok(None);
         }
-        let selected;
-        let x = if wanted.len() == rows.len() {
-            x
-        } else {
-            selected = be.select_rows(x, self.cfg.n_embd, &wanted)?;
-            &selected
-        };
-        let normed = be.rms_norm_to(x, &self.weights.output_norm, self.cfg.rms_eps)?;
-        let mut logits =
-            be.linear(&self.weights.output, self.weights.output_bias.as_deref(), &normed, wanted.len(), scratch)?;
-        if let Some(c) = self.cfg.final_softcap {
-            be.softcap(&mut logits, c)?;
-        }
-        Ok(Some(logits))
+        let normed = self.backend.rms_norm_to(x, &self.weights.output_norm, self.cfg.rms_eps)?;
+        self.head(rows, &normed, &self.weights.output, scratch)
     }
 
     /// The output head `head` over already normed rows `normed` `[rows][n_embd]`, for the
