@@ -123,6 +123,9 @@ pub struct Cuda {
     mode: std::sync::atomic::AtomicU8,
     /// Replay single-row steps from a CUDA graph (off when the expert tier needs the host mid-step).
     pub use_graphs: bool,
+    /// Activation rows one dense 8-bit matvec launch serves ([`matmul::MATVEC_ROWS`], or
+    /// `TURBOSPARK_Q8_LAUNCH_ROWS`: a measurement knob for steps of 9-31 rows).
+    pub(crate) q8_launch_rows: usize,
     blas: Option<CudaBlas>,
     /// f16 staging for cuBLAS: a dequantized weight and the activations.
     half: Mutex<(CudaSlice<u16>, CudaSlice<u16>)>,
@@ -223,6 +226,11 @@ impl Cuda {
             }),
             mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
             use_graphs: std::env::var_os("TURBOSPARK_NO_CUDA_GRAPHS").is_none(),
+            q8_launch_rows: std::env::var("TURBOSPARK_Q8_LAUNCH_ROWS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&r| r > 0)
+                .unwrap_or(matmul::MATVEC_ROWS),
             blas,
             weight_bytes: 0,
             tier: None,

@@ -4,7 +4,6 @@
 //! Steps of few rows take them unless exact (f32) activations are asked for.
 
 use crate::device::Arg;
-use crate::matmul::MATVEC_ROWS;
 use crate::{Act, Cuda, Matmul};
 use ts_gguf::GgmlType;
 use ts_model::ModelError;
@@ -244,7 +243,7 @@ impl Cuda {
         let Matmul { w, n_out, k, m, y, bias, .. } = *mm;
         let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
-        for r0 in (0..m).step_by(MATVEC_ROWS) {
+        for r0 in (0..m).step_by(self.q8_launch_rows) {
             let p = MatvecQ8 {
                 w,
                 xq: xq.q(r0),
@@ -253,7 +252,7 @@ impl Cuda {
                 bias,
                 n_out: n_out as i32,
                 k: k as i32,
-                m: (m - r0).min(MATVEC_ROWS) as i32,
+                m: (m - r0).min(self.q8_launch_rows) as i32,
                 lanes,
             };
             self.launch_with(&format!("matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
