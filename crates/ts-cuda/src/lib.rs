@@ -728,8 +728,8 @@ impl Backend for Cuda {
     }
 
     fn upload(&self, x: &[f32]) -> Result<Act, ModelError> {
-        let buf = self.gpu.upload(x).map_err(err)?;
-        Ok(Act { ptr: self.gpu.ptr(&buf), len: x.len(), _own: Some(buf) })
+        // Counted as a write: an 8-bit copy of what an earlier buffer at this address held is stale.
+        self.act_from_host(x)
     }
 
     fn end_step(&self, logits: Option<&Act>) -> Result<(), ModelError> {

@@ -7,6 +7,7 @@
 use crate::constraint::Constraint;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::session::{Engine, EngineError, StopReason};
+use crate::speculative::Drafter;
 use ts_model::{Backend, Row, SeqState};
 use ts_tokenizer::{StreamDecoder, Tokenizer};
 
@@ -62,6 +63,26 @@ impl<B: Backend> Engine<B> {
             })
             .collect();
         Ok((logits, per_piece))
+    }
+
+    /// [`Engine::step`] of one sequence's `piece`, handing its final-normed hidden states to
+    /// `observer` where it reads them ([`Drafter::wants_hidden`]: an MTP head).
+    pub fn step_observed<'d>(
+        &self,
+        seq: &mut SeqState<B::State>,
+        piece: Piece,
+        scratch: &mut B::Scratch,
+        observer: Option<&mut (dyn Drafter + 'd)>,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        match observer.filter(|d| d.wants_hidden()) {
+            Some(d) => {
+                let first = seq.n_past;
+                let (mut logits, hidden) = self.step_hidden(&mut [seq], &[piece], scratch)?;
+                d.observe(first, piece.tokens, &hidden[0]);
+                Ok(logits.remove(0))
+            }
+            None => Ok(self.step(&mut [seq], &[piece], scratch)?.remove(0)),
+        }
     }
 
     #[allow(clippy::type_complexity)]

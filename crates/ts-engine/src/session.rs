@@ -236,16 +236,8 @@ impl<B: Backend> Engine<B> {
                 (false, true) => Logits::Last,
                 (false, false) => Logits::None,
             };
-            let piece = [Piece { tokens: chunk, logits }];
-            match observer.as_deref_mut().filter(|d| d.wants_hidden()) {
-                Some(d) => {
-                    let first = seq.n_past;
-                    let (mut l, h) = self.step_hidden(&mut [&mut *seq], &piece, &mut scratch)?;
-                    d.observe(first, chunk, &h[0]);
-                    out.extend(l.remove(0));
-                }
-                None => out.extend(self.step(&mut [&mut *seq], &piece, &mut scratch)?.remove(0)),
-            }
+            let piece = Piece { tokens: chunk, logits };
+            out.extend(self.step_observed(seq, piece, &mut scratch, observer.as_deref_mut())?);
         }
         Ok(out)
     }
@@ -381,16 +373,8 @@ impl<B: Backend> Engine<B> {
                 snapshot = self.model.is_recurrent().then(|| self.model.snapshot(seq)).transpose()?;
                 (Logits::All, &mut checking)
             };
-            let step = [Piece { tokens: &piece, logits }];
-            rows = match spec.as_mut().filter(|(d, _)| d.wants_hidden()) {
-                Some((drafter, _)) => {
-                    let first = seq.n_past;
-                    let (mut l, h) = self.step_hidden(&mut [&mut *seq], &step, s)?;
-                    drafter.observe(first, &piece, &h[0]);
-                    l.remove(0)
-                }
-                None => self.step(&mut [&mut *seq], &step, s)?.remove(0),
-            };
+            let observer = spec.as_mut().map(|(d, _)| &mut **d);
+            rows = self.step_observed(seq, Piece { tokens: &piece, logits }, s, observer)?;
             last_step = Some(started.elapsed().as_secs_f64());
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;

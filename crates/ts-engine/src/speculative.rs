@@ -180,6 +180,18 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
     }
 }
 
+/// Whether `engine`'s model has an MTP head to guess with (`--spec-mtp`), else an error naming the flag.
+pub fn check_mtp<B: Backend>(engine: &Engine<B>) -> Result<(), EngineError> {
+    if engine.model.weights.mtp.is_none() {
+        return Err(EngineError::Invalid(format!(
+            "--spec-mtp: this model has no multi-token-prediction layer ({}.nextn_predict_layers is {})",
+            engine.model.cfg.arch.gguf_name(),
+            engine.model.cfg.n_nextn
+        )));
+    }
+    Ok(())
+}
+
 /// Whether `draft` can guess for a target of vocabulary `target`: no recurrent layers
 /// (their state cannot be rewound) and the same vocabulary.
 pub fn check_draft<B: Backend>(draft: &Engine<B>, target: &Tokenizer) -> Result<(), EngineError> {
@@ -257,13 +269,7 @@ impl<'e, B: Backend> MtpDrafter<'e, B> {
     /// A drafter of `engine`'s MTP head for contexts of up to `n_ctx` tokens; an error naming
     /// `--spec-mtp` for a model without one.
     pub fn new(engine: &'e Engine<B>, n_ctx: usize) -> Result<Self, EngineError> {
-        if engine.model.weights.mtp.is_none() {
-            return Err(EngineError::Invalid(format!(
-                "--spec-mtp: this model has no multi-token-prediction layer ({}.nextn_predict_layers is {})",
-                engine.model.cfg.arch.gguf_name(),
-                engine.model.cfg.n_nextn
-            )));
-        }
+        check_mtp(engine)?;
         let seq = engine.model.new_mtp_sequence(n_ctx)?;
         let (seen, hidden, fed, last_logits) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         Ok(MtpDrafter { engine, seq, scratch: engine.scratch(), seen, hidden, fed, last_logits })

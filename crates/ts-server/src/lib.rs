@@ -125,8 +125,8 @@ pub fn spawn_with_draft<B: Backend + 'static>(
         let (engine, metrics) = (engine.clone(), metrics.clone());
         let (slots, ctx, cache, p_min) = (opts.parallel, opts.slot_ctx, opts.prompt_cache, opts.draft_p_min);
         let mtp = opts.spec_mtp && opts.spec.is_some();
-        if mtp && engine.model.weights.mtp.is_none() {
-            return Err("--spec-mtp: this model has no multi-token-prediction (nextn) layer".into());
+        if mtp {
+            ts_engine::speculative::check_mtp(&engine).map_err(|e| e.to_string())?;
         }
         // The draft model checked before the server listens.
         if let Some(d) = &draft {

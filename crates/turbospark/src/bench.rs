@@ -225,10 +225,8 @@ fn run_on<B: ts_model::Backend>(
                     })
                 });
                 let spec = spec_lines.iter().find(|l| &l.0 == t).map(|(_, st, n)| {
-                    let plain = t.strip_suffix("+spec").and_then(|p| results.iter().find(|r| r.0 == p));
-                    let speed_up = plain.filter(|p| p.1.0 > 0.0).map(|p| m / p.1.0);
                     json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n,
-                           "acceptance": st.acceptance(), "speed_up": speed_up,
+                           "acceptance": st.acceptance(), "speed_up": speed_up(&results, t),
                            "tokens_per_step": (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64})
                 });
                 json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache, "speculative": spec})
@@ -260,14 +258,16 @@ fn run_on<B: ts_model::Backend>(
         s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
     }
     for (test, st, generated) in &spec_lines {
-        // The speed-up over the same greedy generations without guesses.
-        let plain = test.strip_suffix("+spec").and_then(|p| results.iter().find(|r| r.0 == p));
-        let spec = results.iter().find(|r| &r.0 == test);
-        let speedup = match (plain, spec) {
-            (Some(p), Some(q)) if p.1.0 > 0.0 => format!(", speed-up {:.2}x", q.1.0 / p.1.0),
-            _ => String::new(),
-        };
+        let speedup = speed_up(&results, test).map_or(String::new(), |x| format!(", speed-up {x:.2}x"));
         s += &format!("{test}: {}, {generated} tokens{speedup}\n", crate::generate::spec_summary(st));
     }
     crate::write_stdout(s.as_bytes())
+}
+
+/// Test `test`'s speed (a `...+spec` generation) over the same greedy generations without
+/// guesses, from `results` (test, (mean tok/s, deviation)).
+fn speed_up(results: &[(String, (f64, f64))], test: &str) -> Option<f64> {
+    let speed = |name: &str| results.iter().find(|r| r.0 == name).map(|r| r.1.0);
+    let plain = speed(test.strip_suffix("+spec")?)?;
+    (plain > 0.0).then(|| speed(test)).flatten().map(|s| s / plain)
 }

@@ -171,14 +171,9 @@ impl SpecArgs {
     /// Checks `--spec-mtp` against the model (refused by name without a nextn layer), and
     /// leaves the MTP head out of the model when it is not asked for (no backend then holds it).
     pub fn prepare(&self, engine: &mut Engine) -> Result<()> {
-        if self.spec_mtp && engine.model.weights.mtp.is_none() {
-            bail!(
-                "--spec-mtp: this model has no multi-token-prediction layer ({}.nextn_predict_layers is {})",
-                engine.model.cfg.arch.gguf_name(),
-                engine.model.cfg.n_nextn
-            );
-        }
-        if !self.spec_mtp {
+        if self.spec_mtp {
+            ts_engine::speculative::check_mtp(engine)?;
+        } else {
             engine.model.weights.mtp = None;
         }
         Ok(())
