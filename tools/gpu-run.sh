@@ -251,11 +251,11 @@ if [[ $what == sweep ]]; then
 fi
 if [[ $what == ncu-detail ]]; then
     # `ncu-detail LIKE REGEX`: Nsight Compute's speed-of-light, occupancy and warp-stall
-    # sections for the first two launches of the kernels matching REGEX in a pp512 of the
+    # sections for the first DETAIL_COUNT (2) launches of the kernels matching REGEX in a pp512 of the
     # 8-layer synthetic model (DETAIL_BENCH: other bench flags, "-p 0 -n 4 -r 1" for decode).
     like=$2
     f=$(synth8 "$like")
-    "$ncu" --clock-control none -k "regex:$3" -c 2 --section SpeedOfLight --section Occupancy \
+    "$ncu" --clock-control none -k "regex:$3" -c ${DETAIL_COUNT:-2} --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
         "$B"/turbospark bench -m "$f" --device cuda ${DETAIL_BENCH:--p 512 -n 0 -r 1} 2>&1 | tee "$OUT/ncu-detail-$like.log" \
         | grep -vE "^ *-+ *$|^ *$|^==PROF==" | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|Active Warps|Block Limit|Executed Ipc|OPT|sec|^  [a-z_]" | head -${LINES_MAX:-80}

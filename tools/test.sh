@@ -9,12 +9,25 @@ if [ -x tools/fetch-vocab-corpus.sh ]; then tools/fetch-vocab-corpus.sh; fi
 # The official openai client, for the server's end-to-end test.
 TURBOSPARK_OPENAI_PYTHON=$(tools/server-test/setup.sh)
 export TURBOSPARK_OPENAI_PYTHON
-# Chromium for the chat page's browser test; where it cannot be installed that test is skipped, saying so.
-skip=()
+# Tests this machine cannot run are skipped by name, and each is reported with its reason.
+skip=() skipped=()
+# Chromium for the chat page's browser test.
 if ! tools/server-test/fetch-chromium.sh; then
-    skip=(-- --skip chat_page_in_a_browser)
+    skip+=(--skip chat_page_in_a_browser)
+    skipped+=("chat_page_in_a_browser (chromium could not be installed)")
+fi
+# The CPU's packed MXFP4/Q4_K/Q6_K rows are built and read only with AVX-512 VNNI.
+if ! grep -qw avx512_vnni /proc/cpuinfo; then
+    for t in packed_rows_match_the_gguf_rows packed_experts_match_transformers_and_the_gguf_layout; do
+        skip+=(--skip "$t")
+        skipped+=("$t (this CPU has no AVX-512 VNNI)")
+    done
 fi
 cargo fmt --all -- --check
 cargo clippy --release --workspace --all-targets -- -D warnings
-cargo test --release --workspace "${skip[@]}"
-if [ ${#skip[@]} -gt 0 ]; then echo "skipped: chat_page_in_a_browser (chromium could not be installed)" >&2; fi
+if [ ${#skip[@]} -gt 0 ]; then
+    cargo test --release --workspace --no-fail-fast -- "${skip[@]}"
+else
+    cargo test --release --workspace --no-fail-fast
+fi
+for s in "${skipped[@]}"; do echo "skipped: $s" >&2; done

@@ -6,7 +6,7 @@
 //   quantize_q8_1(x, q, ds, n)   x f32 [n] (n a multiple of 32) to TsQ8; any 1-D launch.
 //   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
-//       moe_gate_up_<t> of matmul.cu.
+//       moe_gate_up_<t> of matmul.cu, the expert's bias rows added in the same kernel.
 //   moe_chunk_q8_<t>(MoeChunkQ8), moe_chunk_gate_up_q8_<t>(MoeChunkGateUpQ8): the same for
 //       chunks of one expert's rows (moe_group_pairs), each expert's weights read once.
 // Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares a weight row, each lane
@@ -82,6 +82,8 @@ struct MoeMatvecQ8 {
     const signed char* xq;
     const float2* xds;
     float* y;  // [slots][n_out]
+    const float* bias;  // [n_expert][n_out] or null
+    const int* ids;  // [slots]: the routed expert (bias rows)
     long long expert_stride;  // bytes
     int x_group;  // slot s reads activation row s / x_group
     int n_out, k, lanes;
@@ -139,7 +141,8 @@ __device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
     const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
     float acc[1];
     ts_q8_row<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
-    if (l.live && l.j == 0) p.y[(ts_u64)s * p.n_out + l.row] = acc[0];
+    if (l.live && l.j == 0)
+        p.y[(ts_u64)s * p.n_out + l.row] = p.bias ? acc[0] + p.bias[(ts_u64)p.ids[s] * p.n_out + l.row] : acc[0];
 }
 
 template <class V>

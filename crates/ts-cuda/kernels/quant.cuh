@@ -142,6 +142,15 @@ __device__ __forceinline__ ts_u32 ts_funnel(ts_u32 lo, ts_u32 hi, int s) {
 #endif
 }
 
+// The same for s in 0..=32 (32 gives hi).
+__device__ __forceinline__ ts_u32 ts_funnel_clamped(ts_u32 lo, ts_u32 hi, int s) {
+#ifdef TS_HOST
+    return (ts_u32)((((ts_u64)hi << 32) | lo) >> s);
+#else
+    return __funnelshift_rc(lo, hi, s);
+#endif
+}
+
 // Byte permute: byte n of the result is byte (s >> 4n) & 7 of the pool y:x (selector bit 3 unused here).
 __device__ __forceinline__ ts_u32 ts_prmt(ts_u32 x, ts_u32 y, ts_u32 s) {
 #ifdef TS_HOST
@@ -468,22 +477,31 @@ __device__ __forceinline__ void dequant8_q5_1(const ts_u8* row, int chunk, int s
 
 // MXFP4 (17 bytes): E8M0 exponent e, 16 bytes of E2M1 codes; x = kvalues[q] * 2^(e-128)
 // (the int table holds the fp4 values doubled, so the scale is halved, as in ts-quant).
-// Four codes (one per byte of c, each < 16) to their table values + 128, one per byte.
-__device__ __forceinline__ ts_u32 ts_mxfp4_lut4(ts_u32 c) {
-    const ts_u32 sel = ts_prmt(c | (c >> 4), 0, 0x4420u) & 0x7777u;  // code n in nibble n, sign dropped
-    const ts_u32 pos = ts_prmt(0x83828180u, 0x8c888684u, sel);        // 128 + {0,1,2,3,4,6,8,12}
-    const ts_u32 neg = ts_prmt(0x7d7e7f80u, 0x74787a7cu, sel);        // 128 - {0,1,2,3,4,6,8,12}
-    const ts_u32 m = ((c >> 3) & 0x01010101u) * 0xffu;               // codes 8..15 are negative
-    return (pos & ~m) | (neg & m);
+// The eight E2M1 codes of MXFP4 quant word q (byte j: one element's code low, the element 16
+// on's high) as int8 doubled fp4 values: lo gets the low codes' values by byte, hi the high
+// ones'. Byte permutes look each magnitude up among the positive and among the negative
+// values; a third permute picks by the code's sign bit.
+__device__ __forceinline__ void ts_mxfp4_word(ts_u32 q, ts_u32& lo, ts_u32& hi) {
+    const ts_u32 pos0 = 0x03020100u, pos1 = 0x0c080604u;  // 0 1 2 3 4 6 8 12
+    const ts_u32 neg0 = 0xfdfeff00u, neg1 = 0xf4f8fafcu;  // the same negated
+    const ts_u32 mag = q & 0x77777777u;  // nibble n: code n's magnitude (n even: a low code)
+    const ts_u32 neg = (q & 0x88888888u) >> 1;  // nibble n: 4 where code n is negative
+    // Values of the codes of bytes 0 and 1 (low, high, low, high), then of bytes 2 and 3.
+    const ts_u32 a = ts_prmt(ts_prmt(pos0, pos1, mag), ts_prmt(neg0, neg1, mag), 0x3210u | (neg & 0xffffu));
+    const ts_u32 m16 = mag >> 16;
+    const ts_u32 b = ts_prmt(ts_prmt(pos0, pos1, m16), ts_prmt(neg0, neg1, m16), 0x3210u | (neg >> 16));
+    lo = ts_prmt(a, b, 0x6420u);
+    hi = ts_prmt(a, b, 0x7531u);
 }
 
 __device__ __forceinline__ void dequant8_mxfp4(const ts_u8* row, int chunk, int s, float w[8]) {
     const ts_u8* b = row + (ts_u64)chunk * 17;
     const ts_u32 e = ts_ldu8(b);
     const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-    const ts_u32 q = ts_ldu32(b + 1 + 4 * s);
-    ts_put4(w, ts_mxfp4_lut4(q & 0x0f0f0f0fu), 128.0f, d);
-    ts_put4(w + 4, ts_mxfp4_lut4((q >> 4) & 0x0f0f0f0fu), 128.0f, d);
+    ts_u32 lo, hi;
+    ts_mxfp4_word(ts_ldu32(b + 1 + 4 * s), lo, hi);
+    ts_put4(w, lo ^ 0x80808080u, 128.0f, d);  // value + 128 is unsigned
+    ts_put4(w + 4, hi ^ 0x80808080u, 128.0f, d);
 }
 
 // ---- k-quants: 256-element superblocks; chunk j = chunk & 7 of superblock chunk >> 3 ----

@@ -140,6 +140,50 @@ __device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi,
     }
 }
 
+// Q8_0 (34 bytes: f16 d, then 32 int8 quants): x = q * d. A block starts on a word or 2 bytes
+// past one; its bytes are read as the aligned words holding them, the last one as half words
+// so that no load passes the block's end. Returns d; q[i] holds elements 4i..4i+3.
+__device__ __forceinline__ float ts_q8_0_block(const ts_u8* b, ts_u32 (&q)[8]) {
+    const bool on = (ts_addr(b) & 3) == 0;
+    const ts_u8* a = on ? b : b - 2;
+    ts_u32 w[9];
+    TS_UNROLL
+    for (int i = 0; i < 8; i++) w[i] = ts_ld32(a + 4 * i);
+#ifdef TS_HOST
+    const ts_u32 tail = on ? 0u : (ts_u32)ts_ld16(a + 34);
+#else
+    // Bytes 34 and 35 past a belong to this block only when it starts off a word.
+    ts_u16 t16;
+    asm("{\n\t.reg .pred p;\n\t"
+        "setp.eq.s32 p, %2, 0;\n\t"
+        "mov.b16 %0, 0;\n\t"
+        "@p " TS_LD_WORD ".u16 %0, [%1+34];\n\t}"
+        : "=h"(t16)
+        : "l"(a), "r"((int)on));
+    const ts_u32 tail = t16;
+#endif
+    w[8] = (ts_u32)ts_ld16(a + 32) | (tail << 16);
+    TS_UNROLL
+    for (int i = 0; i < 8; i++) q[i] = on ? ts_funnel(w[i], w[i + 1], 16) : w[i + 1];
+    return ts_h2f(on ? w[0] & 0xffffu : w[0] >> 16);
+}
+
+struct vdot_q8_0 {
+    static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q8_0(k); }
+    static const bool split = false;
+    static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
+        const ts_u8* b = row + (ts_u64)c * 34;
+        const float d = ts_h2f(ts_ld16(b));
+        return ts_frag(ts_ldu32(b + 2 + 4 * s), ts_ldu32(b + 18 + 4 * s), d, d, 0.0f);
+    }
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
+        ts_u32 q[8];
+        const float d = ts_q8_0_block(row + (ts_u64)u * 34, q);
+        ts_dot_block<M>(q, q + 4, u, x, d, 0.0f, acc);
+    }
+};
+
 // Q4_0: x = (q - 8) * d.
 struct vdot_q4_0 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_0(k); }
@@ -242,31 +286,40 @@ struct vdot_q5_1 {
     }
 };
 
-// MXFP4: the E2M1 codes through the doubled table as int8 (ts_mxfp4_lut4 gives value + 128),
-// times the halved E8M0 scale.
+// A 17-byte MXFP4 block at b: returns its exponent byte and puts its 16 quant bytes in q, read
+// as the five aligned words holding the block (the last may reach past the block, not past
+// its own aligned word).
+__device__ __forceinline__ ts_u32 ts_mxfp4_block(const ts_u8* b, ts_u32 (&q)[4]) {
+    const int mis = (int)(ts_addr(b) & 3);
+    const ts_u8* a = b - mis;
+    ts_u32 w[5];
+    TS_UNROLL
+    for (int i = 0; i < 5; i++) w[i] = ts_ld32(a + 4 * i);
+    TS_UNROLL
+    for (int i = 0; i < 4; i++) q[i] = ts_funnel_clamped(w[i], w[i + 1], 8 * mis + 8);
+    return (w[0] >> (8 * mis)) & 0xffu;
+}
+
+// MXFP4: the E2M1 codes through the doubled table as int8, times the halved E8M0 scale.
 struct vdot_mxfp4 {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_mxfp4(k); }
     static const bool split = false;
+    static __device__ __forceinline__ float scale(ts_u32 e) {
+        return ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    }
     static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) {
         const ts_u8* b = row + (ts_u64)c * 17;
-        const ts_u32 e = ts_ldu8(b);
-        const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
-        const ts_u32 q = ts_ldu32(b + 1 + 4 * s);
-        return ts_frag(ts_mxfp4_lut4(q & 0x0f0f0f0fu) ^ 0x80808080u, ts_mxfp4_lut4((q >> 4) & 0x0f0f0f0fu) ^ 0x80808080u,
-                       d, d, 0.0f);
+        const float d = scale(ts_ldu8(b));
+        ts_u32 lo, hi;
+        ts_mxfp4_word(ts_ldu32(b + 1 + 4 * s), lo, hi);
+        return ts_frag(lo, hi, d, d, 0.0f);
     }
     template <int M>
     static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
-        const ts_u8* b = row + (ts_u64)u * 17;
-        const ts_u32 e = ts_ldu8(b);
-        const float d = ts_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
         ts_u32 q[4], lo[4], hi[4];
-        ts_ld_16(b + 1, q);
+        const float d = scale(ts_mxfp4_block(row + (ts_u64)u * 17, q));
         TS_UNROLL
-        for (int i = 0; i < 4; i++) {
-            lo[i] = ts_mxfp4_lut4(q[i] & 0x0f0f0f0fu) ^ 0x80808080u;
-            hi[i] = ts_mxfp4_lut4((q[i] >> 4) & 0x0f0f0f0fu) ^ 0x80808080u;
-        }
+        for (int i = 0; i < 4; i++) ts_mxfp4_word(q[i], lo[i], hi[i]);
         ts_dot_block<M>(lo, hi, u, x, d, 0.0f, acc);
     }
 };
@@ -417,9 +470,9 @@ struct vdot_q6_k {
     }
 };
 
-// The types with an integer dot product (the others multiply f32 activations; Q8_0 too, whose
-// matvec is bound by memory, not decoding).
+// The types with an integer dot product (the others multiply f32 activations).
 #define TS_Q8_TYPES(X) \
+    X(q8_0)            \
     X(q4_0)            \
     X(q4_1)            \
     X(q5_0)            \

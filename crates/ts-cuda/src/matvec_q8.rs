@@ -9,11 +9,15 @@ use ts_gguf::GgmlType;
 use ts_model::ModelError;
 
 /// The kernel-name suffix of a type with integer dot products (vdot.cuh's `TS_Q8_TYPES`).
-/// Q8_0 is not one: its f32 matvec is faster (gpt-oss-20b decode on the H200: 267 tok/s
-/// with f32 activations, 227 with 8-bit ones), being bound by memory, not decoding.
+/// `TURBOSPARK_Q8_0_F32` (a measurement knob) gives Q8_0 f32 activations again.
 pub fn q8_suffix(ty: GgmlType) -> Option<&'static str> {
     use GgmlType::*;
-    let q8 = matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K | MXFP4);
+    static Q8_0_F32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let q8 = match ty {
+        Q8_0 => !*Q8_0_F32.get_or_init(|| std::env::var_os("TURBOSPARK_Q8_0_F32").is_some()),
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K | MXFP4 => true,
+        _ => false,
+    };
     q8.then(|| crate::type_suffix(ty)).flatten()
 }
 
@@ -72,6 +76,8 @@ struct MoeMatvecQ8 {
     xq: u64,
     xds: u64,
     y: u64,
+    bias: u64,
+    ids: u64,
     expert_stride: i64,
     x_group: i32,
     n_out: i32,
@@ -143,7 +149,8 @@ pub(crate) struct MoeChunkGateUpQ8 {
 
 /// One expert-indexed matvec over `slots` slots: slot s multiplies expert
 /// (or cache slot) `index[s]` of `w` (`expert_stride` bytes apart) by
-/// activation row `s / x_group` into row s of `y` `[slots][n_out]`.
+/// activation row `s / x_group` into row s of `y` `[slots][n_out]`, plus row
+/// `ids[s]` of `bias` `[n_expert][n_out]` where `bias` is not 0.
 pub(crate) struct IndexedMatvec {
     pub ty: GgmlType,
     pub w: u64,
@@ -151,6 +158,8 @@ pub(crate) struct IndexedMatvec {
     pub index: u64,
     pub x_group: usize,
     pub y: u64,
+    pub bias: u64,
+    pub ids: u64,
     pub n_out: usize,
     pub k: usize,
     pub slots: usize,
@@ -270,6 +279,8 @@ impl Cuda {
             xq: xq.q(0),
             xds: xq.ds(0),
             y: mv.y,
+            bias: mv.bias,
+            ids: mv.ids,
             expert_stride: mv.expert_stride as i64,
             x_group: mv.x_group as i32,
             n_out: mv.n_out as i32,

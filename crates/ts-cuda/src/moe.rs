@@ -511,7 +511,7 @@ impl Cuda {
             return Ok(h);
         }
         let (mut g, u) = (self.act(pairs * f)?, self.act(pairs * f)?);
-        for (t, p, out) in [(&w.gate_exps, 0, &g), (&w.up_exps, 1, &u)] {
+        for (t, p, out, b) in [(&w.gate_exps, 0, &g, &w.gate_bias), (&w.up_exps, 1, &u, &w.up_bias)] {
             let mv = IndexedMatvec {
                 ty: t.ty,
                 w: src.proj[p].base,
@@ -519,16 +519,13 @@ impl Cuda {
                 index: src.proj[p].index,
                 x_group: k,
                 y: self.p(out),
+                bias: bias(b)?,
+                ids: r.ids.ptr,
                 n_out: f,
                 k: e,
                 slots: pairs,
             };
             self.indexed_matvec(&mv, x, exact)?;
-        }
-        for (t, b) in [(&g, &w.gate_bias), (&u, &w.up_bias)] {
-            if let Some(b) = b {
-                self.bias_indexed(t, self.vptr(b)?, r, &src.proj[0], f)?;
-            }
         }
         ts_model::Backend::gated(self, act, &mut g, &u)?;
         Ok(g)
@@ -602,15 +599,13 @@ impl Cuda {
             index: src.proj[2].index,
             x_group: 1,
             y: self.p(y),
+            bias: w.down_bias.as_ref().map_or(Ok(0), |b| self.vptr(b))?,
+            ids: r.ids.ptr,
             n_out: e,
             k: f,
             slots: pairs,
         };
-        self.indexed_matvec(&mv, h, exact)?;
-        if let Some(b) = &w.down_bias {
-            self.bias_indexed(y, self.vptr(b)?, r, &src.proj[2], e)?;
-        }
-        Ok(())
+        self.indexed_matvec(&mv, h, exact)
     }
 
     /// `out[r] = Σ_j wts[r][j] · y[pair (r, j)]`, `[m][width]`.
@@ -647,7 +642,8 @@ impl Cuda {
         )
     }
 
-    /// `mv` on activations `x`: 8-bit unless `exact` or the type has no integer dot products.
+    /// `mv` on activations `x`: 8-bit unless `exact` or the type has no integer dot products
+    /// (then the bias in a kernel of its own).
     fn indexed_matvec(&self, mv: &IndexedMatvec, x: &Act, exact: bool) -> Result<(), ModelError> {
         if !exact && let Some(sfx) = q8_suffix(mv.ty) {
             return self.indexed_matvec_q8(sfx, mv, x);
@@ -667,21 +663,21 @@ impl Cuda {
                 Arg::I32(mv.n_out as i32),
                 Arg::I32(mv.k as i32),
             ],
-        )
-    }
-
-    /// `x[p] += bias[expert of p]` for the pairs whose `src` index is not negative.
-    fn bias_indexed(&self, x: &Act, bias: u64, r: &GpuRoutes, src: &Source, width: usize) -> Result<(), ModelError> {
-        let n = r.m * r.k * width;
+        )?;
+        if mv.bias == 0 {
+            return Ok(());
+        }
+        // y[s] += bias[ids[s]] for the slots whose index is not negative.
+        let n = mv.slots * mv.n_out;
         self.launch_1d(
             "add_bias_indexed",
             n,
             &[
-                Arg::Ptr(self.p(x)),
-                Arg::Ptr(bias),
-                Arg::Ptr(r.ids.ptr),
-                Arg::Ptr(src.index),
-                Arg::I32(width as i32),
+                Arg::Ptr(mv.y),
+                Arg::Ptr(mv.bias),
+                Arg::Ptr(mv.ids),
+                Arg::Ptr(mv.index),
+                Arg::I32(mv.n_out as i32),
                 Arg::I64(n as i64),
             ],
         )

@@ -1185,14 +1185,17 @@ fn recorded_multi_row_steps_match() {
                     worst = if e.is_nan() { f32::NAN } else { worst.max(e) };
                 }
             }
-            let host_grouped = variant == "q8_0" && family.contains("moe") && n_seq * per > 8;
             println!(
                 "{family}/{variant} {n_seq} x {per} rows x {n_steps} steps: {replays} replayed, \
                  {differ} rows differ from direct, {worst:.2e} from one row at a time"
             );
             // The same 8-bit activations; 12 rows take the chunked expert kernels and the
-            // dense matvecs two rows at a time (summation order).
-            if worst.is_nan() || worst > 1e-3 || differ > 0 || (replays == 0 && !host_grouped) {
+            // dense matvecs two rows at a time (summation order). An 8-bit copy made after a
+            // sum in another order can round one step apart; the 8-layer hybrid's Q8_0 file
+            // carries that through its layers as far as 8-bit activations alone move it from
+            // the reference (`fixtures_match_transformers_on_the_gpu`'s bound for it).
+            let bound = if family == "qwen3_5_moe" { 1.45e-1 } else { 1e-3 };
+            if worst.is_nan() || worst > bound || differ > 0 || replays == 0 {
                 failures
                     .push(format!("{family}/{variant} {n_seq} x {per}: {replays} replays, {differ} differ, {worst:e}"));
             }

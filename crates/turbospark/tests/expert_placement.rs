@@ -59,6 +59,11 @@ fn a_synthetic_model_gives_identical_logits_across_placements() {
         .output()
         .unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    // The CPU packs MXFP4 experts (2,880 rows) only where its kernels read the packed layout.
+    let packs = ts_cpu::packs(ts_gguf::GgmlType::MXFP4, 2880);
+    if !packs {
+        println!("skipped: the packed experts' comparisons (this CPU's kernels do not repack MXFP4)");
+    }
     let logits = |experts: &[&str]| {
         let mut args = vec!["logits", "-m", m, "--all", "--tokens", "11,2048,77,90000,5,6,7,8"];
         args.extend_from_slice(experts);
@@ -66,7 +71,7 @@ fn a_synthetic_model_gives_identical_logits_across_placements() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{experts:?}: {stderr}");
         // Experts in memory (resident, or streamed into slots) are repacked unless told not to.
-        let repacked = !experts.contains(&"--no-repack") && !experts.contains(&"mapped");
+        let repacked = packs && !experts.contains(&"--no-repack") && !experts.contains(&"mapped");
         assert_eq!(stderr.contains("repacked"), repacked, "{experts:?}: {stderr}");
         out.stdout
     };

@@ -46,7 +46,9 @@ fn chat_answers_two_turns_through_the_template() {
 
 /// `bench` with a drafter generates -n greedy tokens per run without and with prompt lookup
 /// (end-of-generation banned), and reports the guesses kept; on a model without a tokenizer
-/// it says what is missing.
+/// it says what is missing. 64 tokens: SmolLM2's greedy text after the seeded random prompt
+/// repeats itself within them on both AVX2 and AVX-512 kernels (24 did not on AVX2), so
+/// prompt lookup has guesses to make.
 #[test]
 fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
     let model = model("smollm2-135m-instruct-q4_1.gguf");
@@ -58,7 +60,7 @@ fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
             "-p",
             "16",
             "-n",
-            "24",
+            "64",
             "-r",
             "2",
             "--no-warmup",
@@ -71,9 +73,9 @@ fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let tests = v["tests"].as_array().unwrap();
     let find = |name: &str| tests.iter().find(|t| t["test"] == name).unwrap_or_else(|| panic!("no {name}: {v}"));
-    assert!(find("g24 greedy")["tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
-    let spec = &find("g24 greedy+spec")["speculative"];
-    assert_eq!(spec["generated"], 48, "{v}");
+    assert!(find("g64 greedy")["tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
+    let spec = &find("g64 greedy+spec")["speculative"];
+    assert_eq!(spec["generated"], 128, "{v}");
     let (drafted, accepted) = (spec["drafted"].as_u64().unwrap(), spec["accepted"].as_u64().unwrap());
     assert!(accepted <= drafted && spec["steps"].as_u64().unwrap() > 0, "{v}");
 
