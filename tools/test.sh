@@ -18,7 +18,8 @@ if ! tools/server-test/fetch-chromium.sh; then
 fi
 # The CPU's packed MXFP4/Q4_K/Q6_K rows are built and read only with AVX-512 VNNI.
 if ! grep -qw avx512_vnni /proc/cpuinfo; then
-    for t in packed_rows_match_the_gguf_rows packed_experts_match_transformers_and_the_gguf_layout; do
+    for t in packed_rows_match_the_gguf_rows packed_experts_match_transformers_and_the_gguf_layout \
+        packed_experts_match_the_gguf_layout_across_placements; do
         skip+=(--skip "$t")
         skipped+=("$t (this CPU has no AVX-512 VNNI)")
     done

@@ -141,28 +141,14 @@ __device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi,
 }
 
 // Q8_0 (34 bytes: f16 d, then 32 int8 quants): x = q * d. A block starts on a word or 2 bytes
-// past one; its bytes are read as the aligned words holding them, the last one as half words
-// so that no load passes the block's end. Returns d; q[i] holds elements 4i..4i+3.
+// past one; it is read as the nine aligned words holding it (the last may reach past the
+// block, not past its own aligned word). Returns d; q[i] holds elements 4i..4i+3.
 __device__ __forceinline__ float ts_q8_0_block(const ts_u8* b, ts_u32 (&q)[8]) {
     const bool on = (ts_addr(b) & 3) == 0;
     const ts_u8* a = on ? b : b - 2;
     ts_u32 w[9];
     TS_UNROLL
-    for (int i = 0; i < 8; i++) w[i] = ts_ld32(a + 4 * i);
-#ifdef TS_HOST
-    const ts_u32 tail = on ? 0u : (ts_u32)ts_ld16(a + 34);
-#else
-    // Bytes 34 and 35 past a belong to this block only when it starts off a word.
-    ts_u16 t16;
-    asm("{\n\t.reg .pred p;\n\t"
-        "setp.eq.s32 p, %2, 0;\n\t"
-        "mov.b16 %0, 0;\n\t"
-        "@p " TS_LD_WORD ".u16 %0, [%1+34];\n\t}"
-        : "=h"(t16)
-        : "l"(a), "r"((int)on));
-    const ts_u32 tail = t16;
-#endif
-    w[8] = (ts_u32)ts_ld16(a + 32) | (tail << 16);
+    for (int i = 0; i < 9; i++) w[i] = ts_ld32(a + 4 * i);
     TS_UNROLL
     for (int i = 0; i < 8; i++) q[i] = on ? ts_funnel(w[i], w[i + 1], 16) : w[i + 1];
     return ts_h2f(on ? w[0] & 0xffffu : w[0] >> 16);

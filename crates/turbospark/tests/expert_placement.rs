@@ -48,56 +48,68 @@ fn options_a_placement_cannot_honour_are_refused() {
     }
 }
 
-#[test]
-fn a_synthetic_model_gives_identical_logits_across_placements() {
-    let dir = std::env::temp_dir().join(format!("ts-placement-{}", std::process::id()));
+/// A 2-layer gpt-oss-shaped synthetic model written to a directory of test `tag`'s own.
+fn synthetic_gpt_oss(tag: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("ts-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let model = dir.join("gpt-oss-1layer.gguf");
-    let m = model.to_str().unwrap();
+    let model = dir.join("gpt-oss-2layers.gguf").to_str().unwrap().to_string();
     let status = Command::new(env!("CARGO_BIN_EXE_turbospark"))
-        .args(["synth", "--like", "gpt-oss-20b", "--layers", "2", "-o", m])
+        .args(["synth", "--like", "gpt-oss-20b", "--layers", "2", "-o", &model])
         .output()
         .unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
-    // The CPU packs MXFP4 experts (2,880 rows) only where its kernels read the packed layout.
-    let packs = ts_cpu::packs(ts_gguf::GgmlType::MXFP4, 2880);
-    if !packs {
-        println!("skipped: the packed experts' comparisons (this CPU's kernels do not repack MXFP4)");
-    }
-    let logits = |experts: &[&str]| {
-        let mut args = vec!["logits", "-m", m, "--all", "--tokens", "11,2048,77,90000,5,6,7,8"];
-        args.extend_from_slice(experts);
-        let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{experts:?}: {stderr}");
-        // Experts in memory (resident, or streamed into slots) are repacked unless told not to.
-        let repacked = packs && !experts.contains(&"--no-repack") && !experts.contains(&"mapped");
-        assert_eq!(stderr.contains("repacked"), repacked, "{experts:?}: {stderr}");
-        out.stdout
-    };
-    // The GGUF layout in memory: the same floats as the other placements.
-    let resident = logits(&["--experts", "resident", "--no-repack"]);
-    assert_eq!(resident, logits(&["--experts", "mapped"]));
-    // Repacked for the CPU's kernels (the default): within 8-bit rounding of the others, as
-    // rows of fewer than 4 per expert are summed in another order.
+    (dir, model)
+}
+
+/// `logits --all` of a fixed prompt under the `experts` flags, as JSON bytes; `repacked`: whether
+/// the run must say that it repacked experts for the CPU's kernels.
+fn logits(model: &str, experts: &[&str], repacked: bool) -> Vec<u8> {
+    let mut args = vec!["logits", "-m", model, "--all", "--tokens", "11,2048,77,90000,5,6,7,8"];
+    args.extend_from_slice(experts);
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{experts:?}: {stderr}");
+    assert_eq!(stderr.contains("repacked"), repacked, "{experts:?}: {stderr}");
+    out.stdout
+}
+
+/// Experts in the GGUF layout, resident, mapped or streamed through four slots (every step
+/// evicts), with and without prefetch: the same floats.
+#[test]
+fn a_synthetic_model_gives_identical_logits_across_placements() {
+    let (dir, m) = synthetic_gpt_oss("placement");
+    let plain = |flags: &[&str]| logits(&m, &[flags, &["--no-repack"]].concat(), false);
+    let resident = plain(&["--experts", "resident"]);
+    assert_eq!(resident, logits(&m, &["--experts", "mapped"], false));
+    let stream = ["--experts", "stream", "--expert-cache", "52MiB"];
+    assert_eq!(resident, plain(&stream));
+    assert_eq!(resident, plain(&[&stream[..], &["--expert-prefetch", "on"]].concat()));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Experts repacked for the CPU's kernels (the default where the CPU packs MXFP4: AVX-512 VNNI;
+/// `tools/test.sh` skips this test by name elsewhere): within 8-bit rounding of the GGUF
+/// layout, as rows of fewer than 4 per expert are summed in another order; streamed experts,
+/// repacked as they are read, give the resident packed ones' floats.
+#[test]
+fn packed_experts_match_the_gguf_layout_across_placements() {
+    assert!(ts_cpu::packs(ts_gguf::GgmlType::MXFP4, 2880), "experts are packed on AVX-512 VNNI: this machine has none");
+    let (dir, m) = synthetic_gpt_oss("packed-placement");
     let rows = |bytes: &[u8]| -> Vec<Vec<f32>> {
         let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
         serde_json::from_value(v["logits"].clone()).unwrap()
     };
-    let packed_bytes = logits(&["--experts", "resident"]);
-    let (plain, packed) = (rows(&resident), rows(&packed_bytes));
+    let plain = rows(&logits(&m, &["--experts", "resident", "--no-repack"], false));
+    let packed_bytes = logits(&m, &["--experts", "resident"], true);
+    let packed = rows(&packed_bytes);
     assert_eq!(plain.len(), packed.len());
     for (p, (a, b)) in plain.iter().zip(&packed).enumerate() {
         let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
         let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff <= 1e-2 * scale, "packed experts, row {p}: max |Δ| {diff} of {scale}");
     }
-    // Four slots: every step evicts. In the GGUF layout the same floats as resident ones; repacked
-    // as they are read, the resident packed ones.
     let stream = ["--experts", "stream", "--expert-cache", "52MiB"];
-    assert_eq!(resident, logits(&[&stream[..], &["--no-repack"]].concat()));
-    assert_eq!(resident, logits(&[&stream[..], &["--expert-prefetch", "on", "--no-repack"]].concat()));
-    assert_eq!(packed_bytes, logits(&stream));
-    assert_eq!(packed_bytes, logits(&[&stream[..], &["--expert-prefetch", "on"]].concat()));
+    assert_eq!(packed_bytes, logits(&m, &stream, true));
+    assert_eq!(packed_bytes, logits(&m, &[&stream[..], &["--expert-prefetch", "on"]].concat(), true));
     std::fs::remove_dir_all(&dir).ok();
 }
