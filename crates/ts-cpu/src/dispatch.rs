@@ -286,8 +286,8 @@ mod x86 {
     use crate::kquants::{KQuant, Q2K, Q3K, Q4K, Q5K, Q6K};
     use crate::legacy::{Legacy, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     use crate::mxfp4::Mxfp4;
-    use crate::panel;
     use crate::simd::{Avx2, Vnni};
+    use crate::{panel, panel_avx2};
     use ts_gguf::GgmlType as T;
 
     /// Dot products of `R` weight rows with `C` activation rows, for one format and
@@ -431,7 +431,11 @@ mod x86 {
         };
         match isa {
             Isa::Scalar => None,
-            Isa::Avx2 => Some(Kernels { direct: avx2, panel: None, packed: None }),
+            Isa::Avx2 => Some(Kernels {
+                direct: avx2,
+                panel: panel_avx2::kernel(ty).map(|p| (p, panel_avx2::min_batch(ty))),
+                packed: None,
+            }),
             Isa::Avx512 => Some(Kernels {
                 direct: avx512,
                 panel: panel::kernel(ty).map(|p| (p, panel::min_batch(ty))),

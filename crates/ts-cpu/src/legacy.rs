@@ -32,19 +32,38 @@ mod x86 {
         /// `i`'s low nibble, element `i + 16` in its high nibble), and each code's unsigned
         /// value when that is not the code itself.
         const NIBBLES: Option<(usize, Option<[u8; 16]>)> = None;
+        /// Scales of the `n <= 8` blocks at `p`, `p + stride`, ..., in lanes `0..n` (lanes past
+        /// `n` zero).
+        ///
+        /// # Safety
+        /// Needs AVX2, FMA and F16C; a whole block at each of the `n <= 8` places.
+        #[inline(always)]
+        unsafe fn scales_strided(p: *const u8, stride: usize, n: usize) -> __m256 {
+            unsafe { gather_f16(p, stride, n) }
+        }
+        /// Mins of the `n <= 8` blocks at `p`, `p + stride`, ..., for formats with a min.
+        ///
+        /// # Safety
+        /// As [`Format::scales_strided`].
+        #[inline(always)]
+        unsafe fn mins_strided(p: *const u8, stride: usize, n: usize) -> __m256 {
+            unsafe { gather_f16(p.add(2), stride, n) }
+        }
         /// Scales of the `n <= 8` blocks from `p` on, in lanes `0..n`.
         ///
         /// # Safety
         /// Needs AVX2, FMA and F16C; `p` points at `n <= 8` whole blocks.
+        #[inline(always)]
         unsafe fn scales(p: *const u8, n: usize) -> __m256 {
-            unsafe { gather_f16(p, Self::BYTES, n) }
+            unsafe { Self::scales_strided(p, Self::BYTES, n) }
         }
         /// Mins of the `n <= 8` blocks from `p` on, for formats with a min.
         ///
         /// # Safety
         /// Needs AVX2, FMA and F16C; `p` points at `n <= 8` whole blocks.
+        #[inline(always)]
         unsafe fn mins(p: *const u8, n: usize) -> __m256 {
-            unsafe { gather_f16(p.add(2), Self::BYTES, n) }
+            unsafe { Self::mins_strided(p, Self::BYTES, n) }
         }
         /// The 32 quants in element order as unsigned bytes (offset by `1 << OFFSET_LOG2`).
         ///
@@ -155,28 +174,30 @@ mod x86 {
         nb: usize,
     ) -> [[f32; C]; R] {
         unsafe {
-            // Even and odd blocks go to separate accumulators, so that a single pair of rows is
-            // not held up by the latency of one chain of FMAs.
-            let mut acc = [[[_mm256_setzero_ps(); C]; R]; 2];
+            // Few (row, activation row) pairs keep even and odd blocks in separate accumulators,
+            // so that one pair is not held up by the latency of one chain of FMAs; four or more
+            // pairs are chains enough, and AVX2's 16 registers hold no second set.
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let mut acc_odd = [[_mm256_setzero_ps(); C]; R];
             // Per block lane: min times the activations' s, for formats with a min.
             let mut mins = [[_mm256_setzero_ps(); C]; R];
             let mut b0 = 0;
             while b0 + 8 <= nb {
-                group::<F, I, R, C>(w, row_bytes, a, b0, 8, &mut acc, &mut mins);
+                group::<F, I, R, C>(w, row_bytes, a, b0, 8, &mut acc, &mut acc_odd, &mut mins);
                 b0 += 8;
             }
             // Fixed-size groups unroll fully; widths like 896 leave a group of 4.
             if b0 + 4 <= nb {
-                group::<F, I, R, C>(w, row_bytes, a, b0, 4, &mut acc, &mut mins);
+                group::<F, I, R, C>(w, row_bytes, a, b0, 4, &mut acc, &mut acc_odd, &mut mins);
                 b0 += 4;
             }
             if b0 < nb {
-                group::<F, I, R, C>(w, row_bytes, a, b0, nb - b0, &mut acc, &mut mins);
+                group::<F, I, R, C>(w, row_bytes, a, b0, nb - b0, &mut acc, &mut acc_odd, &mut mins);
             }
             let mut out = [[0.0f32; C]; R];
             for r in 0..R {
                 for c in 0..C {
-                    let sum = _mm256_add_ps(acc[0][r][c], acc[1][r][c]);
+                    let sum = _mm256_add_ps(acc[r][c], acc_odd[r][c]);
                     out[r][c] = hsum_ps(_mm256_add_ps(sum, mins[r][c]));
                 }
             }
@@ -184,9 +205,10 @@ mod x86 {
         }
     }
 
-    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` and `mins`. The group's weight scales are
-    /// converted together and multiplied by the activations' scales in one vector; each block
-    /// takes its lane from there (cheaper than converting one f16 per block).
+    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` (odd blocks to `acc_odd` where `R * C <
+    /// 4`) and `mins`. The group's weight scales are converted together and multiplied by the
+    /// activations' scales in one vector, kept in memory, from where each block broadcasts its
+    /// lane (cheaper than converting one f16 per block, and no registers held).
     ///
     /// # Safety
     /// As [`dot`], for blocks `b0 .. b0 + n`.
@@ -198,11 +220,12 @@ mod x86 {
         a: &[ARow; C],
         b0: usize,
         n: usize,
-        acc: &mut [[[__m256; C]; R]; 2],
+        acc: &mut [[__m256; C]; R],
+        acc_odd: &mut [[__m256; C]; R],
         mins: &mut [[__m256; C]; R],
     ) {
         unsafe {
-            let mut scales = [[_mm256_setzero_ps(); C]; R];
+            let mut scales = [[[0.0f32; 8]; C]; R];
             for r in 0..R {
                 let p = w.add(r * row_bytes + b0 * F::BYTES);
                 prefetch_ahead(p, n * F::BYTES);
@@ -210,20 +233,27 @@ mod x86 {
                 let has_min = F::OFFSET_LOG2.is_none();
                 let mw = if has_min { F::mins(p, n) } else { _mm256_setzero_ps() };
                 for c in 0..C {
-                    scales[r][c] = _mm256_mul_ps(dw, load_ps_n(a[c].d.add(b0), n));
+                    _mm256_storeu_ps(scales[r][c].as_mut_ptr(), _mm256_mul_ps(dw, load_ps_n(a[c].d.add(b0), n)));
                     if has_min {
                         mins[r][c] = _mm256_fmadd_ps(mw, load_ps_n(a[c].s.add(b0), n), mins[r][c]);
                     }
                 }
             }
-            for i in 0..n {
-                block::<F, I, R, C>(w, row_bytes, a, b0 + i, i, &scales, &mut acc[i % 2]);
+            let split = R * C < 4;
+            let mut i = 0;
+            while i + 2 <= n {
+                block::<F, I, R, C>(w, row_bytes, a, b0 + i, i, &scales, acc);
+                block::<F, I, R, C>(w, row_bytes, a, b0 + i + 1, i + 1, &scales, if split { acc_odd } else { acc });
+                i += 2;
+            }
+            if i < n {
+                block::<F, I, R, C>(w, row_bytes, a, b0 + i, i, &scales, acc);
             }
         }
     }
 
-    /// Adds block `b` of `R` weight rows times `C` activation rows to `acc`, with lane `lane`
-    /// of `scales` as each pair's scale.
+    /// Adds block `b` of `R` weight rows times `C` activation rows to `acc`, with
+    /// `scales[r][c][lane]` as each pair's scale.
     ///
     /// # Safety
     /// As [`dot`], for block `b`.
@@ -234,7 +264,7 @@ mod x86 {
         a: &[ARow; C],
         b: usize,
         lane: usize,
-        scales: &[[__m256; C]; R],
+        scales: &[[[f32; 8]; C]; R],
         acc: &mut [[__m256; C]; R],
     ) {
         // Q8_1 blocks (for formats with a min) are d, s, qs; Q8_0 blocks d, qs.
@@ -253,7 +283,6 @@ mod x86 {
                     q[r] = F::unsigned_values::<I>(p);
                 }
             }
-            let lane = _mm256_set1_epi32(lane as i32);
             for c in 0..C {
                 let av = loadu(a[c].q.add(b * a_bytes + a_qs));
                 // Eight lanes of -sum << (log2 - 3) take back the offset times the sum.
@@ -267,7 +296,7 @@ mod x86 {
                     } else {
                         I::dpbusd(init, q[r], av)
                     };
-                    let scale = _mm256_permutevar8x32_ps(scales[r][c], lane);
+                    let scale = _mm256_broadcast_ss(&scales[r][c][lane]);
                     acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
                 }
             }

@@ -38,6 +38,8 @@ pub mod ops;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 #[cfg(target_arch = "x86_64")]
+mod panel_avx2;
+#[cfg(target_arch = "x86_64")]
 mod simd;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};

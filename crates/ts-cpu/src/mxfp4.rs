@@ -34,11 +34,11 @@ mod x86 {
         const MAX_UNSIGNED: u8 = 28;
         const NIBBLES: Option<(usize, Option<[u8; 16]>)> = Some((1, Some(UNSIGNED_VALUES)));
         #[inline(always)]
-        unsafe fn scales(p: *const u8, n: usize) -> __m256 {
+        unsafe fn scales_strided(p: *const u8, stride: usize, n: usize) -> __m256 {
             unsafe {
                 let mut bytes = 0u64;
                 for i in 0..n {
-                    bytes |= (*p.add(i * Self::BYTES) as u64) << (8 * i);
+                    bytes |= (*p.add(i * stride) as u64) << (8 * i);
                 }
                 // Kept in a general register: LLVM would otherwise insert byte by byte.
                 let bytes = std::hint::black_box(bytes);

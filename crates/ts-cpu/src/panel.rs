@@ -73,7 +73,7 @@ pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
 /// # Safety
 /// Needs AVX2.
 #[inline(always)]
-unsafe fn transpose8(v: &mut [__m256i; 8]) {
+pub(crate) unsafe fn transpose8(v: &mut [__m256i; 8]) {
     unsafe {
         let t: [__m256i; 8] = [
             _mm256_unpacklo_epi32(v[0], v[1]),
