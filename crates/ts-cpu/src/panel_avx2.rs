@@ -22,7 +22,7 @@ use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::panel::transpose8;
-use crate::simd::{Avx2, read_u32};
+use crate::simd::{Avx2, prefetch_ahead, read_u32};
 
 /// Weight rows per panel: one 32-bit lane of a 256-bit vector each.
 const ROWS: usize = 8;
@@ -118,6 +118,8 @@ unsafe fn build<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, 
             let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
             let mut v = [_mm256_setzero_si256(); 8];
             for (r, v) in v.iter_mut().enumerate().take(n) {
+                // The weights stream from memory once per batch: fetched ahead as decode does.
+                prefetch_ahead(row(r), F::BYTES);
                 *v = if signed::<F>() { F::signed_values(row(r)) } else { F::unsigned_values::<Avx2>(row(r)) };
             }
             // v[s] becomes step s: elements 4s..4s+3 of every row.
@@ -237,6 +239,7 @@ unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb:
             let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
             let mut prep = [Prep::zeroed(); ROWS];
             for (r, prep) in prep.iter_mut().enumerate().take(n) {
+                prefetch_ahead(row(r), F::BYTES);
                 *prep = F::prepare(row(r));
             }
             let zero = _mm256_setzero_si256();
