@@ -340,7 +340,7 @@ mod x86 {
     }
 
     /// Bytes of a Q8_K block; its quants start at 4, its group sums at 260.
-    const Q8K_BYTES: usize = 292;
+    pub(crate) const Q8K_BYTES: usize = 292;
 
     /// `R` weight rows (`row_bytes` apart, `nb` super-blocks each) times `C` activation rows.
     ///

@@ -19,7 +19,7 @@ use ts_gguf::GgmlType;
 use crate::activations::{ARow, ActView};
 use crate::dispatch::{PackFn, TileFn};
 use crate::floats::{Bf16, F16, F32, FloatFormat};
-use crate::kquants::{KCodes, KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
+use crate::kquants::{KCodes, KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::simd::{Vnni, read_u32};
@@ -395,9 +395,6 @@ const K_CORR: usize = K_SCALES + 16 * 4 * ROWS;
 const K_D: usize = K_CORR + 8 * 4 * ROWS;
 const K_DMIN: usize = K_D + 4 * ROWS;
 const K_BLOCK: usize = K_DMIN + 4 * ROWS;
-
-/// Bytes of a Q8_K block; quants at 4, `bsums` at 260.
-const Q8K_BYTES: usize = 292;
 
 /// # Safety
 /// As [`TileFn`]; needs AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.

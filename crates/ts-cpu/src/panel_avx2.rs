@@ -13,12 +13,13 @@
 //! multiplies their magnitudes by the activations carrying their signs (legacy.rs's trick).
 
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
 
 use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
 use crate::dispatch::TileFn;
-use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K};
+use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::panel::transpose8;
@@ -41,17 +42,17 @@ pub(crate) fn min_batch(_ty: GgmlType) -> usize {
 pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
     use GgmlType as T;
     let tile: TileFn = match ty {
-        T::Q4_0 => legacy_tile::<Q4_0>,
-        T::Q4_1 => legacy_tile::<Q4_1>,
-        T::Q5_0 => legacy_tile::<Q5_0>,
-        T::Q5_1 => legacy_tile::<Q5_1>,
-        T::Q8_0 => legacy_tile::<Q8_0>,
-        T::MXFP4 => legacy_tile::<Mxfp4>,
-        T::Q2_K => kquant_tile::<Q2K>,
-        T::Q3_K => kquant_tile::<Q3K>,
-        T::Q4_K => kquant_tile::<Q4K>,
-        T::Q5_K => kquant_tile::<Q5K>,
-        T::Q6_K => kquant_tile::<Q6K>,
+        T::Q4_0 => tile::<Legacy<Q4_0>>,
+        T::Q4_1 => tile::<Legacy<Q4_1>>,
+        T::Q5_0 => tile::<Legacy<Q5_0>>,
+        T::Q5_1 => tile::<Legacy<Q5_1>>,
+        T::Q8_0 => tile::<Legacy<Q8_0>>,
+        T::MXFP4 => tile::<Legacy<Mxfp4>>,
+        T::Q2_K => tile::<KQuant<Q2K>>,
+        T::Q3_K => tile::<KQuant<Q3K>>,
+        T::Q4_K => tile::<KQuant<Q4K>>,
+        T::Q5_K => tile::<KQuant<Q5K>>,
+        T::Q6_K => tile::<KQuant<Q6K>>,
         _ => return None,
     };
     Some(tile)
@@ -72,28 +73,56 @@ const fn steps_per_widening(max: usize) -> usize {
     }
 }
 
+/// A kind of panel: its bytes per block, how it is built from weight rows, and one pass of `C`
+/// activation rows over it.
+trait PanelKind {
+    /// Panel bytes per block (per super-block for the k-quants).
+    const BLOCK: usize;
+    /// Unpacks `n <= ROWS` rows of `nb` blocks at `w` into the panel (rows past `n` zero).
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `n` rows of `nb` blocks at `w`, `row_bytes` apart; `panel`
+    /// holds `nb * BLOCK` writable, 32-byte aligned bytes.
+    unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8);
+    /// Per lane (weight row), the dot product with each of the `C` activation rows.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `panel` was built for `nb` blocks and the rows of `a` hold as many.
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C];
+}
+
+/// The 32-element block formats.
+struct Legacy<F>(PhantomData<F>);
+
+/// The k-quants.
+struct KQuant<F>(PhantomData<F>);
+
+/// Every `ROWS` weight rows built into a panel, then every activation row multiplied against it,
+/// `COLS` at a time.
+///
 /// # Safety
 /// As [`TileFn`]; needs AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+unsafe fn tile<P: PanelKind>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
     let rows = out.first().map_or(0, |o| o.len());
     let m = out.len();
     let nb = x.nb;
     // 32-byte aligned scratch for one panel.
-    let mut panel = vec![_mm256_setzero_si256(); (nb * BLOCK).div_ceil(32)];
+    let mut panel = vec![_mm256_setzero_si256(); (nb * P::BLOCK).div_ceil(32)];
     let p: *mut u8 = panel.as_mut_ptr().cast();
+    let a: Vec<ARow> = (0..m).map(|c| x.arow(c)).collect();
     for r0 in (0..rows).step_by(ROWS) {
         let n = ROWS.min(rows - r0);
         unsafe {
-            build::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
+            P::build(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
             let mut c = 0;
             while c + COLS <= m {
-                let a: [ARow; COLS] = std::array::from_fn(|i| x.arow(c + i));
-                store_rows(&pass::<F, COLS>(p, nb, &a), out, c, r0, n);
+                let cols: [ARow; COLS] = std::array::from_fn(|i| a[c + i]);
+                store_rows(&P::pass(p, nb, &cols), out, c, r0, n);
                 c += COLS;
             }
             while c < m {
-                store_rows(&pass::<F, 1>(p, nb, &[x.arow(c)]), out, c, r0, n);
+                store_rows(&P::pass(p, nb, &[a[c]]), out, c, r0, n);
                 c += 1;
             }
         }
@@ -111,7 +140,7 @@ const fn signed<F: Format>() -> bool {
 /// Needs AVX2, FMA and F16C; `n` rows of `nb` blocks at `w`, `row_bytes` apart; `panel` holds
 /// `nb * BLOCK` writable, 32-byte aligned bytes.
 #[inline(always)]
-unsafe fn build<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
     unsafe {
         for b in 0..nb {
             let out = panel.add(b * BLOCK);
@@ -140,7 +169,7 @@ unsafe fn build<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, 
 /// # Safety
 /// Needs AVX2, FMA and F16C; `panel` was built for `nb` blocks and the rows of `a` hold as many.
 #[inline(always)]
-unsafe fn pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
     // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
     let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
     let signed = signed::<F>();
@@ -195,36 +224,6 @@ const K_CORR: usize = K_SCALES + 16 * 4 * ROWS;
 const K_D: usize = K_CORR + 8 * 4 * ROWS;
 const K_DMIN: usize = K_D + 4 * ROWS;
 const K_BLOCK: usize = K_DMIN + 4 * ROWS;
-
-/// Bytes of a Q8_K block; quants at 4, `bsums` at 260.
-const Q8K_BYTES: usize = 292;
-
-/// # Safety
-/// As [`TileFn`]; needs AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
-    let rows = out.first().map_or(0, |o| o.len());
-    let m = out.len();
-    let nb = x.nb;
-    let mut panel = vec![_mm256_setzero_si256(); (nb * K_BLOCK).div_ceil(32)];
-    let p: *mut u8 = panel.as_mut_ptr().cast();
-    for r0 in (0..rows).step_by(ROWS) {
-        let n = ROWS.min(rows - r0);
-        unsafe {
-            build_kquant::<F>(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
-            let mut c = 0;
-            while c + COLS <= m {
-                let a: [ARow; COLS] = std::array::from_fn(|i| x.arow(c + i));
-                store_rows(&kquant_pass::<F, COLS>(p, nb, &a), out, c, r0, n);
-                c += COLS;
-            }
-            while c < m {
-                store_rows(&kquant_pass::<F, 1>(p, nb, &[x.arow(c)]), out, c, r0, n);
-                c += 1;
-            }
-        }
-    }
-}
 
 /// Unpacks `n <= ROWS` rows of `nb` super-blocks at `w` into the panel (rows past `n` zero).
 ///
@@ -326,6 +325,30 @@ unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a
             }
         }
         acc
+    }
+}
+
+impl<F: Format> PanelKind for Legacy<F> {
+    const BLOCK: usize = BLOCK;
+    #[inline(always)]
+    unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+        unsafe { build_legacy::<F>(w, row_bytes, n, nb, panel) }
+    }
+    #[inline(always)]
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+        unsafe { legacy_pass::<F, C>(panel, nb, a) }
+    }
+}
+
+impl<F: KFormat> PanelKind for KQuant<F> {
+    const BLOCK: usize = K_BLOCK;
+    #[inline(always)]
+    unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+        unsafe { build_kquant::<F>(w, row_bytes, n, nb, panel) }
+    }
+    #[inline(always)]
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+        unsafe { kquant_pass::<F, C>(panel, nb, a) }
     }
 }
 
