@@ -28,9 +28,6 @@ use crate::simd::{Avx2, prefetch_ahead, read_u32};
 /// Weight rows per panel: one 32-bit lane of a 256-bit vector each.
 const ROWS: usize = 8;
 
-/// Activation rows per pass over a panel.
-const COLS: usize = 4;
-
 /// Bytes per block in a panel: 8 steps of 32 bytes, then f32 scales and mins per row.
 const BLOCK: usize = 8 * 32 + 2 * 4 * ROWS;
 
@@ -78,6 +75,9 @@ const fn steps_per_widening(max: usize) -> usize {
 trait PanelKind {
     /// Panel bytes per block (per super-block for the k-quants).
     const BLOCK: usize;
+    /// Activation rows per pass over a panel, at most 4: as many as AVX2's 16 vector registers
+    /// hold with their 16- and 32-bit sums (measured: 3 for the legacy blocks, 4 for k-quants).
+    const COLS: usize;
     /// Unpacks `n <= ROWS` rows of `nb` blocks at `w` into the panel (rows past `n` zero).
     ///
     /// # Safety
@@ -98,7 +98,7 @@ struct Legacy<F>(PhantomData<F>);
 struct KQuant<F>(PhantomData<F>);
 
 /// Every `ROWS` weight rows built into a panel, then every activation row multiplied against it,
-/// `COLS` at a time.
+/// `P::COLS` at a time.
 ///
 /// # Safety
 /// As [`TileFn`]; needs AVX2, FMA and F16C.
@@ -116,14 +116,15 @@ unsafe fn tile<P: PanelKind>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut 
         unsafe {
             P::build(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
             let mut c = 0;
-            while c + COLS <= m {
-                let cols: [ARow; COLS] = std::array::from_fn(|i| a[c + i]);
-                store_rows(&P::pass(p, nb, &cols), out, c, r0, n);
-                c += COLS;
-            }
             while c < m {
-                store_rows(&P::pass(p, nb, &[a[c]]), out, c, r0, n);
-                c += 1;
+                let cols = (m - c).min(P::COLS);
+                match cols {
+                    4 => store_rows(&P::pass::<4>(p, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n),
+                    3 => store_rows(&P::pass::<3>(p, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
+                    2 => store_rows(&P::pass::<2>(p, nb, &[a[c], a[c + 1]]), out, c, r0, n),
+                    _ => store_rows(&P::pass::<1>(p, nb, &[a[c]]), out, c, r0, n),
+                }
+                c += cols;
             }
         }
     }
@@ -330,6 +331,7 @@ unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a
 
 impl<F: Format> PanelKind for Legacy<F> {
     const BLOCK: usize = BLOCK;
+    const COLS: usize = 3;
     #[inline(always)]
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
         unsafe { build_legacy::<F>(w, row_bytes, n, nb, panel) }
@@ -342,6 +344,7 @@ impl<F: Format> PanelKind for Legacy<F> {
 
 impl<F: KFormat> PanelKind for KQuant<F> {
     const BLOCK: usize = K_BLOCK;
+    const COLS: usize = 4;
     #[inline(always)]
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
         unsafe { build_kquant::<F>(w, row_bytes, n, nb, panel) }
