@@ -174,9 +174,9 @@ mod x86 {
         nb: usize,
     ) -> [[f32; C]; R] {
         unsafe {
-            // Few (row, activation row) pairs keep even and odd blocks in separate accumulators,
-            // so that one pair is not held up by the latency of one chain of FMAs; four or more
-            // pairs are chains enough, and AVX2's 16 registers hold no second set.
+            // Even and odd blocks go to separate accumulators, so that a single pair of rows is
+            // not held up by the latency of one chain of FMAs; every tile shape sums a pair in
+            // the same order, so a row's result does not depend on its batch (`matmul_rows_alone`).
             let mut acc = [[_mm256_setzero_ps(); C]; R];
             let mut acc_odd = [[_mm256_setzero_ps(); C]; R];
             // Per block lane: min times the activations' s, for formats with a min.
@@ -205,8 +205,7 @@ mod x86 {
         }
     }
 
-    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` (odd blocks to `acc_odd` where `R * C <
-    /// 4`) and `mins`. The group's weight scales are converted together and multiplied by the
+    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` (odd blocks to `acc_odd`) and `mins`. The group's weight scales are converted together and multiplied by the
     /// activations' scales in one vector, kept in memory, from where each block broadcasts its
     /// lane (cheaper than converting one f16 per block, and no registers held).
     ///
@@ -239,11 +238,10 @@ mod x86 {
                     }
                 }
             }
-            let split = R * C < 4;
             let mut i = 0;
             while i + 2 <= n {
                 block::<F, I, R, C>(w, row_bytes, a, b0 + i, i, &scales, acc);
-                block::<F, I, R, C>(w, row_bytes, a, b0 + i + 1, i + 1, &scales, if split { acc_odd } else { acc });
+                block::<F, I, R, C>(w, row_bytes, a, b0 + i + 1, i + 1, &scales, acc_odd);
                 i += 2;
             }
             if i < n {

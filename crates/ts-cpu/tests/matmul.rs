@@ -202,6 +202,37 @@ fn strided_output_and_unaligned_weights() {
     }
 }
 
+/// `matmul_rows_alone` gives every row of quantized weights the bits a one-row call gives it
+/// (speculative decoding's checking steps rely on it), at batch sizes of each direct tile
+/// shape. Float weights do not yet: their batch kernel sums in another order.
+#[test]
+fn rows_alone_match_one_row_calls_bit_for_bit() {
+    for ty in TYPES.into_iter().filter(|t| t.is_quantized()) {
+        let mut rng = Rng::new(500 + ty.id() as u64);
+        let k = (ty.block_size() as usize).max(32) * 9;
+        let n_out = 11;
+        let w = weights(&mut rng, ty, n_out, k, false);
+        for m in [2, 3, 4, 7] {
+            let xf = common::rows(&mut rng, m * k);
+            let mut x = QuantizedRows::new();
+            x.quantize(ty, &xf, k).unwrap();
+            let mut batch = vec![0.0; m * n_out];
+            ts_cpu::matmul_rows_alone(ty, &w, n_out, k, &x, &mut batch).unwrap();
+            for i in 0..m {
+                let mut one = QuantizedRows::new();
+                one.gather(&x, &[i]).unwrap();
+                let mut alone = vec![0.0; n_out];
+                ts_cpu::matmul_rows_alone(ty, &w, n_out, k, &one, &mut alone).unwrap();
+                let got = &batch[i * n_out..(i + 1) * n_out];
+                assert!(
+                    got.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty} m={m} row {i}: {got:?} vs {alone:?}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn gathered_rows_multiply_like_the_batch_they_come_from() {
     for ty in TYPES {
