@@ -67,7 +67,7 @@ mod x86 {
         /// Elements per group scale: 16 or 32.
         const GROUP: usize;
         /// The largest unsigned code [`KFormat::chunk`] returns.
-        const MAX_CODE: u8;
+        const MAX_UNSIGNED: u8;
         /// How a panel is built from a block's codes.
         const CODES: KCodes = KCodes::Chunks;
         /// The group scales (the first `256 / GROUP`).
@@ -153,7 +153,7 @@ mod x86 {
         const BYTES: usize = 84;
         const OFFSET: bool = false;
         const GROUP: usize = 16;
-        const MAX_CODE: u8 = 3;
+        const MAX_UNSIGNED: u8 = 3;
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe {
@@ -182,7 +182,7 @@ mod x86 {
         const BYTES: usize = 110;
         const OFFSET: bool = true;
         const GROUP: usize = 16;
-        const MAX_CODE: u8 = 7;
+        const MAX_UNSIGNED: u8 = 7;
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe {
@@ -255,7 +255,7 @@ mod x86 {
         const BYTES: usize = 144;
         const OFFSET: bool = false;
         const GROUP: usize = 32;
-        const MAX_CODE: u8 = 15;
+        const MAX_UNSIGNED: u8 = 15;
         const CODES: KCodes = KCodes::Nibbles(16);
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
@@ -274,7 +274,7 @@ mod x86 {
         const BYTES: usize = 176;
         const OFFSET: bool = false;
         const GROUP: usize = 32;
-        const MAX_CODE: u8 = 31;
+        const MAX_UNSIGNED: u8 = 31;
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {
             unsafe { prepare_k4(p, loadu(p.add(16))) }
@@ -293,7 +293,7 @@ mod x86 {
         const BYTES: usize = 210;
         const OFFSET: bool = true;
         const GROUP: usize = 16;
-        const MAX_CODE: u8 = 63;
+        const MAX_UNSIGNED: u8 = 63;
         const CODES: KCodes = KCodes::Q6K;
         #[inline(always)]
         unsafe fn prepare(p: *const u8) -> Prep {

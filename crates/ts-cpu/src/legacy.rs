@@ -205,9 +205,10 @@ mod x86 {
         }
     }
 
-    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` (odd blocks to `acc_odd`) and `mins`. The group's weight scales are converted together and multiplied by the
-    /// activations' scales in one vector, kept in memory, from where each block broadcasts its
-    /// lane (cheaper than converting one f16 per block, and no registers held).
+    /// Adds blocks `b0 .. b0 + n` (`n <= 8`) to `acc` (odd blocks to `acc_odd`) and `mins`. The
+    /// group's weight scales are converted together and multiplied by the activations' scales
+    /// in one vector, kept in memory, from where each block broadcasts its lane (cheaper than
+    /// converting one f16 per block, and no registers held).
     ///
     /// # Safety
     /// As [`dot`], for blocks `b0 .. b0 + n`.

@@ -135,84 +135,79 @@ const fn signed<F: Format>() -> bool {
     F::MAX_UNSIGNED > 128
 }
 
-/// Unpacks `n <= ROWS` rows of `nb` blocks at `w` into the panel (rows past `n` are zeros).
-///
-/// # Safety
-/// Needs AVX2, FMA and F16C; `n` rows of `nb` blocks at `w`, `row_bytes` apart; `panel` holds
-/// `nb * BLOCK` writable, 32-byte aligned bytes.
-#[inline(always)]
-unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
-    unsafe {
-        for b in 0..nb {
-            let out = panel.add(b * BLOCK);
-            let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
-            let mut v = [_mm256_setzero_si256(); 8];
-            for (r, v) in v.iter_mut().enumerate().take(n) {
-                // The weights stream from memory once per batch: fetched ahead as decode does.
-                prefetch_ahead(row(r), F::BYTES);
-                *v = if signed::<F>() { F::signed_values(row(r)) } else { F::unsigned_values::<Avx2>(row(r)) };
-            }
-            // v[s] becomes step s: elements 4s..4s+3 of every row.
-            transpose8(&mut v);
-            for (s, v) in v.iter().enumerate() {
-                _mm256_store_si256(out.add(32 * s).cast(), *v);
-            }
-            _mm256_store_ps(out.add(256).cast(), F::scales_strided(row(0), row_bytes, n));
-            if F::OFFSET_LOG2.is_none() {
-                _mm256_store_ps(out.add(256 + 4 * ROWS).cast(), F::mins_strided(row(0), row_bytes, n));
+impl<F: Format> PanelKind for Legacy<F> {
+    const BLOCK: usize = BLOCK;
+    const COLS: usize = 3;
+    #[inline(always)]
+    unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
+        unsafe {
+            for b in 0..nb {
+                let out = panel.add(b * BLOCK);
+                let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for (r, v) in v.iter_mut().enumerate().take(n) {
+                    // The weights stream from memory once per batch: fetched ahead as decode does.
+                    prefetch_ahead(row(r), F::BYTES);
+                    *v = if signed::<F>() { F::signed_values(row(r)) } else { F::unsigned_values::<Avx2>(row(r)) };
+                }
+                // v[s] becomes step s: elements 4s..4s+3 of every row.
+                transpose8(&mut v);
+                for (s, v) in v.iter().enumerate() {
+                    _mm256_store_si256(out.add(32 * s).cast(), *v);
+                }
+                _mm256_store_ps(out.add(256).cast(), F::scales_strided(row(0), row_bytes, n));
+                if F::OFFSET_LOG2.is_none() {
+                    _mm256_store_ps(out.add(256 + 4 * ROWS).cast(), F::mins_strided(row(0), row_bytes, n));
+                }
             }
         }
     }
-}
 
-/// One pass of `C` activation rows over a panel: per lane (weight row), the dot product.
-///
-/// # Safety
-/// Needs AVX2, FMA and F16C; `panel` was built for `nb` blocks and the rows of `a` hold as many.
-#[inline(always)]
-unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-    // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
-    let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
-    let signed = signed::<F>();
-    let widen = if signed { 1 } else { steps_per_widening(F::MAX_UNSIGNED as usize) };
-    unsafe {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); C];
-        for b in 0..nb {
-            let block = panel.add(b * BLOCK);
-            // Each lane is a whole row's sum: the offset times the block's sum comes off once.
-            let mut sums: [__m256i; C] = std::array::from_fn(|c| match F::OFFSET_LOG2 {
-                Some(log2) if !signed => _mm256_set1_epi32(*a[c].neg_sums.add(b) << log2),
-                _ => _mm256_setzero_si256(),
-            });
-            for s0 in (0..8).step_by(widen) {
-                let mut pairs = [_mm256_setzero_si256(); C];
-                for s in s0..s0 + widen {
-                    let wv = _mm256_load_si256(block.add(32 * s).cast());
-                    let uw = if signed { _mm256_abs_epi8(wv) } else { wv };
+    #[inline(always)]
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+        // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
+        let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+        let signed = signed::<F>();
+        let widen = if signed { 1 } else { steps_per_widening(F::MAX_UNSIGNED as usize) };
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [_mm256_setzero_ps(); C];
+            for b in 0..nb {
+                let block = panel.add(b * BLOCK);
+                // Each lane is a whole row's sum: the offset times the block's sum comes off once.
+                let mut sums: [__m256i; C] = std::array::from_fn(|c| match F::OFFSET_LOG2 {
+                    Some(log2) if !signed => _mm256_set1_epi32(*a[c].neg_sums.add(b) << log2),
+                    _ => _mm256_setzero_si256(),
+                });
+                for s0 in (0..8).step_by(widen) {
+                    let mut pairs = [_mm256_setzero_si256(); C];
+                    for s in s0..s0 + widen {
+                        let wv = _mm256_load_si256(block.add(32 * s).cast());
+                        let uw = if signed { _mm256_abs_epi8(wv) } else { wv };
+                        for c in 0..C {
+                            let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
+                            let av = if signed { _mm256_sign_epi8(av, wv) } else { av };
+                            pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(uw, av));
+                        }
+                    }
                     for c in 0..C {
-                        let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
-                        let av = if signed { _mm256_sign_epi8(av, wv) } else { av };
-                        pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(uw, av));
+                        sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], ones));
                     }
                 }
+                let scales = _mm256_load_ps(block.add(256).cast());
                 for c in 0..C {
-                    sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], ones));
+                    let d = _mm256_mul_ps(scales, _mm256_set1_ps(*a[c].d.add(b)));
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
+                }
+                if F::OFFSET_LOG2.is_none() {
+                    let mins = _mm256_load_ps(block.add(256 + 4 * ROWS).cast());
+                    for c in 0..C {
+                        acc[c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*a[c].s.add(b)), acc[c]);
+                    }
                 }
             }
-            let scales = _mm256_load_ps(block.add(256).cast());
-            for c in 0..C {
-                let d = _mm256_mul_ps(scales, _mm256_set1_ps(*a[c].d.add(b)));
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
-            }
-            if F::OFFSET_LOG2.is_none() {
-                let mins = _mm256_load_ps(block.add(256 + 4 * ROWS).cast());
-                for c in 0..C {
-                    acc[c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*a[c].s.add(b)), acc[c]);
-                }
-            }
+            acc
         }
-        acc
     }
 }
 
@@ -226,132 +221,101 @@ const K_D: usize = K_CORR + 8 * 4 * ROWS;
 const K_DMIN: usize = K_D + 4 * ROWS;
 const K_BLOCK: usize = K_DMIN + 4 * ROWS;
 
-/// Unpacks `n <= ROWS` rows of `nb` super-blocks at `w` into the panel (rows past `n` zero).
-///
-/// # Safety
-/// Needs AVX2, FMA and F16C; `n` rows of `nb` super-blocks at `w`, `row_bytes` apart; `panel`
-/// holds `nb * K_BLOCK` writable, 32-byte aligned bytes.
-#[inline(always)]
-unsafe fn build_kquant<F: KFormat>(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
-    unsafe {
-        for b in 0..nb {
-            let out = panel.add(b * K_BLOCK);
-            let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
-            let mut prep = [Prep::zeroed(); ROWS];
-            for (r, prep) in prep.iter_mut().enumerate().take(n) {
-                prefetch_ahead(row(r), F::BYTES);
-                *prep = F::prepare(row(r));
-            }
-            let zero = _mm256_setzero_si256();
-            for j in 0..8 {
-                let mut v = [zero; 8];
-                for (r, v) in v.iter_mut().enumerate().take(n) {
-                    *v = F::chunk::<Avx2>(row(r), &prep[r], j).0;
-                }
-                transpose8(&mut v);
-                for (s, v) in v.iter().enumerate() {
-                    _mm256_store_si256(out.add(32 * (8 * j + s)).cast(), *v);
-                }
-            }
-            let scales = out.add(K_SCALES).cast::<i32>();
-            for (r, prep) in prep.iter().enumerate() {
-                let group_scales = F::group_scales(prep);
-                for (g, &sc) in group_scales.iter().enumerate().take(256 / F::GROUP) {
-                    *scales.add(ROWS * g + r) = (sc & 0xffff) | (sc << 16);
-                }
-            }
-            // Dword p of each row's `corr` (its groups 2p and 2p + 1), rows side by side.
-            let mut corr: [__m256i; 8] = std::array::from_fn(|r| prep[r].corr);
-            transpose8(&mut corr);
-            for (p, v) in corr.iter().enumerate() {
-                _mm256_store_si256(out.add(K_CORR + 32 * p).cast(), *v);
-            }
-            let d: [f32; ROWS] = std::array::from_fn(|r| _mm256_cvtss_f32(prep[r].d));
-            let dmin: [f32; ROWS] = std::array::from_fn(|r| _mm256_cvtss_f32(prep[r].dmin));
-            _mm256_store_ps(out.add(K_D).cast(), _mm256_loadu_ps(d.as_ptr()));
-            _mm256_store_ps(out.add(K_DMIN).cast(), _mm256_loadu_ps(dmin.as_ptr()));
-        }
-    }
-}
-
-/// One pass of `C` activation rows over a k-quant panel.
-///
-/// # Safety
-/// Needs AVX2, FMA and F16C; `panel` was built for `nb` super-blocks and the rows of `a` hold as many.
-#[inline(always)]
-unsafe fn kquant_pass<F: KFormat, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-    let group_steps = F::GROUP / 4;
-    let widen = steps_per_widening(F::MAX_CODE as usize).min(group_steps);
-    unsafe {
-        let zero = _mm256_setzero_si256();
-        let mut acc = [_mm256_setzero_ps(); C];
-        for b in 0..nb {
-            let block = panel.add(b * K_BLOCK);
-            let aq = |c: usize, at: usize| read_u32(a[c].q.add(b * Q8K_BYTES + at)) as i32;
-            let mut sums = [zero; C];
-            for g in 0..256 / F::GROUP {
-                let scale = _mm256_load_si256(block.add(K_SCALES + 32 * g).cast());
-                for s0 in (g * group_steps..(g + 1) * group_steps).step_by(widen) {
-                    let mut pairs = [zero; C];
-                    for s in s0..s0 + widen {
-                        let wv = _mm256_load_si256(block.add(32 * s).cast());
-                        for (c, pair) in pairs.iter_mut().enumerate() {
-                            let av = _mm256_set1_epi32(aq(c, 4 + 4 * s));
-                            *pair = _mm256_add_epi16(*pair, _mm256_maddubs_epi16(wv, av));
-                        }
-                    }
-                    for c in 0..C {
-                        sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], scale));
-                    }
-                }
-            }
-            let mut corr = [zero; C];
-            for p in 0..8 {
-                let cv = _mm256_load_si256(block.add(K_CORR + 32 * p).cast());
-                for (c, corr) in corr.iter_mut().enumerate() {
-                    *corr = _mm256_add_epi32(*corr, _mm256_madd_epi16(cv, _mm256_set1_epi32(aq(c, 260 + 4 * p))));
-                }
-            }
-            let d = _mm256_load_ps(block.add(K_D).cast());
-            let dmin = _mm256_load_ps(block.add(K_DMIN).cast());
-            for c in 0..C {
-                let da = _mm256_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
-                if F::OFFSET {
-                    let total = _mm256_sub_epi32(sums[c], corr[c]);
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, da), acc[c]);
-                } else {
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), _mm256_mul_ps(d, da), acc[c]);
-                    acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[c]), _mm256_mul_ps(dmin, da), acc[c]);
-                }
-            }
-        }
-        acc
-    }
-}
-
-impl<F: Format> PanelKind for Legacy<F> {
-    const BLOCK: usize = BLOCK;
-    const COLS: usize = 3;
-    #[inline(always)]
-    unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
-        unsafe { build_legacy::<F>(w, row_bytes, n, nb, panel) }
-    }
-    #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { legacy_pass::<F, C>(panel, nb, a) }
-    }
-}
-
 impl<F: KFormat> PanelKind for KQuant<F> {
     const BLOCK: usize = K_BLOCK;
     const COLS: usize = 4;
     #[inline(always)]
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
-        unsafe { build_kquant::<F>(w, row_bytes, n, nb, panel) }
+        unsafe {
+            for b in 0..nb {
+                let out = panel.add(b * K_BLOCK);
+                let row = |r: usize| w.add(r * row_bytes + b * F::BYTES);
+                let mut prep = [Prep::zeroed(); ROWS];
+                for (r, prep) in prep.iter_mut().enumerate().take(n) {
+                    prefetch_ahead(row(r), F::BYTES);
+                    *prep = F::prepare(row(r));
+                }
+                let zero = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let mut v = [zero; 8];
+                    for (r, v) in v.iter_mut().enumerate().take(n) {
+                        *v = F::chunk::<Avx2>(row(r), &prep[r], j).0;
+                    }
+                    transpose8(&mut v);
+                    for (s, v) in v.iter().enumerate() {
+                        _mm256_store_si256(out.add(32 * (8 * j + s)).cast(), *v);
+                    }
+                }
+                let scales = out.add(K_SCALES).cast::<i32>();
+                for (r, prep) in prep.iter().enumerate() {
+                    let group_scales = F::group_scales(prep);
+                    for (g, &sc) in group_scales.iter().enumerate().take(256 / F::GROUP) {
+                        *scales.add(ROWS * g + r) = (sc & 0xffff) | (sc << 16);
+                    }
+                }
+                // Dword p of each row's `corr` (its groups 2p and 2p + 1), rows side by side.
+                let mut corr: [__m256i; 8] = std::array::from_fn(|r| prep[r].corr);
+                transpose8(&mut corr);
+                for (p, v) in corr.iter().enumerate() {
+                    _mm256_store_si256(out.add(K_CORR + 32 * p).cast(), *v);
+                }
+                let d: [f32; ROWS] = std::array::from_fn(|r| _mm256_cvtss_f32(prep[r].d));
+                let dmin: [f32; ROWS] = std::array::from_fn(|r| _mm256_cvtss_f32(prep[r].dmin));
+                _mm256_store_ps(out.add(K_D).cast(), _mm256_loadu_ps(d.as_ptr()));
+                _mm256_store_ps(out.add(K_DMIN).cast(), _mm256_loadu_ps(dmin.as_ptr()));
+            }
+        }
     }
+
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { kquant_pass::<F, C>(panel, nb, a) }
+        let group_steps = F::GROUP / 4;
+        let widen = steps_per_widening(F::MAX_UNSIGNED as usize).min(group_steps);
+        unsafe {
+            let zero = _mm256_setzero_si256();
+            let mut acc = [_mm256_setzero_ps(); C];
+            for b in 0..nb {
+                let block = panel.add(b * K_BLOCK);
+                let aq = |c: usize, at: usize| read_u32(a[c].q.add(b * Q8K_BYTES + at)) as i32;
+                let mut sums = [zero; C];
+                for g in 0..256 / F::GROUP {
+                    let scale = _mm256_load_si256(block.add(K_SCALES + 32 * g).cast());
+                    for s0 in (g * group_steps..(g + 1) * group_steps).step_by(widen) {
+                        let mut pairs = [zero; C];
+                        for s in s0..s0 + widen {
+                            let wv = _mm256_load_si256(block.add(32 * s).cast());
+                            for (c, pair) in pairs.iter_mut().enumerate() {
+                                let av = _mm256_set1_epi32(aq(c, 4 + 4 * s));
+                                *pair = _mm256_add_epi16(*pair, _mm256_maddubs_epi16(wv, av));
+                            }
+                        }
+                        for c in 0..C {
+                            sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], scale));
+                        }
+                    }
+                }
+                let mut corr = [zero; C];
+                for p in 0..8 {
+                    let cv = _mm256_load_si256(block.add(K_CORR + 32 * p).cast());
+                    for (c, corr) in corr.iter_mut().enumerate() {
+                        *corr = _mm256_add_epi32(*corr, _mm256_madd_epi16(cv, _mm256_set1_epi32(aq(c, 260 + 4 * p))));
+                    }
+                }
+                let d = _mm256_load_ps(block.add(K_D).cast());
+                let dmin = _mm256_load_ps(block.add(K_DMIN).cast());
+                for c in 0..C {
+                    let da = _mm256_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                    if F::OFFSET {
+                        let total = _mm256_sub_epi32(sums[c], corr[c]);
+                        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, da), acc[c]);
+                    } else {
+                        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), _mm256_mul_ps(d, da), acc[c]);
+                        acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[c]), _mm256_mul_ps(dmin, da), acc[c]);
+                    }
+                }
+            }
+            acc
+        }
     }
 }
 
