@@ -215,20 +215,9 @@ struct RouterRoute {
     int n_expert, n_embd, k, gating, renormalize;
 };
 
-// The router and the routing of few rows in one launch: block (e, r) writes logit e of row
-// r, x[r] . w[e] + bias[e]; the row's last block to finish routes the row as `route` does.
-// grid (n_expert, m), block 128.
-extern "C" __global__ void router_route(const RouterRoute p) {
-    ts_grid_begin();
-    const int e = blockIdx.x, r = blockIdx.y;
-    const float4* w = (const float4*)(p.w + (long long)e * p.n_embd);
-    const float4* x = (const float4*)(p.x + (long long)r * p.n_embd);
-    float acc = 0.0f;
-    for (int i = threadIdx.x; i < p.n_embd / 4; i += blockDim.x) {
-        const float4 a = w[i], b = x[i];
-        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-    }
-    acc = block_sum(acc);
+// Logit e of row r (acc, before the bias) written by block (e, r) of a router kernel; the row's
+// last block to finish routes the row as `route` does.
+__device__ __forceinline__ void ts_router_finish(const RouterRoute& p, int e, int r, float acc) {
     __shared__ int last;
     if (threadIdx.x == 0) {
         p.logits[(long long)r * p.n_expert + e] = acc + (p.bias ? p.bias[e] : 0.0f);
@@ -242,6 +231,101 @@ extern "C" __global__ void router_route(const RouterRoute p) {
     if (threadIdx.x < WARP)
         ts_route_row(p.logits + (long long)r * p.n_expert, r, p.n_expert, p.k, p.gating, p.renormalize, p.scale, p.ids,
                      p.weights);
+}
+
+// The router and the routing of few rows in one launch: block (e, r) writes logit e of row
+// r, x[r] . w[e] + bias[e]; the row's last block to finish routes the row as `route` does.
+// grid (n_expert, m), block 128.
+extern "C" __global__ void router_route(const RouterRoute p) {
+    ts_grid_begin();
+    const int e = blockIdx.x, r = blockIdx.y;
+    const float4* w = (const float4*)(p.w + (long long)e * p.n_embd);
+    const float4* x = (const float4*)(p.x + (long long)r * p.n_embd);
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < p.n_embd / 4; i += blockDim.x) {
+        const float4 a = w[i], b = x[i];
+        acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    ts_router_finish(p, e, r, block_sum(acc));
+}
+
+// norm_router_route's parameters (crates/ts-cuda/src/moe.rs mirrors them).
+struct NormRouterRoute {
+    RouterRoute route;  // route.x: the residual rows x [m][n_embd] before the add
+    const float* y;  // [m][n_embd]: added to x
+    const float* norm;  // [n_embd]: the norm's weights
+    float* x_out;  // [m][n_embd]: x + y
+    float* normed;  // [m][n_embd]: rms_norm(x + y) * norm
+    signed char* q;  // [m][n_embd] and ds [m][n_embd / 32]: normed's 8-bit copy
+    float2* ds;
+    float eps;
+};
+
+#define NR_HELD 4
+
+// The FFN's residual add and norm (rms_norm with y, and its 8-bit copy) fused with
+// router_route, for few rows: block (e, r) sums the squares of x[r] + y[r] itself (every block
+// of the row in the same order, so all agree on the scale) and takes logit e from the normed
+// row, elements normed as rms_norm does; blocks e, e + n_expert, ... also write 32-element
+// chunks e, e + n_expert, ... of x_out, normed and its 8-bit copy. n_embd a multiple of 32.
+// grid (n_expert, m), block 128.
+extern "C" __global__ void norm_router_route(const NormRouterRoute p) {
+    ts_grid_begin();
+    const RouterRoute& rr = p.route;
+    const int e = blockIdx.x, r = blockIdx.y, n4 = rr.n_embd / 4;
+    const long long at = (long long)r * rr.n_embd;
+    const float4* w = (const float4*)(rr.w + (long long)e * rr.n_embd);
+    const float4* x = (const float4*)(rr.x + at);
+    const float4* y = (const float4*)(p.y + at);
+    const float4* nw = (const float4*)p.norm;
+    // The first NR_HELD float4s of each thread stay in registers between the two passes,
+    // every load of them issued before the block sum.
+    float4 held[NR_HELD], wheld[NR_HELD], rheld[NR_HELD];
+    float ss = 0.0f;
+    TS_UNROLL
+    for (int j = 0; j < NR_HELD; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f), nv = s, wv = s;
+        if (i < n4) {
+            const float4 a = x[i], b = y[i];
+            nv = nw[i], wv = w[i];
+            s = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        }
+        held[j] = s, wheld[j] = nv, rheld[j] = wv;
+        ss += s.x * s.x + s.y * s.y + s.z * s.z + s.w * s.w;
+    }
+    for (int i = threadIdx.x + NR_HELD * blockDim.x; i < n4; i += blockDim.x) {
+        const float4 a = x[i], b = y[i];
+        ss += (a.x + b.x) * (a.x + b.x) + (a.y + b.y) * (a.y + b.y) + (a.z + b.z) * (a.z + b.z) +
+              (a.w + b.w) * (a.w + b.w);
+    }
+    ss = block_sum(ss);
+    const float scale = rsqrtf(ss / rr.n_embd + p.eps);
+    float acc = 0.0f;
+    TS_UNROLL
+    for (int j = 0; j < NR_HELD; j++) {
+        const float4 s = held[j], nv = wheld[j], wv = rheld[j];
+        acc += wv.x * (s.x * scale * nv.x) + wv.y * (s.y * scale * nv.y) + wv.z * (s.z * scale * nv.z) +
+               wv.w * (s.w * scale * nv.w);
+    }
+    for (int i = threadIdx.x + NR_HELD * blockDim.x; i < n4; i += blockDim.x) {
+        const float4 a = x[i], b = y[i], nv = nw[i], wv = w[i];
+        acc += wv.x * ((a.x + b.x) * scale * nv.x) + wv.y * ((a.y + b.y) * scale * nv.y) +
+               wv.z * ((a.z + b.z) * scale * nv.z) + wv.w * ((a.w + b.w) * scale * nv.w);
+    }
+    if (threadIdx.x < WARP) {
+        const float* xs = rr.x + at;
+        const float* ys = p.y + at;
+        for (int c = e; c < rr.n_embd / 32; c += rr.n_expert) {
+            const int i = 32 * c + threadIdx.x;
+            const float s = xs[i] + ys[i];
+            const float v = s * scale * p.norm[i];
+            p.x_out[at + i] = s;
+            p.normed[at + i] = v;
+            ts_q8_store_warp(v, i, p.q + at, p.ds + at / 32);
+        }
+    }
+    ts_router_finish(rr, e, r, block_sum(acc));
 }
 
 // moe_group_pairs' parameters (crates/ts-cuda/src/moe.rs mirrors them).

@@ -35,22 +35,50 @@ __device__ float block_sum(float v) {
     return r;
 }
 
+// rms_norm's parameters (crates/ts-cuda/src/lib.rs's NormRows mirrors them).
+struct RmsNorm {
+    float* x;  // [pieces][width]
+    const float* y;  // [pieces][width]; with pair_w the routed experts' rows [pieces * k][width]; null: no add
+    const float* w;  // [width] or null (scale 1)
+    float* out;  // [pieces][width]; may alias x without y
+    signed char* q;  // [pieces][width] and ds [pieces][width / 32], or null: out's 8-bit copy
+    float2* ds;
+    const float* pair_w;  // [pieces][k]: the experts' weights, or null (y is rows)
+    const int* pair_index;  // [pieces * k]: pair (r, j)'s row of y, or null (row r * k + j)
+    int k, width;
+    float eps;
+};
+
+// Element i of what is added to x in piece blockIdx.x: y's row (ADD 1), or the weighted sum of
+// the piece's k expert rows of y in the order of j (ADD 2: moe_combine's floats).
+template <int ADD>
+__device__ __forceinline__ float ts_norm_y(const RmsNorm& p, int i) {
+    const int r = blockIdx.x;
+    if (ADD == 1) return p.y[(long long)r * p.width + i];
+    float acc = 0.0f;
+    for (int j = 0; j < p.k; j++) {
+        const long long row = p.pair_index ? p.pair_index[r * p.k + j] : (long long)r * p.k + j;
+        acc += p.pair_w[r * p.k + j] * p.y[row * p.width + i];
+    }
+    return acc;
+}
+
 // out[p] = x[p] / rms(x[p]) * w for each piece p of `width` (grid.x = pieces), after
 // x[p] += y[p] when ADD (the residual add fused into the next norm: one kernel, and the
-// same floats as `add` then `rms_norm`); and, where q is not null (width a multiple of 32),
-// out also quantized to 8 bits into q [pieces][width] and ds [pieces][width / 32], as
-// quantize_q8_1 would. w may be null (scale 1). Without ADD out may alias x. Each thread keeps
-// its first RMS_HELD elements in registers between the two passes (all of them when
+// same floats as `add` then `rms_norm`; ADD 2 also sums the routed experts' rows first, the
+// floats of `moe_combine` then `add`); and, where q is not null (width a multiple of 32),
+// out also quantized to 8 bits into q and ds, as quantize_q8_1 would. Each thread keeps its
+// first RMS_HELD elements in registers between the two passes (all of them when
 // blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
 #define RMS_HELD 4
-template <bool ADD>
-__device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const float* w, float* out, signed char* q,
-                                            float2* ds, int width, float eps) {
-    float* xp = x + (long long)blockIdx.x * width;
-    const float* yp = ADD ? y + (long long)blockIdx.x * width : nullptr;
-    float* op = out + (long long)blockIdx.x * width;
-    signed char* qp = q ? q + (long long)blockIdx.x * width : nullptr;
-    float2* dp = q ? ds + (long long)blockIdx.x * (width / 32) : nullptr;
+template <int ADD>
+__device__ __forceinline__ void ts_rms_norm(const RmsNorm& p) {
+    const int width = p.width;
+    float* xp = p.x + (long long)blockIdx.x * width;
+    float* op = p.out + (long long)blockIdx.x * width;
+    signed char* qp = p.q ? p.q + (long long)blockIdx.x * width : nullptr;
+    float2* dp = p.q ? p.ds + (long long)blockIdx.x * (width / 32) : nullptr;
+    const float* w = p.w;
     float held[RMS_HELD], wheld[RMS_HELD];
     float ss = 0.0f;
 #pragma unroll
@@ -60,7 +88,7 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
         wheld[j] = i < width && w ? w[i] : 1.0f;
         held[j] = i < width ? xp[i] : 0.0f;
         if (ADD && i < width) {
-            held[j] += yp[i];
+            held[j] += ts_norm_y<ADD>(p, i);
             xp[i] = held[j];
         }
         ss += held[j] * held[j];
@@ -68,13 +96,13 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     for (int i = threadIdx.x + RMS_HELD * blockDim.x; i < width; i += blockDim.x) {
         float v = xp[i];
         if (ADD) {
-            v += yp[i];
+            v += ts_norm_y<ADD>(p, i);
             xp[i] = v;  // read back below by this same thread
         }
         ss += v * v;
     }
     ss = block_sum(ss);
-    float scale = rsqrtf(ss / width + eps);
+    float scale = rsqrtf(ss / width + p.eps);
     // With q, `i < width` is the same for a whole warp (width and blockDim.x are multiples of 32).
 #pragma unroll
     for (int j = 0; j < RMS_HELD; j++) {
@@ -92,14 +120,14 @@ __device__ __forceinline__ void ts_rms_norm(float* x, const float* y, const floa
     }
 }
 
-// y null: the norm alone (out may alias x); else the add first. q, ds null: no 8-bit copy.
-extern "C" __global__ void rms_norm(float* x, const float* y, const float* w, float* out, signed char* q, float2* ds,
-                                    int width, float eps) {
+extern "C" __global__ void rms_norm(const RmsNorm p) {
     ts_grid_begin();
-    if (y) {
-        ts_rms_norm<true>(x, y, w, out, q, ds, width, eps);
+    if (!p.y) {
+        ts_rms_norm<0>(p);
+    } else if (p.pair_w) {
+        ts_rms_norm<2>(p);
     } else {
-        ts_rms_norm<false>(x, nullptr, w, out, q, ds, width, eps);
+        ts_rms_norm<1>(p);
     }
 }
 

@@ -543,7 +543,8 @@ impl Cuda {
 }
 
 /// One `rms_norm` launch over the `len / piece` pieces at `x` (device addresses): `x += y`
-/// first unless `y` is 0, then `out = norm(x) * w` (`w` 0: no scale).
+/// first unless `y` is 0 (with `pairs`, y holds the routed experts' rows, summed first as
+/// `moe_combine` does), then `out = norm(x) * w` (`w` 0: no scale).
 struct NormRows {
     x: u64,
     y: u64,
@@ -552,27 +553,54 @@ struct NormRows {
     len: usize,
     piece: usize,
     eps: f32,
+    pairs: Option<PairSum>,
+}
+
+/// y's rows as (row, slot) pairs of the routed experts, `k` a row: their weights `[rows][k]`
+/// and each pair's row of y (`index`, 0: pair r * k + j).
+#[derive(Clone, Copy)]
+struct PairSum {
+    weights: u64,
+    index: u64,
+    k: usize,
+}
+
+/// ops.cu's `RmsNorm`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RmsNorm {
+    x: u64,
+    y: u64,
+    w: u64,
+    out: u64,
+    q: u64,
+    ds: u64,
+    pair_w: u64,
+    pair_index: u64,
+    k: i32,
+    width: i32,
+    eps: f32,
 }
 
 impl Cuda {
     /// `n`, with `out` also quantized to 8 bits into `q8` where given.
     fn norm_rows(&self, n: &NormRows, q8: Option<&matvec_q8::Q8Act>) -> Result<(), ModelError> {
         let (q, ds) = q8.map_or((0, 0), |q| (q.q(0), q.ds(0)));
-        self.launch(
-            "rms_norm",
-            ((n.len / n.piece) as u32, 1, 1),
-            (norm_threads(n.piece), 1, 1),
-            &[
-                Arg::Ptr(n.x),
-                Arg::Ptr(n.y),
-                Arg::Ptr(n.w),
-                Arg::Ptr(n.out),
-                Arg::Ptr(q),
-                Arg::Ptr(ds),
-                Arg::I32(n.piece as i32),
-                Arg::F32(n.eps),
-            ],
-        )
+        let pairs = n.pairs.unwrap_or(PairSum { weights: 0, index: 0, k: 0 });
+        let p = RmsNorm {
+            x: n.x,
+            y: n.y,
+            w: n.w,
+            out: n.out,
+            q,
+            ds,
+            pair_w: pairs.weights,
+            pair_index: pairs.index,
+            k: pairs.k as i32,
+            width: n.piece as i32,
+            eps: n.eps,
+        };
+        self.launch_with("rms_norm", ((n.len / n.piece) as u32, 1, 1), (norm_threads(n.piece), 1, 1), &p)
     }
 
     /// A norm whose output feeds matmuls: for few rows (the 8-bit matvecs' steps) it also
@@ -801,21 +829,67 @@ impl Backend for Cuda {
 
     fn rms_norm(&self, x: &mut Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
         let w = w.map_or(Ok(0), |w| self.vptr(w))?;
-        self.norm_rows(&NormRows { x: x.ptr, y: 0, w, out: x.ptr, len: x.len, piece, eps }, None)
+        self.norm_rows(&NormRows { x: x.ptr, y: 0, w, out: x.ptr, len: x.len, piece, eps, pairs: None }, None)
     }
 
     fn rms_norm_to(&self, x: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        let rows = NormRows { x: x.ptr, y: 0, w: self.vptr(w)?, out: out.ptr, len: x.len, piece: w.len(), eps };
+        let rows =
+            NormRows { x: x.ptr, y: 0, w: self.vptr(w)?, out: out.ptr, len: x.len, piece: w.len(), eps, pairs: None };
         self.norm_rows_quantized(&rows)?;
         Ok(out)
     }
 
     fn add_rms_norm_to(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Result<Act, ModelError> {
         let out = self.act(x.len)?;
-        let rows = NormRows { x: x.ptr, y: y.ptr, w: self.vptr(w)?, out: out.ptr, len: x.len, piece: w.len(), eps };
+        let rows = NormRows {
+            x: x.ptr,
+            y: y.ptr,
+            w: self.vptr(w)?,
+            out: out.ptr,
+            len: x.len,
+            piece: w.len(),
+            eps,
+            pairs: None,
+        };
         self.norm_rows_quantized(&rows)?;
         Ok(out)
+    }
+
+    fn add_combined_rms_norm_to(
+        &self,
+        x: &mut Act,
+        y: &Act,
+        routes: &GpuRoutes,
+        w: &[f32],
+        eps: f32,
+    ) -> Result<Act, ModelError> {
+        let out = self.act(x.len)?;
+        let pairs = PairSum { weights: routes.wts.ptr, index: self.pair_rows(routes), k: routes.k };
+        let (piece, w) = (w.len(), self.vptr(w)?);
+        let rows = NormRows { x: x.ptr, y: y.ptr, w, out: out.ptr, len: x.len, piece, eps, pairs: Some(pairs) };
+        self.norm_rows_quantized(&rows)?;
+        Ok(out)
+    }
+
+    fn add_rms_norm_route(
+        &self,
+        x: &mut Act,
+        y: &Act,
+        w: &[f32],
+        eps: f32,
+        moe_w: &MoeWeights,
+        m: usize,
+        moe: &MoeConfig,
+        s: &mut GpuScratch,
+    ) -> Result<(Act, GpuRoutes), ModelError> {
+        if let Some(done) = self.norm_router_route(x, y, w, eps, moe_w, m, moe)? {
+            return Ok(done);
+        }
+        let normed = self.add_rms_norm_to(x, y, w, eps)?;
+        let (bias, scale) = (moe_w.router_bias.as_deref(), moe_w.expert_scale.as_deref());
+        let routes = self.route_input(&moe_w.router, bias, &normed, m, moe, scale, s)?;
+        Ok((normed, routes))
     }
 
     fn add(&self, x: &mut Act, y: &Act) -> Result<(), ModelError> {

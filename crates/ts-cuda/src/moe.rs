@@ -200,19 +200,18 @@ impl Cuda {
         Ok(GpuRoutes::new(ids, wts, m, k))
     }
 
-    /// Routes of at most [`DEVICE_MOE_ROWS`] rows of `x` by an f32 router `w` in one launch
-    /// (`router_route`: the logits, then the routing by the last block of each row); None
-    /// where that kernel does not apply (more rows, another type, rows of a width not a
-    /// multiple of 4), for the router matmul and `route` one after the other.
-    pub(crate) fn router_route(
+    /// `router_route`'s parameters for `m` rows at device address `x` and its outputs (logits,
+    /// ids, weights); None where that kernel does not apply (more than [`DEVICE_MOE_ROWS`]
+    /// rows, a router not f32, rows of a width not a multiple of 4).
+    fn router_params(
         &self,
         w: &Weight,
         bias: Option<&[f32]>,
-        x: &Act,
+        x: u64,
         m: usize,
         moe: &MoeConfig,
         scale: u64,
-    ) -> Result<Option<GpuRoutes>, ModelError> {
+    ) -> Result<Option<(RouterRoute, [Act; 3])>, ModelError> {
         let (n_embd, n_expert, k) = (w.row_len(), w.n_rows(), moe.n_expert_used);
         if m == 0
             || m > DEVICE_MOE_ROWS
@@ -226,7 +225,7 @@ impl Cuda {
         let p = RouterRoute {
             w: self.wptr(w)?,
             bias: bias.map_or(Ok(0), |b| self.vptr(b))?,
-            x: self.p(x),
+            x,
             logits: logits.ptr,
             done: self.gpu.ptr(&self.route_done),
             scale,
@@ -238,12 +237,73 @@ impl Cuda {
             gating: gating_code(moe.gating),
             renormalize: moe.renormalize as i32,
         };
+        Ok(Some((p, [logits, ids, wts])))
+    }
+
+    /// Routes of at most [`DEVICE_MOE_ROWS`] rows of `x` by an f32 router `w` in one launch
+    /// (`router_route`: the logits, then the routing by the last block of each row); None
+    /// where that kernel does not apply ([`Cuda::router_params`]), for the router matmul and
+    /// `route` one after the other.
+    pub(crate) fn router_route(
+        &self,
+        w: &Weight,
+        bias: Option<&[f32]>,
+        x: &Act,
+        m: usize,
+        moe: &MoeConfig,
+        scale: u64,
+    ) -> Result<Option<GpuRoutes>, ModelError> {
+        let Some((p, [logits, ids, wts])) = self.router_params(w, bias, x.ptr, m, moe, scale)? else {
+            return Ok(None);
+        };
+        let (n_expert, k) = (p.n_expert as usize, p.k as usize);
         // Writes only the routes: the layer's normed input keeps its 8-bit copy for the experts.
         let writes = [(logits.ptr, 4 * m * n_expert), (ids.ptr, 4 * m * k), (wts.ptr, 4 * m * k), (p.done, 4 * m)];
         self.keeping_quantized(&writes, || {
             self.launch_with("router_route", (n_expert as u32, m as u32, 1), (128, 1, 1), &p)
         })?;
         Ok(Some(GpuRoutes::new(ids, wts, m, k)))
+    }
+
+    /// `x += y`, the sum normed by `norm` (with its 8-bit copy) and routed by `moe_w`'s f32
+    /// router in one launch (`norm_router_route`), x then at a new address; None where
+    /// `router_route` does not apply or the width is not a multiple of 32.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_router_route(
+        &self,
+        x: &mut Act,
+        y: &Act,
+        norm: &[f32],
+        eps: f32,
+        moe_w: &MoeWeights,
+        m: usize,
+        moe: &MoeConfig,
+    ) -> Result<Option<(Act, GpuRoutes)>, ModelError> {
+        let n_embd = moe_w.router.row_len();
+        if !n_embd.is_multiple_of(32) || norm.len() != n_embd || x.len != m * n_embd || y.len != x.len {
+            return Ok(None);
+        }
+        let scale = moe_w.expert_scale.as_deref().map_or(Ok(0), |v| self.vptr(v))?;
+        let bias = moe_w.router_bias.as_deref();
+        let Some((route, [_logits, ids, wts])) = self.router_params(&moe_w.router, bias, x.ptr, m, moe, scale)? else {
+            return Ok(None);
+        };
+        let (x_out, normed) = (self.act(x.len)?, self.act(x.len)?);
+        let (q, q_buf) = self.q8_buffer(m, n_embd)?;
+        let p = NormRouterRoute {
+            route,
+            y: y.ptr,
+            norm: self.vptr(norm)?,
+            x_out: x_out.ptr,
+            normed: normed.ptr,
+            q: q.q(0),
+            ds: q.ds(0),
+            eps,
+        };
+        self.launch_with("norm_router_route", (route.n_expert as u32, m as u32, 1), (128, 1, 1), &p)?;
+        self.remember_quantized(normed.ptr, q, q_buf);
+        *x = x_out;
+        Ok(Some((normed, GpuRoutes::new(ids, wts, m, route.k as usize))))
     }
 
     /// The routes' expert ids on the host (the first ask waits for the step so
@@ -608,15 +668,21 @@ impl Cuda {
         self.indexed_matvec(&mv, h, exact)
     }
 
-    /// `out[r] = Σ_j wts[r][j] · y[pair (r, j)]`, `[m][width]`.
-    pub(crate) fn combine_rows(&self, y: &Act, r: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
-        let out = self.act(r.m * width)?;
-        // Many-row steps left y in the order of the pairs grouped by expert.
-        let index = match (r.chunked.get(), r.grouping.get()) {
+    /// Device address of each (row, slot) pair's row of the experts' outputs `y`, `[m * k]`
+    /// (many-row steps leave y in the order of the pairs grouped by expert), or 0 where pair
+    /// `r * k + j` is row `r * k + j`.
+    pub(crate) fn pair_rows(&self, r: &GpuRoutes) -> u64 {
+        match (r.chunked.get(), r.grouping.get()) {
             (Some(c), _) => c.places(r.m * r.k),
             (None, Some(g)) if r.m > DEVICE_MOE_ROWS => self.gpu.ptr(&g.device) + (8 * r.m * r.k) as u64,
             _ => 0,
-        };
+        }
+    }
+
+    /// `out[r] = Σ_j wts[r][j] · y[pair (r, j)]`, `[m][width]`.
+    pub(crate) fn combine_rows(&self, y: &Act, r: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
+        let out = self.act(r.m * width)?;
+        let index = self.pair_rows(r);
         self.launch(
             "moe_combine",
             (width.div_ceil(256) as u32, r.m as u32, 1),
@@ -774,6 +840,20 @@ struct RouterRoute {
     k: i32,
     gating: i32,
     renormalize: i32,
+}
+
+/// moe.cu's `NormRouterRoute`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NormRouterRoute {
+    route: RouterRoute,
+    y: u64,
+    norm: u64,
+    x_out: u64,
+    normed: u64,
+    q: u64,
+    ds: u64,
+    eps: f32,
 }
 
 /// The kernels' encoding of a gated activation: kind (activation.cuh), alpha, limit.

@@ -342,6 +342,7 @@ fn nvrtc_compiles() {
         "quantize_q8_1",
         "gather_quantize_q8_1",
         "rms_norm",
+        "norm_router_route",
         "rope_store",
         "attention",
         "route",

@@ -440,6 +440,87 @@ fn router_route_matches_the_cpu() {
     }
 }
 
+/// The FFN's residual add and norm with the router in one launch (`add_rms_norm_route`,
+/// `norm_router_route` for up to 8 rows, the ops one by one past that) against the CPU's add,
+/// norm and routing; and the next norm summing the experts' rows as it adds them
+/// (`add_combined_rms_norm_to`) bit for bit against `combine` then `add_rms_norm_to`.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn norm_router_route_matches_the_cpu() {
+    let _ = gpu();
+    let cpu = ts_model::Cpu;
+    let mut rng = Rng::new(15);
+    for (n_expert, k, n_embd, gating, renormalize, biased) in [
+        (128, 8, 2048, Gating::Softmax, true, false),
+        (32, 4, 2880, Gating::SoftmaxOverTopK, false, true),
+        (60, 4, 64, Gating::Softmax, false, true),
+        (512, 10, 256, Gating::Softmax, true, true),
+    ] {
+        let moe = MoeConfig { n_expert, n_expert_used: k, n_ff_exp: 8, gating, renormalize, shared: None };
+        let (router, wf) = random_weight(&mut rng, GgmlType::F32, n_expert, n_embd);
+        let expert = |rng: &mut Rng| random_tensor(rng, GgmlType::F32, vec![n_embd, 8, 1]).0;
+        let w = ts_model::tensors::MoeWeights {
+            router,
+            router_bias: biased.then(|| rng.normals(n_expert, 0.5, 0.0)),
+            gate_exps: expert(&mut rng),
+            up_exps: expert(&mut rng),
+            down_exps: expert(&mut rng),
+            gate_bias: None,
+            up_bias: None,
+            down_bias: None,
+            expert_scale: renormalize.then(|| (0..n_expert).map(|e| 0.5 + e as f32 / n_expert as f32).collect()),
+            input_norm: None,
+            router_norm: None,
+            output_norm: None,
+            shared: None,
+        };
+        let norm = rng.normals(n_embd, 0.5, 1.0);
+        let mut c = Cuda::open(0).unwrap();
+        c.upload_weight(&w.router).unwrap();
+        for v in [&w.router_bias, &w.expert_scale].into_iter().flatten() {
+            c.upload_vec(v).unwrap();
+        }
+        c.upload_vec(&norm).unwrap();
+        let up = |v: &[f32]| c.act_from_host(v).unwrap();
+        for m in [1, 3, 8, 9] {
+            let (x, y) = (rng.normals(m * n_embd, 2.0, 0.1), rng.normals(m * n_embd, 1.0, 0.0));
+            let mut sum = x.clone();
+            let want = cpu.add_rms_norm_to(&mut sum, &y, &norm, 1e-6).unwrap();
+            let mut xd = up(&x);
+            let (normed, routes) =
+                c.add_rms_norm_route(&mut xd, &up(&y), &norm, 1e-6, &w, m, &moe, &mut c.scratch(false)).unwrap();
+            assert_eq!(c.to_host(&xd).unwrap(), sum, "x + y, {m} rows of {n_embd}");
+            let normed = c.to_host(&normed).unwrap();
+            let err = rel_err(&normed, &want);
+            assert!(err <= 1e-6, "normed, {m} rows of {n_embd}: {err:e}");
+            let ids: Vec<usize> = c.to_host(routes.ids()).unwrap().iter().map(|v| v.to_bits() as usize).collect();
+            let wts = c.to_host(routes.weights()).unwrap();
+            for r in 0..m {
+                let logits: Vec<f32> = (0..n_expert)
+                    .map(|e| {
+                        let d: f64 =
+                            (0..n_embd).map(|i| wf[e * n_embd + i] as f64 * normed[r * n_embd + i] as f64).sum();
+                        d as f32 + w.router_bias.as_ref().map_or(0.0, |b| b[e])
+                    })
+                    .collect();
+                let want = ts_model::moe::route(&moe, &logits, w.expert_scale.as_deref());
+                assert_eq!(&ids[r * k..(r + 1) * k], &want.experts[..], "row {r} of {m}, {gating:?}");
+                let err = rel_err(&wts[r * k..(r + 1) * k], &want.weights);
+                assert!(err < 1e-5, "row {r} of {m}: weights {err:e}");
+            }
+            // The experts' rows summed by the next norm, against combine and the add.
+            let pairs = rng.normals(m * k * n_embd, 1.0, 0.0);
+            let (mut a, mut b) = (up(&x), up(&x));
+            let fused = c.add_combined_rms_norm_to(&mut a, &up(&pairs), &routes, &norm, 1e-6).unwrap();
+            let combined = c.combine(&up(&pairs), &routes, n_embd).unwrap();
+            let apart = c.add_rms_norm_to(&mut b, &combined, &norm, 1e-6).unwrap();
+            assert_eq!(c.to_host(&a).unwrap(), c.to_host(&b).unwrap(), "combined sum, {m} rows");
+            assert_eq!(c.to_host(&fused).unwrap(), c.to_host(&apart).unwrap(), "combined norm, {m} rows");
+        }
+        println!("norm_router_route {n_expert} experts top {k}, n_embd {n_embd}, {gating:?}: ok");
+    }
+}
+
 /// What the kernels' 8-bit activations stand for (common::quantize_q8), for the types that
 /// take them; `x` itself for the others.
 fn as_multiplied(ty: GgmlType, x: &[f32]) -> Vec<f32> {

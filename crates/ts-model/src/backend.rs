@@ -211,6 +211,40 @@ pub trait Backend: Sized + Send + Sync {
         self.add(x, y)?;
         self.rms_norm_to(x, w, eps)
     }
+    /// [`Backend::add_rms_norm_to`] of `x` and the routed experts' outputs `y`
+    /// `[m * k][width]` summed per row by `routes` ([`Backend::combine`]): the MoE output
+    /// added by the next norm, which a backend may do in one kernel.
+    fn add_combined_rms_norm_to(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        routes: &Self::Routes,
+        w: &[f32],
+        eps: f32,
+    ) -> Result<Self::Act, ModelError> {
+        let sum = self.combine(y, routes, w.len())?;
+        self.add_rms_norm_to(x, &sum, w, eps)
+    }
+    /// [`Backend::add_rms_norm_to`], then [`Backend::route_input`] of its output by the
+    /// router of `moe_w` (`[n_embd] -> [n_expert]`, its bias and expert scales): the normed
+    /// rows and their routes, which a backend may make in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_route(
+        &self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        w: &[f32],
+        eps: f32,
+        moe_w: &MoeWeights,
+        m: usize,
+        moe: &MoeConfig,
+        s: &mut Self::Scratch,
+    ) -> Result<(Self::Act, Self::Routes), ModelError> {
+        let normed = self.add_rms_norm_to(x, y, w, eps)?;
+        let (bias, scale) = (moe_w.router_bias.as_deref(), moe_w.expert_scale.as_deref());
+        let routes = self.route_input(&moe_w.router, bias, &normed, m, moe, scale, s)?;
+        Ok((normed, routes))
+    }
     /// `x += y`.
     fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<(), ModelError>;
     fn scale(&self, x: &mut Self::Act, s: f32) -> Result<(), ModelError>;

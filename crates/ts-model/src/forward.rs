@@ -404,18 +404,20 @@ impl<B: Backend> Model<B> {
         }
         let per_layer_inputs = self.per_layer_inputs(&tokens, &x, scratch)?;
         // A layer's FFN output not yet added into x: added by the next layer's first norm.
-        let mut pending: Option<B::Act> = None;
+        let mut pending: Option<FfnOut<B>> = None;
         for (il, layer) in self.weights.layers.iter().enumerate() {
+            let (norm, eps) = (&layer.attn_norm, cfg.rms_eps);
             let normed = match pending.take() {
-                Some(ffn) => be.add_rms_norm_to(&mut x, &ffn, &layer.attn_norm, cfg.rms_eps)?,
-                None => be.rms_norm_to(&x, &layer.attn_norm, cfg.rms_eps)?,
+                Some(FfnOut::Rows(ffn)) => be.add_rms_norm_to(&mut x, &ffn, norm, eps)?,
+                Some(FfnOut::Routed { y, routes }) => be.add_combined_rms_norm_to(&mut x, &y, &routes, norm, eps)?,
+                None => be.rms_norm_to(&x, norm, eps)?,
             };
             let ffn = self.block(il, layer, rows, seqs, &mut x, &normed, scratch)?;
             if layer.per_layer.is_none() && layer.output_scale.is_none() {
                 pending = Some(ffn);
                 continue;
             }
-            be.add(&mut x, &ffn)?;
+            be.add(&mut x, &ffn.rows(be, cfg.n_embd)?)?;
             if let (Some(pw), Some(inputs)) = (&layer.per_layer, &per_layer_inputs) {
                 let p = cfg.per_layer_input;
                 let pl = be.columns(inputs, m, p * cfg.n_layer, il * p, p)?;
@@ -430,7 +432,7 @@ impl<B: Backend> Model<B> {
             }
         }
         if let Some(ffn) = pending {
-            be.add(&mut x, &ffn)?;
+            be.add(&mut x, &ffn.rows(be, cfg.n_embd)?)?;
         }
         let (logits, hidden) = match hidden {
             false => (self.output(rows, &x, scratch)?, None),
@@ -448,7 +450,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Block `il`'s mixer on `normed` (its input `x` after the block's first norm), added into
-    /// `x`, then its FFN on the second norm: the FFN's output `[m][n_embd]`, not yet added.
+    /// `x`, then its FFN on the second norm: the FFN's output, not yet added.
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
@@ -459,7 +461,7 @@ impl<B: Backend> Model<B> {
         x: &mut B::Act,
         normed: &B::Act,
         scratch: &mut B::Scratch,
-    ) -> Result<B::Act, ModelError> {
+    ) -> Result<FfnOut<B>, ModelError> {
         let (cfg, be, m) = (&self.cfg, &self.backend, rows.len());
         let mut attn = match &layer.mixer {
             MixerWeights::Attention(w) => self.attention(il, w, rows, seqs, normed, scratch)?,
@@ -468,15 +470,31 @@ impl<B: Backend> Model<B> {
         if let Some(w) = &layer.attn_post_norm {
             be.rms_norm(&mut attn, w.len(), Some(w), cfg.rms_eps)?;
         }
-        let normed = be.add_rms_norm_to(x, &attn, &layer.ffn_norm, cfg.rms_eps)?;
-        let mut ffn = match &layer.ffn {
-            Ffn::Dense { gate, up, down } => self.dense_ffn(gate, up, down, &normed, m, scratch)?,
-            Ffn::Moe(w) => self.moe_ffn(il, w, x, &normed, m, scratch)?,
+        let (norm, eps) = (&layer.ffn_norm, cfg.rms_eps);
+        let ffn = match &layer.ffn {
+            Ffn::Dense { gate, up, down } => {
+                let normed = be.add_rms_norm_to(x, &attn, norm, eps)?;
+                FfnOut::Rows(self.dense_ffn(gate, up, down, &normed, m, scratch)?)
+            }
+            // Routed by the normed rows themselves: the norm and the router may be one kernel.
+            Ffn::Moe(w) if w.input_norm.is_none() && w.router_norm.is_none() => {
+                let moe = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
+                let (normed, routes) = be.add_rms_norm_route(x, &attn, norm, eps, w, m, moe, scratch)?;
+                self.moe_ffn(il, w, x, &normed, Some(routes), m, scratch)?
+            }
+            Ffn::Moe(w) => {
+                let normed = be.add_rms_norm_to(x, &attn, norm, eps)?;
+                self.moe_ffn(il, w, x, &normed, None, m, scratch)?
+            }
         };
-        if let Some(w) = &layer.ffn_post_norm {
-            be.rms_norm(&mut ffn, w.len(), Some(w), cfg.rms_eps)?;
+        match &layer.ffn_post_norm {
+            Some(w) => {
+                let mut ffn = ffn.rows(be, cfg.n_embd)?;
+                be.rms_norm(&mut ffn, w.len(), Some(w), eps)?;
+                Ok(FfnOut::Rows(ffn))
+            }
+            None => Ok(ffn),
         }
-        Ok(ffn)
     }
 
     /// One step of the MTP head ([`crate::tensors::MtpWeights`]): row i pairs the token
@@ -523,7 +541,7 @@ impl<B: Backend> Model<B> {
             return Err(ModelError::Compute("MTP: the layer is not an attention layer".into()));
         }
         let ffn = self.block(il, layer, rows, seqs, &mut u, &normed, scratch)?;
-        be.add(&mut u, &ffn)?;
+        be.add(&mut u, &ffn.rows(be, e)?)?;
         let out = be.rms_norm_to(&u, &mtp.shared_head_norm, cfg.rms_eps)?;
         let logits = self.head(rows, &out, mtp.head.as_ref().unwrap_or(&self.weights.output), scratch)?;
         be.end_step(logits.as_ref())?;
@@ -549,21 +567,28 @@ impl<B: Backend> Model<B> {
     /// A MoE layer's FFN for the residual stream `x` and its FFN-normed `normed`,
     /// `[m][n_embd]`: the routed experts and any dense FFN beside them (a shared
     /// expert; Gemma 4's MLP, with the experts' input, router input and both
-    /// outputs normed on their own).
+    /// outputs normed on their own), routed by `routes` where the norm made them.
+    #[allow(clippy::too_many_arguments)]
     fn moe_ffn(
         &self,
         il: usize,
         w: &MoeWeights,
         x: &B::Act,
         normed: &B::Act,
+        routes: Option<B::Routes>,
         m: usize,
         scratch: &mut B::Scratch,
-    ) -> Result<B::Act, ModelError> {
+    ) -> Result<FfnOut<B>, ModelError> {
         let (be, eps) = (&self.backend, self.cfg.rms_eps);
         let expert_in = w.input_norm.as_ref().map(|n| be.rms_norm_to(x, n, eps)).transpose()?;
         let router_in = w.router_norm.as_ref().map(|n| be.rms_norm_to(x, n, eps)).transpose()?;
         let expert_in = expert_in.as_ref().unwrap_or(normed);
-        let mut out = self.routed_experts(il, w, expert_in, router_in.as_ref().unwrap_or(expert_in), m, scratch)?;
+        let router_in = router_in.as_ref().unwrap_or(expert_in);
+        let (y, routes) = self.routed_experts(il, w, expert_in, router_in, routes, m, scratch)?;
+        if w.output_norm.is_none() && w.shared.is_none() {
+            return Ok(FfnOut::Routed { y, routes });
+        }
+        let mut out = be.combine(&y, &routes, self.cfg.n_embd)?;
         if let Some(n) = &w.output_norm {
             be.rms_norm(&mut out, n.len(), Some(n), eps)?;
         }
@@ -577,7 +602,7 @@ impl<B: Backend> Model<B> {
             }
             be.add(&mut out, &y)?;
         }
-        Ok(out)
+        Ok(FfnOut::Rows(out))
     }
 
     /// Every layer's per-layer input for these tokens and their scaled
@@ -742,6 +767,24 @@ impl<B: Backend> Model<B> {
 
 /// A trunk step's logits rows, and its rows' final-normed hidden states where asked for.
 type TrunkOutput = (Vec<Vec<f32>>, Option<Vec<f32>>);
+
+/// A block's FFN output, not yet added into the residual stream: rows `[m][n_embd]`, or
+/// the routed experts' outputs per (row, slot) pair `[m * k][n_embd]` with their routes, which
+/// the next norm sums as it adds them ([`Backend::add_combined_rms_norm_to`]).
+enum FfnOut<B: Backend> {
+    Rows(B::Act),
+    Routed { y: B::Act, routes: B::Routes },
+}
+
+impl<B: Backend> FfnOut<B> {
+    /// The output as rows of `width`.
+    fn rows(self, be: &B, width: usize) -> Result<B::Act, ModelError> {
+        match self {
+            FfnOut::Rows(a) => Ok(a),
+            FfnOut::Routed { y, routes } => be.combine(&y, &routes, width),
+        }
+    }
+}
 
 /// What one step of the MTP head gives.
 pub struct MtpOutput {

@@ -57,26 +57,39 @@ pub fn route(moe: &MoeConfig, logits: &[f32], expert_scale: Option<&[f32]>) -> R
 
 impl<B: Backend> Model<B> {
     /// The routed experts of MoE layer `il` for the normed input `x`
-    /// `[m][n_embd]`, routed by `router_x` (`x` itself but for Gemma 4),
-    /// written once for every backend: route; then, where the
+    /// `[m][n_embd]`, routed by `router_x` (`x` itself but for Gemma 4) unless `routes`
+    /// are given, written once for every backend: route; then, where the
     /// experts come through a tier, the used experts in groups the tier holds
-    /// (the next MoE layer's guessed experts started early), each group's
-    /// expert-indexed matmuls, and the weighted sum of each row's experts.
+    /// (the next MoE layer's guessed experts started early), and each group's
+    /// expert-indexed matmuls. Returns each (row, slot) pair's output `[m * k][n_embd]`
+    /// and the routes that weigh them ([`Backend::combine`] sums them).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn routed_experts(
         &self,
         il: usize,
         w: &MoeWeights,
         x: &B::Act,
         router_x: &B::Act,
+        routes: Option<B::Routes>,
         m: usize,
         scratch: &mut B::Scratch,
-    ) -> Result<B::Act, ModelError> {
+    ) -> Result<(B::Act, B::Routes), ModelError> {
         let be = &self.backend;
         let moe = self.cfg.moe.as_ref().expect("MoE weights imply a MoE config");
         let act = self.cfg.ffn_act;
         let e = self.cfg.n_embd;
-        let routes =
-            be.route_input(&w.router, w.router_bias.as_deref(), router_x, m, moe, w.expert_scale.as_deref(), scratch)?;
+        let routes = match routes {
+            Some(r) => r,
+            None => be.route_input(
+                &w.router,
+                w.router_bias.as_deref(),
+                router_x,
+                m,
+                moe,
+                w.expert_scale.as_deref(),
+                scratch,
+            )?,
+        };
         // Each (row, slot) pair's expert output, `[m * k][n_embd]`, summed per row at the end.
         let pairs = m * moe.n_expert_used;
         if !be.experts_tiered(self) {
@@ -85,7 +98,7 @@ impl<B: Backend> Model<B> {
             let at = ExpertsAt::Stacked;
             let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
             be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
-            return be.combine(&y, &routes, e);
+            return Ok((y, routes));
         }
         // The next MoE layer's router applied to this layer's input guesses its experts.
         let guess = match self.prefetch_experts.then(|| self.next_moe_layer(il)).flatten() {
@@ -122,7 +135,7 @@ impl<B: Backend> Model<B> {
             let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
             be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
         }
-        be.combine(&y, &routes, e)
+        Ok((y, routes))
     }
 }
 
