@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|spec]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -156,6 +156,24 @@ if [[ $what == timing ]]; then
                 | tee -a "$OUT/timing.log" | grep -E "^\||step timing|error"
             kill $smi
             sort "$OUT/clocks-$like-$knob.log" | uniq -c | sort -rn | head -2
+        done
+    done
+fi
+if [[ $what == host-timing ]]; then
+    # `host-timing LIKE...`: where the host's time goes in steps run op by op
+    # (TURBOSPARK_HOST_TIMING): a quarter of the expert bytes in VRAM, then every expert in
+    # VRAM with graphs off, then as built (graphs on), decode only.
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        q=$(quarter "$f")
+        for mode in tier no-graphs graphs; do
+            extra=() envs=(TURBOSPARK_HOST_TIMING=1)
+            [[ $mode == tier ]] && extra=(--expert-cache "$q")
+            [[ $mode == no-graphs ]] && envs+=(TURBOSPARK_NO_CUDA_GRAPHS=1)
+            echo "== $like, $mode"
+            env "${envs[@]}" "$B"/turbospark bench -m "$f" --device cuda "${extra[@]}" -p 0 -n 128 -r 1 2>&1 \
+                | tee -a "$OUT/host-timing.log" | grep -E "^\|.*tg|host timing|error"
         done
     done
 fi

@@ -1,5 +1,6 @@
 //! Times one matmul per weight type and instruction set on this machine, single-threaded:
-//! `cargo run --release -p ts-cpu --example kernels -- [M] [N_OUT] [K]` (defaults 128 1024 2048).
+//! `cargo run --release -p ts-cpu --example kernels -- [M] [N_OUT] [K] [TYPE...]` (defaults 128
+//! 1024 2048, every type).
 //! Random weights and activations; prints GMAC/s (the best of 20 runs) per type and ISA, and
 //! of the direct kernels alone (this CPU's best ISA, no batch panels), for comparing kernels
 //! without a whole model's noise.
@@ -9,7 +10,9 @@ use std::time::Instant;
 use ts_cpu::{GgmlType, Isa, QuantizedRows, matmul_rows_alone, matmul_with_isa};
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("numbers: M N_OUT K")).collect();
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<usize> = all.iter().take(3).map(|a| a.parse().expect("numbers: M N_OUT K")).collect();
+    let types: Vec<&String> = all.iter().skip(3).collect();
     let (m, n_out, k) = (
         args.first().copied().unwrap_or(128),
         args.get(1).copied().unwrap_or(1024),
@@ -26,7 +29,7 @@ fn main() {
     use GgmlType as T;
     for ty in [T::Q4_0, T::Q4_1, T::Q5_0, T::Q5_1, T::Q8_0, T::MXFP4, T::Q4_K, T::Q5_K, T::Q6_K] {
         let block = ty.block_size() as usize;
-        if k % block != 0 {
+        if k % block != 0 || !(types.is_empty() || types.iter().any(|t| t.eq_ignore_ascii_case(ty.name()))) {
             continue;
         }
         // Random bytes with small f16 scales: the speed does not depend on the values.

@@ -16,6 +16,7 @@
 
 mod attention;
 pub mod device;
+pub(crate) mod host_timing;
 mod matmul;
 mod matvec_q8;
 mod moe;
@@ -151,6 +152,8 @@ pub struct Cuda {
     /// Decode attention's finished runs per (row, head), `[attention::SPLIT_COUNTERS]`, zero
     /// between launches.
     attn_done: CudaSlice<u32>,
+    /// `TURBOSPARK_HOST_TIMING`: the host's time per step by what it was doing.
+    host_timing: host_timing::HostTiming,
 }
 
 /// How to place a model on the GPU.
@@ -239,6 +242,7 @@ impl Cuda {
             q8_last: Mutex::new(None),
             staging: Mutex::new(None),
             n_expert: 0,
+            host_timing: host_timing::HostTiming::from_env(),
         })
     }
 
@@ -1014,7 +1018,9 @@ impl Backend for Cuda {
         if self.groups_since_sync.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
             self.gpu.sync().map_err(err)?;
         }
-        let slots = tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())?;
+        let slots = self.host_timing.time(host_timing::Phase::Ensure, || {
+            tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())
+        })?;
         Ok(GpuExpertGroup::new(slots))
     }
 
@@ -1026,7 +1032,9 @@ impl Backend for Cuda {
         keep: &GpuExpertGroup,
     ) -> Result<(), ModelError> {
         let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
-        tier.lock().expect("expert tier lock").prefetch(&self.gpu, il, ids, &keep.slots, model.experts.as_ref())
+        self.host_timing.time(host_timing::Phase::Prefetch, || {
+            tier.lock().expect("expert tier lock").prefetch(&self.gpu, il, ids, &keep.slots, model.experts.as_ref())
+        })
     }
 
     fn expert_gate_up(

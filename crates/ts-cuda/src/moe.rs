@@ -312,7 +312,8 @@ impl Cuda {
         if let Some(ids) = r.host.get() {
             return Ok(ids);
         }
-        let ids: Vec<i32> = self.download(r.ids.ptr, r.m * r.k)?;
+        let ids: Vec<i32> =
+            self.host_timing.time(crate::host_timing::Phase::RouteWait, || self.download(r.ids.ptr, r.m * r.k))?;
         self.groups_since_sync.store(0, std::sync::atomic::Ordering::Relaxed);
         let ids = ids.into_iter().map(|e| checked_expert(e, n_expert)).collect::<Result<Vec<usize>, _>>()?;
         Ok(r.host.get_or_init(|| ids))

@@ -4,6 +4,7 @@
 //! (whose ops the model then does not call); kernel launches go through here.
 
 use crate::device::Arg;
+use crate::host_timing::Phase;
 use crate::recurrent::DELTA_CHUNK;
 use crate::{Act, Cuda, GpuLayerState, GpuScratch, GpuState, err};
 use cudarc::driver::CudaSlice;
@@ -230,7 +231,7 @@ impl Cuda {
         args: &[Arg],
     ) -> Result<(), ModelError> {
         self.wrote();
-        self.gpu.launch(name, grid, block, 0, args).map_err(err)
+        self.host_timing.time(Phase::Launch, || self.gpu.launch(name, grid, block, 0, args)).map_err(err)
     }
 
     /// Runs `work(i)` for each i < `n`, spreading the launches of each over the device's
@@ -280,12 +281,12 @@ impl Cuda {
         params: &P,
     ) -> Result<(), ModelError> {
         self.wrote();
-        self.gpu.launch_with(name, grid, block, params).map_err(err)
+        self.host_timing.time(Phase::Launch, || self.gpu.launch_with(name, grid, block, params)).map_err(err)
     }
 
     pub(crate) fn launch_1d(&self, name: &str, n: usize, args: &[Arg]) -> Result<(), ModelError> {
         self.wrote();
-        self.gpu.launch_1d(name, n, args).map_err(err)
+        self.host_timing.time(Phase::Launch, || self.gpu.launch_1d(name, n, args)).map_err(err)
     }
 
     /// Ends a capture a failed step left open, dropping what it recorded; that kind of step
@@ -326,6 +327,7 @@ impl Cuda {
         scratch: &GpuScratch,
         replayable: bool,
     ) -> Result<StepStart<Act>, ModelError> {
+        self.host_timing.step_begins();
         self.wrote();
         // Drops the last step's quantized activations here, not inside a capture (a buffer
         // of a many-row step freed while recording is an invalid graph).

@@ -1,0 +1,77 @@
+//! `TURBOSPARK_HOST_TIMING=1`, a measurement knob: where the host's time goes in steps that run
+//! their ops one by one (steps with the expert cache, or with graphs off; a replayed graph is
+//! one launch). Per step: the wall time from one step's start to the next, the kernel launch
+//! calls, the waits for routes (each a synchronization with the device), and the expert cache's
+//! bookkeeping and queued copies; printed every 64 steps.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// What the host was doing.
+#[derive(Clone, Copy)]
+pub(crate) enum Phase {
+    Launch,
+    RouteWait,
+    Ensure,
+    Prefetch,
+}
+
+#[derive(Default)]
+struct Totals {
+    /// Time and count per [`Phase`], in its order.
+    time: [Duration; 4],
+    count: [u64; 4],
+    steps: u64,
+    wall: Duration,
+    started: Option<Instant>,
+}
+
+/// The knob's counters (None when it is off: every call is then one branch).
+pub(crate) struct HostTiming(Option<Mutex<Totals>>);
+
+impl HostTiming {
+    pub(crate) fn from_env() -> HostTiming {
+        HostTiming(std::env::var_os("TURBOSPARK_HOST_TIMING").map(|_| Mutex::new(Totals::default())))
+    }
+
+    /// Runs `f`, its time counted under `phase`.
+    pub(crate) fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
+        let Some(totals) = &self.0 else { return f() };
+        let start = Instant::now();
+        let out = f();
+        let mut t = totals.lock().expect("host timing lock");
+        t.time[phase as usize] += start.elapsed();
+        t.count[phase as usize] += 1;
+        out
+    }
+
+    /// Marks a step's start (the end of the one before); prints the means every 64 steps.
+    pub(crate) fn step_begins(&self) {
+        let Some(totals) = &self.0 else { return };
+        let mut t = totals.lock().expect("host timing lock");
+        let now = Instant::now();
+        if let Some(s) = t.started {
+            t.wall += now - s;
+            t.steps += 1;
+            if t.steps.is_multiple_of(64) {
+                let n = t.steps as f64;
+                let per = |d: Duration| d.as_secs_f64() * 1e3 / n;
+                let other = t.wall.saturating_sub(t.time.iter().sum());
+                eprintln!(
+                    "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
+                     expert cache {:.3} ms ensuring + {:.3} ms prefetching, other {:.3} ms",
+                    t.steps,
+                    per(t.wall),
+                    t.count[Phase::Launch as usize] as f64 / n,
+                    per(t.time[Phase::Launch as usize]),
+                    t.count[Phase::RouteWait as usize] as f64 / n,
+                    per(t.time[Phase::RouteWait as usize]),
+                    per(t.time[Phase::Ensure as usize]),
+                    per(t.time[Phase::Prefetch as usize]),
+                    per(other),
+                );
+            }
+        }
+        t.started = Some(now);
+    }
+}
