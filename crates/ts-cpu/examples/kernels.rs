@@ -2,8 +2,8 @@
 //! `cargo run --release -p ts-cpu --example kernels -- [M] [N_OUT] [K] [TYPE...]` (defaults 128
 //! 1024 2048, every type).
 //! Random weights and activations; prints GMAC/s (the best of 20 runs) per type and ISA, and
-//! of the direct kernels alone (this CPU's best ISA, no batch panels), for comparing kernels
-//! without a whole model's noise.
+//! of the direct kernels alone (this CPU's best ISA, no batch panels) and of the packed layout
+//! where this CPU has one, for comparing kernels without a whole model's noise.
 
 use std::time::Instant;
 
@@ -69,6 +69,13 @@ fn main() {
             line += &format!("  {isa} {g:.2}");
         }
         let g = time(&mut |out| matmul_rows_alone(ty, &w, n_out, k, &x, out).unwrap());
-        println!("{line}  direct {g:.2} GMAC/s");
+        line += &format!("  direct {g:.2}");
+        if ts_cpu::packs(ty, n_out) {
+            let mut packed = w.clone();
+            ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap();
+            let g = time(&mut |out| ts_cpu::matmul_packed(ty, &packed, n_out, k, &x, out, n_out).unwrap());
+            line += &format!("  packed {g:.2}");
+        }
+        println!("{line} GMAC/s");
     }
 }

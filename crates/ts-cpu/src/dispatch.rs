@@ -93,8 +93,8 @@ pub(crate) enum Layout {
     Packed,
 }
 
-/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K in whole panels, on
-/// AVX-512 VNNI.
+/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K on AVX-512 VNNI,
+/// Q4_K on AVX2, in whole multiples of 16 rows.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
     packer(isa, ty, n_out).is_some()
 }
@@ -434,7 +434,7 @@ mod x86 {
             Isa::Avx2 => Some(Kernels {
                 direct: avx2,
                 panel: panel_avx2::kernel(ty).map(|p| (p, panel_avx2::min_batch(ty))),
-                packed: None,
+                packed: panel_avx2::packed(ty),
             }),
             Isa::Avx512 => Some(Kernels {
                 direct: avx512,

@@ -221,7 +221,7 @@ mod x86 {
     /// # Safety
     /// Needs AVX2; `p` points at 12 readable bytes.
     #[inline(always)]
-    unsafe fn scales_mins_k4(p: *const u8) -> (__m128i, __m128i) {
+    pub(crate) unsafe fn scales_mins_k4(p: *const u8) -> (__m128i, __m128i) {
         unsafe {
             let (a, b, c) = (read_u32(p), read_u32(p.add(4)), read_u32(p.add(8)));
             let six = 0x3f3f_3f3f;

@@ -103,8 +103,8 @@ pub fn matmul_strided(
     dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, out_stride, true, Layout::Gguf)
 }
 
-/// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (MXFP4 in whole
-/// panels of 16 rows, on AVX-512 VNNI).
+/// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (whole multiples of 16
+/// rows: MXFP4, Q4_K and Q6_K on AVX-512 VNNI, Q4_K on AVX2).
 pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }

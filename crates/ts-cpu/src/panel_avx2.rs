@@ -18,8 +18,8 @@ use std::marker::PhantomData;
 use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
-use crate::dispatch::TileFn;
-use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES};
+use crate::dispatch::{PackFn, TileFn};
+use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES, scales_mins_k4};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::Mxfp4;
 use crate::panel::transpose8;
@@ -53,6 +53,14 @@ pub(crate) fn kernel(ty: GgmlType) -> Option<TileFn> {
         _ => return None,
     };
     Some(tile)
+}
+
+/// The packed layout of `ty` on AVX2, where it has one: its repacking and the kernel that reads it.
+pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
+    match ty {
+        GgmlType::Q4_K => Some((pack_q4k as PackFn, q4k_packed_tile as TileFn)),
+        _ => None,
+    }
 }
 
 /// Steps (of four elements) whose `maddubs` sums add up in 16 bits without overflow for codes
@@ -329,5 +337,152 @@ unsafe fn store_rows<const C: usize>(acc: &[__m256; C], out: &mut [&mut [f32]], 
     for (c, acc) in acc.iter().enumerate() {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *acc) };
         out[c0 + c][r0..r0 + n].copy_from_slice(&lanes[..n]);
+    }
+}
+
+/// Bytes of one Q4_K super-block of a packed panel: those of its 8 rows' blocks.
+const Q4K_PACKED: usize = ROWS * 144;
+/// Where a packed super-block keeps its groups' scales and mins: 12 bytes a group.
+const Q4K_PACKED_SCALES: usize = 1024;
+/// Where it keeps the rows' `d`, then their `dmin` (f16 each).
+const Q4K_PACKED_D: usize = 1120;
+
+/// Repacks Q4_K rows in place, 8 rows (a panel) at a time, at the same size: per super-block of
+/// a panel (1,152 bytes) the codes of two steps per vector, `[group g][i < 4][row][4 bytes]` with
+/// step `8 g + i` in the low nibbles and step `8 g + i + 4` in the high ones (the panel's
+/// steps, four elements each); then per group the 8 rows' 6-bit scales, each with its min's low
+/// two bits on top (8 bytes), and the mins' high nibbles, row r at bit 4 r (4 bytes); then the
+/// rows' `d` and `dmin`. The pass reads it with two masks a vector and no transposition.
+///
+/// # Safety
+/// Needs AVX2; `w` holds whole panels of rows of `row_bytes`, a multiple of 144.
+unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
+    let nb = row_bytes / 144;
+    for panel in w.chunks_exact_mut(ROWS * row_bytes) {
+        let src = panel.to_vec();
+        for b in 0..nb {
+            let out = &mut panel[b * Q4K_PACKED..(b + 1) * Q4K_PACKED];
+            let mut nibbles = [0u32; 8];
+            for r in 0..ROWS {
+                let blk = &src[r * row_bytes + b * 144..][..144];
+                let (mut scales, mut mins) = ([0u8; 16], [0u8; 16]);
+                // SAFETY: the caller has AVX2; the block's 12 scale bytes are readable.
+                unsafe {
+                    let (sc, mn) = scales_mins_k4(blk.as_ptr().add(4));
+                    _mm_storeu_si128(scales.as_mut_ptr().cast(), sc);
+                    _mm_storeu_si128(mins.as_mut_ptr().cast(), mn);
+                }
+                // Element e: low nibbles of qs[32 j..] for e = 64 j + l (l < 32), high for l >= 32.
+                let code = |e: usize| {
+                    let (j, l) = (e / 64, e % 64);
+                    if l < 32 { blk[16 + 32 * j + l] & 15 } else { blk[16 + 32 * j + l - 32] >> 4 }
+                };
+                for g in 0..8 {
+                    for i in 0..4 {
+                        let (lo, hi) = (8 * g + i, 8 * g + i + 4);
+                        for e in 0..4 {
+                            out[32 * (4 * g + i) + 4 * r + e] = code(4 * lo + e) | (code(4 * hi + e) << 4);
+                        }
+                    }
+                    out[Q4K_PACKED_SCALES + 12 * g + r] = scales[g] | ((mins[g] & 3) << 6);
+                    nibbles[g] |= ((mins[g] >> 2) as u32) << (4 * r);
+                }
+                out[Q4K_PACKED_D + 2 * r..][..2].copy_from_slice(&blk[..2]);
+                out[Q4K_PACKED_D + 16 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
+            }
+            for (g, n) in nibbles.iter().enumerate() {
+                out[Q4K_PACKED_SCALES + 12 * g + 8..][..4].copy_from_slice(&n.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// One pass of `C` activation rows over a packed Q4_K panel ([`pack_q4k`]): the floats of
+/// [`KQuant`]'s pass over the panel built from the same rows, bit for bit (the integer sums
+/// are exact in any order; the float steps are the same).
+///
+/// # Safety
+/// Needs AVX2, FMA and F16C; `panel` holds `nb` packed super-blocks and the rows of `a` as many.
+#[inline(always)]
+unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let low4 = _mm256_set1_epi8(0x0f);
+        let nibble_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * Q4K_PACKED);
+            prefetch_ahead(block, Q4K_PACKED);
+            let aq = |c: usize, at: usize| read_u32(a[c].q.add(b * Q8K_BYTES + at)) as i32;
+            let mut sums = [zero; C];
+            let mut corr = [zero; C];
+            for g in 0..8 {
+                let at = block.add(Q4K_PACKED_SCALES + 12 * g);
+                let packed = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.cast()));
+                let scale = _mm256_and_si256(packed, _mm256_set1_epi32(63));
+                let high = _mm256_srlv_epi32(_mm256_set1_epi32(read_u32(at.add(8)) as i32), nibble_shifts);
+                let min = _mm256_or_si256(
+                    _mm256_srli_epi32::<6>(packed),
+                    _mm256_slli_epi32::<2>(_mm256_and_si256(high, _mm256_set1_epi32(15))),
+                );
+                // Each as the same 16-bit value twice, for `madd` with a pair of sums.
+                let scale = _mm256_or_si256(scale, _mm256_slli_epi32::<16>(scale));
+                let min = _mm256_or_si256(min, _mm256_slli_epi32::<16>(min));
+                let mut pairs = [zero; C];
+                for i in 0..4 {
+                    let v = _mm256_loadu_si256(block.add(32 * (4 * g + i)).cast());
+                    let lo = _mm256_and_si256(v, low4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+                    for (c, pair) in pairs.iter_mut().enumerate() {
+                        let al = _mm256_set1_epi32(aq(c, 4 + 4 * (8 * g + i)));
+                        let ah = _mm256_set1_epi32(aq(c, 4 + 4 * (8 * g + i + 4)));
+                        *pair = _mm256_add_epi16(*pair, _mm256_maddubs_epi16(lo, al));
+                        *pair = _mm256_add_epi16(*pair, _mm256_maddubs_epi16(hi, ah));
+                    }
+                }
+                for c in 0..C {
+                    sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], scale));
+                    // The group's min times its two 16-element activation sums.
+                    corr[c] = _mm256_add_epi32(corr[c], _mm256_madd_epi16(min, _mm256_set1_epi32(aq(c, 260 + 4 * g))));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(Q4K_PACKED_D).cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(Q4K_PACKED_D + 16).cast()));
+            for c in 0..C {
+                let da = _mm256_set1_ps(a[c].q.add(b * Q8K_BYTES).cast::<f32>().read_unaligned());
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), _mm256_mul_ps(d, da), acc[c]);
+                acc[c] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr[c]), _mm256_mul_ps(dmin, da), acc[c]);
+            }
+        }
+        acc
+    }
+}
+
+/// The packed Q4_K rows ([`pack_q4k`]) times every activation row, 4 at a time.
+///
+/// # Safety
+/// As [`TileFn`]; needs AVX2, FMA and F16C; the rows are whole packed panels.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_packed_tile(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+    let rows = out.first().map_or(0, |o| o.len());
+    let m = out.len();
+    let nb = x.nb;
+    let a: Vec<ARow> = (0..m).map(|c| x.arow(c)).collect();
+    for r0 in (0..rows).step_by(ROWS) {
+        let n = ROWS.min(rows - r0);
+        unsafe {
+            let p = w.as_ptr().add(r0 * row_bytes);
+            let mut c = 0;
+            while c < m {
+                let cols = (m - c).min(4);
+                match cols {
+                    4 => store_rows(&q4k_packed_pass::<4>(p, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n),
+                    3 => store_rows(&q4k_packed_pass::<3>(p, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
+                    2 => store_rows(&q4k_packed_pass::<2>(p, nb, &[a[c], a[c + 1]]), out, c, r0, n),
+                    _ => store_rows(&q4k_packed_pass::<1>(p, nb, &[a[c]]), out, c, r0, n),
+                }
+                c += cols;
+            }
+        }
     }
 }
