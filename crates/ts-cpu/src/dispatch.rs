@@ -94,7 +94,7 @@ pub(crate) enum Layout {
 }
 
 /// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K on AVX-512 VNNI,
-/// Q4_K on AVX2, in whole multiples of 16 rows.
+/// MXFP4 and Q4_K on AVX2, in whole multiples of 16 rows.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
     packer(isa, ty, n_out).is_some()
 }

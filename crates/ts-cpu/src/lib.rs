@@ -104,7 +104,7 @@ pub fn matmul_strided(
 }
 
 /// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (whole multiples of 16
-/// rows: MXFP4, Q4_K and Q6_K on AVX-512 VNNI, Q4_K on AVX2).
+/// rows: MXFP4, Q4_K and Q6_K on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
 pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }

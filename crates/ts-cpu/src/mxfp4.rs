@@ -45,12 +45,7 @@ mod x86 {
                 let e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64));
                 let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes);
-                // e8m0_half: (e - 1) << 23 as float bits, or 0x200000 << e below 2.
-                let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
-                let tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
-                let is_normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1));
-                let bits = _mm256_blendv_epi8(tiny, normal, is_normal);
-                _mm256_castsi256_ps(_mm256_and_si256(bits, live))
+                _mm256_and_ps(e8m0_half_lanes(e), _mm256_castsi256_ps(live))
             }
         }
         #[inline(always)]
@@ -59,6 +54,21 @@ mod x86 {
                 let table = _mm_loadu_si128(UNSIGNED_VALUES.as_ptr().cast());
                 _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(p.add(1)))
             }
+        }
+    }
+
+    /// `e8m0_half` of each 32-bit lane's exponent byte: `(e - 1) << 23` as float bits, or
+    /// `0x200000 << e` below 2.
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[inline(always)]
+    pub(crate) unsafe fn e8m0_half_lanes(e: __m256i) -> __m256 {
+        unsafe {
+            let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+            let tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+            let is_normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1));
+            _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, is_normal))
         }
     }
 

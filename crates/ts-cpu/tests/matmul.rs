@@ -337,7 +337,7 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// Rows repacked in place (MXFP4, Q4_K and Q6_K on AVX-512 VNNI; Q4_K on AVX2): the same
+/// Rows repacked in place (MXFP4, Q4_K and Q6_K on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
 /// products as the GGUF rows, against both references (`check`) and bit for bit against the
 /// batch (panel) kernel; every row as a one-row call computes it; shapes the packing does not
 /// take are refused by name.

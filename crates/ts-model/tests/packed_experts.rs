@@ -23,11 +23,9 @@ fn run(model: &Model, tokens: &[u32], chunk: usize) -> Vec<Vec<f32>> {
 fn packed_experts_match_transformers_and_the_gguf_layout() {
     use ts_gguf::GgmlType;
     assert!(
-        ts_cpu::packs(GgmlType::Q4_K, 16),
+        ts_cpu::packs(GgmlType::MXFP4, 16),
         "experts are packed with AVX2 or AVX-512 VNNI: this machine has neither"
     );
-    // MXFP4 (the gpt_oss fixture) is packed on AVX-512 VNNI only, and only it is repacked as streamed slots fill.
-    let mxfp4 = ts_cpu::packs(GgmlType::MXFP4, 64);
     let mut packed_fixtures = 0;
     let mut streamed_packed = 0;
     for f in ts_testkit::fixtures() {
@@ -86,9 +84,7 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
         }
         packed_fixtures += 1;
     }
-    if mxfp4 {
-        assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
-    }
+    assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
     assert!(
         packed_fixtures >= 2,
         "fixtures with experts the CPU packs (gpt_oss mxfp4, the q4_k_m MoE files) are missing"

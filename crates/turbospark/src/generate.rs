@@ -58,7 +58,7 @@ pub struct ModelArgs {
     exact_activations: bool,
     /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked (at
     /// load, or streamed MXFP4 ones as they are read) into the layout the CPU's kernels read
-    /// directly (MXFP4, Q4_K, Q6_K on AVX-512 VNNI; Q4_K on AVX2; as
+    /// directly (MXFP4, Q4_K, Q6_K on AVX-512 VNNI; MXFP4 and Q4_K on AVX2; as
     /// llama.cpp's and ik_llama.cpp's repacking, which llama.cpp's `--no-repack` turns off).
     #[arg(long)]
     no_repack: bool,

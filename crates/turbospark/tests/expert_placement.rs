@@ -87,13 +87,16 @@ fn a_synthetic_model_gives_identical_logits_across_placements() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Experts repacked for the CPU's kernels (the default where the CPU packs MXFP4: AVX-512 VNNI;
-/// `tools/test.sh` skips this test by name elsewhere): within 8-bit rounding of the GGUF
+/// Experts repacked for the CPU's kernels (the default where the CPU packs MXFP4: AVX2 or
+/// AVX-512 VNNI; `tools/test.sh` skips this test by name elsewhere): within 8-bit rounding of the GGUF
 /// layout, as rows of fewer than 4 per expert are summed in another order; streamed experts,
 /// repacked as they are read, give the resident packed ones' floats.
 #[test]
 fn packed_experts_match_the_gguf_layout_across_placements() {
-    assert!(ts_cpu::packs(ts_gguf::GgmlType::MXFP4, 2880), "experts are packed on AVX-512 VNNI: this machine has none");
+    assert!(
+        ts_cpu::packs(ts_gguf::GgmlType::MXFP4, 2880),
+        "experts are packed with AVX2 or AVX-512 VNNI: this machine has neither"
+    );
     let (dir, m) = synthetic_gpt_oss("packed-placement");
     let rows = |bytes: &[u8]| -> Vec<Vec<f32>> {
         let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
