@@ -358,42 +358,50 @@ const Q4K_PACKED_D: usize = 1120;
 /// # Safety
 /// Needs AVX2; `w` holds whole panels of rows of `row_bytes`, a multiple of 144.
 unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
-    let nb = row_bytes / 144;
+    repack_panels(w, row_bytes, 144, |blocks, out| {
+        let mut nibbles = [0u32; 8];
+        for (r, blk) in blocks.iter().enumerate() {
+            let (mut scales, mut mins) = ([0u8; 16], [0u8; 16]);
+            // SAFETY: the caller has AVX2; the block's 12 scale bytes are readable.
+            unsafe {
+                let (sc, mn) = scales_mins_k4(blk.as_ptr().add(4));
+                _mm_storeu_si128(scales.as_mut_ptr().cast(), sc);
+                _mm_storeu_si128(mins.as_mut_ptr().cast(), mn);
+            }
+            // Element e: low nibbles of qs[32 j..] for e = 64 j + l (l < 32), high for l >= 32.
+            let code = |e: usize| {
+                let (j, l) = (e / 64, e % 64);
+                if l < 32 { blk[16 + 32 * j + l] & 15 } else { blk[16 + 32 * j + l - 32] >> 4 }
+            };
+            for g in 0..8 {
+                for i in 0..4 {
+                    let (lo, hi) = (8 * g + i, 8 * g + i + 4);
+                    for e in 0..4 {
+                        out[32 * (4 * g + i) + 4 * r + e] = code(4 * lo + e) | (code(4 * hi + e) << 4);
+                    }
+                }
+                out[Q4K_PACKED_SCALES + 12 * g + r] = scales[g] | ((mins[g] & 3) << 6);
+                nibbles[g] |= ((mins[g] >> 2) as u32) << (4 * r);
+            }
+            out[Q4K_PACKED_D + 2 * r..][..2].copy_from_slice(&blk[..2]);
+            out[Q4K_PACKED_D + 16 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
+        }
+        for (g, n) in nibbles.iter().enumerate() {
+            out[Q4K_PACKED_SCALES + 12 * g + 8..][..4].copy_from_slice(&n.to_le_bytes());
+        }
+    });
+}
+
+/// Repacks each panel of `w` (8 rows of `row_bytes`, blocks of `block_bytes`) in place: block
+/// `b` of the panel's 8 rows, given to `pack` together, become its bytes `b * 8 * block_bytes`
+/// onwards (`8 * block_bytes` of them).
+fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, mut pack: impl FnMut(&[&[u8]; ROWS], &mut [u8])) {
+    let packed = ROWS * block_bytes;
     for panel in w.chunks_exact_mut(ROWS * row_bytes) {
         let src = panel.to_vec();
-        for b in 0..nb {
-            let out = &mut panel[b * Q4K_PACKED..(b + 1) * Q4K_PACKED];
-            let mut nibbles = [0u32; 8];
-            for r in 0..ROWS {
-                let blk = &src[r * row_bytes + b * 144..][..144];
-                let (mut scales, mut mins) = ([0u8; 16], [0u8; 16]);
-                // SAFETY: the caller has AVX2; the block's 12 scale bytes are readable.
-                unsafe {
-                    let (sc, mn) = scales_mins_k4(blk.as_ptr().add(4));
-                    _mm_storeu_si128(scales.as_mut_ptr().cast(), sc);
-                    _mm_storeu_si128(mins.as_mut_ptr().cast(), mn);
-                }
-                // Element e: low nibbles of qs[32 j..] for e = 64 j + l (l < 32), high for l >= 32.
-                let code = |e: usize| {
-                    let (j, l) = (e / 64, e % 64);
-                    if l < 32 { blk[16 + 32 * j + l] & 15 } else { blk[16 + 32 * j + l - 32] >> 4 }
-                };
-                for g in 0..8 {
-                    for i in 0..4 {
-                        let (lo, hi) = (8 * g + i, 8 * g + i + 4);
-                        for e in 0..4 {
-                            out[32 * (4 * g + i) + 4 * r + e] = code(4 * lo + e) | (code(4 * hi + e) << 4);
-                        }
-                    }
-                    out[Q4K_PACKED_SCALES + 12 * g + r] = scales[g] | ((mins[g] & 3) << 6);
-                    nibbles[g] |= ((mins[g] >> 2) as u32) << (4 * r);
-                }
-                out[Q4K_PACKED_D + 2 * r..][..2].copy_from_slice(&blk[..2]);
-                out[Q4K_PACKED_D + 16 + 2 * r..][..2].copy_from_slice(&blk[2..4]);
-            }
-            for (g, n) in nibbles.iter().enumerate() {
-                out[Q4K_PACKED_SCALES + 12 * g + 8..][..4].copy_from_slice(&n.to_le_bytes());
-            }
+        for b in 0..row_bytes / block_bytes {
+            let blocks: [&[u8]; ROWS] = std::array::from_fn(|r| &src[r * row_bytes + b * block_bytes..][..block_bytes]);
+            pack(&blocks, &mut panel[b * packed..(b + 1) * packed]);
         }
     }
 }
@@ -581,24 +589,18 @@ const MXFP4_PACKED: usize = ROWS * 17;
 /// # Safety
 /// Needs AVX2; `w` holds whole panels of rows of `row_bytes`, a multiple of 17.
 unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
-    let nb = row_bytes / 17;
-    for panel in w.chunks_exact_mut(ROWS * row_bytes) {
-        let src = panel.to_vec();
-        for b in 0..nb {
-            let out = &mut panel[b * MXFP4_PACKED..(b + 1) * MXFP4_PACKED];
-            for r in 0..ROWS {
-                let blk = &src[r * row_bytes + b * 17..][..17];
-                // Element j: low nibble of qs[j] for j < 16, high nibble of qs[j - 16] after.
-                let code = |j: usize| if j < 16 { blk[1 + j] & 15 } else { blk[1 + j - 16] >> 4 };
-                for i in 0..4 {
-                    for e in 0..4 {
-                        out[32 * i + 4 * r + e] = code(4 * i + e) | (code(4 * (i + 4) + e) << 4);
-                    }
+    repack_panels(w, row_bytes, 17, |blocks, out| {
+        for (r, blk) in blocks.iter().enumerate() {
+            // Element j: low nibble of qs[j] for j < 16, high nibble of qs[j - 16] after.
+            let code = |j: usize| if j < 16 { blk[1 + j] & 15 } else { blk[1 + j - 16] >> 4 };
+            for i in 0..4 {
+                for e in 0..4 {
+                    out[32 * i + 4 * r + e] = code(4 * i + e) | (code(4 * (i + 4) + e) << 4);
                 }
-                out[128 + r] = blk[0];
             }
+            out[128 + r] = blk[0];
         }
-    }
+    });
 }
 
 /// One pass of `C` activation rows over a packed MXFP4 panel ([`pack_mxfp4`]): the floats of
