@@ -72,9 +72,11 @@ fn main() {
         line += &format!("  direct {g:.2}");
         if ts_cpu::packs(ty, n_out) {
             let mut packed = w.clone();
+            let t = Instant::now();
             ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap();
+            let pack_gbs = w.len() as f64 / t.elapsed().as_secs_f64() / 1e9;
             let g = time(&mut |out| ts_cpu::matmul_packed(ty, &packed, n_out, k, &x, out, n_out).unwrap());
-            line += &format!("  packed {g:.2}");
+            line += &format!("  packed {g:.2} (repacked at {pack_gbs:.2} GB/s)");
         }
         println!("{line} GMAC/s");
     }

@@ -368,16 +368,14 @@ unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
                 _mm_storeu_si128(scales.as_mut_ptr().cast(), sc);
                 _mm_storeu_si128(mins.as_mut_ptr().cast(), mn);
             }
-            // Element e: low nibbles of qs[32 j..] for e = 64 j + l (l < 32), high for l >= 32.
-            let code = |e: usize| {
-                let (j, l) = (e / 64, e % 64);
-                if l < 32 { blk[16 + 32 * j + l] & 15 } else { blk[16 + 32 * j + l - 32] >> 4 }
-            };
             for g in 0..8 {
+                // Group g's elements are the low (even g) or high (odd g) nibbles of
+                // qs[32 (g / 2)..][..32]: steps 8 g + i from byte 4 i, 8 g + i + 4 from 16 + 4 i.
+                let (qs, shift) = (&blk[16 + 32 * (g / 2)..][..32], 4 * (g % 2));
                 for i in 0..4 {
-                    let (lo, hi) = (8 * g + i, 8 * g + i + 4);
                     for e in 0..4 {
-                        out[32 * (4 * g + i) + 4 * r + e] = code(4 * lo + e) | (code(4 * hi + e) << 4);
+                        let (lo, hi) = ((qs[4 * i + e] >> shift) & 15, (qs[16 + 4 * i + e] >> shift) & 15);
+                        out[32 * (4 * g + i) + 4 * r + e] = lo | (hi << 4);
                     }
                 }
                 out[Q4K_PACKED_SCALES + 12 * g + r] = scales[g] | ((mins[g] & 3) << 6);
@@ -584,19 +582,18 @@ const MXFP4_PACKED: usize = ROWS * 17;
 
 /// Repacks MXFP4 rows in place, 8 rows (a panel) at a time, at the same size: per block of a
 /// panel (136 bytes) the codes of two steps per vector, `[i < 4][row][4 bytes]` with step `i`
-/// in the low nibbles and step `i + 4` in the high ones, then the rows' E8M0 scale bytes.
+/// in the low nibbles and step `i + 4` in the high ones (each row's quant bytes as they are,
+/// transposed by dwords), then the rows' E8M0 scale bytes.
 ///
 /// # Safety
 /// Needs AVX2; `w` holds whole panels of rows of `row_bytes`, a multiple of 17.
 unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
     repack_panels(w, row_bytes, 17, |blocks, out| {
         for (r, blk) in blocks.iter().enumerate() {
-            // Element j: low nibble of qs[j] for j < 16, high nibble of qs[j - 16] after.
-            let code = |j: usize| if j < 16 { blk[1 + j] & 15 } else { blk[1 + j - 16] >> 4 };
+            // Element j is the low nibble of qs[j] (j < 16) and element j + 16 its high nibble:
+            // steps i and i + 4 of a row are its quant bytes 4 i .. 4 i + 3 as they are.
             for i in 0..4 {
-                for e in 0..4 {
-                    out[32 * i + 4 * r + e] = code(4 * i + e) | (code(4 * (i + 4) + e) << 4);
-                }
+                out[32 * i + 4 * r..][..4].copy_from_slice(&blk[1 + 4 * i..][..4]);
             }
             out[128 + r] = blk[0];
         }
