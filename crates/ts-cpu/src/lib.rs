@@ -109,11 +109,13 @@ pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }
 
-/// Whether one row (decode) multiplies faster through [`matmul_packed`] than from GGUF blocks:
-/// MXFP4's (`matmul_bench --packed`, one thread: 222 -> 66-87 us). Q4_K's and Q6_K's one-row
-/// kernels are as fast on their blocks (memory-bound), so repacking them pays only for batches.
+/// Whether matrices streamed from disk are worth repacking as they are read, for their one-row
+/// products: MXFP4 on AVX-512 VNNI (`matmul_bench --packed`, one thread: 222 -> 66-87 us). Q4_K's
+/// and Q6_K's one-row kernels are as fast on their blocks (memory-bound), so repacking them pays
+/// only for batches; on AVX2 the readers' repacking cost more than MXFP4's faster decode gained
+/// (gpt-oss 6 layers streamed under 2 GiB, 2 cores: 8.0 / 9.8 tok/s repacked, 10.6 / 10.3 not).
 pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
-    weight_ty == GgmlType::MXFP4
+    weight_ty == GgmlType::MXFP4 && Isa::detect() == Isa::Avx512
 }
 
 /// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the

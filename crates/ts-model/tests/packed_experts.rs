@@ -84,7 +84,9 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
         }
         packed_fixtures += 1;
     }
-    assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
+    if ts_cpu::packed_row_is_faster(GgmlType::MXFP4) {
+        assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
+    }
     assert!(
         packed_fixtures >= 2,
         "fixtures with experts the CPU packs (gpt_oss mxfp4, the q4_k_m MoE files) are missing"
