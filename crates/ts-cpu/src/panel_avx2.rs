@@ -79,25 +79,52 @@ const fn steps_per_widening(max: usize) -> usize {
     }
 }
 
-/// A kind of panel: its bytes per block, how it is built from weight rows, and one pass of `C`
-/// activation rows over it.
-trait PanelKind {
-    /// Panel bytes per block (per super-block for the k-quants).
-    const BLOCK: usize;
+/// One pass of `C` activation rows over a panel: a built panel ([`PanelKind`]) or a packed
+/// one read as it is ([`PackedPass`]).
+trait PanelPass {
     /// Activation rows per pass over a panel, at most 4: as many as AVX2's 16 vector registers
     /// hold with their 16- and 32-bit sums (measured: 3 for the legacy blocks, 4 for k-quants).
     const COLS: usize;
+    /// Per lane (weight row), the dot product with each of the `C` activation rows.
+    ///
+    /// # Safety
+    /// Needs AVX2, FMA and F16C; `panel` holds `nb` blocks and the rows of `a` as many.
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C];
+}
+
+/// A kind of panel: its bytes per block and how it is built from weight rows.
+trait PanelKind: PanelPass {
+    /// Panel bytes per block (per super-block for the k-quants).
+    const BLOCK: usize;
     /// Unpacks `n <= ROWS` rows of `nb` blocks at `w` into the panel (rows past `n` zero).
     ///
     /// # Safety
     /// Needs AVX2, FMA and F16C; `n` rows of `nb` blocks at `w`, `row_bytes` apart; `panel`
     /// holds `nb * BLOCK` writable, 32-byte aligned bytes.
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8);
-    /// Per lane (weight row), the dot product with each of the `C` activation rows.
-    ///
-    /// # Safety
-    /// Needs AVX2, FMA and F16C; `panel` was built for `nb` blocks and the rows of `a` hold as many.
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C];
+}
+
+/// Every activation row of `a` against the panel at `panel`, `P::COLS` at a time, into lanes
+/// `r0 .. r0 + n` of their outputs.
+///
+/// # Safety
+/// Needs AVX2, FMA and F16C; as [`PanelPass::pass`]; every output holds `r0 + n` lanes.
+#[inline(always)]
+unsafe fn passes<P: PanelPass>(panel: *const u8, nb: usize, a: &[ARow], out: &mut [&mut [f32]], r0: usize, n: usize) {
+    let m = a.len();
+    let mut c = 0;
+    while c < m {
+        let cols = (m - c).min(P::COLS);
+        unsafe {
+            match cols {
+                4 => store_rows(&P::pass::<4>(panel, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n),
+                3 => store_rows(&P::pass::<3>(panel, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
+                2 => store_rows(&P::pass::<2>(panel, nb, &[a[c], a[c + 1]]), out, c, r0, n),
+                _ => store_rows(&P::pass::<1>(panel, nb, &[a[c]]), out, c, r0, n),
+            }
+        }
+        c += cols;
+    }
 }
 
 /// The 32-element block formats.
@@ -124,17 +151,7 @@ unsafe fn tile<P: PanelKind>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut 
         let n = ROWS.min(rows - r0);
         unsafe {
             P::build(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
-            let mut c = 0;
-            while c < m {
-                let cols = (m - c).min(P::COLS);
-                match cols {
-                    4 => store_rows(&P::pass::<4>(p, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n),
-                    3 => store_rows(&P::pass::<3>(p, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
-                    2 => store_rows(&P::pass::<2>(p, nb, &[a[c], a[c + 1]]), out, c, r0, n),
-                    _ => store_rows(&P::pass::<1>(p, nb, &[a[c]]), out, c, r0, n),
-                }
-                c += cols;
-            }
+            passes::<P>(p, nb, &a, out, r0, n);
         }
     }
 }
@@ -146,7 +163,6 @@ const fn signed<F: Format>() -> bool {
 
 impl<F: Format> PanelKind for Legacy<F> {
     const BLOCK: usize = BLOCK;
-    const COLS: usize = 3;
     #[inline(always)]
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
         unsafe {
@@ -171,7 +187,10 @@ impl<F: Format> PanelKind for Legacy<F> {
             }
         }
     }
+}
 
+impl<F: Format> PanelPass for Legacy<F> {
+    const COLS: usize = 3;
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
         // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
@@ -232,7 +251,6 @@ const K_BLOCK: usize = K_DMIN + 4 * ROWS;
 
 impl<F: KFormat> PanelKind for KQuant<F> {
     const BLOCK: usize = K_BLOCK;
-    const COLS: usize = 4;
     #[inline(always)]
     unsafe fn build(w: *const u8, row_bytes: usize, n: usize, nb: usize, panel: *mut u8) {
         unsafe {
@@ -275,7 +293,10 @@ impl<F: KFormat> PanelKind for KQuant<F> {
             }
         }
     }
+}
 
+impl<F: KFormat> PanelPass for KQuant<F> {
+    const COLS: usize = 4;
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
         let group_steps = F::GROUP / 4;
@@ -465,18 +486,14 @@ unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow
     }
 }
 
-/// A packed layout's pass: `C` activation rows over one packed panel of `nb` blocks; and, for
-/// layouts whose pass unpacks more than a panel's, from how many activation rows a tile
-/// unpacks each packed panel into a [`PanelKind`] panel once and passes over that instead.
-trait PackedPass {
-    /// Activation rows per pass (as many as the registers hold).
-    const COLS: usize;
-    /// The panel kind [`PackedPass::unpack`] builds, and the batch from which it is used.
+/// A packed layout, passed over as it is ([`PanelPass`]); for layouts whose pass unpacks more
+/// than a built panel's, from how many activation rows a tile unpacks each packed panel into a
+/// [`PackedPass::Panel`] once and passes over that instead.
+trait PackedPass: PanelPass {
+    /// The panel [`PackedPass::unpack`] builds.
     type Panel: PanelKind;
+    /// The batch from which it is used (never, by default).
     const UNPACK_FROM: usize = usize::MAX;
-    /// # Safety
-    /// Needs AVX2, FMA and F16C; `panel` holds `nb` packed blocks and the rows of `a` as many.
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C];
     /// Writes the `Self::Panel` panel of the packed panel at `packed` (`nb` blocks).
     ///
     /// # Safety
@@ -491,26 +508,32 @@ trait PackedPass {
 struct PackedQ4K;
 struct PackedMxfp4;
 
-impl PackedPass for PackedQ4K {
+impl PanelPass for PackedQ4K {
     const COLS: usize = 4;
-    type Panel = KQuant<Q4K>;
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
         unsafe { q4k_packed_pass::<C>(panel, nb, a) }
     }
 }
 
-impl PackedPass for PackedMxfp4 {
+impl PackedPass for PackedQ4K {
+    type Panel = KQuant<Q4K>;
+}
+
+impl PanelPass for PackedMxfp4 {
     const COLS: usize = 3;
+    #[inline(always)]
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+        unsafe { mxfp4_packed_pass::<C>(panel, nb, a) }
+    }
+}
+
+impl PackedPass for PackedMxfp4 {
     type Panel = Legacy<Mxfp4>;
     /// Its pass looks each code up again for every pass of 3 activation rows: from 6 rows an
     /// unpacked panel is cheaper (one thread, 16384 x 2880: packed 33-41 GMAC/s at 16 rows
     /// against the GGUF panel's 41-56).
     const UNPACK_FROM: usize = 6;
-    #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { mxfp4_packed_pass::<C>(panel, nb, a) }
-    }
     #[inline(always)]
     unsafe fn unpack(packed: *const u8, nb: usize, panel: *mut u8) {
         unsafe {
@@ -552,26 +575,9 @@ unsafe fn packed_tile<P: PackedPass>(w: &[u8], row_bytes: usize, x: &ActView, ou
             let p = w.as_ptr().add(r0 * row_bytes);
             if unpacked {
                 P::unpack(p, nb, panel);
-            }
-            let mut c = 0;
-            while c < m {
-                let cols = (m - c).min(P::COLS);
-                let (q, pl) = (p, panel as *const u8);
-                match (cols, unpacked) {
-                    (4, false) => {
-                        store_rows(&P::pass::<4>(q, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n)
-                    }
-                    (3, false) => store_rows(&P::pass::<3>(q, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
-                    (2, false) => store_rows(&P::pass::<2>(q, nb, &[a[c], a[c + 1]]), out, c, r0, n),
-                    (_, false) => store_rows(&P::pass::<1>(q, nb, &[a[c]]), out, c, r0, n),
-                    (4, true) => {
-                        store_rows(&P::Panel::pass::<4>(pl, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n)
-                    }
-                    (3, true) => store_rows(&P::Panel::pass::<3>(pl, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
-                    (2, true) => store_rows(&P::Panel::pass::<2>(pl, nb, &[a[c], a[c + 1]]), out, c, r0, n),
-                    (_, true) => store_rows(&P::Panel::pass::<1>(pl, nb, &[a[c]]), out, c, r0, n),
-                }
-                c += cols;
+                passes::<P::Panel>(panel, nb, &a, out, r0, n);
+            } else {
+                passes::<P>(p, nb, &a, out, r0, n);
             }
         }
     }
