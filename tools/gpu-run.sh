@@ -167,7 +167,7 @@ if [[ $what == host-timing ]]; then
     for like in "$@"; do
         f=$(synth "$like")
         q=$(quarter "$f")
-        for mode in tier no-graphs graphs; do
+        for mode in ${HT_MODES:-tier no-graphs graphs}; do
             extra=() envs=(TURBOSPARK_HOST_TIMING=1)
             [[ $mode == tier ]] && extra=(--expert-cache "$q")
             [[ $mode == no-graphs ]] && envs+=(TURBOSPARK_NO_CUDA_GRAPHS=1)
@@ -185,11 +185,14 @@ if [[ $what == before-after ]]; then
     for like in "${likes[@]}"; do
         f=$(synth "$like")
         q=$(quarter "$f")
-        # BA_BENCH: the bench flags (default pp512, tg128); BA_TIER=0 skips the quarter-tier runs.
+        # BA_BENCH: the bench flags (default pp512, tg128); BA_TIER=0 skips the quarter-tier
+        # runs, BA_VRAM=0 the all-in-VRAM ones.
         for bin in turbospark-before turbospark; do
-            echo "== $like, $bin: every expert in VRAM"
-            "$B/$bin" bench -m "$f" --device cuda ${BA_BENCH:--p 512 -n 128 -r 2} 2>&1 | tee -a "$OUT/before-after.log" \
-                | grep -E "^\||tok/s|error"
+            if [[ ${BA_VRAM:-1} != 0 ]]; then
+                echo "== $like, $bin: every expert in VRAM"
+                "$B/$bin" bench -m "$f" --device cuda ${BA_BENCH:--p 512 -n 128 -r 2} 2>&1 | tee -a "$OUT/before-after.log" \
+                    | grep -E "^\||tok/s|error"
+            fi
             [[ ${BA_TIER:-1} == 0 ]] && continue
             echo "== $like, $bin: a quarter of the expert bytes in VRAM"
             "$B/$bin" bench -m "$f" --device cuda --expert-cache "$q" -p 512 -n 64 -r 2 2>&1 | tee -a "$OUT/before-after.log" \

@@ -63,35 +63,23 @@ struct RopeStore {
     float mscale, eps;
 };
 
-// A layer's queries and keys made ready and its keys and values stored, in one launch:
-// block b < m * n_head takes query head b, the blocks after it the key heads. A head is
-// RMS-normed (times its scales) where `norm` is set, rotated as `rope` rotates it and
-// written back; a key head is also stored at its row's cache slot, as kv_store does, with
-// the same head of v. grid.x = m * (n_head + n_head_kv) (n_head without keys), block 128.
-extern "C" __global__ void rope_store(const RopeStore p) {
-    ts_grid_begin();
-    __shared__ float h[ROPE_STORE_MAX_HEAD];
-    const int n_q = p.m * p.n_head;
-    const bool key = (int)blockIdx.x >= n_q;
-    const int heads = key ? p.n_head_kv : p.n_head;
-    const int b = key ? blockIdx.x - n_q : blockIdx.x;
-    const int row = b / heads, head = b % heads;
-    float* x = (key ? p.k : p.q) + (long long)b * p.head_dim;
+// Head `x` [len] made ready in shared `h` [len]: RMS-normed (times `w` where not null) where
+// `p.norm` is set, then rotated at position `at` as `rope` rotates it. Every thread of the
+// block calls it; h is whole on return.
+__device__ __forceinline__ void ready_head(float* h, const float* x, int len, const RopeStore& p, const float* w, float at) {
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
         const float v = x[i];
         h[i] = v;
         ss += v * v;
     }
     if (p.norm) {
         // block_sum synchronizes, so h is whole after it.
-        const float scale = rsqrtf(block_sum(ss) / p.head_dim + p.eps);
-        const float* w = key ? p.k_scale : p.q_scale;
-        for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) h[i] = h[i] * scale * (w ? w[i] : 1.0f);
+        const float scale = rsqrtf(block_sum(ss) / len + p.eps);
+        for (int i = threadIdx.x; i < len; i += blockDim.x) h[i] = h[i] * scale * (w ? w[i] : 1.0f);
     }
     __syncthreads();
     const int half = p.n_rot / 2;
-    const float at = (float)p.pos[row];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(at * p.inv_freq[i], &s, &c);
@@ -104,15 +92,36 @@ extern "C" __global__ void rope_store(const RopeStore p) {
         h[o] = x0 * s + x1 * c;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) x[i] = h[i];
-    if (!key) return;
+}
+
+// Stores the ready key head `kh` [head_dim] and value head `vs` [head_dim_v] of row `row`'s
+// KV head `head` at the row's cache slot (as kv_store does).
+__device__ __forceinline__ void store_kv_head(const RopeStore& p, int row, int head, const float* kh, const float* vs) {
     const RowKv ri = p.info[row];
     const long long slot = ri.pos % ri.slots;
     float* kd = (float*)ri.k + (slot * p.n_head_kv + head) * p.head_dim;
-    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) kd[i] = h[i];
+    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) kd[i] = kh[i];
     float* vd = (float*)ri.v + (slot * p.n_head_kv + head) * p.head_dim_v;
-    const float* vs = p.v + (long long)b * p.head_dim_v;
     for (int i = threadIdx.x; i < p.head_dim_v; i += blockDim.x) vd[i] = vs[i];
+}
+
+// A layer's queries and keys made ready and its keys and values stored, in one launch:
+// block b < m * n_head takes query head b, the blocks after it the key heads. A head is
+// made ready (ready_head) and written back; a key head is also stored at its row's cache
+// slot with the same head of v. grid.x = m * (n_head + n_head_kv) (n_head without keys),
+// block 128.
+extern "C" __global__ void rope_store(const RopeStore p) {
+    ts_grid_begin();
+    __shared__ float h[ROPE_STORE_MAX_HEAD];
+    const int n_q = p.m * p.n_head;
+    const bool key = (int)blockIdx.x >= n_q;
+    const int heads = key ? p.n_head_kv : p.n_head;
+    const int b = key ? blockIdx.x - n_q : blockIdx.x;
+    const int row = b / heads, head = b % heads;
+    float* x = (key ? p.k : p.q) + (long long)b * p.head_dim;
+    ready_head(h, x, p.head_dim, p, key ? p.k_scale : p.q_scale, (float)p.pos[row]);
+    for (int i = threadIdx.x; i < p.head_dim; i += blockDim.x) x[i] = h[i];
+    if (key) store_kv_head(p, row, head, h, p.v + (long long)b * p.head_dim_v);
 }
 
 #define ATTN_WARPS 4
@@ -133,6 +142,12 @@ struct DecodeAttn {
     unsigned int* done;  // n_split > 1: [m * n_head] counters, zero between launches
     int n_head, n_head_kv, hd, hdv, window;
     float scale, softcap;
+    // With rope.k not null, the rows' queries and new keys as the projections left them:
+    // each block makes its query head and its KV head's new key ready itself (rope_store's
+    // work, for rows of distinct sequences: a row sees no other row's new key), attends the
+    // row's own position with that key and rope.v's value, and the first query head of each
+    // KV head (split 0) stores them in the cache.
+    RopeStore rope;
 };
 
 // Max (is_max) or sum over the block's ATTN_WARPS warps; red holds ATTN_WARPS floats and is
@@ -174,8 +189,21 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
     __shared__ __align__(16) float qs[MAX_HEAD_DIM];
     __shared__ float weight[ATTN_TILE];
     __shared__ float red[ATTN_WARPS];
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
-    __syncthreads();
+    // The row's new key and value where this launch makes them ready (at position `fresh`).
+    __shared__ __align__(16) float k_new[MAX_HEAD_DIM];
+    const float* v_new = nullptr;
+    int fresh = -1;
+    if (p.rope.k) {
+        const float at = (float)p.rope.pos[r];
+        ready_head(qs, qh, hd, p.rope, p.rope.q_scale, at);
+        ready_head(k_new, p.rope.k + (long long)r * kv_dim + kvh * hd, hd, p.rope, p.rope.k_scale, at);
+        v_new = p.rope.v + (long long)r * v_dim + kvh * hdv;
+        fresh = (int)ri.pos;
+        if (h % (n_head / n_head_kv) == 0 && blockIdx.z == 0) store_kv_head(p.rope, r, kvh, k_new, v_new);
+    } else {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
+        __syncthreads();
+    }
 
     const int n_split = gridDim.z, split = blockIdx.z;
     const int seen_first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
@@ -200,7 +228,7 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
             const int t = base + group;
             float d = 0.0f;
             if (t < n) {
-                const float* kp = K + (long long)((start + t) % ri.slots) * kv_dim;
+                const float* kp = start + t == fresh ? k_new : K + (long long)((start + t) % ri.slots) * kv_dim;
                 if (vec) {
                     for (int i = 4 * in_group; i < hd; i += 4 * ATTN_GROUP) {
                         const float4 k4 = *(const float4*)(kp + i);
@@ -239,7 +267,7 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
 #pragma unroll 4
         for (int t = warp; t < n; t += ATTN_WARPS) {
             const float e = weight[t];
-            const float* vp = V + (long long)((start + t) % ri.slots) * v_dim;
+            const float* vp = start + t == fresh ? v_new : V + (long long)((start + t) % ri.slots) * v_dim;
 #pragma unroll
             for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
                 const int i = lane + j * WARP;

@@ -127,13 +127,34 @@ impl Cuda {
         if head_dim > ROPE_STORE_MAX_HEAD || rope.n_rot > head_dim || m == 0 {
             return ts_model::backend::rope_store_by_ops(self, il, rope, q, kv, norm, head_dim, rows, seqs);
         }
+        let params = self.rope_store_params(il, rope, q, kv.as_ref().map(|(k, v)| (&**k, *v)), norm, head_dim, m)?;
+        self.launch_with(
+            "rope_store",
+            ((m * (params.n_head + params.n_head_kv) as usize) as u32, 1, 1),
+            (128, 1, 1),
+            &params,
+        )
+    }
+
+    /// `rope_store`'s parameters for `m` rows of queries `q` and keys and values `kv`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_params(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &Act,
+        kv: Option<(&Act, &Act)>,
+        norm: Option<HeadNorm>,
+        head_dim: usize,
+        m: usize,
+    ) -> Result<RopeStore, ModelError> {
         let n_head = q.len / m / head_dim;
         let (n_head_kv, head_dim_v) = match &kv {
             Some((k, v)) => (k.len / m / head_dim, v.len * head_dim / k.len),
             None => (0, 0),
         };
         let ptr_of = |v: Option<&[f32]>| v.map_or(Ok(0), |v| self.vptr(v));
-        let params = RopeStore {
+        Ok(RopeStore {
             q: self.p(q),
             k: kv.as_ref().map_or(0, |(k, _)| self.p(k)),
             v: kv.as_ref().map_or(0, |(_, v)| self.p(v)),
@@ -152,11 +173,54 @@ impl Cuda {
             norm: norm.is_some() as i32,
             mscale: rope.mscale,
             eps: norm.map_or(0.0, |n| n.eps),
+        })
+    }
+
+    /// [`ts_model::Backend::rope_store_attention`]: where the decode attention kernel takes
+    /// the rows (few rows, each of its own sequence, heads of at most 256, the layer's own
+    /// keys), it also does rope_store's work, one launch instead of two; else the two ops.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_rope_store_attention(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Act,
+        kv: Option<(&mut Act, &Act)>,
+        norm: Option<HeadNorm>,
+        shape: &AttnShape,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+        exact: bool,
+    ) -> Result<Act, ModelError> {
+        let m = rows.len();
+        let own_sequences = rows.iter().enumerate().all(|(i, r)| rows[..i].iter().all(|o| o.seq != r.seq));
+        let fused = match &kv {
+            Some(_) => {
+                m > 0
+                    && own_sequences
+                    && shape.head_dim.max(shape.head_dim_v) <= 256
+                    && rope.n_rot <= shape.head_dim
+                    && self.decode_attention(shape, rows, exact)
+            }
+            None => false,
         };
-        self.launch_with("rope_store", ((m * (n_head + n_head_kv)) as u32, 1, 1), (128, 1, 1), &params)
+        if !fused {
+            self.run_rope_store(il, rope, q, kv, norm, shape.head_dim, rows, seqs)?;
+            return self.run_attention(il, shape, q, rows, exact, None);
+        }
+        let params =
+            self.rope_store_params(il, rope, q, kv.as_ref().map(|(k, v)| (&**k, *v)), norm, shape.head_dim, m)?;
+        self.run_attention(il, shape, q, rows, exact, Some(params))
+    }
+
+    /// Whether `run_attention` takes `rows` by the decode kernel (not a prompt's).
+    fn decode_attention(&self, shape: &AttnShape, rows: &[Row], exact: bool) -> bool {
+        prompt_mma_head(shape, rows, exact).is_none() && !prompt_attention(shape, rows)
     }
 
     /// [`ts_model::Backend::attention`]; `exact`: f32 throughout (no tensor cores).
+    /// With `rope` (decode rows only), the kernel also does rope_store's work
+    /// ([`Cuda::run_rope_store_attention`]).
     pub(crate) fn run_attention(
         &self,
         il: usize,
@@ -164,6 +228,7 @@ impl Cuda {
         q: &Act,
         rows: &[Row],
         exact: bool,
+        rope: Option<RopeStore>,
     ) -> Result<Act, ModelError> {
         let m = rows.len();
         let info = self.row_kv(il, m)?;
@@ -242,6 +307,7 @@ impl Cuda {
             window: self.windows[il],
             scale: shape.scale,
             softcap: shape.softcap.unwrap_or(0.0),
+            rope: rope.unwrap_or_default(),
         };
         self.launch_with(
             if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
@@ -282,17 +348,18 @@ struct DecodeAttn {
     window: i32,
     scale: f32,
     softcap: f32,
+    rope: RopeStore,
 }
 
-const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 96);
+const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 200);
 
 /// attention.cu's `ROPE_STORE_MAX_HEAD`.
 const ROPE_STORE_MAX_HEAD: usize = 512;
 
 /// attention.cu's `RopeStore`.
 #[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeStore {
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RopeStore {
     q: u64,
     k: u64,
     v: u64,

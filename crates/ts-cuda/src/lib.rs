@@ -948,7 +948,7 @@ impl Backend for Cuda {
         _seqs: &mut [&mut SeqState<GpuState>],
         s: &GpuScratch,
     ) -> Result<Act, ModelError> {
-        self.run_attention(il, shape, q, rows, s.exact)
+        self.run_attention(il, shape, q, rows, s.exact, None)
     }
 
     fn rope_store(
@@ -963,6 +963,21 @@ impl Backend for Cuda {
         seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<(), ModelError> {
         self.run_rope_store(il, rope, q, kv, norm, head_dim, rows, seqs)
+    }
+
+    fn rope_store_attention(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Act,
+        kv: Option<(&mut Act, &Act)>,
+        norm: Option<HeadNorm>,
+        shape: &AttnShape,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<GpuState>],
+        s: &GpuScratch,
+    ) -> Result<Act, ModelError> {
+        self.run_rope_store_attention(il, rope, q, kv, norm, shape, rows, seqs, s.exact)
     }
 
     fn route(
@@ -1022,6 +1037,10 @@ impl Backend for Cuda {
             tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())
         })?;
         Ok(GpuExpertGroup::new(slots))
+    }
+
+    fn expert_matmuls_queue(&self) -> bool {
+        true
     }
 
     fn prefetch_experts(

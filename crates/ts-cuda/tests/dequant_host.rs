@@ -355,12 +355,16 @@ fn nvrtc_compiles() {
         assert!(ptx.contains(&format!(".entry {kernel}(")), "no .entry {kernel}( in the PTX");
     }
     // Register arrays that spill to local memory would cost a round trip per element
-    // (the rotations' sincosf keeps its rare large-argument reduction there: allowed).
+    // (the rotations' sincosf keeps its rare large-argument reduction there: allowed, also in
+    // the decode attention kernels that rotate their heads themselves).
     let mut kernel = "";
     for line in ptx.lines() {
         if let Some(rest) = line.split(".entry ").nth(1) {
             kernel = rest.split('(').next().unwrap_or("").trim();
         }
-        assert!(!line.contains(".local") || ["rope", "rope_store"].contains(&kernel), "local memory in {kernel}");
+        assert!(
+            !line.contains(".local") || ["rope", "rope_store", "attention", "attention_wide"].contains(&kernel),
+            "local memory in {kernel}"
+        );
     }
 }

@@ -360,6 +360,130 @@ fn rope_store_matches_the_cpu() {
     }
 }
 
+/// Decode rows of distinct sequences through `rope_store_attention`, where the attention
+/// kernel makes the queries and new keys ready and stores them itself: its output against the
+/// CPU's norms, rotations and attention over each sequence's earlier keys (stored by
+/// `rope_store`) plus the new one, and what it stored, read back by plain attention.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn rope_store_in_decode_attention_matches_the_cpu() {
+    let mut rng = Rng::new(17);
+    // (n_head, n_head_kv, hd, hdv, n_rot, interleaved, norm, each sequence's earlier positions)
+    for (n_head, n_head_kv, hd, hdv, n_rot, interleaved, norm, past) in [
+        (32, 4, 128, 128, 128, false, true, [5, 0, 9]),
+        (8, 2, 64, 64, 32, true, false, [3, 1, 2]),
+        // Caches long enough for split runs.
+        (16, 2, 128, 128, 128, false, true, [700, 1030, 40]),
+        (6, 2, 96, 64, 96, true, true, [4, 7, 0]),
+        (8, 1, 256, 256, 256, false, true, [600, 2, 1]),
+    ] {
+        let n_ctx = 1100;
+        let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
+        let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
+        let rope = Rope { interleaved, n_rot, inv_freq, mscale: 1.1 };
+        let (q_scale, k_scale) = (rng.normals(hd, 0.5, 1.0), rng.normals(hd, 0.5, 1.0));
+        let mut c = Cuda::open(0).unwrap();
+        c.push_rope(&rope.inv_freq, None).unwrap();
+        c.upload_vec(&q_scale).unwrap();
+        c.upload_vec(&k_scale).unwrap();
+        let head_norm = norm.then_some(HeadNorm { q: Some(&q_scale), k: Some(&k_scale), eps: 1e-6 });
+        // The CPU's ready heads: normed where asked, rotated at each row's position.
+        let ready = |x: &[f32], w: &[f32], rows: &[Row]| {
+            let mut x = x.to_vec();
+            if norm {
+                ops::rms_norm_pieces(&mut x, hd, Some(w), 1e-6);
+            }
+            ts_model::Cpu.rope(0, &rope, &mut x, hd, rows).unwrap();
+            x
+        };
+        let shape = AttnShape {
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            head_dim_v: hdv,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
+            sinks: None,
+        };
+        let mut states: Vec<SeqState<_>> = (0..past.len())
+            .map(|_| SeqState { state: c.kv_for(&[None], kv_dim, v_dim, n_ctx, n_ctx).unwrap(), n_past: 0, n_ctx })
+            .collect();
+        // Each sequence's earlier keys and values, stored by rope_store in a step of its own.
+        let mut cached: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+        for (s, &n) in past.iter().enumerate() {
+            let rows: Vec<Row> = (0..n).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
+            let (q, k, v) =
+                (rng.normals(n * q_dim, 1.0, 0.0), rng.normals(n * kv_dim, 1.0, 0.0), rng.normals(n * v_dim, 1.0, 0.0));
+            if n == 0 {
+                cached.push((Vec::new(), Vec::new()));
+                continue;
+            }
+            let seq = &mut states[s];
+            c.begin_step(&rows, &mut [seq], &c.scratch(true)).unwrap();
+            let (mut gq, mut gk, gv) =
+                (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
+            c.rope_store(0, &rope, &mut gq, Some((&mut gk, &gv)), head_norm, hd, &rows, &mut [seq]).unwrap();
+            cached.push((ready(&k, &k_scale, &rows), v));
+        }
+        // One decode row per sequence, at its next position.
+        let rows: Vec<Row> =
+            past.iter().enumerate().map(|(s, &n)| Row { token: 0, pos: n, seq: s, logits: false }).collect();
+        let m = rows.len();
+        let (q, k, v) =
+            (rng.normals(m * q_dim, 1.0, 0.0), rng.normals(m * kv_dim, 1.0, 0.0), rng.normals(m * v_dim, 1.0, 0.0));
+        let (want_q, want_k) = (ready(&q, &q_scale, &rows), ready(&k, &k_scale, &rows));
+        let mut want = vec![0f32; m * n_head * hdv];
+        for (i, row) in rows.iter().enumerate() {
+            let (keys, values) = &cached[row.seq];
+            for h in 0..n_head {
+                let kvh = h / (n_head / n_head_kv);
+                let key = |j: usize| match j < row.pos {
+                    true => &keys[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd],
+                    false => &want_k[i * kv_dim + kvh * hd..i * kv_dim + (kvh + 1) * hd],
+                };
+                let value = |j: usize| match j < row.pos {
+                    true => &values[j * v_dim + kvh * hdv..j * v_dim + (kvh + 1) * hdv],
+                    false => &v[i * v_dim + kvh * hdv..i * v_dim + (kvh + 1) * hdv],
+                };
+                let p = AttentionParams { scale: shape.scale, softcap: None, sink: None };
+                let o = &mut want[(i * n_head + h) * hdv..(i * n_head + h + 1) * hdv];
+                let qh = &want_q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd];
+                ops::attend(qh, (0..=row.pos).map(key), (0..=row.pos).map(value), &p, &mut Vec::new(), o);
+            }
+        }
+        let mut seqs: Vec<&mut SeqState<_>> = states.iter_mut().collect();
+        c.begin_step(&rows, &mut seqs, &c.scratch(true)).unwrap();
+        let (mut gq, mut gk, gv) =
+            (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
+        let out = c
+            .rope_store_attention(
+                0,
+                &rope,
+                &mut gq,
+                Some((&mut gk, &gv)),
+                head_norm,
+                &shape,
+                &rows,
+                &mut seqs,
+                &c.scratch(true),
+            )
+            .unwrap();
+        // The fused kernel leaves q as the projection wrote it (the ops one by one rotate it).
+        assert_eq!(c.to_host(&gq).unwrap(), q, "the attention kernel did not take rope_store's work");
+        let err_fused = rel_err(&c.to_host(&out).unwrap(), &want);
+        // What it stored: plain attention of the ready queries reads the new keys from the cache.
+        let gq = c.act_from_host(&want_q).unwrap();
+        let err_stored = rel_err(
+            &c.to_host(&c.attention(0, &shape, &gq, &rows, &mut seqs, &c.scratch(true)).unwrap()).unwrap(),
+            &want,
+        );
+        println!(
+            "rope_store in attention: heads {n_head}/{n_head_kv} hd {hd}/{hdv} n_rot {n_rot} past {past:?}: fused {err_fused:.2e}, stored {err_stored:.2e}"
+        );
+        assert!(err_fused < 1e-5 && err_stored < 1e-5, "{err_fused:e} {err_stored:e}");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn router_matches_the_cpu() {

@@ -34,13 +34,25 @@ struct SlotScores {
     last_use: Vec<u64>,
     uses: Vec<u64>,
     score: Vec<f64>,
+    /// Each slot's [`SlotScores::rank`] primary, kept as its fields change (it depends on
+    /// them alone), so that a victim search compares numbers instead of taking logarithms.
+    primary: Vec<f64>,
     /// Advanced once per `ensure`.
     clock: u64,
 }
 
 impl SlotScores {
     fn new(policy: EvictionPolicy, n_slots: usize) -> SlotScores {
-        SlotScores { policy, last_use: vec![0; n_slots], uses: vec![0; n_slots], score: vec![0.0; n_slots], clock: 0 }
+        let mut scores = SlotScores {
+            policy,
+            last_use: vec![0; n_slots],
+            uses: vec![0; n_slots],
+            score: vec![0.0; n_slots],
+            primary: vec![0.0; n_slots],
+            clock: 0,
+        };
+        (0..n_slots).for_each(|s| scores.primary[s] = scores.primary_of(s));
+        scores
     }
 
     /// A slot was given to a new expert: its history starts over.
@@ -48,6 +60,7 @@ impl SlotScores {
         self.score[s] = 0.0;
         self.uses[s] = 0;
         self.last_use[s] = self.clock;
+        self.primary[s] = self.primary_of(s);
     }
 
     /// Slot `s` was used now.
@@ -57,6 +70,7 @@ impl SlotScores {
         }
         self.uses[s] += 1;
         self.last_use[s] = self.clock;
+        self.primary[s] = self.primary_of(s);
     }
 
     /// Slot `s`'s rank for eviction, lowest first: (primary, recency). For
@@ -64,11 +78,16 @@ impl SlotScores {
     /// `last_use / half_life` (the clock is common to every slot), so no power is
     /// taken per candidate.
     fn rank(&self, s: usize) -> (f64, u64) {
+        (self.primary[s], self.last_use[s])
+    }
+
+    /// The first half of slot `s`'s rank, from its fields.
+    fn primary_of(&self, s: usize) -> f64 {
         match self.policy {
-            EvictionPolicy::Lru => (self.last_use[s] as f64, self.last_use[s]),
-            EvictionPolicy::Lfu => (self.uses[s] as f64, self.last_use[s]),
+            EvictionPolicy::Lru => self.last_use[s] as f64,
+            EvictionPolicy::Lfu => self.uses[s] as f64,
             EvictionPolicy::DecayedFrequency { half_life } => {
-                (self.score[s].log2() + self.last_use[s] as f64 / half_life, self.last_use[s])
+                self.score[s].log2() + self.last_use[s] as f64 / half_life
             }
         }
     }

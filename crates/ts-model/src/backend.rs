@@ -294,6 +294,24 @@ pub trait Backend: Sized + Send + Sync {
     ) -> Result<(), ModelError> {
         rope_store_by_ops(self, il, rope, q, kv, norm, head_dim, rows, seqs)
     }
+    /// [`Backend::rope_store`] then [`Backend::attention`] over the rotated queries
+    /// (`shape.head_dim` the heads' width); a backend may do both in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_attention(
+        &self,
+        il: usize,
+        rope: &Rope,
+        q: &mut Self::Act,
+        kv: Option<(&mut Self::Act, &Self::Act)>,
+        norm: Option<HeadNorm>,
+        shape: &AttnShape,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<Self::State>],
+        scratch: &Self::Scratch,
+    ) -> Result<Self::Act, ModelError> {
+        self.rope_store(il, rope, q, kv, norm, shape.head_dim, rows, seqs)?;
+        self.attention(il, shape, q, rows, seqs, scratch)
+    }
     /// A copy of `x`.
     fn copy(&self, x: &Self::Act) -> Result<Self::Act, ModelError>;
     /// Columns `start..start + n` of each of the `rows` rows of `x` (each `width`
@@ -381,6 +399,12 @@ pub trait Backend: Sized + Send + Sync {
         il: usize,
         ids: &[usize],
     ) -> Result<Self::ExpertGroup<'a>, ModelError>;
+    /// Whether the expert matmuls only queue their work (a GPU's launches), so that a
+    /// prefetch asked after them overlaps with their compute; false where the calls
+    /// compute, and a prefetch must come first to overlap with them.
+    fn expert_matmuls_queue(&self) -> bool {
+        false
+    }
     /// Starts bringing experts `ids` of layer `il` in early (guesses), sparing `keep`'s slots.
     fn prefetch_experts(
         &self,

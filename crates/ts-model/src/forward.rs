@@ -710,7 +710,6 @@ impl<B: Backend> Model<B> {
             be.rms_norm(v, hdv, None, cfg.rms_eps)?;
         }
         let rope = self.ropes[il].as_ref().expect("an attention layer has a rope table");
-        be.rope_store(il, rope, &mut q, kv.as_mut().map(|(k, v)| (k, &*v)), norm, hd, rows, seqs)?;
         let shape = AttnShape {
             n_head: cfg.n_head,
             n_head_kv: a.n_head_kv,
@@ -720,7 +719,8 @@ impl<B: Backend> Model<B> {
             softcap: None,
             sinks: layer.sinks.as_deref(),
         };
-        let mut out = be.attention(il, &shape, &q, rows, seqs, scratch)?;
+        let kv = kv.as_mut().map(|(k, v)| (k, &*v));
+        let mut out = be.rope_store_attention(il, rope, &mut q, kv, norm, &shape, rows, seqs, scratch)?;
         if let Some(g) = &gate {
             be.mul_sigmoid(&mut out, g)?;
         }

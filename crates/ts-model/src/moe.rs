@@ -123,17 +123,25 @@ impl<B: Backend> Model<B> {
         let capacity = be.expert_capacity(self).max(1);
         // In one group every pair is written; in several, each writes its own.
         let mut y = if used.len() <= capacity { be.uninit(pairs * e)? } else { be.zeros(pairs * e)? };
+        let queued = be.expert_matmuls_queue();
         for (gi, group) in used.chunks(capacity).enumerate() {
             let set = be.ensure_experts(self, il, group)?;
-            if gi == 0
-                && let Some((next, g)) = &guess
-            {
-                // Their reads or copies queue behind this layer's and overlap with its compute.
-                be.prefetch_experts(self, *next, g, &set)?;
+            // The guesses' reads or copies queue behind this layer's and overlap with its
+            // compute: asked before the matmuls where those compute, after them where they
+            // only queue (the device computes while the host chooses the slots).
+            let prefetch = |set: &B::ExpertGroup<'_>| match &guess {
+                Some((next, g)) if gi == 0 => be.prefetch_experts(self, *next, g, set),
+                _ => Ok(()),
+            };
+            if !queued {
+                prefetch(&set)?;
             }
             let at = ExpertsAt::Group { ids: group, group: &set, routes: &ids };
             let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
             be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
+            if queued {
+                prefetch(&set)?;
+            }
         }
         Ok((y, routes))
     }
