@@ -408,7 +408,8 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
         let mut states: Vec<SeqState<_>> = (0..past.len())
             .map(|_| SeqState { state: c.kv_for(&[None], kv_dim, v_dim, n_ctx, n_ctx).unwrap(), n_past: 0, n_ctx })
             .collect();
-        // Each sequence's earlier keys and values, stored by rope_store in a step of its own.
+        // Each sequence's earlier keys and values, stored by rope_store in a step of its own
+        // (direct steps: a recorded one would run only at its end).
         let mut cached: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
         for (s, &n) in past.iter().enumerate() {
             let rows: Vec<Row> = (0..n).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
@@ -419,7 +420,7 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
                 continue;
             }
             let seq = &mut states[s];
-            c.begin_step(&rows, &mut [seq], &c.scratch(true)).unwrap();
+            c.begin_direct_step(&rows, &mut [seq], &c.scratch(true)).unwrap();
             let (mut gq, mut gk, gv) =
                 (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
             c.rope_store(0, &rope, &mut gq, Some((&mut gk, &gv)), head_norm, hd, &rows, &mut [seq]).unwrap();
@@ -452,7 +453,7 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
             }
         }
         let mut seqs: Vec<&mut SeqState<_>> = states.iter_mut().collect();
-        c.begin_step(&rows, &mut seqs, &c.scratch(true)).unwrap();
+        c.begin_direct_step(&rows, &mut seqs, &c.scratch(true)).unwrap();
         let (mut gq, mut gk, gv) =
             (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
         let out = c
