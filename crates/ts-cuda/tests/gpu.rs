@@ -275,6 +275,33 @@ fn rope_matches_the_cpu() {
 
 /// `rope_store` (per-head norms, rotations and the cache store in one kernel) against the
 /// CPU's ops one by one: the rotated q and k, and what attention then reads from the cache.
+/// Attention of `n_head` query heads over `n_head_kv` KV heads, scaled by 1/sqrt(hd), no
+/// softcap or sinks.
+fn plain_attention(n_head: usize, n_head_kv: usize, hd: usize, hdv: usize) -> AttnShape<'static> {
+    AttnShape {
+        n_head,
+        n_head_kv,
+        head_dim: hd,
+        head_dim_v: hdv,
+        scale: 1.0 / (hd as f32).sqrt(),
+        softcap: None,
+        sinks: None,
+    }
+}
+
+/// A device with one attention layer's rotation (`n_rot` of `hd`, mscale 1.1) and random
+/// per-head q and k norm scales on it: (device, rope, q scales, k scales).
+fn rope_layer(rng: &mut Rng, hd: usize, n_rot: usize, interleaved: bool) -> (Cuda, Rope, Vec<f32>, Vec<f32>) {
+    let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
+    let rope = Rope { interleaved, n_rot, inv_freq, mscale: 1.1 };
+    let (q_scale, k_scale) = (rng.normals(hd, 0.5, 1.0), rng.normals(hd, 0.5, 1.0));
+    let mut c = Cuda::open(0).unwrap();
+    c.push_rope(&rope.inv_freq, None).unwrap();
+    c.upload_vec(&q_scale).unwrap();
+    c.upload_vec(&k_scale).unwrap();
+    (c, rope, q_scale, k_scale)
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn rope_store_matches_the_cpu() {
@@ -291,13 +318,7 @@ fn rope_store_matches_the_cpu() {
     ] {
         let m = 6;
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
-        let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
-        let rope = Rope { interleaved, n_rot, inv_freq, mscale: 1.1 };
-        let (q_scale, k_scale) = (rng.normals(hd, 0.5, 1.0), rng.normals(hd, 0.5, 1.0));
-        let mut c = Cuda::open(0).unwrap();
-        c.push_rope(&rope.inv_freq, None).unwrap();
-        c.upload_vec(&q_scale).unwrap();
-        c.upload_vec(&k_scale).unwrap();
+        let (c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
         let kv = cuda.kv_for(&[None], kv_dim, v_dim, 16, m).unwrap();
         let mut seq = SeqState { state: kv, n_past: 0, n_ctx: 16 };
         // Positions 0.. so that attention reads back only what rope_store stored.
@@ -322,15 +343,7 @@ fn rope_store_matches_the_cpu() {
         c.rope_store(0, &rope, &mut gq, Some((&mut gk, &gv)), head_norm, hd, &rows, &mut [&mut seq]).unwrap();
         let (err_q, err_k) = (rel_err(&c.to_host(&gq).unwrap(), &want_q), rel_err(&c.to_host(&gk).unwrap(), &want_k));
         // What attention reads back: the stored keys and values of every row so far.
-        let shape = AttnShape {
-            n_head,
-            n_head_kv,
-            head_dim: hd,
-            head_dim_v: hdv,
-            scale: 1.0 / (hd as f32).sqrt(),
-            softcap: None,
-            sinks: None,
-        };
+        let shape = plain_attention(n_head, n_head_kv, hd, hdv);
         let got = c.to_host(&c.attention(0, &shape, &gq, &rows, &mut [&mut seq], &c.scratch(true)).unwrap()).unwrap();
         let mut err_attn = 0f32;
         for i in 0..m {
@@ -379,13 +392,7 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
     ] {
         let n_ctx = 1100;
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
-        let inv_freq: Vec<f32> = (0..n_rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / n_rot as f32)).collect();
-        let rope = Rope { interleaved, n_rot, inv_freq, mscale: 1.1 };
-        let (q_scale, k_scale) = (rng.normals(hd, 0.5, 1.0), rng.normals(hd, 0.5, 1.0));
-        let mut c = Cuda::open(0).unwrap();
-        c.push_rope(&rope.inv_freq, None).unwrap();
-        c.upload_vec(&q_scale).unwrap();
-        c.upload_vec(&k_scale).unwrap();
+        let (c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
         let head_norm = norm.then_some(HeadNorm { q: Some(&q_scale), k: Some(&k_scale), eps: 1e-6 });
         // The CPU's ready heads: normed where asked, rotated at each row's position.
         let ready = |x: &[f32], w: &[f32], rows: &[Row]| {
@@ -396,15 +403,7 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
             ts_model::Cpu.rope(0, &rope, &mut x, hd, rows).unwrap();
             x
         };
-        let shape = AttnShape {
-            n_head,
-            n_head_kv,
-            head_dim: hd,
-            head_dim_v: hdv,
-            scale: 1.0 / (hd as f32).sqrt(),
-            softcap: None,
-            sinks: None,
-        };
+        let shape = plain_attention(n_head, n_head_kv, hd, hdv);
         let mut states: Vec<SeqState<_>> = (0..past.len())
             .map(|_| SeqState { state: c.kv_for(&[None], kv_dim, v_dim, n_ctx, n_ctx).unwrap(), n_past: 0, n_ctx })
             .collect();
