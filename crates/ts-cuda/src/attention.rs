@@ -124,7 +124,7 @@ impl Cuda {
         seqs: &mut [&mut SeqState<GpuState>],
     ) -> Result<(), ModelError> {
         let m = rows.len();
-        if head_dim > ROPE_STORE_MAX_HEAD || rope.n_rot > head_dim || m == 0 {
+        if !rope_store_fits(head_dim, rope) || m == 0 {
             return ts_model::backend::rope_store_by_ops(self, il, rope, q, kv, norm, head_dim, rows, seqs);
         }
         let params = self.rope_store_params(il, rope, q, kv.as_ref().map(|(k, v)| (&**k, *v)), norm, head_dim, m)?;
@@ -194,16 +194,13 @@ impl Cuda {
     ) -> Result<Act, ModelError> {
         let m = rows.len();
         let own_sequences = rows.iter().enumerate().all(|(i, r)| rows[..i].iter().all(|o| o.seq != r.seq));
-        let fused = match &kv {
-            Some(_) => {
-                m > 0
-                    && own_sequences
-                    && shape.head_dim.max(shape.head_dim_v) <= 256
-                    && rope.n_rot <= shape.head_dim
-                    && self.decode_attention(shape, rows, exact)
-            }
-            None => false,
-        };
+        // Heads of at most 256: the wide kernel's fused path has not run on a GPU.
+        let fused = kv.is_some()
+            && m > 0
+            && own_sequences
+            && shape.head_dim.max(shape.head_dim_v) <= 256
+            && rope_store_fits(shape.head_dim, rope)
+            && self.decode_attention(shape, rows, exact);
         if !fused {
             self.run_rope_store(il, rope, q, kv, norm, shape.head_dim, rows, seqs)?;
             return self.run_attention(il, shape, q, rows, exact, None);
@@ -355,6 +352,11 @@ const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 200);
 
 /// attention.cu's `ROPE_STORE_MAX_HEAD`.
 const ROPE_STORE_MAX_HEAD: usize = 512;
+
+/// Whether attention.cu's `ready_head` takes heads of `head_dim` rotated by `rope`.
+fn rope_store_fits(head_dim: usize, rope: &Rope) -> bool {
+    head_dim <= ROPE_STORE_MAX_HEAD && rope.n_rot <= head_dim
+}
 
 /// attention.cu's `RopeStore`.
 #[repr(C)]

@@ -273,8 +273,6 @@ fn rope_matches_the_cpu() {
     }
 }
 
-/// `rope_store` (per-head norms, rotations and the cache store in one kernel) against the
-/// CPU's ops one by one: the rotated q and k, and what attention then reads from the cache.
 /// Attention of `n_head` query heads over `n_head_kv` KV heads, scaled by 1/sqrt(hd), no
 /// softcap or sinks.
 fn plain_attention(n_head: usize, n_head_kv: usize, hd: usize, hdv: usize) -> AttnShape<'static> {
@@ -302,6 +300,8 @@ fn rope_layer(rng: &mut Rng, hd: usize, n_rot: usize, interleaved: bool) -> (Cud
     (c, rope, q_scale, k_scale)
 }
 
+/// `rope_store` (per-head norms, rotations and the cache store in one kernel) against the
+/// CPU's ops one by one: the rotated q and k, and what attention then reads from the cache.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn rope_store_matches_the_cpu() {

@@ -73,15 +73,14 @@ impl SlotScores {
         self.primary[s] = self.primary_of(s);
     }
 
-    /// Slot `s`'s rank for eviction, lowest first: (primary, recency). For
-    /// `decay`, `score · 2^(-(clock - last_use) / half_life)` ranks as its log plus
-    /// `last_use / half_life` (the clock is common to every slot), so no power is
-    /// taken per candidate.
+    /// Slot `s`'s rank for eviction, lowest first: (primary, recency).
     fn rank(&self, s: usize) -> (f64, u64) {
         (self.primary[s], self.last_use[s])
     }
 
-    /// The first half of slot `s`'s rank, from its fields.
+    /// The first half of slot `s`'s rank, from its fields. For `decay`,
+    /// `score · 2^(-(clock - last_use) / half_life)` ranks as its log plus
+    /// `last_use / half_life` (the clock is common to every slot), so no power is taken.
     fn primary_of(&self, s: usize) -> f64 {
         match self.policy {
             EvictionPolicy::Lru => self.last_use[s] as f64,
