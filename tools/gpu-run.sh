@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|misses]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -174,6 +174,30 @@ if [[ $what == host-timing ]]; then
             echo "== $like, $mode"
             env "${envs[@]}" "$B"/turbospark bench -m "$f" --device cuda "${extra[@]}" -p 0 -n 128 -r 1 2>&1 \
                 | tee -a "$OUT/host-timing.log" | grep -E "^\|.*tg|host timing|error"
+        done
+    done
+fi
+if [[ $what == misses ]]; then
+    # `misses [LIKE...]`: a quarter of the expert bytes in VRAM, decode (tg64) and pp512 with the
+    # misses copied in, then computed on the CPU beside the GPU for each share of the next
+    # layer's guesses copied ahead (MISS_SHARES: `default`, or fractions set by the knob
+    # TURBOSPARK_PREFETCH_SHARE), with the cache's counters.
+    shift
+    likes=("$@")
+    ((${#likes[@]})) || likes=(gpt-oss-20b qwen3-30b-a3b)
+    for like in "${likes[@]}"; do
+        f=$(synth "$like")
+        q=$(quarter "$f")
+        for setting in copy ${MISS_SHARES:-default}; do
+            misses=cpu share=$setting
+            [[ $setting == copy ]] && misses=copy
+            [[ $setting == copy || $setting == default ]] && share=none
+            echo "== $like, --expert-misses $misses (prefetch share $share)"
+            envs=(X=1)
+            [[ $share != none ]] && envs=(TURBOSPARK_PREFETCH_SHARE=$share)
+            env "${envs[@]}" "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" \
+                --expert-misses "$misses" ${MISS_BENCH:--p 512 -n 64 -r 2} 2>&1 | tee -a "$OUT/misses.log" \
+                | grep -E "^\|.*(pp|tg)[0-9]|expert cache|error"
         done
     done
 fi

@@ -16,6 +16,7 @@
 
 mod attention;
 pub mod device;
+mod host_experts;
 pub(crate) mod host_timing;
 mod matmul;
 mod matvec_q8;
@@ -32,7 +33,7 @@ use moe::{GpuExpertGroup, GpuRoutes, activation_args};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use step::{ARENA_BYTES, Graphs, Mode, Step};
-use tier::ExpertTier;
+use tier::{ExpertTier, MissPath};
 use ts_cpu::ops::Rope;
 use ts_gguf::GgmlType;
 use ts_model::backend::ExpertsAt;
@@ -67,7 +68,7 @@ pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
-fn err(e: CudaError) -> ModelError {
+pub(crate) fn err(e: CudaError) -> ModelError {
     ModelError::Compute(e.to_string())
 }
 
@@ -154,6 +155,10 @@ pub struct Cuda {
     attn_done: CudaSlice<u32>,
     /// `TURBOSPARK_HOST_TIMING`: the host's time per step by what it was doing.
     host_timing: host_timing::HostTiming,
+    /// Rows of the step being run (decode steps may leave cache misses to the CPU).
+    step_rows: std::sync::atomic::AtomicUsize,
+    /// Buffers of the experts the CPU computes, made at the first such layer.
+    host_experts: Mutex<Option<host_experts::HostExperts>>,
 }
 
 /// How to place a model on the GPU.
@@ -165,6 +170,8 @@ pub struct CudaOptions {
     /// Keep a page-locked copy of every expert in host RAM (else copy from the model's expert
     /// store: mapped, or streamed from disk into a RAM cache).
     pub pinned_host: bool,
+    /// Where a decode step's cache misses are computed.
+    pub misses: MissPath,
 }
 
 impl Default for CudaOptions {
@@ -173,6 +180,7 @@ impl Default for CudaOptions {
             expert_cache: None,
             policy: ts_experts::EvictionPolicy::DecayedFrequency { half_life: 256.0 },
             pinned_host: true,
+            misses: MissPath::Copy,
         }
     }
 }
@@ -187,7 +195,7 @@ impl Cuda {
     pub fn with_options(ordinal: usize, model: &Model, opts: &CudaOptions) -> Result<Cuda, ModelError> {
         let mut me = Cuda::open(ordinal)?;
         if let Some(bytes) = opts.expert_cache {
-            let tier = ExpertTier::new(&me.gpu, model, bytes, opts.policy, opts.pinned_host)?;
+            let tier = ExpertTier::new(&me.gpu, model, bytes, opts.policy, opts.pinned_host, opts.misses)?;
             me.tier = Some(Mutex::new(tier));
         }
         me.upload_model(model)?;
@@ -243,6 +251,8 @@ impl Cuda {
             staging: Mutex::new(None),
             n_expert: 0,
             host_timing: host_timing::HostTiming::from_env(),
+            step_rows: std::sync::atomic::AtomicUsize::new(0),
+            host_experts: Mutex::new(None),
         })
     }
 
@@ -639,8 +649,9 @@ impl Backend for Cuda {
         "cuda"
     }
 
+    /// Only the CPU's share of the experts (`--expert-misses cpu`) runs on the host's threads.
     fn uses_thread_pool(&self) -> bool {
-        false
+        self.tier.as_ref().is_some_and(|t| t.lock().expect("expert tier lock").misses().on_cpu())
     }
 
     fn scratch(&self, exact_activations: bool) -> GpuScratch {
@@ -1033,10 +1044,19 @@ impl Backend for Cuda {
         if self.groups_since_sync.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 0 {
             self.gpu.sync().map_err(err)?;
         }
-        let slots = self.host_timing.time(host_timing::Phase::Ensure, || {
-            tier.lock().expect("expert tier lock").ensure(&self.gpu, il, ids, model.experts.as_ref())
-        })?;
-        Ok(GpuExpertGroup::new(slots))
+        let mut t = tier.lock().expect("expert tier lock");
+        // A decode step's misses may be left to the CPU, which then reads the layer's input
+        // once it is ready (marked before the compute stream is made to wait for copies).
+        let to_host =
+            t.misses().on_cpu() && self.step_rows.load(std::sync::atomic::Ordering::Relaxed) <= moe::DEVICE_MOE_ROWS;
+        let x_ready = match to_host {
+            true => Some(self.gpu.stream.record_event(None).map_err(|e| err(e.into()))?),
+            false => None,
+        };
+        let slots = self
+            .host_timing
+            .time(host_timing::Phase::Ensure, || t.ensure(&self.gpu, il, ids, model.experts.as_ref(), to_host))?;
+        Ok(GpuExpertGroup::new(il, slots, x_ready))
     }
 
     fn expert_matmuls_queue(&self) -> bool {
@@ -1052,7 +1072,7 @@ impl Backend for Cuda {
     ) -> Result<(), ModelError> {
         let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
         self.host_timing.time(host_timing::Phase::Prefetch, || {
-            tier.lock().expect("expert tier lock").prefetch(&self.gpu, il, ids, &keep.slots, model.experts.as_ref())
+            tier.lock().expect("expert tier lock").prefetch(&self.gpu, il, ids, &keep.placed(), model.experts.as_ref())
         })
     }
 
@@ -1078,6 +1098,19 @@ impl Backend for Cuda {
         s: &mut GpuScratch,
     ) -> Result<(), ModelError> {
         self.down(w, h, routes, at, y, s.exact)
+    }
+
+    fn host_experts(
+        &self,
+        w: &MoeWeights,
+        act: GatedActivation,
+        x: &Act,
+        routes: &GpuRoutes,
+        at: &ExpertsAt<'_, GpuExpertGroup>,
+        y: &mut Act,
+        s: &mut GpuScratch,
+    ) -> Result<(), ModelError> {
+        self.compute_host_experts(w, act, x, routes, at, y, s.exact)
     }
 
     fn combine(&self, y: &Act, routes: &GpuRoutes, width: usize) -> Result<Act, ModelError> {

@@ -138,16 +138,25 @@ struct GroupedExperts {
     proj: [(u64, usize); 3],
 }
 
-/// Experts the VRAM cache holds for one layer: `slots[i]` holds the group's i-th
-/// expert; once made, each pair's slot on the device (-1 for another group's).
+/// Experts the VRAM cache holds for layer `il`: `slots[i]` holds the group's i-th
+/// expert, or None where the host's CPU computes it (host_experts.rs; `x_ready` then
+/// marks the layer's input on the compute stream); once made, each pair's slot on the
+/// device (-1 for another group's or the host's).
 pub struct GpuExpertGroup {
-    pub(crate) slots: Vec<usize>,
+    pub(crate) il: usize,
+    pub(crate) slots: Vec<Option<usize>>,
+    pub(crate) x_ready: Option<cudarc::driver::CudaEvent>,
     slot_of: OnceLock<CudaSlice<i32>>,
 }
 
 impl GpuExpertGroup {
-    pub(crate) fn new(slots: Vec<usize>) -> GpuExpertGroup {
-        GpuExpertGroup { slots, slot_of: OnceLock::new() }
+    pub(crate) fn new(il: usize, slots: Vec<Option<usize>>, x_ready: Option<cudarc::driver::CudaEvent>) -> Self {
+        GpuExpertGroup { il, slots, x_ready, slot_of: OnceLock::new() }
+    }
+
+    /// The slots of the experts in VRAM.
+    pub(crate) fn placed(&self) -> Vec<usize> {
+        self.slots.iter().flatten().copied().collect()
     }
 }
 
@@ -412,7 +421,9 @@ impl Cuda {
                         // Each pair's slot, or -1 for a pair whose expert is in another group.
                         let slot_of: Vec<i32> = routes
                             .iter()
-                            .map(|e| ids.iter().position(|g| g == e).map_or(-1, |i| group.slots[i] as i32))
+                            .map(|e| {
+                                ids.iter().position(|g| g == e).and_then(|i| group.slots[i]).map_or(-1, |s| s as i32)
+                            })
                             .collect();
                         let index = self.gpu.upload(&slot_of).map_err(err)?;
                         group.slot_of.get_or_init(|| index)
@@ -772,7 +783,13 @@ impl Cuda {
                 let tier = self.tier.as_ref().ok_or_else(|| ModelError::Compute("cuda: no expert cache".into()))?;
                 let t = tier.lock().expect("expert tier lock");
                 GroupedExperts {
-                    experts: ids.iter().zip(&group.slots).filter(|&(&e, _)| used(e)).map(|(&e, &s)| (e, s)).collect(),
+                    // Many-row steps leave nothing to the host.
+                    experts: ids
+                        .iter()
+                        .zip(&group.slots)
+                        .filter_map(|(&e, &s)| Some((e, s?)))
+                        .filter(|&(e, _)| used(e))
+                        .collect(),
                     proj: [0, 1, 2].map(|p| (t.proj_base(&self.gpu, p), t.slot_bytes())),
                 }
             }

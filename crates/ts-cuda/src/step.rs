@@ -335,6 +335,7 @@ impl Cuda {
         let mut g = self.graphs.lock().expect("graph lock");
         self.abandon_capture(&mut g);
         let m = rows.len();
+        self.step_rows.store(m, std::sync::atomic::Ordering::Relaxed);
         let n_layer = seqs.first().map_or(0, |s| s.state.layers.len());
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();

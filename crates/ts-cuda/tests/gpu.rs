@@ -1108,6 +1108,74 @@ fn expert_cache_gives_identical_logits() {
     }
 }
 
+/// Decode steps' cache misses computed on the host's CPU (`MissPath::Cpu`) beside the GPU's
+/// cached experts, with and without prefetch, in f32 throughout and with 8-bit activations:
+/// the logits within the bounds every fixture meets against transformers' on the GPU alone,
+/// the CPU having computed some experts.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn cpu_computed_misses_match_transformers() {
+    drop(gpu()); // a clear failure first when there is no device
+    let mut failures = Vec::new();
+    for f in ts_testkit::fixtures() {
+        let (path, golden, family, variant) = (&f.model, &f.golden, &f.family, &f.variant);
+        let cpu_model = Model::open(path, ExpertPlacement::Mapped).unwrap();
+        let Some(moe) = cpu_model.cfg.moe.clone() else { continue };
+        let slot_bytes: usize = cpu_model
+            .weights
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                ts_model::tensors::Ffn::Moe(m) => Some(
+                    [&m.gate_exps, &m.up_exps, &m.down_exps].map(|t| (t.row_bytes() * t.n_rows()).div_ceil(256) * 256),
+                ),
+                _ => None,
+            })
+            .fold([0; 3], |a, b| [a[0].max(b[0]), a[1].max(b[1]), a[2].max(b[2])])
+            .iter()
+            .sum();
+        drop(cpu_model);
+        for prefetch in [false, true] {
+            let opts = ts_cuda::CudaOptions {
+                expert_cache: Some(((moe.n_expert_used + 1) * slot_bytes) as u64),
+                misses: ts_cuda::tier::MissPath::Cpu { share: Some(0.5) },
+                ..Default::default()
+            };
+            let mut model = Model::open(path, ExpertPlacement::Mapped)
+                .unwrap()
+                .into_backend(|m| Cuda::with_options(0, m, &opts))
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            model.prefetch_experts = prefetch;
+            for exact in [true, false] {
+                let mut seq = model.new_sequence(golden.tokens.len(), 1).unwrap();
+                let mut scratch = model.backend.scratch(exact);
+                let mut rows_out = Vec::new();
+                for (pos, &t) in golden.tokens.iter().enumerate() {
+                    let row = Row { token: t, pos, seq: 0, logits: true };
+                    rows_out.extend(model.forward(&[row], &mut [&mut seq], &mut scratch).unwrap());
+                }
+                let cmp = golden.compare(&rows_out);
+                let name = format!("{family}/{variant} prefetch {prefetch}{}", if exact { " exact" } else { "" });
+                let median = cmp.median_rel_err();
+                println!("{name:<40} {cmp}, median {median:.2e}");
+                if exact && (cmp.max_rel_err() > 1e-4 || cmp.argmax_agreement() < 0.99) {
+                    failures.push(format!("{name}: {cmp} (bound 1e-4, argmax >= 99%)"));
+                }
+                if !exact && median > eight_bit_bound(family, variant) {
+                    failures.push(format!("{name}: median {median:.2e}"));
+                }
+            }
+            let st = model.backend.expert_stats().unwrap().total();
+            println!("  hits {} misses {} on the CPU {} prefetched {}", st.hits, st.misses, st.on_host, st.prefetched);
+            // Misses are not copied in: only prefetches fill the cache.
+            assert!(st.on_host > 0, "{family}/{variant}: no expert computed on the CPU");
+            assert_eq!(st.hits > 0, prefetch, "{family}/{variant}: prefetch {prefetch} but {} hits", st.hits);
+            assert_eq!(st.on_host, st.misses, "{family}/{variant}: decode misses are all the CPU's");
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Most likely token and its margin over the second.
 fn top2(logits: &[f32]) -> (u32, f32) {
     let mut order: Vec<usize> = (0..logits.len()).collect();

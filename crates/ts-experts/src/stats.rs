@@ -26,6 +26,7 @@ impl LayerCounters {
             read_time: Duration::from_nanos(self.read_nanos.load(Relaxed)),
             wait_time: Duration::from_nanos(self.wait_nanos.load(Relaxed)),
             prefetched: self.prefetched.load(Relaxed),
+            on_host: 0,
         }
     }
 }
@@ -38,6 +39,9 @@ pub struct LayerStats {
     pub read_time: Duration,
     pub wait_time: Duration,
     pub prefetched: u64,
+    /// Misses computed by the host's CPU where they were (the GPU's cache with
+    /// `--expert-misses cpu`), not copied in.
+    pub on_host: u64,
 }
 
 impl LayerStats {
@@ -53,6 +57,7 @@ impl LayerStats {
         self.read_time += o.read_time;
         self.wait_time += o.wait_time;
         self.prefetched += o.prefetched;
+        self.on_host += o.on_host;
     }
 }
 
@@ -91,6 +96,7 @@ impl StatsSnapshot {
                 read_time: a.read_time.saturating_sub(b.read_time),
                 wait_time: a.wait_time.saturating_sub(b.wait_time),
                 prefetched: a.prefetched - b.prefetched,
+                on_host: a.on_host - b.on_host,
             })
             .collect();
         StatsSnapshot { layers, ..self.clone() }

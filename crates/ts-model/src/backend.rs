@@ -438,6 +438,24 @@ pub trait Backend: Sized + Send + Sync {
         y: &mut Self::Act,
         s: &mut Self::Scratch,
     ) -> Result<(), ModelError>;
+    /// `y[p]` for the pairs of group `at` whose experts the backend left to the host's CPU
+    /// (a GPU's cache misses computed where the expert is, not copied in), as
+    /// `expert_gate_up` then `expert_down` would write them. Asked after the group's matmuls
+    /// and the next layer's prefetch, so that the device and the copies run meanwhile.
+    /// Default: the group left nothing to the host.
+    #[allow(clippy::too_many_arguments)]
+    fn host_experts(
+        &self,
+        _w: &MoeWeights,
+        _act: GatedActivation,
+        _x: &Self::Act,
+        _routes: &Self::Routes,
+        _at: &ExpertsAt<'_, Self::ExpertGroup<'_>>,
+        _y: &mut Self::Act,
+        _s: &mut Self::Scratch,
+    ) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// `out[r] = Σ_j weight[r][j] · y[r * k + j]`, in the order of j (so the sum
     /// does not depend on how the experts were grouped): `[m][width]`.
     fn combine(&self, y: &Self::Act, routes: &Self::Routes, width: usize) -> Result<Self::Act, ModelError>;

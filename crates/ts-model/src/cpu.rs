@@ -319,17 +319,7 @@ impl Backend for Cpu {
         let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
             let xs: Vec<f32> =
                 pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
-            let (mut g, mut u) = (Vec::new(), Vec::new());
-            linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, &xs, pairs.len(), s, &mut g)?;
-            linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, &xs, pairs.len(), s, &mut u)?;
-            if let Some(b) = &w.gate_bias {
-                ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
-            }
-            if let Some(b) = &w.up_bias {
-                ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
-            }
-            gated_activation(act, &mut g, &u);
-            Ok(g)
+            expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
         };
         map_experts(w, routes, at, s, gate_up, |pairs, g| {
             for (j, &p) in pairs.iter().enumerate() {
@@ -352,12 +342,7 @@ impl Backend for Cpu {
         // One expert's outputs for its pairs, `[pairs][e]`.
         let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
             let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
-            let mut d = Vec::new();
-            linear_bytes(&w.down_exps, bytes.down, bytes.packed[2], e, &hs, pairs.len(), s, &mut d)?;
-            if let Some(b) = &w.down_bias {
-                ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
-            }
-            Ok(d)
+            expert_output(w, ex, &bytes, &hs, pairs.len(), s)
         };
         map_experts(w, routes, at, s, down, |pairs, d| {
             for (j, &p) in pairs.iter().enumerate() {
@@ -408,6 +393,50 @@ fn read_kv(state: &CpuState, il: usize) -> Option<&crate::state::LayerCache> {
         LayerState::Kv(c) => Some(c),
         _ => None,
     }
+}
+
+/// Expert `ex`'s `act(gate · x + bias) * (up · x + bias)` for the `n` rows `xs`
+/// `[n][n_embd]` on the CPU: `[n][n_ff_exp]`.
+pub fn expert_hidden(
+    w: &MoeWeights,
+    act: GatedActivation,
+    ex: usize,
+    bytes: &ExpertBytes<'_>,
+    xs: &[f32],
+    n: usize,
+    s: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let f = w.gate_exps.n_rows();
+    let (mut g, mut u) = (Vec::new(), Vec::new());
+    linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
+    linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
+    if let Some(b) = &w.gate_bias {
+        ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
+    }
+    if let Some(b) = &w.up_bias {
+        ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
+    }
+    gated_activation(act, &mut g, &u);
+    Ok(g)
+}
+
+/// Expert `ex`'s `down · h + bias` for the `n` rows `hs` `[n][n_ff_exp]` on the CPU:
+/// `[n][n_embd]`.
+pub fn expert_output(
+    w: &MoeWeights,
+    ex: usize,
+    bytes: &ExpertBytes<'_>,
+    hs: &[f32],
+    n: usize,
+    s: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let e = w.down_exps.n_rows();
+    let mut d = Vec::new();
+    linear_bytes(&w.down_exps, bytes.down, bytes.packed[2], e, hs, n, s, &mut d)?;
+    if let Some(b) = &w.down_bias {
+        ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
+    }
+    Ok(d)
 }
 
 /// Each row's k experts and weights, `[m][k]` each.

@@ -116,7 +116,7 @@ impl<B: Backend> Model<B> {
         // only a guess of one token's worth, or at most a quarter of a layer's experts, is fetched.
         let most = moe.n_expert_used.max(moe.n_expert / 4);
         let guess = match guess {
-            Some((next, g)) => Some((next, distinct(&be.route_ids(&g)?))).filter(|(_, g)| g.len() <= most),
+            Some((next, g)) => Some((next, first_seen(&be.route_ids(&g)?))).filter(|(_, g)| g.len() <= most),
             None => None,
         };
         let used = distinct(&ids);
@@ -142,9 +142,17 @@ impl<B: Backend> Model<B> {
             if queued {
                 prefetch(&set)?;
             }
+            be.host_experts(w, act, x, &routes, &at, &mut y, scratch)?;
         }
         Ok((y, routes))
     }
+}
+
+/// The distinct values of `ids` in the order they first appear (a row's routes come most
+/// likely first, so a one-row guess stays in that order).
+fn first_seen(ids: &[usize]) -> Vec<usize> {
+    let mut seen = vec![false; ids.iter().max().map_or(0, |&m| m + 1)];
+    ids.iter().copied().filter(|&e| !std::mem::replace(&mut seen[e], true)).collect()
 }
 
 /// The distinct values of `ids`, ascending.

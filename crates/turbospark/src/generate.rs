@@ -21,6 +21,17 @@ pub enum Prefetch {
     Off,
 }
 
+/// Where a decode step computes the experts missing from the GPU's `--expert-cache`
+/// (`--expert-misses`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertMisses {
+    /// Copy them into VRAM over PCIe (with the next layer's guesses copied ahead).
+    Copy,
+    /// Compute them on the CPU from the pinned host copy while the GPU computes the cached
+    /// ones; about half of the next layer's guesses are still copied ahead.
+    Cpu,
+}
+
 /// Options of every command that loads a model.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
@@ -52,6 +63,10 @@ pub struct ModelArgs {
     /// streamed from disk: their reads then overlap compute), else off
     #[arg(long, value_name = "WHEN", value_enum, num_args = 0..=1, default_value = "auto", default_missing_value = "on")]
     expert_prefetch: Prefetch,
+    /// Where a decode step computes experts missing from the GPU's --expert-cache: `copy` them
+    /// into VRAM, or compute them on the `cpu` (threads: -t) beside the GPU
+    #[arg(long, value_name = "WHERE", value_enum, default_value = "copy")]
+    expert_misses: ExpertMisses,
     /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
@@ -375,6 +390,14 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
         let (experts, dense) = expert_and_dense_bytes(model)?;
         opts.expert_cache = Some(bytes);
         opts.pinned_host = available_memory().is_some_and(|a| experts + dense < a);
+        if args.expert_misses == ExpertMisses::Cpu {
+            if !opts.pinned_host {
+                bail!(
+                    "--expert-misses cpu computes experts from a pinned copy in host RAM, and host RAM is short here"
+                );
+            }
+            opts.misses = ts_cuda::tier::MissPath::Cpu { share: None };
+        }
         eprintln!(
             "experts: {:.1} GiB of VRAM cache over {}",
             bytes as f64 / (1u64 << 30) as f64,
@@ -384,6 +407,8 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
                 "the CPU's expert store (host RAM is short: streamed from disk into a RAM cache)"
             }
         );
+    } else if args.expert_misses != ExpertMisses::Copy {
+        bail!("--expert-misses applies to a GPU --expert-cache");
     }
     Ok(opts)
 }
@@ -396,6 +421,9 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     }
     let cuda = match global.device()? {
         crate::Device::Cuda(_) => cuda_options(args, &model)?,
+        crate::Device::Cpu if args.expert_misses != ExpertMisses::Copy => {
+            bail!("--expert-misses applies to a GPU --expert-cache, not --device cpu")
+        }
         crate::Device::Cpu => ts_cuda::CudaOptions::default(),
     };
     let experts = match global.device()? {

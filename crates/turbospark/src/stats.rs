@@ -11,8 +11,9 @@ pub fn summary(s: &StatsSnapshot, tokens: usize) -> String {
     let t = s.total();
     let per_token =
         if tokens > 0 { format!(" ({:.2} MiB/token)", mib(t.bytes_read) / tokens as f64) } else { String::new() };
+    let on_host = if t.on_host > 0 { format!(" ({} computed on the CPU)", t.on_host) } else { String::new() };
     format!(
-        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {} (hit rate {:.1}%), prefetched {}, read {:.1} MiB{per_token}, read time {:.2} s, compute waited {}",
+        "expert cache: {} slots x {:.2} MiB, policy {}, {}; hits {} misses {}{on_host} (hit rate {:.1}%), prefetched {}, read {:.1} MiB{per_token}, read time {:.2} s, compute waited {}",
         s.slots,
         mib(s.slot_bytes as u64),
         s.policy,

@@ -39,6 +39,8 @@ fn options_a_placement_cannot_honour_are_refused() {
         (&["--experts", "stream", "--expert-cache", "10KiB"][..], "holds 0 experts; one token needs 2"),
         (&["--experts", "stream", "--expert-cache", "lots"][..], "--expert-cache lots"),
         (&["--experts", "disk"][..], "--experts disk"),
+        (&["--expert-misses", "cpu"][..], "--expert-misses applies to a GPU --expert-cache, not --device cpu"),
+        (&["--expert-misses", "gpu"][..], "invalid value 'gpu' for '--expert-misses"),
     ] {
         let mut args = vec!["run", "-m", model, "-p", "hi", "-n", "1"];
         args.extend_from_slice(flags);
