@@ -29,7 +29,7 @@ struct GlobalOptions {
     /// Path to a GGUF model file.
     #[arg(short = 'm', long = "model", global = true, env = "TURBOSPARK_MODEL")]
     model: Option<PathBuf>,
-    /// Worker threads (default: all available cores).
+    /// Worker threads (default: one per physical core this process may use, as llama.cpp).
     #[arg(short = 't', long = "threads", global = true, env = "TURBOSPARK_THREADS")]
     threads: Option<usize>,
     /// Compute device: `cpu` or `cuda[:N]`.
@@ -132,7 +132,7 @@ impl GlobalOptions {
         match self.threads {
             Some(0) => bail!("--threads must be at least 1"),
             Some(n) => Ok(n),
-            None => Ok(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+            None => Ok(ts_cpu::topology::default_threads()),
         }
     }
 }
