@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|misses]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|misses|cpu-sweep]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -291,6 +291,23 @@ if [[ $what == sweep ]]; then
             echo "== $like, ${SWEEP_BENCH:-pp512} with $setting"
             env $setting "$B"/turbospark bench -m "$f" --device cuda ${SWEEP_BENCH:--p 512 -n 0 -r 3} 2>&1 \
                 | tee -a "$OUT/sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
+        done
+    done
+fi
+if [[ $what == cpu-sweep ]]; then
+    # `cpu-sweep LIKE...` with SWEEP="A=1;A=0" and THREADS="4 8 16": the machine's CPU alone (GPU
+    # hidden), experts resident, under each setting of a build's measurement knobs at each
+    # thread count, one process each (CPU_BENCH gives other bench flags).
+    shift
+    for like in "$@"; do
+        f=$(synth "$like")
+        IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
+        for t in ${THREADS:-16}; do
+            for setting in "${settings[@]}"; do
+                echo "== $like, -t $t, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
+                env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$t" --experts resident \
+                    ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
+            done
         done
     done
 fi

@@ -452,6 +452,14 @@ pub struct CpuRoutes {
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
 
+/// `TURBOSPARK_DECODE_EXPERT_TASKS=1` (a measurement knob): decode steps also run their experts
+/// as parallel tasks (each expert's matmuls still split over idle threads), one rayon region a
+/// layer's gate/up and one its down instead of one per matmul.
+fn expert_tasks_in_decode() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DECODE_EXPERT_TASKS").is_some_and(|v| v == "1"))
+}
+
 /// Calls `f(expert, its bytes, its pairs, scratch)` for each expert `at` that some pair of
 /// `routes` goes to and hands each result to `sink` with the expert's pairs: the experts
 /// already in memory first (so that reads of the others overlap with their work), in
@@ -494,7 +502,7 @@ fn map_experts<T: Send>(
             (now, later)
         }
     };
-    if routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS && ready.len() > 1 {
+    if (routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || expert_tasks_in_decode()) && ready.len() > 1 {
         use rayon::prelude::*;
         let results: Vec<Result<T, ModelError>> =
             ready.par_iter().map_init(|| s.same_mode(), |sc, &(ex, bytes)| f(ex, bytes, &pairs_of[ex], sc)).collect();

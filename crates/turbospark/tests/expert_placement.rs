@@ -123,3 +123,27 @@ fn packed_experts_match_the_gguf_layout_across_placements() {
     assert_eq!(*want, logits(&m, &[&stream[..], &["--expert-prefetch", "on"]].concat(), on_read));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Decode steps' experts as parallel tasks (`TURBOSPARK_DECODE_EXPERT_TASKS=1`, a measurement
+/// knob) compute every expert as before: the same logits, bit for bit, on every MoE fixture
+/// family here, one row and four at a time.
+#[test]
+fn decode_expert_tasks_give_the_same_logits() {
+    for family in ["mixtral", "qwen3_moe", "gpt_oss"] {
+        let model = ts_testkit::fixtures_dir().join(format!("{family}/model-q8_0.gguf"));
+        for tokens in ["11", "11,204,77,90"] {
+            let run = |knob: &str| {
+                let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+                    .args(["logits", "-m", model.to_str().unwrap(), "--all", "--tokens", tokens, "-t", "2"])
+                    .env("TURBOSPARK_DECODE_EXPERT_TASKS", knob)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{family}: {}", String::from_utf8_lossy(&out.stderr));
+                out.stdout
+            };
+            let (plain, tasks) = (run("0"), run("1"));
+            assert!(!plain.is_empty(), "{family}: no logits");
+            assert!(plain == tasks, "{family} {tokens}: logits differ with the experts as tasks");
+        }
+    }
+}
