@@ -1,8 +1,8 @@
 //! `TURBOSPARK_HOST_TIMING=1`, a measurement knob: where the host's time goes in steps that run
 //! their ops one by one (steps with the expert cache, or with graphs off; a replayed graph is
 //! one launch). Per step: the wall time from one step's start to the next, the kernel launch
-//! calls, the waits for routes (each a synchronization with the device), and the expert cache's
-//! bookkeeping and queued copies; printed every 64 steps.
+//! calls, the waits for routes (each a synchronization with the device), the expert cache's
+//! bookkeeping and queued copies, and the experts the CPU computes; printed every 64 steps.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -14,13 +14,15 @@ pub(crate) enum Phase {
     RouteWait,
     Ensure,
     Prefetch,
+    /// Experts the CPU computes (`--expert-misses cpu`): the input's download to the uploads.
+    HostExperts,
 }
 
 #[derive(Default)]
 struct Totals {
     /// Time and count per [`Phase`], in its order.
-    time: [Duration; 4],
-    count: [u64; 4],
+    time: [Duration; 5],
+    count: [u64; 5],
     steps: u64,
     wall: Duration,
     started: Option<Instant>,
@@ -59,7 +61,8 @@ impl HostTiming {
                 let other = t.wall.saturating_sub(t.time.iter().sum());
                 eprintln!(
                     "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
-                     expert cache {:.3} ms ensuring + {:.3} ms prefetching, other {:.3} ms",
+                     expert cache {:.3} ms ensuring + {:.3} ms prefetching, {:.1} layers of experts on the CPU \
+                     {:.3} ms, other {:.3} ms",
                     t.steps,
                     per(t.wall),
                     t.count[Phase::Launch as usize] as f64 / n,
@@ -68,6 +71,8 @@ impl HostTiming {
                     per(t.time[Phase::RouteWait as usize]),
                     per(t.time[Phase::Ensure as usize]),
                     per(t.time[Phase::Prefetch as usize]),
+                    t.count[Phase::HostExperts as usize] as f64 / n,
+                    per(t.time[Phase::HostExperts as usize]),
                     per(other),
                 );
             }

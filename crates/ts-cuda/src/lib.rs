@@ -1110,7 +1110,11 @@ impl Backend for Cuda {
         y: &mut Act,
         s: &mut GpuScratch,
     ) -> Result<(), ModelError> {
-        self.compute_host_experts(w, act, x, routes, at, y, s.exact)
+        if !matches!(at, ExpertsAt::Group { group, .. } if group.slots.iter().any(Option::is_none)) {
+            return Ok(());
+        }
+        self.host_timing
+            .time(host_timing::Phase::HostExperts, || self.compute_host_experts(w, act, x, routes, at, y, s.exact))
     }
 
     fn combine(&self, y: &Act, routes: &GpuRoutes, width: usize) -> Result<Act, ModelError> {
