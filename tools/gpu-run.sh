@@ -162,7 +162,8 @@ fi
 if [[ $what == host-timing ]]; then
     # `host-timing LIKE...`: where the host's time goes in steps run op by op
     # (TURBOSPARK_HOST_TIMING): a quarter of the expert bytes in VRAM, then every expert in
-    # VRAM with graphs off, then as built (graphs on), decode only.
+    # VRAM with graphs off, then as built (graphs on), decode only (HT_MODES picks among
+    # tier, tier-cpu: the quarter with --expert-misses cpu, no-graphs, graphs).
     shift
     for like in "$@"; do
         f=$(synth "$like")
@@ -170,6 +171,7 @@ if [[ $what == host-timing ]]; then
         for mode in ${HT_MODES:-tier no-graphs graphs}; do
             extra=() envs=(TURBOSPARK_HOST_TIMING=1)
             [[ $mode == tier ]] && extra=(--expert-cache "$q")
+            [[ $mode == tier-cpu ]] && extra=(--expert-cache "$q" --expert-misses cpu)
             [[ $mode == no-graphs ]] && envs+=(TURBOSPARK_NO_CUDA_GRAPHS=1)
             echo "== $like, $mode"
             env "${envs[@]}" "$B"/turbospark bench -m "$f" --device cuda "${extra[@]}" -p 0 -n 128 -r 1 2>&1 \
