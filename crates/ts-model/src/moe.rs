@@ -184,6 +184,14 @@ mod tests {
     }
 
     #[test]
+    fn guesses_keep_the_order_they_first_appear_in() {
+        // Two rows' routes, each most likely first: the first row's order, then the new ones.
+        assert_eq!(first_seen(&[7, 2, 9, 2, 5, 7]), vec![7, 2, 9, 5]);
+        assert_eq!(distinct(&[7, 2, 9, 2, 5, 7]), vec![2, 5, 7, 9]);
+        assert!(first_seen(&[]).is_empty());
+    }
+
+    #[test]
     fn top_k_then_softmax() {
         let r = route(&moe(Gating::SoftmaxOverTopK, false), &[0.5, -1.0, 4.0, 3.0], None);
         assert_eq!(r.experts, vec![2, 3]);
