@@ -63,6 +63,12 @@ impl Cuda {
         let (m, k) = (r.m, r.k);
         let mut guard = self.host_experts.lock().expect("host experts lock");
         if guard.as_ref().is_none_or(|h| h.x.len() < m * e || h.y.len() < m * k * e) {
+            // Larger buffers: the old ones are freed only once their last uploads are done.
+            if let Some(old) = guard.take()
+                && let Some(done) = &old.uploaded
+            {
+                done.synchronize().map_err(|e| err(e.into()))?;
+            }
             let stream = self.gpu.ctx.new_stream().map_err(|e| err(e.into()))?;
             let (x, y) = (pinned(self, m * e)?, pinned(self, m * k * e)?);
             *guard = Some(HostExperts { stream, x, y, uploaded: None });
