@@ -95,6 +95,10 @@ synth() {
     [[ -f $f ]] || "$B"/turbospark synth --like "$1" -o "$f" 2>&1 | tail -1 >&2
     echo "$f"
 }
+# The LIKEs given, or the two MoE shapes.
+likes_or_default() {
+    if (($#)); then echo "$@"; else echo gpt-oss-20b qwen3-30b-a3b; fi
+}
 # Expert bytes over 4: the VRAM cache of the tiered benchmarks.
 quarter() {
     "$B"/turbospark inspect --json "$1" | python3 -c 'import json,sys
@@ -185,18 +189,16 @@ if [[ $what == misses ]]; then
     # layer's guesses copied ahead (MISS_SHARES: `default`, or fractions set by the knob
     # TURBOSPARK_PREFETCH_SHARE), with the cache's counters.
     shift
-    likes=("$@")
-    ((${#likes[@]})) || likes=(gpt-oss-20b qwen3-30b-a3b)
-    for like in "${likes[@]}"; do
+    for like in $(likes_or_default "$@"); do
         f=$(synth "$like")
         q=$(quarter "$f")
         for setting in copy ${MISS_SHARES:-default}; do
-            misses=cpu share=$setting
-            [[ $setting == copy ]] && misses=copy
-            [[ $setting == copy || $setting == default ]] && share=none
-            echo "== $like, --expert-misses $misses (prefetch share $share)"
-            envs=(X=1)
-            [[ $share != none ]] && envs=(TURBOSPARK_PREFETCH_SHARE=$share)
+            case $setting in
+                copy) misses=copy envs=(X=1) ;;
+                default) misses=cpu envs=(X=1) ;;
+                *) misses=cpu envs=(TURBOSPARK_PREFETCH_SHARE=$setting) ;;
+            esac
+            echo "== $like, --expert-misses $misses ($setting)"
             env "${envs[@]}" "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" \
                 --expert-misses "$misses" ${MISS_BENCH:--p 512 -n 64 -r 2} 2>&1 | tee -a "$OUT/misses.log" \
                 | grep -E "^\|.*(pp|tg)[0-9]|expert cache|error"
@@ -206,9 +208,7 @@ fi
 if [[ $what == before-after ]]; then
     # `before-after [LIKE...]` (default: gpt-oss-20b qwen3-30b-a3b).
     shift
-    likes=("$@")
-    ((${#likes[@]})) || likes=(gpt-oss-20b qwen3-30b-a3b)
-    for like in "${likes[@]}"; do
+    for like in $(likes_or_default "$@"); do
         f=$(synth "$like")
         q=$(quarter "$f")
         # BA_BENCH: the bench flags (default pp512, tg128); BA_TIER=0 skips the quarter-tier

@@ -15,14 +15,18 @@ pub fn default_threads() -> usize {
 /// Distinct physical cores (sets of hyperthread siblings) among the CPUs in this process's
 /// affinity list, from Linux's `/proc/self/status` and sysfs.
 fn physical_cores() -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
     let mut cores = HashSet::new();
-    for cpu in parse_cpu_list(list.trim())? {
+    for cpu in allowed_cpus()? {
         let path = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
         cores.insert(std::fs::read_to_string(path).ok()?.trim().to_string());
     }
     (!cores.is_empty()).then_some(cores.len())
+}
+
+/// The CPUs in this process's affinity list (Linux's `/proc/self/status`).
+fn allowed_cpus() -> Option<Vec<usize>> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_cpu_list(status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim())
 }
 
 /// The CPUs of a Linux CPU list such as `0-3,8,10-11`; None if it is malformed.
@@ -63,9 +67,7 @@ mod tests {
         // Where sysfs is there, each core is counted once: at least one, at most one per
         // allowed CPU (a machine with hyperthreads has fewer).
         if let Some(cores) = physical_cores() {
-            let status = std::fs::read_to_string("/proc/self/status").unwrap();
-            let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
-            let allowed = parse_cpu_list(list.trim()).unwrap().len();
+            let allowed = allowed_cpus().unwrap().len();
             assert!((1..=allowed).contains(&cores), "{cores} cores of {allowed} allowed CPUs");
         }
     }

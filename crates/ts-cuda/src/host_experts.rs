@@ -35,8 +35,8 @@ fn pinned(cuda: &Cuda, n: usize) -> Result<PinnedHostSlice<f32>, ModelError> {
 }
 
 impl Cuda {
-    /// [`ts_model::Backend::host_experts`]: the pairs of `at` whose experts `ensure_experts`
-    /// left to the host, computed on the CPU (8-bit activations as the CPU backend's, or
+    /// [`ts_model::Backend::host_experts`] for a group that left experts to the host: the pairs
+    /// of `at` whose experts `ensure_experts` left there, computed on the CPU (8-bit activations as the CPU backend's, or
     /// f32 with `exact`) and uploaded into their rows of `y` on the compute stream.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn compute_host_experts(
@@ -51,9 +51,6 @@ impl Cuda {
     ) -> Result<(), ModelError> {
         let ExpertsAt::Group { ids, group, routes } = at else { return Ok(()) };
         let host: Vec<usize> = ids.iter().zip(&group.slots).filter(|(_, s)| s.is_none()).map(|(&e, _)| e).collect();
-        if host.is_empty() {
-            return Ok(());
-        }
         let Some(x_ready) = &group.x_ready else {
             return Err(ModelError::Compute("cuda: experts left to the host without the layer's input marked".into()));
         };

@@ -47,8 +47,8 @@ impl MissPath {
 /// Where misses are copied from.
 enum HostTier {
     /// Every expert in page-locked memory: copies run at full PCIe speed, and the CPU reads
-    /// the experts it computes (GGUF layout: a repacked mirror of gpt-oss-20b's MXFP4
-    /// experts for AVX-512 decoded no faster beside the GPU, 89.0 against 89.4 tok/s).
+    /// the experts it computes in their GGUF layout (a mirror repacked for its AVX-512 kernels
+    /// showed no gain: docs/BENCHMARKS.md).
     Pinned { buf: PinnedHostSlice<u8>, offset: HashMap<(usize, usize), usize> },
     /// The model's expert store (streamed from disk or mapped), asked per miss.
     Store,
