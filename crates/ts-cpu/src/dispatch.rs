@@ -130,19 +130,50 @@ const PANEL_ROWS: usize = crate::panel::ROWS;
 #[cfg(not(target_arch = "x86_64"))]
 const PANEL_ROWS: usize = 8;
 
+/// A matmul checked and split into tasks of `rows_per_task` weight rows (the last may be
+/// shorter), each run by [`Plan::run`].
+struct Plan<'a> {
+    tile: Option<TileFn>,
+    weight_ty: GgmlType,
+    w: &'a [u8],
+    row_bytes: usize,
+    n_out: usize,
+    rows_per_task: usize,
+    view: ActView<'a>,
+}
+
+impl Plan<'_> {
+    fn tasks(&self) -> usize {
+        self.n_out.div_ceil(self.rows_per_task)
+    }
+
+    /// Task `task`'s rows of every activation row: `outs[c]` holds that task's outputs of row c.
+    fn run(&self, task: usize, outs: &mut [&mut [f32]]) {
+        let w = &self.w[task * self.rows_per_task * self.row_bytes..];
+        match self.tile {
+            // SAFETY: `plan` only hands out kernels of an instruction set it checked to be
+            // available, and callers give one output slice per activation row, all of the
+            // task's length, with at least that many weight rows left in `w`.
+            Some(tile) => unsafe { tile(w, self.row_bytes, &self.view, outs) },
+            None => scalar_tile(self.weight_ty, w, self.row_bytes, &self.view, outs),
+        }
+    }
+}
+
+/// Checks a matmul's operands and chooses its kernel and split; None when it has no work.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
+fn plan<'a>(
     isa: Isa,
     weight_ty: GgmlType,
-    w: &[u8],
+    w: &'a [u8],
     n_out: usize,
     k: usize,
-    x: &QuantizedRows,
-    out: &mut [f32],
+    x: &'a QuantizedRows,
+    out_len: usize,
     out_stride: usize,
     panels: bool,
     layout: Layout,
-) -> Result<(), CpuError> {
+) -> Result<Option<Plan<'a>>, CpuError> {
     if !isa.is_available() {
         return Err(CpuError::IsaUnavailable(isa));
     }
@@ -168,13 +199,12 @@ pub(crate) fn matmul(
     let m = x.m();
     let needed = if m == 0 { Some(0) } else { (m - 1).checked_mul(out_stride).and_then(|v| v.checked_add(n_out)) };
     let needed = needed.unwrap_or(usize::MAX);
-    if out.len() < needed {
-        return Err(CpuError::WrongLength { what: "output (floats)", expected: needed, actual: out.len() });
+    if out_len < needed {
+        return Err(CpuError::WrongLength { what: "output (floats)", expected: needed, actual: out_len });
     }
     if m == 0 || n_out == 0 {
-        return Ok(());
+        return Ok(None);
     }
-
     let (tile, rows_per_task) = match kernels(isa, weight_ty) {
         Some(Kernels { packed: Some((_, packed)), .. }) if layout == Layout::Packed => {
             let rows =
@@ -187,31 +217,105 @@ pub(crate) fn matmul(
         Some(kernels) => (Some(kernels.direct), direct_rows_per_task(n_out, row_bytes, m)),
         None => (None, direct_rows_per_task(n_out, row_bytes, m)),
     };
-    let view = x.view();
-    let run = |task: usize, outs: &mut [&mut [f32]]| {
-        let w = &w[task * rows_per_task * row_bytes..];
-        match tile {
-            // SAFETY: `kernels` only hands out kernels of instruction set `isa`, checked to be
-            // available above, and the tile satisfies `TileFn`'s contract: one output slice per
-            // activation row, all of the same length `rows`, and at least `rows` weight rows
-            // left in `w`.
-            Some(tile) => unsafe { tile(w, row_bytes, &view, outs) },
-            None => scalar_tile(weight_ty, w, row_bytes, &view, outs),
-        }
+    Ok(Some(Plan { tile, weight_ty, w, row_bytes, n_out, rows_per_task, view: x.view() }))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    isa: Isa,
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    x: &QuantizedRows,
+    out: &mut [f32],
+    out_stride: usize,
+    panels: bool,
+    layout: Layout,
+) -> Result<(), CpuError> {
+    let Some(plan) = plan(isa, weight_ty, w, n_out, k, x, out.len(), out_stride, panels, layout)? else {
+        return Ok(());
     };
-    if m == 1 {
-        out[..n_out].par_chunks_mut(rows_per_task).enumerate().for_each(|(task, out)| run(task, &mut [out]));
+    let rows_per_task = plan.rows_per_task;
+    if x.m() == 1 {
+        out[..n_out].par_chunks_mut(rows_per_task).enumerate().for_each(|(task, out)| plan.run(task, &mut [out]));
     } else {
         // Each task's piece of every output row, split up front so tasks own them.
-        let n_tasks = n_out.div_ceil(rows_per_task);
-        let mut pieces: Vec<Vec<&mut [f32]>> = (0..n_tasks).map(|_| Vec::with_capacity(m)).collect();
-        for row in out.chunks_mut(out_stride).take(m) {
+        let mut pieces: Vec<Vec<&mut [f32]>> = (0..plan.tasks()).map(|_| Vec::with_capacity(x.m())).collect();
+        for row in out.chunks_mut(out_stride).take(x.m()) {
             for (task, piece) in row[..n_out].chunks_mut(rows_per_task).enumerate() {
                 pieces[task].push(piece);
             }
         }
-        pieces.into_par_iter().enumerate().for_each(|(task, mut outs)| run(task, &mut outs));
+        pieces.into_par_iter().enumerate().for_each(|(task, mut outs)| plan.run(task, &mut outs));
     }
+    Ok(())
+}
+
+/// One product of [`matvecs`]: `out = w · x` for the single activation row of `x`.
+pub struct Matvec<'a> {
+    pub weight_ty: GgmlType,
+    /// `n_out` rows of `k` elements, in the GGUF layout or (with `packed`) repacked by
+    /// [`crate::pack_rows`].
+    pub w: &'a [u8],
+    pub n_out: usize,
+    pub k: usize,
+    pub packed: bool,
+    /// One row, quantized for `weight_ty`.
+    pub x: &'a QuantizedRows,
+    /// `[n_out]`.
+    pub out: &'a mut [f32],
+}
+
+/// A task's output rows, handed across threads: tasks of one product write disjoint runs.
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own run of rows (see `matvecs`).
+unsafe impl Sync for OutPtr {}
+
+/// Several one-row products in one parallel region instead of one region each: the products'
+/// tasks (runs of weight rows, as [`matmul`] splits them), taken in order by whichever thread is
+/// free, so the threads read neighbouring rows of one matrix at a time. Each output row equals
+/// what [`matmul`] gives for that product.
+pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
+    let mut plans = Vec::with_capacity(products.len());
+    let mut outs = Vec::with_capacity(products.len());
+    for p in products.iter_mut() {
+        if p.x.m() != 1 {
+            return Err(CpuError::WrongLength { what: "activation rows of a matvec", expected: 1, actual: p.x.m() });
+        }
+        let layout = if p.packed { Layout::Packed } else { Layout::Gguf };
+        let plan = plan(isa, p.weight_ty, p.w, p.n_out, p.k, p.x, p.out.len(), p.n_out, false, layout)?;
+        if let Some(plan) = plan {
+            plans.push(plan);
+            outs.push(OutPtr(p.out.as_mut_ptr()));
+        }
+    }
+    // first[i]: the first task of product i in the shared order.
+    let mut first = Vec::with_capacity(plans.len() + 1);
+    first.push(0);
+    for plan in &plans {
+        first.push(first.last().copied().unwrap_or(0) + plan.tasks());
+    }
+    let total = first.last().copied().unwrap_or(0);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let t = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if t >= total {
+                break;
+            }
+            let i = first.partition_point(|&f| f <= t) - 1;
+            let (plan, task) = (&plans[i], t - first[i]);
+            let start = task * plan.rows_per_task;
+            let rows = plan.rows_per_task.min(plan.n_out - start);
+            // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for this
+            // call; task `task` alone writes `start..start + rows` of them.
+            let out = unsafe { std::slice::from_raw_parts_mut(outs[i].0.add(start), rows) };
+            plan.run(task, &mut [out]);
+        }
+    };
+    let threads = rayon::current_num_threads().min(total);
+    (0..threads).into_par_iter().for_each(|_| work());
     Ok(())
 }
 

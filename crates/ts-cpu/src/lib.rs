@@ -44,8 +44,8 @@ mod simd;
 pub mod topology;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
-pub use dispatch::Isa;
 use dispatch::Layout;
+pub use dispatch::{Isa, Matvec};
 pub use ts_gguf::GgmlType;
 
 /// Why a quantization or multiplication was refused.
@@ -153,6 +153,13 @@ pub fn matmul_rows_alone(
     out: &mut [f32],
 ) -> Result<(), CpuError> {
     dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, n_out, false, Layout::Gguf)
+}
+
+/// Several one-row products (decode's routed experts) in one parallel region, their runs of
+/// rows taken in order by the free threads: each output as [`matmul`] (or [`matmul_packed`]
+/// for a packed product) computes it, with one wake-up of the threads for all of them.
+pub fn matvecs(products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
+    dispatch::matvecs(Isa::detect(), products)
 }
 
 /// [`matmul_strided`] with kernels for a given instruction set, for tests and benchmarks.

@@ -407,3 +407,70 @@ fn packed_rows_match_the_gguf_rows() {
     // Other types are not packed.
     assert!(!ts_cpu::packs(GgmlType::Q5_K, 64));
 }
+
+/// `matvecs` (several one-row products in one region) gives each product what its own
+/// `matmul` (or `matmul_packed`) call gives, bit for bit, checked against the references too;
+/// a product of several rows is refused.
+#[test]
+fn matvecs_match_one_matmul_per_product() {
+    let mut rng = Rng::new(600);
+    // (type, n_out, k, packed): the shapes of routed experts, with packed ones where this CPU packs.
+    let shapes = [
+        (GgmlType::Q4_K, 768, 2048, false),
+        (GgmlType::Q4_K, 768, 2048, true),
+        (GgmlType::Q6_K, 2048, 768, false),
+        (GgmlType::MXFP4, 64, 2880, true),
+        (GgmlType::Q8_0, 37 * 4, 256, false),
+        (GgmlType::F16, 5, 64, false),
+    ];
+    let mut cases = Vec::new();
+    for (ty, n_out, k, packed) in shapes {
+        let packed = packed && ts_cpu::packs(ty, n_out);
+        let w = weights(&mut rng, ty, n_out, k, true);
+        let mut stored = w.clone();
+        if packed {
+            assert!(ts_cpu::pack_rows(ty, &mut stored, n_out, k).unwrap());
+        }
+        let xf = common::rows(&mut rng, k);
+        let mut x = QuantizedRows::new();
+        x.quantize(ty, &xf, k).unwrap();
+        let mut alone = vec![f32::NAN; n_out];
+        if packed {
+            ts_cpu::matmul_packed(ty, &stored, n_out, k, &x, &mut alone, n_out).unwrap();
+        } else {
+            matmul(ty, &stored, n_out, k, &x, &mut alone).unwrap();
+        }
+        cases.push((ty, n_out, k, packed, w, stored, xf, x, alone));
+    }
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let mut outs: Vec<Vec<f32>> = cases.iter().map(|c| vec![f32::NAN; c.1]).collect();
+        let mut products: Vec<ts_cpu::Matvec<'_>> = cases
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|((ty, n_out, k, packed, _, stored, _, x, _), out)| ts_cpu::Matvec {
+                weight_ty: *ty,
+                w: stored,
+                n_out: *n_out,
+                k: *k,
+                packed: *packed,
+                x,
+                out,
+            })
+            .collect();
+        pool.install(|| ts_cpu::matvecs(&mut products)).unwrap();
+        for ((ty, n_out, k, packed, w, _, xf, x, alone), got) in cases.iter().zip(&outs) {
+            let what = format!("{ty} n_out={n_out} k={k} packed={packed} threads={threads}");
+            assert!(got.iter().zip(alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from matmul");
+            check(&Case { ty: *ty, w, n_out: *n_out, k: *k, xf, x }, got, &what);
+        }
+    }
+    let (ty, n_out, k) = (GgmlType::Q8_0, 8, 64);
+    let w = weights(&mut rng, ty, n_out, k, true);
+    let mut x = QuantizedRows::new();
+    x.quantize(ty, &common::rows(&mut rng, 2 * k), k).unwrap();
+    let mut out = vec![0.0; 2 * n_out];
+    let mut products = [ts_cpu::Matvec { weight_ty: ty, w: &w, n_out, k, packed: false, x: &x, out: &mut out }];
+    let err = ts_cpu::matvecs(&mut products).unwrap_err();
+    assert!(matches!(err, CpuError::WrongLength { .. }), "{err}");
+}

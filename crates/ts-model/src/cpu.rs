@@ -313,6 +313,9 @@ impl Backend for Cpu {
         at: &ExpertsAt<'_, ExpertSet<'_>>,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
+        if let Some(experts) = flat_experts(w, routes, at, s)? {
+            return flat_gate_up(w, act, x, &experts);
+        }
         let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
         let mut h = vec![0f32; routes.ids.len() * f];
         // One expert's h for its pairs, `[pairs][f]`.
@@ -338,6 +341,9 @@ impl Backend for Cpu {
         y: &mut Vec<f32>,
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
+        if let Some(experts) = flat_experts(w, routes, at, s)? {
+            return flat_down(w, h, &experts, y);
+        }
         let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
         // One expert's outputs for its pairs, `[pairs][e]`.
         let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
@@ -452,12 +458,146 @@ pub struct CpuRoutes {
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
 
-/// `TURBOSPARK_DECODE_EXPERT_TASKS=1` (a measurement knob): decode steps also run their experts
-/// as parallel tasks (each expert's matmuls still split over idle threads), one rayon region a
-/// layer's gate/up and one its down instead of one per matmul.
-fn expert_tasks_in_decode() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DECODE_EXPERT_TASKS").is_some_and(|v| v == "1"))
+/// How a one-row step (decode) runs its experts' products (`TURBOSPARK_DECODE_EXPERTS`, a
+/// measurement knob for the 16-core machine, issue 16).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum DecodeExperts {
+    /// `split`: each product is its own parallel region over the threads (24 a layer for top-8).
+    Split,
+    /// `tasks`: each expert a parallel task, its products split further over idle threads.
+    Tasks,
+    /// `flat`: all the experts' gate and up products in one region, their down products in
+    /// another, the products' runs of rows taken in order by the free threads (`ts_cpu::matvecs`).
+    Flat,
+}
+
+fn decode_experts() -> DecodeExperts {
+    static MODE: std::sync::OnceLock<DecodeExperts> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("TURBOSPARK_DECODE_EXPERTS").as_deref() {
+        Ok("tasks") => DecodeExperts::Tasks,
+        Ok("flat") => DecodeExperts::Flat,
+        _ => DecodeExperts::Split,
+    })
+}
+
+/// Each pair's expert and its bytes, in pair order, where [`DecodeExperts::Flat`] applies: a
+/// one-row step with 8-bit activations whose experts are all in memory now; else None.
+fn flat_experts<'a>(
+    w: &'a MoeWeights,
+    routes: &CpuRoutes,
+    at: &'a ExpertsAt<'_, ExpertSet<'_>>,
+    s: &Scratch,
+) -> Result<Option<Vec<(usize, ExpertBytes<'a>)>>, ModelError> {
+    if decode_experts() != DecodeExperts::Flat || s.exact_activations || routes.ids.len() != routes.k {
+        return Ok(None);
+    }
+    let mut experts = Vec::with_capacity(routes.ids.len());
+    for &ex in &routes.ids {
+        let bytes = match at {
+            ExpertsAt::Stacked => ExpertBytes {
+                gate: w.gate_exps.matrix_bytes(ex),
+                up: w.up_exps.matrix_bytes(ex),
+                down: w.down_exps.matrix_bytes(ex),
+                packed: [false; 3],
+            },
+            ExpertsAt::Group { ids, group, .. } => match ids.iter().position(|&id| id == ex) {
+                Some(i) if group.is_ready(i) => group.get(i)?,
+                _ => return Ok(None),
+            },
+        };
+        experts.push((ex, bytes));
+    }
+    Ok(Some(experts))
+}
+
+/// [`Backend::expert_gate_up`] of a one-row step, every product in one parallel region:
+/// `[pairs][n_ff_exp]`, the floats of [`expert_hidden`].
+fn flat_gate_up(
+    w: &MoeWeights,
+    act: GatedActivation,
+    x: &[f32],
+    experts: &[(usize, ExpertBytes<'_>)],
+) -> Result<Vec<f32>, ModelError> {
+    let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
+    let quantized = |ty| {
+        let mut q = ts_cpu::QuantizedRows::new();
+        q.quantize(ty, &x[..e], e).map(|()| q)
+    };
+    let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.gate_exps.name));
+    let xg = quantized(w.gate_exps.ty).map_err(cerr)?;
+    let xu = if w.up_exps.ty == w.gate_exps.ty { None } else { Some(quantized(w.up_exps.ty).map_err(cerr)?) };
+    let (mut g, mut u) = (vec![0f32; experts.len() * f], vec![0f32; experts.len() * f]);
+    let mut products = Vec::with_capacity(2 * experts.len());
+    for ((_, bytes), (gp, up)) in experts.iter().zip(g.chunks_mut(f).zip(u.chunks_mut(f))) {
+        let xu = xu.as_ref().unwrap_or(&xg);
+        let (gate_ty, up_ty) = (w.gate_exps.ty, w.up_exps.ty);
+        products.push(ts_cpu::Matvec {
+            weight_ty: gate_ty,
+            w: bytes.gate,
+            n_out: f,
+            k: e,
+            packed: bytes.packed[0],
+            x: &xg,
+            out: gp,
+        });
+        products.push(ts_cpu::Matvec {
+            weight_ty: up_ty,
+            w: bytes.up,
+            n_out: f,
+            k: e,
+            packed: bytes.packed[1],
+            x: xu,
+            out: up,
+        });
+    }
+    ts_cpu::matvecs(&mut products).map_err(cerr)?;
+    for (((ex, _), gp), up) in experts.iter().zip(g.chunks_mut(f)).zip(u.chunks_mut(f)) {
+        if let Some(b) = &w.gate_bias {
+            ops::add_bias_rows(gp, &b[ex * f..(ex + 1) * f]);
+        }
+        if let Some(b) = &w.up_bias {
+            ops::add_bias_rows(up, &b[ex * f..(ex + 1) * f]);
+        }
+        gated_activation(act, gp, up);
+    }
+    Ok(g)
+}
+
+/// [`Backend::expert_down`] of a one-row step, every product in one parallel region: each
+/// pair's row of `y` `[pairs][n_embd]`, the floats of [`expert_output`].
+fn flat_down(w: &MoeWeights, h: &[f32], experts: &[(usize, ExpertBytes<'_>)], y: &mut [f32]) -> Result<(), ModelError> {
+    let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+    let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.down_exps.name));
+    let hq = h
+        .chunks(f)
+        .take(experts.len())
+        .map(|hp| {
+            let mut q = ts_cpu::QuantizedRows::new();
+            q.quantize(w.down_exps.ty, hp, f).map(|()| q)
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(cerr)?;
+    let mut products: Vec<ts_cpu::Matvec<'_>> = experts
+        .iter()
+        .zip(&hq)
+        .zip(y.chunks_mut(e))
+        .map(|(((_, bytes), x), out)| ts_cpu::Matvec {
+            weight_ty: w.down_exps.ty,
+            w: bytes.down,
+            n_out: e,
+            k: f,
+            packed: bytes.packed[2],
+            x,
+            out,
+        })
+        .collect();
+    ts_cpu::matvecs(&mut products).map_err(cerr)?;
+    if let Some(b) = &w.down_bias {
+        for ((ex, _), yp) in experts.iter().zip(y.chunks_mut(e)) {
+            ops::add_bias_rows(yp, &b[ex * e..(ex + 1) * e]);
+        }
+    }
+    Ok(())
 }
 
 /// Calls `f(expert, its bytes, its pairs, scratch)` for each expert `at` that some pair of
@@ -502,7 +642,8 @@ fn map_experts<T: Send>(
             (now, later)
         }
     };
-    if (routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || expert_tasks_in_decode()) && ready.len() > 1 {
+    let tasks = routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || decode_experts() == DecodeExperts::Tasks;
+    if tasks && ready.len() > 1 {
         use rayon::prelude::*;
         let results: Vec<Result<T, ModelError>> =
             ready.par_iter().map_init(|| s.same_mode(), |sc, &(ex, bytes)| f(ex, bytes, &pairs_of[ex], sc)).collect();
