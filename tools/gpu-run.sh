@@ -95,6 +95,16 @@ synth() {
     [[ -f $f ]] || "$B"/turbospark synth --like "$1" -o "$f" 2>&1 | tail -1 >&2
     echo "$f"
 }
+# Waits (up to 10 minutes each) for every build `peer-build` queued: rows whose work is on the
+# host's CPU are not measured beside a compiler (2026-12-03: ours with --expert-misses cpu ran at
+# 10.5 tok/s beside ik_llama.cpp's build, 87-89 without).
+wait_peer_builds() {
+    local log i
+    for log in /tmp/lcbuild.log /tmp/ikbuild.log; do
+        [[ -f $log ]] || continue
+        for i in $(seq 60); do grep -q "^built" $log && break; sleep 10; done
+    done
+}
 # The LIKEs given, or the two MoE shapes.
 likes_or_default() {
     if (($#)); then echo "$@"; else echo gpt-oss-20b qwen3-30b-a3b; fi
@@ -244,13 +254,15 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
         if ((q > 0)); then
             # SIDE_MISSES="copy cpu": the quarter tier with each --expert-misses (default copy).
             for misses in ${SIDE_MISSES:-copy}; do
+                [[ $misses != copy ]] && wait_peer_builds
                 echo "== $like, turbospark: a quarter of the expert bytes in VRAM, --expert-misses $misses"
                 "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" --expert-misses "$misses" -p 512 -n 64 -r 2 \
                     2>&1 | tee -a "$OUT/side-$like.log" | grep -E "^\||tok/s|error|RSS"
             done
         fi
+        # Both builds done first: the peers' experts-on-CPU rows need the host's cores.
+        wait_peer_builds
         if [[ -f /tmp/lcbuild.log ]]; then
-            for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
             tail -1 /tmp/lcbuild.log
             echo "== $like, llama.cpp: every layer on the GPU"
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
@@ -302,8 +314,9 @@ fi
 if [[ $what == cpu-sweep ]]; then
     # `cpu-sweep LIKE...` with SWEEP="A=1;A=0" and THREADS="4 8 16": the machine's CPU alone (GPU
     # hidden), experts resident, under each setting of a build's measurement knobs at each
-    # thread count, one process each (CPU_BENCH gives other bench flags).
+    # thread count, one process each (CPU_BENCH gives other bench flags), then the peers.
     shift
+    wait_peer_builds
     for like in "$@"; do
         f=$(synth "$like")
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
@@ -311,6 +324,16 @@ if [[ $what == cpu-sweep ]]; then
             for setting in "${settings[@]}"; do
                 echo "== $like, -t $t, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
                 env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$t" --experts resident \
+                    ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
+            done
+            # The peers `peer-build` built (CUDA builds, the GPU hidden), same flags; ik_llama.cpp
+            # with its run-time repack, as issue 16 measures it.
+            for peer in lc ik; do
+                [[ -f /tmp/${peer}build.log ]] || continue
+                extra=""
+                [[ $peer == ik ]] && extra="-rtr 1"
+                echo "== $like, -t $t, ${peer/lc/llama.cpp} llama-bench $extra"
+                env CUDA_VISIBLE_DEVICES= /tmp/${peer}build/bin/llama-bench -m "$f" -t "$t" -ngl 0 $extra \
                     ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
             done
         done
