@@ -8,7 +8,7 @@ use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
 use crate::speculative::{DraftLength, Drafter, SpecOptions};
 use std::path::Path;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use ts_model::{Backend, Cpu, ExpertPlacement, Model, ModelError, SeqState, Snapshot};
 use ts_tokenizer::Tokenizer;
@@ -48,7 +48,8 @@ pub struct Engine<B: Backend = Cpu> {
     tokenizer: Option<Tokenizer>,
     /// The file's chat template, if it has one.
     pub template: Option<ChatTemplate>,
-    pool: rayon::ThreadPool,
+    /// Shared with a draft model's engine ([`Engine::share_threads`]).
+    pool: Arc<rayon::ThreadPool>,
     /// Rows per forward step during prefill.
     pub n_batch: usize,
     /// Keep activations in f32 for quantized weights (see `Scratch::exact`).
@@ -134,7 +135,7 @@ impl Engine {
             model,
             tokenizer,
             template,
-            pool,
+            pool: Arc::new(pool),
             n_batch: 512,
             exact_activations: false,
             grammars: OnceLock::new(),
@@ -180,6 +181,13 @@ impl<B: Backend> Engine<B> {
     pub fn grammars(&self) -> Result<&Grammars, EngineError> {
         let tokenizer = self.tokenizer()?;
         Ok(self.grammars.get_or_init(|| Grammars::new(tokenizer)).as_ref().map_err(Clone::clone)?)
+    }
+
+    /// Runs this engine's steps on `with`'s threads: a draft model and its target take turns,
+    /// and two pools would leave one pool's threads waking and spinning beside the other's on
+    /// the same cores.
+    pub fn share_threads<C: Backend>(&mut self, with: &Engine<C>) {
+        self.pool = with.pool.clone();
     }
 
     /// Runs `f` on the engine's thread pool (the forward pass's threads).

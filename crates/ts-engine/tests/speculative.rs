@@ -3,8 +3,8 @@
 //! multi-row steps are not bit-identical) give the same tokens with guesses (prompt lookup;
 //! guesses of the plain run's tokens with every third wrong, so that the hybrid
 //! families' recurrent state is restored and run again; and a draft model:
-//! another type variant of the same fixture) as without; a draft model of
-//! another vocabulary is refused by name.
+//! another type variant of the same fixture, on the target's threads) as without; a draft
+//! model of another vocabulary is refused by name.
 
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, StopReason};
@@ -105,7 +105,9 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
             }
             // Another variant of the same fixture guesses: mostly right, sometimes not.
             for draft_fx in variants.iter().filter(|f| f.variant != target_fx.variant) {
-                let draft = engine(&draft_fx.model);
+                // On the target's threads, as the CLI loads a draft model.
+                let mut draft = engine(&draft_fx.model);
+                draft.share_threads(&target);
                 let tok = target.tokenizer().unwrap();
                 let mut d = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
                 let (guessed, s) = generate(&target, &sampler, 40, Some(&mut d));
@@ -122,6 +124,22 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
     }
     // The rewinding paths ran.
     assert!(drafted > 0 && rejected > 0, "{drafted} guesses, {rejected} rejected");
+}
+
+/// A draft engine given its target's threads runs its steps on them: with one thread each,
+/// both run on the same thread, which two pools would not.
+#[test]
+fn a_draft_model_runs_on_its_targets_threads() {
+    let dir = ts_testkit::fixtures_dir();
+    let one = |name: &str| {
+        let path = dir.join(format!("{name}/model-q8_0.gguf"));
+        Engine::load(path, &LoadOptions { threads: 1, experts: ExpertPlacement::Mapped }).unwrap()
+    };
+    let (target, mut draft) = (one("llama"), one("llama"));
+    let thread = |e: &Engine| e.install(|| std::thread::current().id());
+    assert_ne!(thread(&target), thread(&draft), "two engines start with pools of their own");
+    draft.share_threads(&target);
+    assert_eq!(thread(&target), thread(&draft), "the draft's steps run on the target's thread");
 }
 
 #[test]

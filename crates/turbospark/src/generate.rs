@@ -194,11 +194,12 @@ impl SpecArgs {
         Ok(())
     }
 
-    /// The draft model, loaded for the CPU with the target's threads (every weight resident).
-    pub fn load_draft(&self, global: &GlobalOptions, args: &ModelArgs) -> Result<Option<Engine>> {
+    /// The draft model, loaded for the CPU on `target`'s threads (every weight resident).
+    pub fn load_draft(&self, global: &GlobalOptions, args: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
         let Some(path) = &self.draft_model else { return Ok(None) };
         let opts = LoadOptions { threads: global.threads()?, experts: ExpertPlacement::Mapped };
         let mut draft = Engine::load(path, &opts).context("--draft-model")?;
+        draft.share_threads(target);
         draft.n_batch = args.batch;
         draft.exact_activations = args.exact_activations;
         Ok(Some(draft))
@@ -503,7 +504,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     let spec = args.spec.options()?;
     let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model)?;
+    let draft = args.spec.load_draft(global, &args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
         &engine,
         draft.as_ref(),
@@ -552,7 +553,7 @@ pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     let spec = args.spec.options()?;
     let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model)?;
+    let draft = args.spec.load_draft(global, &args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| chat_on(
         &engine,
         draft.as_ref(),
