@@ -530,25 +530,10 @@ fn flat_gate_up(
     let mut products = Vec::with_capacity(2 * experts.len());
     for ((_, bytes), (gp, up)) in experts.iter().zip(g.chunks_mut(f).zip(u.chunks_mut(f))) {
         let xu = xu.as_ref().unwrap_or(&xg);
-        let (gate_ty, up_ty) = (w.gate_exps.ty, w.up_exps.ty);
-        products.push(ts_cpu::Matvec {
-            weight_ty: gate_ty,
-            w: bytes.gate,
-            n_out: f,
-            k: e,
-            packed: bytes.packed[0],
-            x: &xg,
-            out: gp,
-        });
-        products.push(ts_cpu::Matvec {
-            weight_ty: up_ty,
-            w: bytes.up,
-            n_out: f,
-            k: e,
-            packed: bytes.packed[1],
-            x: xu,
-            out: up,
-        });
+        let gate = (w.gate_exps.ty, bytes.gate, bytes.packed[0], &xg, gp);
+        for (weight_ty, w, packed, x, out) in [gate, (w.up_exps.ty, bytes.up, bytes.packed[1], xu, up)] {
+            products.push(ts_cpu::Matvec { weight_ty, w, n_out: f, k: e, packed, x, out });
+        }
     }
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
     for (((ex, _), gp), up) in experts.iter().zip(g.chunks_mut(f)).zip(u.chunks_mut(f)) {
