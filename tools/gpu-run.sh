@@ -313,29 +313,28 @@ if [[ $what == sweep ]]; then
 fi
 if [[ $what == cpu-sweep ]]; then
     # `cpu-sweep LIKE...` with SWEEP="A=1;A=0" and THREADS="4 8 16": the machine's CPU alone (GPU
-    # hidden), experts resident, under each setting of a build's measurement knobs at each
-    # thread count, one process each (CPU_BENCH gives other bench flags), then the peers.
+    # hidden), experts resident, under each setting of a build's measurement knobs, one process
+    # each running every thread count (`bench -t 4,8,16`; CPU_BENCH gives other bench flags),
+    # then the peers `peer-build` built (CUDA builds, the GPU hidden) with the same flags,
+    # ik_llama.cpp with its run-time repack, as issue 16 measures it.
     shift
     wait_peer_builds
+    counts=$(echo ${THREADS:-16} | tr ' ' ',')
     for like in "$@"; do
         f=$(synth "$like")
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
-        for t in ${THREADS:-16}; do
-            for setting in "${settings[@]}"; do
-                echo "== $like, -t $t, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
-                env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$t" --experts resident \
-                    ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
-            done
-            # The peers `peer-build` built (CUDA builds, the GPU hidden), same flags; ik_llama.cpp
-            # with its run-time repack, as issue 16 measures it.
-            for peer in lc ik; do
-                [[ -f /tmp/${peer}build.log ]] || continue
-                extra=""
-                [[ $peer == ik ]] && extra="-rtr 1"
-                echo "== $like, -t $t, ${peer/lc/llama.cpp} llama-bench $extra"
-                env CUDA_VISIBLE_DEVICES= /tmp/${peer}build/bin/llama-bench -m "$f" -t "$t" -ngl 0 $extra \
-                    ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
-            done
+        for setting in "${settings[@]}"; do
+            echo "== $like, -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
+            env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$counts" --experts resident \
+                ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
+        done
+        for peer in lc ik; do
+            [[ -f /tmp/${peer}build.log ]] || continue
+            extra=""
+            [[ $peer == ik ]] && extra="-rtr 1"
+            echo "== $like, -t $counts, ${peer/lc/llama.cpp} llama-bench $extra"
+            env CUDA_VISIBLE_DEVICES= /tmp/${peer}build/bin/llama-bench -m "$f" -t "$counts" -ngl 0 $extra \
+                ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
         done
     done
 fi

@@ -106,13 +106,19 @@ impl GenerationStats {
     }
 }
 
+/// A rayon pool of `threads` threads for an engine's steps.
+fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, EngineError> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
+    Ok(Arc::new(pool))
+}
+
 impl Engine {
     pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Engine, EngineError> {
         let path = path.as_ref();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(opts.threads)
-            .build()
-            .map_err(|e| EngineError::Invalid(format!("thread pool: {e}")))?;
+        let pool = thread_pool(opts.threads)?;
         let model = Model::open(path, opts.experts.clone())?;
         let file = ts_gguf::GgufFile::open(path)?;
         let (tokenizer, template) = match file.metadata().str("tokenizer.ggml.model")? {
@@ -135,7 +141,7 @@ impl Engine {
             model,
             tokenizer,
             template,
-            pool: Arc::new(pool),
+            pool,
             n_batch: 512,
             exact_activations: false,
             grammars: OnceLock::new(),
@@ -181,6 +187,13 @@ impl<B: Backend> Engine<B> {
     pub fn grammars(&self) -> Result<&Grammars, EngineError> {
         let tokenizer = self.tokenizer()?;
         Ok(self.grammars.get_or_init(|| Grammars::new(tokenizer)).as_ref().map_err(Clone::clone)?)
+    }
+
+    /// A new pool of `threads` threads for this engine's steps (a draft sharing the old one
+    /// keeps it until given this one again).
+    pub fn set_threads(&mut self, threads: usize) -> Result<(), EngineError> {
+        self.pool = thread_pool(threads)?;
+        Ok(())
     }
 
     /// Runs this engine's steps on `with`'s threads: a draft model and its target take turns,

@@ -58,30 +58,64 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     if args.repetitions == 0 {
         bail!("--repetitions must be at least 1");
     }
-    let threads = global.threads()?;
+    // `-t 1,4,8`: the model loads once, with the first count, and each count runs every test.
+    let counts = global.thread_counts()?;
+    let mut first = global.clone();
+    first.threads = counts[..1].to_vec();
+    let global = &first;
     let spec = args.spec.options()?;
     let (mut engine, _, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(global, &args.model, &engine)?;
     let path = global.model(None)?;
-    crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
-        &engine,
-        draft.as_ref(),
+    crate::on_device!(global, engine, draft, cuda, |engine, draft| run_counts(
+        engine,
+        draft,
         spec.as_ref(),
-        threads,
+        &counts,
         args,
         &path
     ))
 }
 
-fn run_on<B: ts_model::Backend>(
+/// Every test at each thread count, then one report.
+fn run_counts<B: ts_model::Backend>(
+    mut engine: Engine<B>,
+    mut draft: Option<Engine<B>>,
+    spec: Option<&SpecOptions>,
+    counts: &[usize],
+    args: &BenchArgs,
+    path: &std::path::Path,
+) -> Result<()> {
+    let mut runs = Vec::with_capacity(counts.len());
+    for (i, &threads) in counts.iter().enumerate() {
+        if i > 0 {
+            engine.set_threads(threads)?;
+            if let Some(d) = draft.as_mut() {
+                d.share_threads(&engine);
+            }
+        }
+        runs.push(measure(&engine, draft.as_ref(), spec, threads, args)?);
+    }
+    report(&engine, &runs, args, path)
+}
+
+/// One thread count's figures: (test, (mean tok/s, deviation)), the expert cache's counters
+/// per test (with the tokens they cover) and the drafter's per `+spec` test.
+struct Measured {
+    threads: usize,
+    results: Vec<(String, (f64, f64))>,
+    cache_lines: Vec<(String, ts_model::StatsSnapshot, usize)>,
+    spec_lines: Vec<(String, ts_engine::session::GenerationStats, usize)>,
+}
+
+fn measure<B: ts_model::Backend>(
     engine: &Engine<B>,
     draft: Option<&Engine<B>>,
     spec: Option<&SpecOptions>,
     threads: usize,
     args: &BenchArgs,
-    path: &std::path::Path,
-) -> Result<()> {
+) -> Result<Measured> {
     let n_ctx = args.n_prompt.max(args.n_gen).max(1);
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
@@ -206,60 +240,81 @@ fn run_on<B: ts_model::Backend>(
         }
     }
 
+    Ok(Measured { threads, results, cache_lines, spec_lines })
+}
+
+/// The table (or JSON: one object per thread count) of every run, peak RSS, the weights a
+/// token reads, and the cache's and drafter's lines.
+fn report<B: ts_model::Backend>(
+    engine: &Engine<B>,
+    runs: &[Measured],
+    args: &BenchArgs,
+    path: &std::path::Path,
+) -> Result<()> {
     let cfg = &engine.model.cfg;
     let file_size = ts_gguf::GgufFile::open(path)?.header.tensor_bytes_total();
     let rss = peak_rss_bytes().unwrap_or(0);
     let per_token = engine.model.weights.bytes_per_token(cfg.moe.as_ref().map_or(0, |m| m.n_expert_used));
     let model_name = path.file_name().map(|f| f.to_string_lossy().to_string()).unwrap_or_default();
     if args.json {
-        let tests: Vec<_> = results
-            .iter()
-            .map(|(t, (m, s))| {
-                let cache = cache_lines.iter().find(|c| &c.0 == t).map(|(_, st, n)| {
-                    let total = st.total();
-                    json!({
-                        "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate(),
-                        "bytes_read": total.bytes_read, "bytes_read_per_token": total.bytes_read as f64 / *n as f64,
-                        "read_seconds": total.read_time.as_secs_f64(), "wait_seconds": total.wait_time.as_secs_f64(),
-                        "slots": st.slots, "slot_bytes": st.slot_bytes, "source": st.source, "measures_wait": st.measures_wait, "policy": st.policy,
-                    })
-                });
-                let spec = spec_lines.iter().find(|l| &l.0 == t).map(|(_, st, n)| {
-                    json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n,
-                           "acceptance": st.acceptance(), "speed_up": speed_up(&results, t),
-                           "tokens_per_step": (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64})
-                });
-                json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache, "speculative": spec})
-            })
-            .collect();
-        let out = json!({
-            "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
-            "backend": engine.model.backend.name(), "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
-            "tests": tests, "peak_rss_bytes": rss,
-            "weight_bytes_per_token": per_token,
-        });
-        return crate::write_stdout(format!("{out}\n").as_bytes());
+        let mut lines = String::new();
+        for Measured { threads, results, cache_lines, spec_lines } in runs {
+            let tests: Vec<_> = results
+                .iter()
+                .map(|(t, (m, s))| {
+                    let cache = cache_lines.iter().find(|c| &c.0 == t).map(|(_, st, n)| {
+                        let total = st.total();
+                        json!({
+                            "hits": total.hits, "misses": total.misses, "hit_rate": total.hit_rate(),
+                            "bytes_read": total.bytes_read, "bytes_read_per_token": total.bytes_read as f64 / *n as f64,
+                            "read_seconds": total.read_time.as_secs_f64(), "wait_seconds": total.wait_time.as_secs_f64(),
+                            "slots": st.slots, "slot_bytes": st.slot_bytes, "source": st.source, "measures_wait": st.measures_wait, "policy": st.policy,
+                        })
+                    });
+                    let spec = spec_lines.iter().find(|l| &l.0 == t).map(|(_, st, n)| {
+                        json!({"steps": st.spec_steps, "drafted": st.drafted, "accepted": st.accepted, "generated": n,
+                               "acceptance": st.acceptance(), "speed_up": speed_up(results, t),
+                               "tokens_per_step": (st.accepted + st.spec_steps) as f64 / st.spec_steps.max(1) as f64})
+                    });
+                    json!({"test": t, "tokens_per_second": m, "stddev": s, "expert_cache": cache, "speculative": spec})
+                })
+                .collect();
+            let out = json!({
+                "model": model_name, "architecture": cfg.arch.gguf_name(), "file_bytes": file_size,
+                "backend": engine.model.backend.name(), "threads": threads, "experts": engine.model.experts.kind(), "repetitions": args.repetitions,
+                "tests": tests, "peak_rss_bytes": rss,
+                "weight_bytes_per_token": per_token,
+            });
+            lines += &format!("{out}\n");
+        }
+        return crate::write_stdout(lines.as_bytes());
     }
     let mut s = String::new();
     s += "| model | arch | size | backend | threads | experts | test | t/s |\n";
     s += "| --- | --- | ---: | --- | ---: | --- | ---: | ---: |\n";
-    for (test, (mean, sd)) in &results {
-        s += &format!(
-            "| {model_name} | {} | {:.2} MiB | {} | {threads} | {} | {test} | {mean:.2} ± {sd:.2} |\n",
-            cfg.arch.gguf_name(),
-            file_size as f64 / (1 << 20) as f64,
-            engine.model.backend.name(),
-            engine.model.experts.kind()
-        );
+    for Measured { threads, results, .. } in runs {
+        for (test, (mean, sd)) in results {
+            s += &format!(
+                "| {model_name} | {} | {:.2} MiB | {} | {threads} | {} | {test} | {mean:.2} ± {sd:.2} |\n",
+                cfg.arch.gguf_name(),
+                file_size as f64 / (1 << 20) as f64,
+                engine.model.backend.name(),
+                engine.model.experts.kind()
+            );
+        }
     }
     s += &format!("\npeak RSS {:.1} MiB\n", rss as f64 / (1 << 20) as f64);
     s += &format!("weights read per generated token: {:.1} MiB\n", per_token as f64 / (1 << 20) as f64);
-    for (test, st, n) in &cache_lines {
-        s += &format!("{test}: {}\n", crate::stats::summary(st, *n));
-    }
-    for (test, st, generated) in &spec_lines {
-        let speedup = speed_up(&results, test).map_or(String::new(), |x| format!(", speed-up {x:.2}x"));
-        s += &format!("{test}: {}, {generated} tokens{speedup}\n", crate::generate::spec_summary(st));
+    for Measured { threads, results, cache_lines, spec_lines } in runs {
+        // With several thread counts each line names its count.
+        let at = if runs.len() > 1 { format!("-t {threads}, ") } else { String::new() };
+        for (test, st, n) in cache_lines {
+            s += &format!("{at}{test}: {}\n", crate::stats::summary(st, *n));
+        }
+        for (test, st, generated) in spec_lines {
+            let speedup = speed_up(results, test).map_or(String::new(), |x| format!(", speed-up {x:.2}x"));
+            s += &format!("{at}{test}: {}, {generated} tokens{speedup}\n", crate::generate::spec_summary(st));
+        }
     }
     crate::write_stdout(s.as_bytes())
 }

@@ -24,14 +24,15 @@ struct Cli {
 }
 
 /// Options every command shares.
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct GlobalOptions {
     /// Path to a GGUF model file.
     #[arg(short = 'm', long = "model", global = true, env = "TURBOSPARK_MODEL")]
     model: Option<PathBuf>,
-    /// Worker threads (default: one per physical core this process may use, as llama.cpp).
-    #[arg(short = 't', long = "threads", global = true, env = "TURBOSPARK_THREADS")]
-    threads: Option<usize>,
+    /// Worker threads (default: one per physical core this process may use, as llama.cpp);
+    /// `bench` also takes a list, e.g. `1,4,8,16`, as llama-bench does.
+    #[arg(short = 't', long = "threads", global = true, env = "TURBOSPARK_THREADS", value_delimiter = ',')]
+    threads: Vec<usize>,
     /// Compute device: `cpu` or `cuda[:N]`.
     #[arg(long = "device", global = true, default_value = "cpu", env = "TURBOSPARK_DEVICE")]
     device: String,
@@ -128,19 +129,33 @@ impl GlobalOptions {
         Ok(device)
     }
 
+    /// The thread count; a list is refused by name (only `bench` runs several).
     fn threads(&self) -> Result<usize> {
-        match self.threads {
-            Some(0) => bail!("--threads must be at least 1"),
-            Some(n) => Ok(n),
-            None => Ok(ts_cpu::topology::default_threads()),
+        match self.thread_counts()?[..] {
+            [n] => Ok(n),
+            _ => bail!("--threads {}: a list of thread counts is for `bench`; give one", self.threads_text()),
         }
+    }
+
+    /// Every thread count given (the default where none is), each at least 1.
+    fn thread_counts(&self) -> Result<Vec<usize>> {
+        if self.threads.contains(&0) {
+            bail!("--threads {}: each count must be at least 1", self.threads_text());
+        }
+        Ok(if self.threads.is_empty() { vec![ts_cpu::topology::default_threads()] } else { self.threads.clone() })
+    }
+
+    fn threads_text(&self) -> String {
+        self.threads.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     let global = &cli.global;
     global.device()?;
-    global.threads()?;
+    if !matches!(cli.command, Command::Bench(_)) {
+        global.threads()?;
+    }
     match cli.command {
         Command::Inspect { file, json, all_metadata } => inspect::run(&global.model(file)?, json, all_metadata),
         Command::Tokenize(args) => tokenize::run(&global.model(None)?, &args),

@@ -44,7 +44,7 @@ pub fn run(global: &GlobalOptions, args: &SynthArgs) -> Result<()> {
         layers: args.layers,
         routing: ts_synth::Routing::parse(&args.routing)?,
         seed: args.seed,
-        threads: global.threads.map(|_| global.threads()).transpose()?,
+        threads: (!global.threads.is_empty()).then(|| global.threads()).transpose()?,
     };
     let mut plan = ts_synth::Plan::new(&spec, &opts)?;
     if let Some(source) = &args.tokenizer_from {

@@ -91,3 +91,42 @@ fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `bench -t 1,2` (llama-bench's thread lists) loads the model once and runs every test at each
+/// count, one JSON object per count; the table has a row per count and test. Other commands
+/// refuse a list by name, and every command a count of 0.
+#[test]
+fn bench_runs_each_thread_count_of_a_list() {
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_turbospark"))
+            .args(["bench", "-m", model.to_str().unwrap(), "-t", "1,2", "-p", "8", "-n", "4", "-r", "1"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = bench(&["--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let runs: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(runs.iter().map(|r| r["threads"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
+    for r in &runs {
+        let tests: Vec<&str> = r["tests"].as_array().unwrap().iter().map(|t| t["test"].as_str().unwrap()).collect();
+        assert_eq!(tests, ["pp8", "tg4"], "{r}");
+        assert!(r["tests"][1]["tokens_per_second"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let out = bench(&[]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    for (threads, test) in [(1, "pp8"), (1, "tg4"), (2, "pp8"), (2, "tg4")] {
+        assert!(table.contains(&format!("| cpu | {threads} | resident | {test} |")), "{table}");
+    }
+    let refused = |args: &[&str], says: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_turbospark")).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    };
+    let m = model.to_str().unwrap();
+    refused(&["run", "-m", m, "-t", "1,2", "-p", "hi", "-n", "1"], "a list of thread counts is for `bench`");
+    refused(&["tokenize", "-m", m, "-t", "2,4", "-p", "hi"], "a list of thread counts is for `bench`");
+    refused(&["bench", "-m", m, "-t", "2,0"], "each count must be at least 1");
+}
