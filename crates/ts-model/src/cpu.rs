@@ -91,6 +91,19 @@ impl Backend for Cpu {
         Ok(out)
     }
 
+    fn linears(
+        &self,
+        ws: &[(&Weight, Option<&[f32]>)],
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if m != 1 || s.exact_activations || ws.len() < 2 || decode_products() != DecodeProducts::Flat {
+            return ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect();
+        }
+        flat_linears(ws, x)
+    }
+
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
         ops::rms_norm_pieces(x, piece, w, eps);
         Ok(())
@@ -458,29 +471,69 @@ pub struct CpuRoutes {
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
 
-/// How a one-row step (decode) runs its experts' products (`TURBOSPARK_DECODE_EXPERTS`, a
-/// measurement knob for the 16-core machine, issue 16).
+/// How a one-row step (decode) runs its products over the threads (`TURBOSPARK_DECODE_PRODUCTS`,
+/// a measurement knob for the 16-core machine, issue 16).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum DecodeExperts {
+enum DecodeProducts {
     /// `split`: each product is its own parallel region over the threads (24 a layer for top-8).
     Split,
     /// `tasks`: each expert a parallel task, its products split further over idle threads.
     Tasks,
     /// `flat`: all the experts' gate and up products in one region, their down products in
-    /// another, the products' runs of rows taken in order by the free threads (`ts_cpu::matvecs`).
+    /// another, and the attention's q, k and v in one, the products' runs of rows taken in
+    /// order by the free threads (`ts_cpu::matvecs`).
     Flat,
 }
 
-fn decode_experts() -> DecodeExperts {
-    static MODE: std::sync::OnceLock<DecodeExperts> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var("TURBOSPARK_DECODE_EXPERTS").as_deref() {
-        Ok("tasks") => DecodeExperts::Tasks,
-        Ok("flat") => DecodeExperts::Flat,
-        _ => DecodeExperts::Split,
+fn decode_products() -> DecodeProducts {
+    static MODE: std::sync::OnceLock<DecodeProducts> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("TURBOSPARK_DECODE_PRODUCTS").as_deref() {
+        Ok("tasks") => DecodeProducts::Tasks,
+        Ok("flat") => DecodeProducts::Flat,
+        _ => DecodeProducts::Split,
     })
 }
 
-/// Each pair's expert and its bytes, in pair order, where [`DecodeExperts::Flat`] applies: a
+/// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]): the
+/// floats of one [`linear`] each, the row quantized once per weight type.
+fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
+    let k = x.len();
+    let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", ws[0].0.name));
+    let mut quantized: Vec<(ts_gguf::GgmlType, ts_cpu::QuantizedRows)> = Vec::new();
+    for (w, _) in ws {
+        if w.row_len() != k {
+            return Err(ModelError::Compute(format!("{}: rows of {} for an input of {k}", w.name, w.row_len())));
+        }
+        if !quantized.iter().any(|(ty, _)| *ty == w.ty) {
+            let mut q = ts_cpu::QuantizedRows::new();
+            q.quantize(w.ty, x, k).map_err(cerr)?;
+            quantized.push((w.ty, q));
+        }
+    }
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect();
+    let mut products: Vec<ts_cpu::Matvec<'_>> = ws
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|((w, _), out)| ts_cpu::Matvec {
+            weight_ty: w.ty,
+            w: w.bytes(),
+            n_out: w.n_rows(),
+            k,
+            packed: false,
+            x: &quantized.iter().find(|(ty, _)| *ty == w.ty).expect("quantized for every type").1,
+            out,
+        })
+        .collect();
+    ts_cpu::matvecs(&mut products).map_err(cerr)?;
+    for ((_, bias), out) in ws.iter().zip(outs.iter_mut()) {
+        if let Some(b) = bias {
+            ops::add_bias_rows(out, b);
+        }
+    }
+    Ok(outs)
+}
+
+/// Each pair's expert and its bytes, in pair order, where [`DecodeProducts::Flat`] applies: a
 /// one-row step with 8-bit activations whose experts are all in memory now; else None.
 fn flat_experts<'a>(
     w: &'a MoeWeights,
@@ -488,7 +541,7 @@ fn flat_experts<'a>(
     at: &'a ExpertsAt<'_, ExpertSet<'_>>,
     s: &Scratch,
 ) -> Result<Option<Vec<(usize, ExpertBytes<'a>)>>, ModelError> {
-    if decode_experts() != DecodeExperts::Flat || s.exact_activations || routes.ids.len() != routes.k {
+    if decode_products() != DecodeProducts::Flat || s.exact_activations || routes.ids.len() != routes.k {
         return Ok(None);
     }
     let mut experts = Vec::with_capacity(routes.ids.len());
@@ -627,7 +680,8 @@ fn map_experts<T: Send>(
             (now, later)
         }
     };
-    let tasks = routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || decode_experts() == DecodeExperts::Tasks;
+    let tasks =
+        routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || decode_products() == DecodeProducts::Tasks;
     if tasks && ready.len() > 1 {
         use rayon::prelude::*;
         let results: Vec<Result<T, ModelError>> =
