@@ -272,10 +272,10 @@ struct OutPtr(*mut f32);
 // SAFETY: each task writes only its own run of rows (see `matvecs`).
 unsafe impl Sync for OutPtr {}
 
-/// Several one-row products in one parallel region instead of one region each: the products'
-/// tasks (runs of weight rows, as [`matmul`] splits them), taken in order by whichever thread is
-/// free, so the threads read neighbouring rows of one matrix at a time. Each output row equals
-/// what [`matmul`] gives for that product.
+/// Several one-row products in one parallel region instead of one region each: each product's
+/// tasks (runs of weight rows, as [`matmul`] splits them) in one contiguous run per thread, the
+/// runs taken product by product by whichever thread is free. Each output row equals what
+/// [`matmul`] gives for that product.
 pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
     let mut plans = Vec::with_capacity(products.len());
     let mut outs = Vec::with_capacity(products.len());
@@ -290,32 +290,33 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
             outs.push(OutPtr(p.out.as_mut_ptr()));
         }
     }
-    // first[i]: the first task of product i in the shared order.
-    let mut first = Vec::with_capacity(plans.len() + 1);
-    first.push(0);
-    for plan in &plans {
-        first.push(first.last().copied().unwrap_or(0) + plan.tasks());
-    }
-    let total = first.last().copied().unwrap_or(0);
+    // Each product's tasks in one contiguous run per thread, the runs product by product: the
+    // threads take one product's runs at a time, each streaming its own part of the matrix as
+    // one region per product would have it do.
+    let threads = rayon::current_num_threads();
+    let runs: Vec<(usize, std::ops::Range<usize>)> = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, plan)| {
+            let (tasks, n) = (plan.tasks(), threads.min(plan.tasks()));
+            (0..n).map(move |r| (i, r * tasks / n..(r + 1) * tasks / n))
+        })
+        .collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let work = || {
-        loop {
-            let t = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if t >= total {
-                break;
+        while let Some((i, tasks)) = runs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            let plan = &plans[*i];
+            for task in tasks.clone() {
+                let start = task * plan.rows_per_task;
+                let rows = plan.rows_per_task.min(plan.n_out - start);
+                // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for
+                // this call; task `task` alone writes `start..start + rows` of them.
+                let out = unsafe { std::slice::from_raw_parts_mut(outs[*i].0.add(start), rows) };
+                plan.run(task, &mut [out]);
             }
-            let i = first.partition_point(|&f| f <= t) - 1;
-            let (plan, task) = (&plans[i], t - first[i]);
-            let start = task * plan.rows_per_task;
-            let rows = plan.rows_per_task.min(plan.n_out - start);
-            // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for this
-            // call; task `task` alone writes `start..start + rows` of them.
-            let out = unsafe { std::slice::from_raw_parts_mut(outs[i].0.add(start), rows) };
-            plan.run(task, &mut [out]);
         }
     };
-    let threads = rayon::current_num_threads().min(total);
-    (0..threads).into_par_iter().for_each(|_| work());
+    (0..threads.min(runs.len())).into_par_iter().for_each(|_| work());
     Ok(())
 }
 
