@@ -155,9 +155,10 @@ pub fn matmul_rows_alone(
     dispatch::matmul(Isa::detect(), weight_ty, w, n_out, k, x, out, n_out, false, Layout::Gguf)
 }
 
-/// Several one-row products (decode's routed experts) in one parallel region, their runs of
-/// rows taken in order by the free threads: each output as [`matmul`] (or [`matmul_packed`]
-/// for a packed product) computes it, with one wake-up of the threads for all of them.
+/// Several one-row products (decode's routed experts, a layer's q/k/v) in one parallel region,
+/// each product's rows in one contiguous run per thread, the runs taken product by product by
+/// the free threads: each output as [`matmul`] (or [`matmul_packed`] for a packed product)
+/// computes it, with one wake-up of the threads for all of them.
 pub fn matvecs(products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
     dispatch::matvecs(Isa::detect(), products)
 }

@@ -480,8 +480,7 @@ enum DecodeProducts {
     /// `tasks`: each expert a parallel task, its products split further over idle threads.
     Tasks,
     /// `flat`: all the experts' gate and up products in one region, their down products in
-    /// another, and the attention's q, k and v in one, the products' runs of rows taken in
-    /// order by the free threads (`ts_cpu::matvecs`).
+    /// another, and the attention's q, k and v in one (`ts_cpu::matvecs`).
     Flat,
 }
 
