@@ -117,9 +117,21 @@ fn thread_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, EngineError> {
 
 impl Engine {
     pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Engine, EngineError> {
-        let path = path.as_ref();
-        let pool = thread_pool(opts.threads)?;
-        let model = Model::open(path, opts.experts.clone())?;
+        Self::load_on(path.as_ref(), opts.experts.clone(), thread_pool(opts.threads)?)
+    }
+
+    /// [`Engine::load`] on `with`'s threads (a draft model beside its target, as
+    /// [`Engine::share_threads`] says why).
+    pub fn load_beside<C: Backend>(
+        path: impl AsRef<Path>,
+        experts: ExpertPlacement,
+        with: &Engine<C>,
+    ) -> Result<Engine, EngineError> {
+        Self::load_on(path.as_ref(), experts, with.pool.clone())
+    }
+
+    fn load_on(path: &Path, experts: ExpertPlacement, pool: Arc<rayon::ThreadPool>) -> Result<Engine, EngineError> {
+        let model = Model::open(path, experts)?;
         let file = ts_gguf::GgufFile::open(path)?;
         let (tokenizer, template) = match file.metadata().str("tokenizer.ggml.model")? {
             None | Some("none") | Some("no_vocab") => (None, None),

@@ -106,8 +106,7 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
             // Another variant of the same fixture guesses: mostly right, sometimes not.
             for draft_fx in variants.iter().filter(|f| f.variant != target_fx.variant) {
                 // On the target's threads, as the CLI loads a draft model.
-                let mut draft = engine(&draft_fx.model);
-                draft.share_threads(&target);
+                let draft = Engine::load_beside(&draft_fx.model, ExpertPlacement::Mapped, &target).unwrap();
                 let tok = target.tokenizer().unwrap();
                 let mut d = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
                 let (guessed, s) = generate(&target, &sampler, 40, Some(&mut d));
@@ -126,8 +125,8 @@ fn guesses_leave_the_output_unchanged_on_every_family() {
     assert!(drafted > 0 && rejected > 0, "{drafted} guesses, {rejected} rejected");
 }
 
-/// A draft engine given its target's threads runs its steps on them: with one thread each,
-/// both run on the same thread, which two pools would not.
+/// A draft engine given its target's threads, or loaded beside it, runs its steps on them: with
+/// one thread each, both run on the same thread, which two pools would not.
 #[test]
 fn a_draft_model_runs_on_its_targets_threads() {
     let dir = ts_testkit::fixtures_dir();
@@ -140,6 +139,8 @@ fn a_draft_model_runs_on_its_targets_threads() {
     assert_ne!(thread(&target), thread(&draft), "two engines start with pools of their own");
     draft.share_threads(&target);
     assert_eq!(thread(&target), thread(&draft), "the draft's steps run on the target's thread");
+    let beside = Engine::load_beside(dir.join("llama/model-q8_0.gguf"), ExpertPlacement::Mapped, &target).unwrap();
+    assert_eq!(thread(&target), thread(&beside), "a draft loaded beside its target runs on its thread");
 }
 
 #[test]

@@ -429,14 +429,29 @@ pub fn expert_hidden(
     let (mut g, mut u) = (Vec::new(), Vec::new());
     linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
     linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
+    finish_hidden(w, act, ex, &mut g, &mut u);
+    Ok(g)
+}
+
+/// Expert `ex`'s gate and up products `[n][n_ff_exp]` with their biases, then
+/// `g = act(g, u)`.
+fn finish_hidden(w: &MoeWeights, act: GatedActivation, ex: usize, g: &mut [f32], u: &mut [f32]) {
+    let f = w.gate_exps.n_rows();
     if let Some(b) = &w.gate_bias {
-        ops::add_bias_rows(&mut g, &b[ex * f..(ex + 1) * f]);
+        ops::add_bias_rows(g, &b[ex * f..(ex + 1) * f]);
     }
     if let Some(b) = &w.up_bias {
-        ops::add_bias_rows(&mut u, &b[ex * f..(ex + 1) * f]);
+        ops::add_bias_rows(u, &b[ex * f..(ex + 1) * f]);
     }
-    gated_activation(act, &mut g, &u);
-    Ok(g)
+    gated_activation(act, g, u);
+}
+
+/// Expert `ex`'s down products `[n][n_embd]` with their bias.
+fn finish_output(w: &MoeWeights, ex: usize, d: &mut [f32]) {
+    let e = w.down_exps.n_rows();
+    if let Some(b) = &w.down_bias {
+        ops::add_bias_rows(d, &b[ex * e..(ex + 1) * e]);
+    }
 }
 
 /// Expert `ex`'s `down · h + bias` for the `n` rows `hs` `[n][n_ff_exp]` on the CPU:
@@ -452,9 +467,7 @@ pub fn expert_output(
     let e = w.down_exps.n_rows();
     let mut d = Vec::new();
     linear_bytes(&w.down_exps, bytes.down, bytes.packed[2], e, hs, n, s, &mut d)?;
-    if let Some(b) = &w.down_bias {
-        ops::add_bias_rows(&mut d, &b[ex * e..(ex + 1) * e]);
-    }
+    finish_output(w, ex, &mut d);
     Ok(d)
 }
 
@@ -493,6 +506,13 @@ fn decode_products() -> DecodeProducts {
     })
 }
 
+/// One activation row `x` quantized for weights of `ty`.
+fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRows, ts_cpu::CpuError> {
+    let mut q = ts_cpu::QuantizedRows::new();
+    q.quantize(ty, x, x.len())?;
+    Ok(q)
+}
+
 /// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]): the
 /// floats of one [`linear`] each, the row quantized once per weight type.
 fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -504,9 +524,7 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             return Err(ModelError::Compute(format!("{}: rows of {} for an input of {k}", w.name, w.row_len())));
         }
         if !quantized.iter().any(|(ty, _)| *ty == w.ty) {
-            let mut q = ts_cpu::QuantizedRows::new();
-            q.quantize(w.ty, x, k).map_err(cerr)?;
-            quantized.push((w.ty, q));
+            quantized.push((w.ty, quantized_row(w.ty, x).map_err(cerr)?));
         }
     }
     let mut outs: Vec<Vec<f32>> = ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect();
@@ -571,13 +589,12 @@ fn flat_gate_up(
     experts: &[(usize, ExpertBytes<'_>)],
 ) -> Result<Vec<f32>, ModelError> {
     let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
-    let quantized = |ty| {
-        let mut q = ts_cpu::QuantizedRows::new();
-        q.quantize(ty, &x[..e], e).map(|()| q)
-    };
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.gate_exps.name));
-    let xg = quantized(w.gate_exps.ty).map_err(cerr)?;
-    let xu = if w.up_exps.ty == w.gate_exps.ty { None } else { Some(quantized(w.up_exps.ty).map_err(cerr)?) };
+    let xg = quantized_row(w.gate_exps.ty, &x[..e]).map_err(cerr)?;
+    let xu = match w.up_exps.ty == w.gate_exps.ty {
+        true => None,
+        false => Some(quantized_row(w.up_exps.ty, &x[..e]).map_err(cerr)?),
+    };
     let (mut g, mut u) = (vec![0f32; experts.len() * f], vec![0f32; experts.len() * f]);
     let mut products = Vec::with_capacity(2 * experts.len());
     for ((_, bytes), (gp, up)) in experts.iter().zip(g.chunks_mut(f).zip(u.chunks_mut(f))) {
@@ -589,13 +606,7 @@ fn flat_gate_up(
     }
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
     for (((ex, _), gp), up) in experts.iter().zip(g.chunks_mut(f)).zip(u.chunks_mut(f)) {
-        if let Some(b) = &w.gate_bias {
-            ops::add_bias_rows(gp, &b[ex * f..(ex + 1) * f]);
-        }
-        if let Some(b) = &w.up_bias {
-            ops::add_bias_rows(up, &b[ex * f..(ex + 1) * f]);
-        }
-        gated_activation(act, gp, up);
+        finish_hidden(w, act, *ex, gp, up);
     }
     Ok(g)
 }
@@ -608,10 +619,7 @@ fn flat_down(w: &MoeWeights, h: &[f32], experts: &[(usize, ExpertBytes<'_>)], y:
     let hq = h
         .chunks(f)
         .take(experts.len())
-        .map(|hp| {
-            let mut q = ts_cpu::QuantizedRows::new();
-            q.quantize(w.down_exps.ty, hp, f).map(|()| q)
-        })
+        .map(|hp| quantized_row(w.down_exps.ty, hp))
         .collect::<Result<Vec<_>, _>>()
         .map_err(cerr)?;
     let mut products: Vec<ts_cpu::Matvec<'_>> = experts
@@ -629,10 +637,8 @@ fn flat_down(w: &MoeWeights, h: &[f32], experts: &[(usize, ExpertBytes<'_>)], y:
         })
         .collect();
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
-    if let Some(b) = &w.down_bias {
-        for ((ex, _), yp) in experts.iter().zip(y.chunks_mut(e)) {
-            ops::add_bias_rows(yp, &b[ex * e..(ex + 1) * e]);
-        }
+    for ((ex, _), yp) in experts.iter().zip(y.chunks_mut(e)) {
+        finish_output(w, *ex, yp);
     }
     Ok(())
 }

@@ -66,7 +66,7 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     let spec = args.spec.options()?;
     let (mut engine, _, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model, &engine)?;
+    let draft = args.spec.load_draft(&args.model, &engine)?;
     let path = global.model(None)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_counts(
         engine,

@@ -195,11 +195,9 @@ impl SpecArgs {
     }
 
     /// The draft model, loaded for the CPU on `target`'s threads (every weight resident).
-    pub fn load_draft(&self, global: &GlobalOptions, args: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
+    pub fn load_draft(&self, args: &ModelArgs, target: &Engine) -> Result<Option<Engine>> {
         let Some(path) = &self.draft_model else { return Ok(None) };
-        let opts = LoadOptions { threads: global.threads()?, experts: ExpertPlacement::Mapped };
-        let mut draft = Engine::load(path, &opts).context("--draft-model")?;
-        draft.share_threads(target);
+        let mut draft = Engine::load_beside(path, ExpertPlacement::Mapped, target).context("--draft-model")?;
         draft.n_batch = args.batch;
         draft.exact_activations = args.exact_activations;
         Ok(Some(draft))
@@ -504,7 +502,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
     let spec = args.spec.options()?;
     let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model, &engine)?;
+    let draft = args.spec.load_draft(&args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
         &engine,
         draft.as_ref(),
@@ -553,7 +551,7 @@ pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     let spec = args.spec.options()?;
     let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model, &engine)?;
+    let draft = args.spec.load_draft(&args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| chat_on(
         &engine,
         draft.as_ref(),

@@ -51,7 +51,7 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     });
     let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
     args.spec.prepare(&mut engine)?;
-    let draft = args.spec.load_draft(global, &args.model, &engine)?;
+    let draft = args.spec.load_draft(&args.model, &engine)?;
     // -c is the total, split between the slots; without it each slot gets the model's default.
     let slot_ctx = if args.model.ctx_given() { n_ctx / args.parallel } else { n_ctx };
     if slot_ctx < 16 {
