@@ -143,13 +143,14 @@ if [[ $what == peer-build ]]; then
         src=.peer/$peer-cuda.tar.xz
         # ik_llama.cpp keeps llama-bench among its examples.
         sub=ik_llama.cpp extra=""
-        [[ $peer == llama ]] && sub=llama.cpp extra="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF"
+        [[ $peer == llama ]] && sub=llama.cpp extra="-DLLAMA_BUILD_APP=OFF"
         [[ -f $src ]] || continue
         rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
         : > $dir.log
-        # llama.cpp also builds llama-batched-bench, the peer of `batched`.
+        # llama.cpp also builds llama-batched-bench, the peer of `batched`, and llama-speculative,
+        # the peer of `spec` with a draft model.
         targets="llama-bench"
-        [[ $peer == llama ]] && targets="llama-bench llama-batched-bench"
+        [[ $peer == llama ]] && targets="llama-bench llama-batched-bench llama-speculative"
         chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target $targets) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
         echo "$peer: build queued (log $dir.log)"
     done
@@ -366,6 +367,20 @@ if [[ $what == spec ]]; then
         cmp -s "$OUT/spec-plain-$round.txt" "$OUT/spec-spec-$round.txt" && echo "round $round: same text" \
             || { echo "round $round: the texts differ"; failed=1; }
     done
+    # With a draft model: llama.cpp's plain decode (llama-bench tg128) and llama-speculative on
+    # the same pair and prompt, every layer of both on the GPU, greedy.
+    draft=$(sed -n 's/.*--draft-model \([^ ]*\).*/\1/p' <<< "$flags")
+    if [[ -n $draft && -f /tmp/lcbuild.log ]]; then
+        wait_peer_builds
+        echo "== llama.cpp llama-bench -p 0 -n 128 -r 2 (no draft)"
+        /tmp/lcbuild/bin/llama-bench -m "$2" -ngl 99 -fa 1 -p 0 -n 128 -r 2 2>&1 | grep -E "^\||error"
+        for round in 1 2; do
+            echo "== round $round, llama.cpp llama-speculative -md $(basename "$draft")"
+            /tmp/lcbuild/bin/llama-speculative -m "$2" -md "$draft" -ngl 99 -ngld 99 -fa on -f "$3" -n 256 \
+                --temp 0 > "$OUT/lc-spec-$round.txt" 2> "$OUT/lc-spec-$round.err"
+            grep -E "decoded|accept|n_drafted|error" "$OUT/lc-spec-$round.err"
+        done
+    fi
 fi
 if ((failed)); then
     echo "gpu-run.sh: tests failed (logs in $OUT)" >&2

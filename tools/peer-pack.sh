@@ -18,6 +18,9 @@ stage=$(mktemp -d)
 mkdir -p "$stage/llama.cpp/ggml/src"
 (cd "$src" && cp -r src common include vendor cmake licenses LICENSE CMakeLists.txt "$stage/llama.cpp/")
 (cd "$src" && cp -r tools "$stage/llama.cpp/" && rm -rf "$stage/llama.cpp/tools/ui" "$stage/llama.cpp/tools/server/public"*)
+# The examples, for llama-speculative (the peer of `--draft-model`), less the phone apps.
+(cd "$src" && cp -r examples pocs "$stage/llama.cpp/" \
+    && rm -rf "$stage/llama.cpp/examples/"{llama.android,llama.swiftui,model-conversion,sycl})
 (cd "$src/ggml" && cp -r CMakeLists.txt cmake include "$stage/llama.cpp/ggml/")
 (cd "$src/ggml/src" && find . -maxdepth 1 -type f -exec cp {} "$stage/llama.cpp/ggml/src/" \; \
     && cp -r ggml-cpu ggml-cuda "$stage/llama.cpp/ggml/src/")
