@@ -354,8 +354,10 @@ if [[ $what == spec ]]; then
     # `spec MODEL PROMPT_FILE [FLAGS]`: greedy generation of 256 tokens on the GPU without and
     # with prompt lookup (or FLAGS, e.g. "--spec-mtp"), two interleaved rounds: the speed and
     # acceptance lines `run` writes on stderr, and whether the texts are the same.
+    # SPEC_OURS=0 / SPEC_PEER=0 leave out our runs / llama.cpp's.
     flags=${4:---spec-ngram}
     for round in 1 2; do
+        [[ ${SPEC_OURS:-1} == 0 ]] && break
         for with in plain spec; do
             extra=""
             [[ $with == spec ]] && extra=$flags
@@ -370,7 +372,7 @@ if [[ $what == spec ]]; then
     # With a draft model: llama.cpp's plain decode (llama-bench tg128) and llama-speculative on
     # the same pair and prompt, every layer of both on the GPU, greedy.
     draft=$(sed -n 's/.*--draft-model \([^ ]*\).*/\1/p' <<< "$flags")
-    if [[ -n $draft && -f /tmp/lcbuild.log ]]; then
+    if [[ -n $draft && -f /tmp/lcbuild.log && ${SPEC_PEER:-1} != 0 ]]; then
         wait_peer_builds
         echo "== llama.cpp llama-bench -p 0 -n 128 -r 2 (no draft)"
         /tmp/lcbuild/bin/llama-bench -m "$2" -ngl 99 -fa 1 -p 0 -n 128 -r 2 2>&1 | grep -E "^\||error"

@@ -74,6 +74,9 @@ pub struct GenerationStats {
     pub spec_steps: usize,
     pub drafted: usize,
     pub accepted: usize,
+    /// Time spent guessing (the drafter's calls), and in checking steps (their forward pass).
+    pub draft_time: Duration,
+    pub check_time: Duration,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -300,7 +303,7 @@ impl<B: Backend> Engine<B> {
         let prompt_time = t0.elapsed();
         let (generated, mut stats) = self.decode(seq, logits, prompt, max_tokens, sampler, special, spec, on_text)?;
         stats.prompt_tokens = prompt.len();
-        stats.prompt_time = prompt_time;
+        stats.prompt_time += prompt_time;
         Ok((generated, stats))
     }
 
@@ -322,6 +325,12 @@ impl<B: Backend> Engine<B> {
         mut spec: Option<(&mut (dyn Drafter + 'd), &SpecOptions)>,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
+        // A draft model reads the prompt first: prompt time, not a check's.
+        let t_catch_up = Instant::now();
+        if let Some((drafter, _)) = spec.as_mut() {
+            drafter.catch_up(history)?;
+        }
+        let catch_up_time = t_catch_up.elapsed();
         let t1 = Instant::now();
         let mut decoding = Decoding::new(self.tokenizer()?, sampler, history, max_tokens, special, Vec::new())?;
         let mut scratch = self.scratch();
@@ -329,7 +338,7 @@ impl<B: Backend> Engine<B> {
         let mut checking = self.scratch();
         self.model.backend.rows_alone(&mut checking);
         let mut generated = Vec::new();
-        let mut stats = GenerationStats::default();
+        let mut stats = GenerationStats { prompt_time: catch_up_time, ..GenerationStats::default() };
         // The text so far, for the drafter, and the positions of the sequence that hold it
         // (past them: rows of guesses the target did not keep).
         let mut context = history.to_vec();
@@ -388,6 +397,7 @@ impl<B: Backend> Engine<B> {
             guesses = match spec.as_mut() {
                 Some((drafter, o)) if room > 0 => {
                     let mut g = drafter.draft(&context, length.limit(o.draft_max.min(room)))?;
+                    stats.draft_time += started.elapsed();
                     g.truncate(room);
                     if g.len() < o.draft_min.max(1) {
                         g.clear();
@@ -407,7 +417,11 @@ impl<B: Backend> Engine<B> {
                 (Logits::All, &mut checking)
             };
             let observer = spec.as_mut().map(|(d, _)| &mut **d);
+            let stepped = Instant::now();
             rows = self.step_observed(seq, Piece { tokens: &piece, logits }, s, observer)?;
+            if !guesses.is_empty() {
+                stats.check_time += stepped.elapsed();
+            }
             last_step = Some(started.elapsed().as_secs_f64());
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;

@@ -227,6 +227,8 @@ fn measure<B: ts_model::Backend>(
                     stats_sum.spec_steps += st.spec_steps;
                     stats_sum.drafted += st.drafted;
                     stats_sum.accepted += st.accepted;
+                    stats_sum.draft_time += st.draft_time;
+                    stats_sum.check_time += st.check_time;
                 }
             }
             let test = format!("g{} greedy{}", args.n_gen, if with_spec { "+spec" } else { "" });

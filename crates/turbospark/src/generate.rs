@@ -230,12 +230,14 @@ fn report_spec(stats: &GenerationStats) {
 /// Guesses kept, checking steps and tokens per checking step.
 pub(crate) fn spec_summary(stats: &GenerationStats) -> String {
     format!(
-        "{} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step",
+        "{} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step, {:.2} ms a check guessing and {:.2} checking",
         stats.accepted,
         stats.drafted,
         100.0 * stats.acceptance(),
         stats.spec_steps,
-        (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64
+        (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64,
+        1e3 * stats.draft_time.as_secs_f64() / stats.spec_steps.max(1) as f64,
+        1e3 * stats.check_time.as_secs_f64() / stats.spec_steps.max(1) as f64,
     )
 }
 
@@ -657,7 +659,7 @@ fn chat_on<B: Backend>(
                 true
             })?;
         stats.prompt_tokens = tokens.len() - common;
-        stats.prompt_time = prompt_time;
+        stats.prompt_time += prompt_time;
         writeln!(out)?;
         drop(out);
         // The last generated token was sampled, not run: the sequence holds the ones before it.
