@@ -117,6 +117,12 @@ pub trait Backend: Sized + Send + Sync {
         true
     }
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
+    /// The rows (at least `m`) a checking step of `m` rows of one sequence is best run as,
+    /// where steps of a few row counts are cheaper than the rest (the GPU replays a recorded
+    /// step per row count): the rows past `m` are padding whose logits nobody reads.
+    fn padded_rows(&self, m: usize) -> usize {
+        m
+    }
     /// Makes steps with `s` compute every row as a one-row step would, bit for bit
     /// (speculative decoding's checking steps), where the backend's batch kernels differ.
     fn rows_alone(&self, s: &mut Self::Scratch) {
