@@ -472,6 +472,17 @@ impl Cuda {
 
     /// `n` elements at device address `ptr`, after everything queued so far.
     fn download<T: cudarc::driver::DeviceRepr + Clone>(&self, ptr: u64, n: usize) -> Result<Vec<T>, ModelError> {
+        self.download_with(ptr, n, <[T]>::to_vec)
+    }
+
+    /// `read` of the `n` elements at device address `ptr` as they land in page-locked memory,
+    /// after everything queued so far.
+    fn download_with<T: cudarc::driver::DeviceRepr, R>(
+        &self,
+        ptr: u64,
+        n: usize,
+        read: impl FnOnce(&[T]) -> R,
+    ) -> Result<R, ModelError> {
         let bytes = n * std::mem::size_of::<T>();
         let mut staging = self.staging.lock().expect("staging lock");
         if staging.as_ref().is_none_or(|s| s.len() < bytes) {
@@ -488,7 +499,7 @@ impl Cuda {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(landed, ptr, self.gpu.stream.cu_stream()) }
             .map_err(|e| err(e.into()))?;
         self.gpu.sync().map_err(err)?;
-        Ok(landed.to_vec())
+        Ok(read(landed))
     }
 
     fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {
@@ -1227,6 +1238,12 @@ impl Backend for Cuda {
 
     fn to_host(&self, x: &Act) -> Result<Vec<f32>, ModelError> {
         self.download(x.ptr, x.len)
+    }
+
+    /// Only those rows cross PCIe, each copied once from the page-locked landing buffer.
+    fn rows_to_host(&self, x: &Act, row_len: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let n = rows.saturating_mul(row_len).min(x.len);
+        self.download_with(x.ptr, n, |landed: &[f32]| landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
     }
 
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {

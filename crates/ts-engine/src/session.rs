@@ -408,17 +408,6 @@ impl<B: Backend> Engine<B> {
             };
             let mut piece = vec![token];
             piece.extend_from_slice(&guesses);
-            // Padding rows (copies of the token) where the backend serves some row counts
-            // better: their logits are not read, and the rewind drops the positions they fill.
-            // Not for recurrent layers (their state would be run again after every check) nor
-            // for a drafter that reads the rows' hidden states.
-            if !guesses.is_empty()
-                && !self.model.is_recurrent()
-                && !spec.as_ref().is_some_and(|(d, _)| d.wants_hidden())
-            {
-                let rows = self.model.backend.padded_rows(piece.len()).min(seq.n_ctx - seq.n_past);
-                piece.resize(rows.max(piece.len()), token);
-            }
             let (logits, s) = if guesses.is_empty() {
                 (Logits::Last, &mut scratch)
             } else {

@@ -119,7 +119,8 @@ pub trait Backend: Sized + Send + Sync {
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
     /// The rows (at least `m`) a checking step of `m` rows of one sequence is best run as,
     /// where steps of a few row counts are cheaper than the rest (the GPU replays a recorded
-    /// step per row count): the rows past `m` are padding whose logits nobody reads.
+    /// step per row count): the rows past `m` are padding whose logits nobody reads
+    /// (`Model::padded`).
     fn padded_rows(&self, m: usize) -> usize {
         m
     }
@@ -474,6 +475,10 @@ pub trait Backend: Sized + Send + Sync {
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act, ModelError>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;
+    /// Up to the first `rows` rows of `row_len` of `x` on the host, one Vec per row.
+    fn rows_to_host(&self, x: &Self::Act, row_len: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        Ok(self.to_host(x)?.chunks_exact(row_len).take(rows).map(<[f32]>::to_vec).collect())
+    }
 
     /// Counters of an expert cache the backend keeps itself (a GPU's VRAM cache).
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {

@@ -389,13 +389,16 @@ impl<B: Backend> Model<B> {
     ) -> Result<TrunkOutput, ModelError> {
         let cfg = &self.cfg;
         let be = &self.backend;
-        let m = rows.len();
         self.check_rows(rows, seqs)?;
+        let wanted = rows.len();
+        let padded = self.padded(rows, seqs, hidden);
+        let rows = padded.as_deref().unwrap_or(rows);
+        let m = rows.len();
         if hidden {
             be.begin_direct_step(rows, seqs, scratch)?;
         } else if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
-            advance(rows, seqs);
-            return Ok((self.logits_to_host(logits)?, None));
+            advance(&rows[..wanted], seqs);
+            return Ok((self.logits_to_host(logits, wanted)?, None));
         }
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
@@ -443,10 +446,32 @@ impl<B: Backend> Model<B> {
             }
         };
         be.end_step(logits.as_ref())?;
-        // Only a step that ran (or was recorded and launched) moves its sequences on.
-        advance(rows, seqs);
+        // Only a step that ran (or was recorded and launched) moves its sequences on; past
+        // padding rows' positions, which the next step writes again.
+        advance(&rows[..wanted], seqs);
         let hidden = hidden.map(|h| be.to_host(&h)).transpose()?;
-        Ok((self.logits_to_host(logits)?, hidden))
+        Ok((self.logits_to_host(logits, wanted)?, hidden))
+    }
+
+    /// `rows` with padding rows after them, where the backend runs a step of more rows
+    /// better ([`Backend::padded_rows`]: the GPU replays one recorded step per row count):
+    /// only for a checking step, the rows of one sequence at consecutive positions all
+    /// wanting logits, with room in its cache, and no recurrent layers (their state would
+    /// take in the padding) nor hidden states asked for. A padding row repeats the last token
+    /// at the next positions; its logits are not read.
+    fn padded(&self, rows: &[Row], seqs: &[&mut SeqState<B::State>], hidden: bool) -> Option<Vec<Row>> {
+        let (first, last) = (rows.first()?, rows.last()?);
+        let m = rows.len();
+        let checking =
+            m > 1 && rows.iter().enumerate().all(|(i, r)| r.seq == first.seq && r.pos == first.pos + i && r.logits);
+        if !checking || hidden || self.is_recurrent() {
+            return None;
+        }
+        let n = self.backend.padded_rows(m).min(seqs[first.seq].n_ctx - first.pos);
+        (n > m).then(|| {
+            let pad = (1..=n - m).map(|k| Row { pos: last.pos + k, ..*last });
+            rows.iter().copied().chain(pad).collect()
+        })
     }
 
     /// Block `il`'s mixer on `normed` (its input `x` after the block's first norm), added into
@@ -545,7 +570,7 @@ impl<B: Backend> Model<B> {
         let out = be.rms_norm_to(&u, &mtp.shared_head_norm, cfg.rms_eps)?;
         let logits = self.head(rows, &out, mtp.head.as_ref().unwrap_or(&self.weights.output), scratch)?;
         be.end_step(logits.as_ref())?;
-        Ok(MtpOutput { logits: self.logits_to_host(logits)?, hidden: be.to_host(&out)? })
+        Ok(MtpOutput { logits: self.logits_to_host(logits, usize::MAX)?, hidden: be.to_host(&out)? })
     }
 
     /// A new MTP sequence of `n_ctx` positions: the cache of the MTP head's layer only.
@@ -556,11 +581,12 @@ impl<B: Backend> Model<B> {
         Ok(SeqState { state: self.backend.new_mtp_state(self, n_ctx)?, n_past: 0, n_ctx })
     }
 
-    /// A step's logits `[rows][n_vocab]` on the host, one Vec per row.
-    fn logits_to_host(&self, logits: Option<B::Act>) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// The logits of a step's first `rows` rows (padding rows after them are left on the
+    /// device), `[rows][n_vocab]` on the host, one Vec per row.
+    fn logits_to_host(&self, logits: Option<B::Act>, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
         match logits {
             None => Ok(Vec::new()),
-            Some(l) => Ok(self.backend.to_host(&l)?.chunks_exact(self.cfg.n_vocab).map(<[f32]>::to_vec).collect()),
+            Some(l) => self.backend.rows_to_host(&l, self.cfg.n_vocab, rows),
         }
     }
 
