@@ -240,9 +240,17 @@ impl<B: Backend> ModelDrafter<'_, B> {
 
 impl<B: Backend> Drafter for ModelDrafter<'_, B> {
     fn catch_up(&mut self, context: &[u32]) -> Result<(), EngineError> {
-        if !context.is_empty() && context.len() < self.seq.n_ctx {
-            self.feed(context)?;
+        if context.len() < 2 || context.len() >= self.seq.n_ctx {
+            return Ok(());
         }
+        // All but the last token as a prompt, the last as the one-row step every guess
+        // takes: its first run is a warm-up (the GPU records the step's graph) that belongs
+        // to the prompt's time, not to the first check's.
+        let (head, last) = context.split_at(context.len() - 1);
+        self.feed(head)?;
+        let piece = Piece { tokens: last, logits: Logits::Last };
+        self.engine.step(&mut [&mut self.seq], &[piece], &mut self.engine.scratch())?;
+        self.fed.extend_from_slice(last);
         Ok(())
     }
 
