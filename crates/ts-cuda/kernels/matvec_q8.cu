@@ -49,12 +49,32 @@ __device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) {
     return TsQ8Lane{min(o, n_out - 1), o < n_out, (int)threadIdx.x & (lanes - 1)};
 }
 
+// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_Q8_PREFETCH=1 for L2, 2 for L1): each lane
+// asks for its share of the row's 128-byte lines before the first unit's loads, so that a row's
+// bytes are all requested at once (a decode launch is bound by the loads in flight: Nsight
+// Compute on qwen3's expert gate/up, docs/BENCHMARKS.md).
+#ifndef TS_Q8_PREFETCH
+#define TS_Q8_PREFETCH 0
+#endif
+__device__ __forceinline__ void ts_q8_prefetch_row(const ts_u8* row, ts_u64 bytes, int j, int lanes) {
+#if TS_Q8_PREFETCH
+    for (ts_u64 off = (ts_u64)j * 128; off < bytes; off += (ts_u64)lanes * 128) {
+#if TS_Q8_PREFETCH == 2
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(row + off));
+#else
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+#endif
+    }
+#endif
+}
+
 // acc[r] = the lane's row (at w + row * row_bytes) . activation row r of x, summed over the
 // group's lanes.
 template <class V, int M>
 __device__ __forceinline__ void ts_q8_row(const ts_u8* __restrict__ w, const TsQ8Lane& l, const TsQ8& x, int lanes,
                                           float (&acc)[M]) {
     const ts_u8* row = w + l.row * V::row_bytes(x.k);
+    ts_q8_prefetch_row(row, V::row_bytes(x.k), l.j, lanes);
     TS_UNROLL
     for (int r = 0; r < M; r++) acc[r] = 0.0f;
     const int units = x.k >> 5;
@@ -155,6 +175,8 @@ __device__ __forceinline__ void ts_moe_gate_up_q8(const MoeGateUpQ8& p) {
     const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
     // Gate and up rows in one loop: both rows' loads in flight together.
     const long long at = e * p.expert_stride + (long long)l.row * V::row_bytes(p.k);
+    ts_q8_prefetch_row(p.w_gate + at, V::row_bytes(p.k), l.j, p.lanes);
+    ts_q8_prefetch_row(p.w_up + at, V::row_bytes(p.k), l.j, p.lanes);
     float g[1] = {0.0f}, u[1] = {0.0f};
     const int units = p.k >> 5;
     TS_PRAGMA(unroll TS_Q8_UNROLL)

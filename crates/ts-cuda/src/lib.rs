@@ -31,6 +31,7 @@ use cudarc::driver::{CudaSlice, PinnedHostSlice};
 use device::{Arg, CudaError, Gpu};
 use moe::{GpuExpertGroup, GpuRoutes, activation_args};
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::sync::Mutex;
 use step::{ARENA_BYTES, Graphs, Mode, Step};
 use tier::{ExpertTier, MissPath};
@@ -673,13 +674,13 @@ impl Backend for Cuda {
     /// most: a step of each count is recorded once, where checks of every length from 2 to 17
     /// were mostly first runs (measured, then recorded, each a direct run of hundreds of
     /// launches: 9-11 ms a check of the 0.5B model against 2 ms a plain step on the H200).
-    fn padded_rows(&self, m: usize) -> usize {
+    fn padded_rows(&self, m: usize) -> Option<usize> {
         if !self.use_graphs || self.tier.is_some() || m <= 1 || m > step::GRAPH_MAX_ROWS {
-            return m;
+            return None;
         }
         let rows =
             if m <= matmul::MATVEC_ROWS { m.next_power_of_two() } else { m.next_multiple_of(matmul::MATVEC_ROWS) };
-        rows.min(step::GRAPH_MAX_ROWS)
+        Some(rows.min(step::GRAPH_MAX_ROWS))
     }
 
     fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<GpuState, ModelError> {
@@ -1241,9 +1242,11 @@ impl Backend for Cuda {
     }
 
     /// Only those rows cross PCIe, each copied once from the page-locked landing buffer.
-    fn rows_to_host(&self, x: &Act, row_len: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        let n = rows.saturating_mul(row_len).min(x.len);
-        self.download_with(x.ptr, n, |landed: &[f32]| landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
+    fn rows_to_host(&self, x: &Act, row_len: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let start = rows.start.saturating_mul(row_len).min(x.len);
+        let n = rows.len().saturating_mul(row_len).min(x.len - start);
+        let ptr = x.ptr + (start * std::mem::size_of::<f32>()) as u64;
+        self.download_with(ptr, n, |landed: &[f32]| landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
     }
 
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {

@@ -167,13 +167,28 @@ pub(crate) struct IndexedMatvec {
 
 /// Lanes per weight row (4 to 32): about four units (32 weights) each, and more
 /// lanes when there are too few rows to fill the GPU with threads (64 Ki threads: 128 Ki
-/// and 256 Ki measured no faster on the H200, docs/BENCHMARKS.md).
+/// and 256 Ki measured no faster on the H200, docs/BENCHMARKS.md). The measurement knob
+/// `TURBOSPARK_Q8_LANES=UNITS,THREADS` sets both (default `4,65536`).
 pub(crate) fn lanes_for(k: usize, rows: usize) -> i32 {
-    let mut lanes = (k / 32).div_ceil(4).next_power_of_two().clamp(4, 32);
-    while lanes < 32 && rows * lanes < 64 * 1024 {
+    let (units_per_lane, threads) = lanes_rule();
+    let mut lanes = (k / 32).div_ceil(units_per_lane).next_power_of_two().clamp(4, 32);
+    while lanes < 32 && rows * lanes < threads {
         lanes *= 2;
     }
     lanes as i32
+}
+
+/// Units a lane takes and threads wanted in a launch: [`lanes_for`]'s rule.
+fn lanes_rule() -> (usize, usize) {
+    static RULE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *RULE.get_or_init(|| {
+        let knob = std::env::var("TURBOSPARK_Q8_LANES").ok();
+        let parsed = knob.as_deref().and_then(|v| {
+            let (u, t) = v.split_once(',')?;
+            Some((u.trim().parse().ok().filter(|&u| u > 0)?, t.trim().parse().ok()?))
+        });
+        parsed.unwrap_or((4, 64 * 1024))
+    })
 }
 
 /// Rows of W a (32, 4) block takes with `lanes` lanes per row.

@@ -1398,6 +1398,55 @@ fn mtp_head_keeps_greedy_output_on_the_gpu() {
     assert!(checked >= 2, "no fixture with an MTP layer");
 }
 
+/// Steps of consecutive rows of one sequence where only the last wants logits (a short
+/// prompt, a draft model reading a check's tokens) run as padded steps computing every row's
+/// logits, so that they are recorded: 3 rows a step (padded to 4), then a one-row step
+/// between them, as a draft model alternates. Each step hands back the last row's logits
+/// only, within 1e-3 of the sequence run one row at a time, and replays happen.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn last_row_pieces_are_recorded() {
+    drop(gpu()); // a clear failure first when there is no device
+    let mut failures = Vec::new();
+    for (family, variant) in [("llama", "q4_k_m"), ("qwen3_moe", "q4_k_m")] {
+        let dir = fixtures_dir().join(family);
+        let path = dir.join(format!("model-{variant}.gguf"));
+        let golden = Golden::read(&dir.join(format!("golden-{variant}.bin"))).unwrap();
+        let model = Model::open(&path, ExpertPlacement::Mapped).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+        let tokens: Vec<u32> = (0..24).map(|i| golden.tokens[i % golden.tokens.len()]).collect();
+        let mut scratch = model.backend.scratch(false);
+        let mut alone = Vec::new();
+        let mut seq = model.new_sequence(64, 1).unwrap();
+        for (pos, &token) in tokens.iter().enumerate() {
+            let row = Row { token, pos, seq: 0, logits: true };
+            alone.extend(model.forward(&[row], &mut [&mut seq], &mut scratch).unwrap());
+        }
+        let before = model.backend.graph_replays();
+        let mut seq = model.new_sequence(64, 4).unwrap();
+        let (mut pos, mut worst) = (0, 0f32);
+        while pos < tokens.len() {
+            let take = if (pos / 4) % 2 == 0 { 3 } else { 1 };
+            let rows: Vec<Row> = (pos..pos + take)
+                .map(|p| Row { token: tokens[p], pos: p, seq: 0, logits: p == pos + take - 1 })
+                .collect();
+            let out = model.forward(&rows, &mut [&mut seq], &mut scratch).unwrap();
+            if out.len() != 1 {
+                failures.push(format!("{family}: {} rows of logits for one asked", out.len()));
+                break;
+            }
+            let e = rel_err(&out[0], &alone[pos + take - 1]);
+            worst = if e.is_nan() { f32::NAN } else { worst.max(e) };
+            pos += take;
+        }
+        let replays = model.backend.graph_replays() - before;
+        println!("{family}/{variant}: pieces of 3 and 1 rows, last row's logits: {replays} replayed, {worst:.2e}");
+        if worst.is_nan() || worst > 1e-3 || replays < 8 {
+            failures.push(format!("{family}/{variant}: {replays} replays, {worst:e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Steps of several rows recorded as graphs: the first step of a kind runs directly, the
 /// second is recorded, later ones replay it. Several sequences stepped together, one row each
 /// (batched decode: 4 rows take the per-pair expert matvecs, 12 the chunked ones), and rows of

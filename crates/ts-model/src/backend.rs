@@ -11,6 +11,7 @@ use crate::forward::{Model, Row};
 use crate::state::SeqState;
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
+use std::ops::Range;
 use ts_cpu::ops::Rope;
 
 /// One layer's attention settings, as the attention op needs them.
@@ -117,12 +118,14 @@ pub trait Backend: Sized + Send + Sync {
         true
     }
     fn scratch(&self, exact_activations: bool) -> Self::Scratch;
-    /// The rows (at least `m`) a checking step of `m` rows of one sequence is best run as,
-    /// where steps of a few row counts are cheaper than the rest (the GPU replays a recorded
-    /// step per row count): the rows past `m` are padding whose logits nobody reads
+    /// The rows (at least `m`) a step of `m` consecutive rows of one sequence is best run as,
+    /// every row computing logits, where steps of a few row counts are cheaper than the rest
+    /// (the GPU replays a recorded step per row count and kind of logits); `None` where steps
+    /// run as they come. Rows past `m` are padding; logits nobody asked for are not read
     /// (`Model::padded`).
-    fn padded_rows(&self, m: usize) -> usize {
-        m
+    fn padded_rows(&self, m: usize) -> Option<usize> {
+        let _ = m;
+        None
     }
     /// Makes steps with `s` compute every row as a one-row step would, bit for bit
     /// (speculative decoding's checking steps), where the backend's batch kernels differ.
@@ -475,9 +478,10 @@ pub trait Backend: Sized + Send + Sync {
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act, ModelError>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;
-    /// Up to the first `rows` rows of `row_len` of `x` on the host, one Vec per row.
-    fn rows_to_host(&self, x: &Self::Act, row_len: usize, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        Ok(self.to_host(x)?.chunks_exact(row_len).take(rows).map(<[f32]>::to_vec).collect())
+    /// The rows `rows` of `row_len` of `x` (those it holds) on the host, one Vec per row.
+    fn rows_to_host(&self, x: &Self::Act, row_len: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let held = self.to_host(x)?;
+        Ok(held.chunks_exact(row_len).skip(rows.start).take(rows.len()).map(<[f32]>::to_vec).collect())
     }
 
     /// Counters of an expert cache the backend keeps itself (a GPU's VRAM cache).

@@ -485,7 +485,7 @@ pub struct CpuRoutes {
 const PARALLEL_EXPERT_ROWS: usize = 16;
 
 /// How a one-row step (decode) runs its products over the threads (`TURBOSPARK_DECODE_PRODUCTS`,
-/// a measurement knob for the 16-core machine, issue 16).
+/// a measurement knob; `flat` by default since the 16-core machine's sweep, docs/BENCHMARKS.md).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum DecodeProducts {
     /// `split`: each product is its own parallel region over the threads (24 a layer for top-8).
@@ -501,8 +501,8 @@ fn decode_products() -> DecodeProducts {
     static MODE: std::sync::OnceLock<DecodeProducts> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| match std::env::var("TURBOSPARK_DECODE_PRODUCTS").as_deref() {
         Ok("tasks") => DecodeProducts::Tasks,
-        Ok("flat") => DecodeProducts::Flat,
-        _ => DecodeProducts::Split,
+        Ok("split") => DecodeProducts::Split,
+        _ => DecodeProducts::Flat,
     })
 }
 

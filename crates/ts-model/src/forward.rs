@@ -10,6 +10,7 @@ use crate::config::{ArchConfig, GatedActivation, LayerConfig, QkNorm, RopeLayout
 use crate::state::{SeqState, Snapshot};
 use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
 use crate::weights::Weight;
+use std::ops::Range;
 use ts_cpu::QuantizedRows;
 use ts_cpu::ops::Rope;
 use ts_experts::ExpertStore;
@@ -23,6 +24,13 @@ pub struct Row {
     pub seq: usize,
     /// Whether this row's logits are wanted.
     pub logits: bool,
+}
+
+/// A step's rows as the backend runs them ([`Model::padded`]): each computing logits, and
+/// which of those rows' logits the caller asked for.
+struct PaddedRows {
+    rows: Vec<Row>,
+    read: Range<usize>,
 }
 
 /// Buffers reused across steps, and how matmuls treat activations.
@@ -392,13 +400,15 @@ impl<B: Backend> Model<B> {
         self.check_rows(rows, seqs)?;
         let wanted = rows.len();
         let padded = self.padded(rows, seqs, hidden);
-        let rows = padded.as_deref().unwrap_or(rows);
+        // The rows of logits the caller asked for, among those the step computes.
+        let read = padded.as_ref().map_or(0..wanted, |p| p.read.clone());
+        let rows = padded.as_ref().map_or(rows, |p| &p.rows);
         let m = rows.len();
         if hidden {
             be.begin_direct_step(rows, seqs, scratch)?;
         } else if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
             advance(&rows[..wanted], seqs);
-            return Ok((self.logits_to_host(logits, wanted)?, None));
+            return Ok((self.logits_to_host(logits, read)?, None));
         }
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
@@ -450,28 +460,32 @@ impl<B: Backend> Model<B> {
         // padding rows' positions, which the next step writes again.
         advance(&rows[..wanted], seqs);
         let hidden = hidden.map(|h| be.to_host(&h)).transpose()?;
-        Ok((self.logits_to_host(logits, wanted)?, hidden))
+        Ok((self.logits_to_host(logits, read)?, hidden))
     }
 
-    /// `rows` with padding rows after them, where the backend runs a step of more rows
-    /// better ([`Backend::padded_rows`]: the GPU replays one recorded step per row count):
-    /// only for a checking step, the rows of one sequence at consecutive positions all
-    /// wanting logits, with room in its cache, and no recurrent layers (their state would
-    /// take in the padding) nor hidden states asked for. A padding row repeats the last token
-    /// at the next positions; its logits are not read.
-    fn padded(&self, rows: &[Row], seqs: &[&mut SeqState<B::State>], hidden: bool) -> Option<Vec<Row>> {
+    /// `rows` as the backend runs them better ([`Backend::padded_rows`]: the GPU replays one
+    /// recorded step per row count and kind of logits): every row computing logits, with
+    /// padding rows after them. Only for the rows of one sequence at consecutive positions
+    /// that all want logits (a checking step) or only the last does (a short prompt, a draft
+    /// model reading a check's tokens), with room in its cache, and no recurrent layers
+    /// (their state would take in the padding) nor hidden states asked for. A padding row
+    /// repeats the last token at the next positions.
+    fn padded(&self, rows: &[Row], seqs: &[&mut SeqState<B::State>], hidden: bool) -> Option<PaddedRows> {
         let (first, last) = (rows.first()?, rows.last()?);
         let m = rows.len();
-        let checking =
-            m > 1 && rows.iter().enumerate().all(|(i, r)| r.seq == first.seq && r.pos == first.pos + i && r.logits);
-        if !checking || hidden || self.is_recurrent() {
+        let consecutive = m > 1 && rows.iter().enumerate().all(|(i, r)| r.seq == first.seq && r.pos == first.pos + i);
+        let all_logits = rows.iter().all(|r| r.logits);
+        let last_only = last.logits && rows[..m - 1].iter().all(|r| !r.logits);
+        if !consecutive || !(all_logits || last_only) || hidden || self.is_recurrent() {
             return None;
         }
-        let n = self.backend.padded_rows(m).min(seqs[first.seq].n_ctx - first.pos);
-        (n > m).then(|| {
-            let pad = (1..=n - m).map(|k| Row { pos: last.pos + k, ..*last });
-            rows.iter().copied().chain(pad).collect()
-        })
+        let n = self.backend.padded_rows(m)?.min(seqs[first.seq].n_ctx - first.pos);
+        if n == m && all_logits {
+            return None;
+        }
+        let pad = (1..=n - m).map(|k| Row { pos: last.pos + k, ..*last });
+        let rows = rows.iter().map(|r| Row { logits: true, ..*r }).chain(pad).collect();
+        Some(PaddedRows { rows, read: if all_logits { 0..m } else { m - 1..m } })
     }
 
     /// Block `il`'s mixer on `normed` (its input `x` after the block's first norm), added into
@@ -570,7 +584,7 @@ impl<B: Backend> Model<B> {
         let out = be.rms_norm_to(&u, &mtp.shared_head_norm, cfg.rms_eps)?;
         let logits = self.head(rows, &out, mtp.head.as_ref().unwrap_or(&self.weights.output), scratch)?;
         be.end_step(logits.as_ref())?;
-        Ok(MtpOutput { logits: self.logits_to_host(logits, usize::MAX)?, hidden: be.to_host(&out)? })
+        Ok(MtpOutput { logits: self.logits_to_host(logits, 0..usize::MAX)?, hidden: be.to_host(&out)? })
     }
 
     /// A new MTP sequence of `n_ctx` positions: the cache of the MTP head's layer only.
@@ -583,7 +597,7 @@ impl<B: Backend> Model<B> {
 
     /// The logits of a step's first `rows` rows (padding rows after them are left on the
     /// device), `[rows][n_vocab]` on the host, one Vec per row.
-    fn logits_to_host(&self, logits: Option<B::Act>, rows: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn logits_to_host(&self, logits: Option<B::Act>, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
         match logits {
             None => Ok(Vec::new()),
             Some(l) => self.backend.rows_to_host(&l, self.cfg.n_vocab, rows),

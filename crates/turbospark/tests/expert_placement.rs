@@ -125,8 +125,8 @@ fn packed_experts_match_the_gguf_layout_across_placements() {
 }
 
 /// Decode steps' experts as parallel tasks, or their products and the attention's q/k/v as one
-/// region's (`TURBOSPARK_DECODE_PRODUCTS=tasks|flat`, a measurement knob), compute every product
-/// as the default split does: the same logits, bit for bit, on the MoE fixture families here and
+/// region's (`TURBOSPARK_DECODE_PRODUCTS=tasks|flat`, flat the default), compute every product
+/// as a region per product (`split`) does: the same logits, bit for bit, on the MoE fixture families here and
 /// two dense ones (qwen2 with its projection biases), one row and four at a time, experts mapped
 /// and streamed.
 #[test]
