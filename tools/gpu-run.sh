@@ -317,7 +317,8 @@ if [[ $what == cpu-sweep ]]; then
     # hidden), experts resident, under each setting of a build's measurement knobs, one process
     # each running every thread count (`bench -t 4,8,16`; CPU_BENCH gives other bench flags),
     # then the peers `peer-build` built (CUDA builds, the GPU hidden) with the same flags,
-    # ik_llama.cpp with its run-time repack, as issue 16 measures it.
+    # ik_llama.cpp with its run-time repack, as issue 16 measures it. A setting of
+    # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 steps).
     shift
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
@@ -327,7 +328,8 @@ if [[ $what == cpu-sweep ]]; then
         for setting in "${settings[@]}"; do
             echo "== $like, -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
             env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$counts" --experts resident \
-                ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" | grep -E "^\|.*(pp|tg)[0-9]|error"
+                ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" \
+                | grep -E "^\|.*(pp|tg)[0-9]|error|cpu timing"
         done
         for peer in lc ik; do
             [[ -f /tmp/${peer}build.log ]] || continue

@@ -238,7 +238,10 @@ pub(crate) fn matmul(
     };
     let rows_per_task = plan.rows_per_task;
     if x.m() == 1 {
-        out[..n_out].par_chunks_mut(rows_per_task).enumerate().for_each(|(task, out)| plan.run(task, &mut [out]));
+        out[..n_out]
+            .par_chunks_mut(rows_per_task)
+            .enumerate()
+            .for_each(|(task, out)| crate::work_time::task(|| plan.run(task, &mut [out])));
     } else {
         // Each task's piece of every output row, split up front so tasks own them.
         let mut pieces: Vec<Vec<&mut [f32]>> = (0..plan.tasks()).map(|_| Vec::with_capacity(x.m())).collect();
@@ -247,7 +250,10 @@ pub(crate) fn matmul(
                 pieces[task].push(piece);
             }
         }
-        pieces.into_par_iter().enumerate().for_each(|(task, mut outs)| plan.run(task, &mut outs));
+        pieces
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(task, mut outs)| crate::work_time::task(|| plan.run(task, &mut outs)));
     }
     Ok(())
 }
@@ -316,7 +322,7 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
             }
         }
     };
-    (0..threads.min(runs.len())).into_par_iter().for_each(|_| work());
+    (0..threads.min(runs.len())).into_par_iter().for_each(|_| crate::work_time::task(work));
     Ok(())
 }
 

@@ -42,6 +42,7 @@ mod panel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod topology;
+pub mod work_time;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
 use dispatch::Layout;

@@ -2,8 +2,9 @@
 //! reference every other backend is tested against, op by op.
 
 use crate::ModelError;
-use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt};
+use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt, StepStart};
 use crate::config::{GatedActivation, MoeConfig};
+use crate::cpu_timing::{Phase, timing};
 use crate::forward::{Model, Row, Scratch, linear, linear_bytes};
 use crate::state::{CpuState, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
@@ -31,6 +32,16 @@ impl Backend for Cpu {
 
     fn scratch(&self, exact_activations: bool) -> Scratch {
         if exact_activations { Scratch::exact() } else { Scratch::default() }
+    }
+
+    fn begin_step(
+        &self,
+        _rows: &[Row],
+        _seqs: &mut [&mut SeqState<CpuState>],
+        _scratch: &Scratch,
+    ) -> Result<StepStart<Vec<f32>>, ModelError> {
+        timing().step_begins();
+        Ok(StepStart::Run)
     }
 
     fn rows_alone(&self, s: &mut Scratch) {
@@ -83,12 +94,14 @@ impl Backend for Cpu {
         m: usize,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut out = Vec::new();
-        linear(w, x, m, s, &mut out)?;
-        if let Some(b) = bias {
-            ops::add_bias_rows(&mut out, b);
-        }
-        Ok(out)
+        timing().time(phase_of(w), || {
+            let mut out = Vec::new();
+            linear(w, x, m, s, &mut out)?;
+            if let Some(b) = bias {
+                ops::add_bias_rows(&mut out, b);
+            }
+            Ok(out)
+        })
     }
 
     fn linears(
@@ -101,47 +114,61 @@ impl Backend for Cpu {
         if m != 1 || s.exact_activations || ws.len() < 2 || decode_products() != DecodeProducts::Flat {
             return ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect();
         }
-        flat_linears(ws, x)
+        timing().time(Phase::Products, || flat_linears(ws, x))
     }
 
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
-        ops::rms_norm_pieces(x, piece, w, eps);
-        Ok(())
+        timing().time(Phase::Small, || {
+            ops::rms_norm_pieces(x, piece, w, eps);
+            Ok(())
+        })
     }
 
     fn rms_norm_to(&self, x: &Vec<f32>, w: &[f32], eps: f32) -> Result<Vec<f32>, ModelError> {
-        let e = w.len();
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
-        Ok(out)
+        timing().time(Phase::Small, || {
+            let e = w.len();
+            let mut out = vec![0f32; x.len()];
+            out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
+            Ok(out)
+        })
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), ModelError> {
-        ops::add_inplace(x, y);
-        Ok(())
+        timing().time(Phase::Small, || {
+            ops::add_inplace(x, y);
+            Ok(())
+        })
     }
 
     fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), ModelError> {
-        ops::scale_inplace(x, s);
-        Ok(())
+        timing().time(Phase::Small, || {
+            ops::scale_inplace(x, s);
+            Ok(())
+        })
     }
 
     fn softcap(&self, x: &mut Vec<f32>, c: f32) -> Result<(), ModelError> {
-        x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
-        Ok(())
+        timing().time(Phase::Small, || {
+            x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+            Ok(())
+        })
     }
 
     fn gated(&self, act: GatedActivation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<(), ModelError> {
-        gated_activation(act, gate, up);
-        Ok(())
+        timing().time(Phase::Small, || {
+            gated_activation(act, gate, up);
+            Ok(())
+        })
     }
 
     fn rope(&self, _il: usize, rope: &Rope, x: &mut Vec<f32>, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
-        let width = x.len() / rows.len().max(1);
-        for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
-            rope.apply(xr, head_dim, r.pos as u32);
-        }
-        Ok(())
+        timing().time(Phase::Attention, || {
+            let width = x.len() / rows.len().max(1);
+            for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
+                rope.apply(xr, head_dim, r.pos as u32);
+            }
+            Ok(())
+        })
     }
 
     fn store_kv(
@@ -152,12 +179,14 @@ impl Backend for Cpu {
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
     ) -> Result<(), ModelError> {
-        let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
-        for (i, r) in rows.iter().enumerate() {
-            let cache = kv_cache_mut(seqs[r.seq], il)?;
-            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
-        }
-        Ok(())
+        timing().time(Phase::Attention, || {
+            let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
+            for (i, r) in rows.iter().enumerate() {
+                let cache = kv_cache_mut(seqs[r.seq], il)?;
+                cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+            }
+            Ok(())
+        })
     }
 
     fn attention(
@@ -169,32 +198,34 @@ impl Backend for Cpu {
         seqs: &mut [&mut SeqState<CpuState>],
         _scratch: &Scratch,
     ) -> Result<Vec<f32>, ModelError> {
-        let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
-        let q_dim = shape.n_head * hd;
-        if let Some(r) = rows.iter().find(|r| read_kv(&seqs[r.seq].state, il).is_none()) {
-            return Err(ModelError::Compute(format!("layer {il} of sequence {} keeps no keys and values", r.seq)));
-        }
-        let group = shape.n_head / shape.n_head_kv;
-        let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
-        let seqs: &[&mut SeqState<CpuState>] = seqs;
-        out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-            let (i, h) = (idx / shape.n_head, idx % shape.n_head);
-            let r = rows[i];
-            let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
-            let kvh = h / group;
-            let params =
-                AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
-            let visible = cache.visible(r.pos);
-            ops::attend(
-                &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
-                visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
-                visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                &params,
-                scores,
-                o,
-            );
-        });
-        Ok(out)
+        timing().time(Phase::Attention, || {
+            let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+            let q_dim = shape.n_head * hd;
+            if let Some(r) = rows.iter().find(|r| read_kv(&seqs[r.seq].state, il).is_none()) {
+                return Err(ModelError::Compute(format!("layer {il} of sequence {} keeps no keys and values", r.seq)));
+            }
+            let group = shape.n_head / shape.n_head_kv;
+            let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
+            let seqs: &[&mut SeqState<CpuState>] = seqs;
+            out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
+                let (i, h) = (idx / shape.n_head, idx % shape.n_head);
+                let r = rows[i];
+                let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
+                let kvh = h / group;
+                let params =
+                    AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
+                let visible = cache.visible(r.pos);
+                ops::attend(
+                    &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                    visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
+                    visible.map(|p| cache.value(p, kvh * hdv, hdv)),
+                    &params,
+                    scores,
+                    o,
+                );
+            });
+            Ok(out)
+        })
     }
 
     fn copy(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
@@ -213,8 +244,10 @@ impl Backend for Cpu {
     }
 
     fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
-        x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
-        Ok(())
+        timing().time(Phase::Small, || {
+            x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
+            Ok(())
+        })
     }
 
     fn conv_silu(
@@ -259,12 +292,14 @@ impl Backend for Cpu {
     }
 
     fn sigmoid_gate(&self, y: &mut Vec<f32>, x: &Vec<f32>, gate: &[f32]) -> Result<(), ModelError> {
-        let e = gate.len();
-        for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
-            let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
-            ops::scale_inplace(yr, ops::sigmoid(dot));
-        }
-        Ok(())
+        timing().time(Phase::Small, || {
+            let e = gate.len();
+            for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
+                let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
+                ops::scale_inplace(yr, ops::sigmoid(dot));
+            }
+            Ok(())
+        })
     }
 
     fn route(
@@ -274,14 +309,16 @@ impl Backend for Cpu {
         moe: &MoeConfig,
         expert_scale: Option<&[f32]>,
     ) -> Result<CpuRoutes, ModelError> {
-        let k = moe.n_expert_used;
-        let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
-        for l in logits.chunks_exact(moe.n_expert).take(m) {
-            let r = crate::moe::route(moe, l, expert_scale);
-            ids.extend(r.experts);
-            weights.extend(r.weights);
-        }
-        Ok(CpuRoutes { ids, weights, k })
+        timing().time(Phase::Route, || {
+            let k = moe.n_expert_used;
+            let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
+            for l in logits.chunks_exact(moe.n_expert).take(m) {
+                let r = crate::moe::route(moe, l, expert_scale);
+                ids.extend(r.experts);
+                weights.extend(r.weights);
+            }
+            Ok(CpuRoutes { ids, weights, k })
+        })
     }
 
     fn route_ids(&self, routes: &CpuRoutes) -> Result<Vec<usize>, ModelError> {
@@ -326,23 +363,25 @@ impl Backend for Cpu {
         at: &ExpertsAt<'_, ExpertSet<'_>>,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
-        if let Some(experts) = flat_experts(w, routes, at, s)? {
-            return flat_gate_up(w, act, x, &experts);
-        }
-        let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
-        let mut h = vec![0f32; routes.ids.len() * f];
-        // One expert's h for its pairs, `[pairs][f]`.
-        let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-            let xs: Vec<f32> =
-                pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
-            expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
-        };
-        map_experts(w, routes, at, s, gate_up, |pairs, g| {
-            for (j, &p) in pairs.iter().enumerate() {
-                h[p * f..(p + 1) * f].copy_from_slice(&g[j * f..(j + 1) * f]);
+        timing().time(Phase::ExpertGateUp, || {
+            if let Some(experts) = flat_experts(w, routes, at, s)? {
+                return flat_gate_up(w, act, x, &experts);
             }
-        })?;
-        Ok(h)
+            let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
+            let mut h = vec![0f32; routes.ids.len() * f];
+            // One expert's h for its pairs, `[pairs][f]`.
+            let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
+                let xs: Vec<f32> =
+                    pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
+                expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
+            };
+            map_experts(w, routes, at, s, gate_up, |pairs, g| {
+                for (j, &p) in pairs.iter().enumerate() {
+                    h[p * f..(p + 1) * f].copy_from_slice(&g[j * f..(j + 1) * f]);
+                }
+            })?;
+            Ok(h)
+        })
     }
 
     fn expert_down(
@@ -354,30 +393,34 @@ impl Backend for Cpu {
         y: &mut Vec<f32>,
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
-        if let Some(experts) = flat_experts(w, routes, at, s)? {
-            return flat_down(w, h, &experts, y);
-        }
-        let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
-        // One expert's outputs for its pairs, `[pairs][e]`.
-        let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-            let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
-            expert_output(w, ex, &bytes, &hs, pairs.len(), s)
-        };
-        map_experts(w, routes, at, s, down, |pairs, d| {
-            for (j, &p) in pairs.iter().enumerate() {
-                y[p * e..(p + 1) * e].copy_from_slice(&d[j * e..(j + 1) * e]);
+        timing().time(Phase::ExpertDown, || {
+            if let Some(experts) = flat_experts(w, routes, at, s)? {
+                return flat_down(w, h, &experts, y);
             }
+            let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+            // One expert's outputs for its pairs, `[pairs][e]`.
+            let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
+                let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
+                expert_output(w, ex, &bytes, &hs, pairs.len(), s)
+            };
+            map_experts(w, routes, at, s, down, |pairs, d| {
+                for (j, &p) in pairs.iter().enumerate() {
+                    y[p * e..(p + 1) * e].copy_from_slice(&d[j * e..(j + 1) * e]);
+                }
+            })
         })
     }
 
     fn combine(&self, y: &Vec<f32>, routes: &CpuRoutes, width: usize) -> Result<Vec<f32>, ModelError> {
-        let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
-        for (p, &wt) in routes.weights.iter().enumerate() {
-            let row = p / routes.k;
-            let o = &mut out[row * width..(row + 1) * width];
-            o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
-        }
-        Ok(out)
+        timing().time(Phase::Small, || {
+            let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
+            for (p, &wt) in routes.weights.iter().enumerate() {
+                let row = p / routes.k;
+                let o = &mut out[row * width..(row + 1) * width];
+                o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+            }
+            Ok(out)
+        })
     }
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>, ModelError> {
@@ -483,6 +526,18 @@ pub struct CpuRoutes {
 /// expert, the threads met at every one of its matmuls). Fewer rows (decode) split each
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
+
+/// The kind of op a product with `w` is, for `TURBOSPARK_CPU_TIMING`: the output head, a
+/// router, or a weight product.
+fn phase_of(w: &Weight) -> Phase {
+    if w.name.starts_with("output") || w.name.starts_with("token_embd") {
+        Phase::Head
+    } else if w.name.contains("ffn_gate_inp") {
+        Phase::Route
+    } else {
+        Phase::Products
+    }
+}
 
 /// How a one-row step (decode) runs its products over the threads (`TURBOSPARK_DECODE_PRODUCTS`,
 /// a measurement knob; `flat` by default since the 16-core machine's sweep, docs/BENCHMARKS.md).

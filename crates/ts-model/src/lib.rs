@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod config;
 pub mod cpu;
+mod cpu_timing;
 pub mod delta_net;
 pub mod family;
 pub mod forward;

@@ -130,3 +130,37 @@ fn bench_runs_each_thread_count_of_a_list() {
     refused(&["tokenize", "-m", m, "-t", "2,4", "-p", "hi"], "a list of thread counts is for `bench`");
     refused(&["bench", "-m", m, "-t", "2,0"], "each count must be at least 1");
 }
+
+/// `TURBOSPARK_CPU_TIMING=1` (a measurement knob) prints where decode steps' time goes every 64
+/// steps: the phases and the rest add up to the step's wall time, the step's wall time agrees
+/// with the tok/s `bench` reports (the mean of 64 steps against all of them, within 30%), and
+/// the threads' idle share is a fraction.
+#[test]
+fn cpu_timing_accounts_for_a_decode_step() {
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args(["bench", "-m", model.to_str().unwrap(), "-t", "2", "-p", "0", "-n", "128", "-r", "1", "--json"])
+        .env("TURBOSPARK_CPU_TIMING", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().rfind(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
+    // Every number of the line, in order: steps, wall, the eight phases, threads, idle, thread-ms, percent.
+    let numbers: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter(|s| !s.is_empty() && *s != ".")
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(numbers.len(), 14, "{line}");
+    let (wall, phases) = (numbers[1], &numbers[2..10]);
+    let sum: f64 = phases.iter().sum();
+    assert!((sum - wall).abs() < 0.01 * wall + 0.002, "phases {sum} against a step of {wall}: {line}");
+    assert!(phases[0] > 0.0 && phases[1] > 0.0, "no products or head time: {line}");
+    assert_eq!(numbers[10], 2.0, "{line}");
+    assert!(numbers[11] <= numbers[12] && numbers[13] <= 100.0, "{line}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tps = v["tests"][0]["tokens_per_second"].as_f64().unwrap();
+    let step_ms = 1000.0 / tps;
+    assert!((wall - step_ms).abs() < 0.3 * step_ms, "a step of {wall} ms against {step_ms} ms from bench: {line}");
+}
