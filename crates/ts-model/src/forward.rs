@@ -595,8 +595,8 @@ impl<B: Backend> Model<B> {
         Ok(SeqState { state: self.backend.new_mtp_state(self, n_ctx)?, n_past: 0, n_ctx })
     }
 
-    /// The logits of a step's first `rows` rows (padding rows after them are left on the
-    /// device), `[rows][n_vocab]` on the host, one Vec per row.
+    /// Rows `rows` of a step's logits (those asked for: padding rows and rows computed only
+    /// for a recorded step are left on the device), on the host, one Vec per row.
     fn logits_to_host(&self, logits: Option<B::Act>, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
         match logits {
             None => Ok(Vec::new()),
