@@ -98,9 +98,11 @@ synth() {
 # Waits (up to 10 minutes each) for every build `peer-build` queued: rows whose work is on the
 # host's CPU are not measured beside a compiler (2026-12-03: ours with --expert-misses cpu ran at
 # 10.5 tok/s beside ik_llama.cpp's build, 87-89 without).
+# `wait_peer_builds lc` waits for llama.cpp's only (rows all on the GPU).
 wait_peer_builds() {
-    local log i
-    for log in /tmp/lcbuild.log /tmp/ikbuild.log; do
+    local log i logs=(/tmp/lcbuild.log /tmp/ikbuild.log)
+    (($#)) && logs=("${@/%/build.log}") && logs=("${logs[@]/#//tmp/}")
+    for log in "${logs[@]}"; do
         [[ -f $log ]] || continue
         for i in $(seq 60); do grep -q "^built" $log && break; sleep 10; done
     done
@@ -375,7 +377,9 @@ if [[ $what == spec ]]; then
     # the same pair and prompt, every layer of both on the GPU, greedy.
     draft=$(sed -n 's/.*--draft-model \([^ ]*\).*/\1/p' <<< "$flags")
     if [[ -n $draft && -f /tmp/lcbuild.log && ${SPEC_PEER:-1} != 0 ]]; then
-        wait_peer_builds
+        # Every row on the GPU: ik_llama.cpp's build beside them is not waited for (2026-12-03:
+        # waiting for it took a 300 s call).
+        wait_peer_builds lc
         echo "== llama.cpp llama-bench -p 0 -n 128 -r 2 (no draft)"
         /tmp/lcbuild/bin/llama-bench -m "$2" -ngl 99 -fa 1 -p 0 -n 128 -r 2 2>&1 | grep -E "^\||error"
         for round in 1 2; do
