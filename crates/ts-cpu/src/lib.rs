@@ -41,6 +41,7 @@ mod panel;
 mod panel_avx2;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+pub mod team;
 pub mod topology;
 pub mod work_time;
 

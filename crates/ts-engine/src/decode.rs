@@ -113,9 +113,12 @@ impl<B: Backend> Engine<B> {
                 },
             }));
         }
-        let mut forward = || match hidden {
-            false => self.model.forward(&rows, seqs, scratch).map(|l| (l, None)),
-            true => self.model.forward_hidden(&rows, seqs, scratch).map(|(l, h)| (l, Some(h))),
+        let model = &self.model;
+        let mut forward = || {
+            model.backend.run_step(rows.len(), || match hidden {
+                false => model.forward(&rows, seqs, scratch).map(|l| (l, None)),
+                true => model.forward_hidden(&rows, seqs, scratch).map(|(l, h)| (l, Some(h))),
+            })
         };
         let out = if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() };
         let (logits, hidden) = out?;

@@ -141,6 +141,14 @@ pub trait Backend: Sized + Send + Sync {
     /// Makes `dst` a copy of `src`'s first `n_past` positions.
     fn copy_state(&self, src: &Self::State, dst: &mut Self::State, n_past: usize) -> Result<(), ModelError>;
 
+    /// Runs a step of `rows` rows (`step`: the model's forward pass) as the backend's threads
+    /// want it run: the CPU keeps its threads spinning between a one-row step's parallel
+    /// regions under `TURBOSPARK_CPU_TEAM` (`ts_cpu::team`, a measurement knob).
+    fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
+        let _ = rows;
+        step()
+    }
+
     /// Called once at the start of each forward step with its rows, sequences and
     /// the scratch its ops will get (whose mode can choose the kernels). A backend that
     /// recorded an earlier step of the same kind may queue that recording for these rows

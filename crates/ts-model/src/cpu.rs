@@ -34,6 +34,13 @@ impl Backend for Cpu {
         if exact_activations { Scratch::exact() } else { Scratch::default() }
     }
 
+    fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
+        match rows {
+            1 => ts_cpu::team::scope(step),
+            _ => step(),
+        }
+    }
+
     fn begin_step(
         &self,
         _rows: &[Row],
@@ -207,7 +214,7 @@ impl Backend for Cpu {
             let group = shape.n_head / shape.n_head_kv;
             let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
             let seqs: &[&mut SeqState<CpuState>] = seqs;
-            out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
+            let head = |idx: usize, o: &mut [f32], scores: &mut Vec<f32>| {
                 let (i, h) = (idx / shape.n_head, idx % shape.n_head);
                 let r = rows[i];
                 let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
@@ -223,7 +230,19 @@ impl Backend for Cpu {
                     scores,
                     o,
                 );
-            });
+            };
+            if rows.len() == 1 && ts_cpu::team::enabled() {
+                // A one-row step's heads as one of the step's team regions (ts_cpu::team).
+                let base = &OutRows(out.as_mut_ptr());
+                ts_cpu::team::for_each(shape.n_head, &|h| {
+                    // SAFETY: `out` holds `n_head * hdv` floats, borrowed mutably here; head h
+                    // alone writes its `hdv`.
+                    let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(h * hdv), hdv) };
+                    head(h, o, &mut Vec::new());
+                });
+            } else {
+                out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| head(idx, o, scores));
+            }
             Ok(out)
         })
     }
@@ -526,6 +545,11 @@ pub struct CpuRoutes {
 /// expert, the threads met at every one of its matmuls). Fewer rows (decode) split each
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
+
+/// Attention's output rows, handed across a team's threads: each head writes its own.
+struct OutRows(*mut f32);
+// SAFETY: each head writes only its own `hdv` floats (see `attention`).
+unsafe impl Sync for OutRows {}
 
 /// The kind of op a product with `w` is, for `TURBOSPARK_CPU_TIMING`: the output head, a
 /// router, or a weight product.

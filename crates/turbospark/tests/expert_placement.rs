@@ -125,26 +125,31 @@ fn packed_experts_match_the_gguf_layout_across_placements() {
 }
 
 /// Decode steps' experts as parallel tasks, or their products and the attention's q/k/v as one
-/// region's (`TURBOSPARK_DECODE_PRODUCTS=tasks|flat`, flat the default), compute every product
-/// as a region per product (`split`) does: the same logits, bit for bit, on the MoE fixture families here and
-/// two dense ones (qwen2 with its projection biases), one row and four at a time, experts mapped
-/// and streamed.
+/// region's (`TURBOSPARK_DECODE_PRODUCTS=tasks|flat`, flat the default), and a one-row step's
+/// regions handed to threads kept spinning (`TURBOSPARK_CPU_TEAM=1`), compute every product as a
+/// region per product (`split`) does: the same logits, bit for bit, on the MoE fixture families
+/// here and two dense ones (qwen2 with its projection biases), one row and four at a time,
+/// experts mapped and streamed.
 #[test]
 fn decode_product_modes_give_the_same_logits() {
     for family in ["mixtral", "qwen3_moe", "gpt_oss", "qwen2", "llama"] {
         let model = ts_testkit::fixtures_dir().join(format!("{family}/model-q8_0.gguf"));
         for tokens in ["11", "11,204,77,90"] {
-            let run = |knob: &str, extra: &[&str]| {
-                let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
-                    .args(["logits", "-m", model.to_str().unwrap(), "--all", "--tokens", tokens, "-t", "2"])
+            let run_with = |knob: &str, extra: &[&str], team: bool| {
+                let mut cmd = Command::new(env!("CARGO_BIN_EXE_turbospark"));
+                cmd.args(["logits", "-m", model.to_str().unwrap(), "--all", "--tokens", tokens, "-t", "2"])
                     .args(extra)
-                    .env("TURBOSPARK_DECODE_PRODUCTS", knob)
-                    .output()
-                    .unwrap();
+                    .env("TURBOSPARK_DECODE_PRODUCTS", knob);
+                if team {
+                    cmd.env("TURBOSPARK_CPU_TEAM", "1");
+                }
+                let out = cmd.output().unwrap();
                 assert!(out.status.success(), "{family}: {}", String::from_utf8_lossy(&out.stderr));
                 out.stdout
             };
+            let run = |knob: &str, extra: &[&str]| run_with(knob, extra, false);
             let plain = run("split", &[]);
+            assert!(plain == run_with("flat", &[], true), "{family} {tokens}: logits differ with a team of threads");
             assert!(!plain.is_empty(), "{family}: no logits");
             for mode in ["tasks", "flat"] {
                 assert!(plain == run(mode, &[]), "{family} {tokens}: logits differ with the products as {mode}");

@@ -1,0 +1,212 @@
+//! A step's threads kept spinning between parallel regions (`TURBOSPARK_CPU_TEAM=1`, a
+//! measurement knob for issue 16's 16-core decode): [`scope`] enlists every thread of the
+//! current rayon pool for the length of a one-row step; inside it, [`for_each`] hands items to
+//! threads that are already awake, as ggml's threadpool does between ops, where a rayon region
+//! may find its threads asleep. Outside a scope (or with the knob off) [`for_each`] is a rayon
+//! parallel loop. Which thread runs which item never changes an item's floats.
+
+use rayon::prelude::*;
+use std::cell::Cell;
+use std::panic::AssertUnwindSafe;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+
+/// Whether `TURBOSPARK_CPU_TEAM` is set.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_CPU_TEAM").is_some())
+}
+
+/// One region's work: items `0..n`, taken one at a time.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    n: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    /// An item's panic, raised again on the leader once the region is over.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+/// What the scope's threads share.
+struct Team {
+    /// The region in progress (null between regions); it lives on its caller's stack.
+    job: AtomicPtr<Job<'static>>,
+    /// Bumped for every region, so that a spinning thread notices a new one.
+    generation: AtomicU64,
+    /// Threads between reading `job` and finishing their items: the caller waits for none
+    /// before its `Job` goes out of scope.
+    active: AtomicUsize,
+    stop: AtomicBool,
+}
+
+thread_local! {
+    /// The scope this thread leads (only the thread running a scope's body hands out regions).
+    static LEADS: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+}
+
+/// Runs `body` with every thread of the current rayon pool spinning for its [`for_each`]
+/// regions; `body` itself runs on one of them. Without the knob, `body` alone.
+pub fn scope<R: Send>(body: impl FnOnce() -> R + Send) -> R {
+    if !enabled() || rayon::current_num_threads() < 2 || !LEADS.with(|l| l.get().is_null()) {
+        return body();
+    }
+    lead(body)
+}
+
+/// [`scope`]'s work: the first thread of the broadcast to arrive runs `body`, the others
+/// follow its regions until it is done.
+fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
+    let team = Team {
+        job: AtomicPtr::new(std::ptr::null_mut()),
+        generation: AtomicU64::new(0),
+        active: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+    };
+    let body = Mutex::new(Some(body));
+    let out = Mutex::new(None);
+    let leader_taken = AtomicBool::new(false);
+    rayon::broadcast(|_| {
+        if !leader_taken.swap(true, SeqCst) {
+            let body = body.lock().expect("team body").take().expect("one leader");
+            LEADS.with(|l| l.set(&team));
+            let result = std::panic::catch_unwind(AssertUnwindSafe(body));
+            LEADS.with(|l| l.set(std::ptr::null()));
+            team.stop.store(true, SeqCst);
+            *out.lock().expect("team result") = Some(result);
+        } else {
+            follow(&team);
+        }
+    });
+    let result = out.into_inner().expect("team result").expect("the leader ran");
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// A thread that is not the leader: runs each region's items until the scope ends.
+fn follow(team: &Team) {
+    let mut seen = 0u64;
+    let mut idle = 0u32;
+    while !team.stop.load(SeqCst) {
+        let g = team.generation.load(SeqCst);
+        if g == seen {
+            idle = idle.saturating_add(1);
+            if idle < 1 << 16 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+            continue;
+        }
+        seen = g;
+        idle = 0;
+        team.active.fetch_add(1, SeqCst);
+        let job = team.job.load(SeqCst);
+        if !job.is_null() {
+            // SAFETY: the leader keeps the job alive until `active` is back to zero after
+            // clearing `job`; this thread counted itself in before reading the pointer.
+            take_items(unsafe { &*job });
+        }
+        team.active.fetch_sub(1, SeqCst);
+    }
+}
+
+fn take_items(job: &Job<'_>) {
+    loop {
+        let i = job.next.fetch_add(1, SeqCst);
+        if i >= job.n {
+            return;
+        }
+        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))) {
+            job.panic.lock().expect("team panic").get_or_insert(panic);
+        }
+        job.done.fetch_add(1, SeqCst);
+    }
+}
+
+/// Runs `f(i)` for every `i` in `0..n` over the threads: the scope's spinning threads where
+/// this thread leads one, else a rayon parallel loop.
+pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    let team = LEADS.with(|l| l.get());
+    if team.is_null() || n < 2 {
+        if n == 1 {
+            f(0);
+        } else {
+            (0..n).into_par_iter().for_each(f);
+        }
+        return;
+    }
+    // SAFETY: the scope that set `LEADS` is still running its body on this thread.
+    let team = unsafe { &*team };
+    let job = Job { f, n, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panic: Mutex::new(None) };
+    // SAFETY: only the lifetime is erased; `job` outlives every use (see `follow`).
+    let ptr = unsafe { std::mem::transmute::<*const Job<'_>, *mut Job<'static>>(&job) };
+    team.job.store(ptr, SeqCst);
+    team.generation.fetch_add(1, SeqCst);
+    // Nested regions inside an item run on the item's thread.
+    LEADS.with(|l| l.set(std::ptr::null()));
+    take_items(&job);
+    LEADS.with(|l| l.set(team));
+    while job.done.load(SeqCst) < n {
+        std::hint::spin_loop();
+    }
+    team.job.store(std::ptr::null_mut(), SeqCst);
+    while team.active.load(SeqCst) != 0 {
+        std::hint::spin_loop();
+    }
+    if let Some(panic) = job.panic.into_inner().expect("team panic") {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every item runs once, inside a scope and out, in regions back to back; a region's
+    /// nested `for_each` runs too; the scope hands back its body's value.
+    #[test]
+    fn every_item_runs_once() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let counts: Vec<AtomicUsize> = (0..97).map(|_| AtomicUsize::new(0)).collect();
+        let region = |n: usize| for_each(n, &|i| _ = counts[i].fetch_add(1, SeqCst));
+        let rounds = pool.install(|| {
+            lead(|| {
+                for n in [97, 1, 0, 5, 97] {
+                    region(n);
+                }
+                for_each(4, &|_| region(3));
+                7
+            })
+        });
+        assert_eq!(rounds, 7);
+        let got: Vec<usize> = counts.iter().map(|c| c.load(SeqCst)).collect();
+        let want: Vec<usize> =
+            (0..97).map(|i| 2 + usize::from(i < 1) + usize::from(i < 5) + if i < 3 { 4 } else { 0 }).collect();
+        assert_eq!(got, want);
+        // Outside a scope: rayon.
+        region(10);
+        assert_eq!(counts[9].load(SeqCst), 3);
+    }
+
+    /// An item's panic reaches the scope's caller once the region is over, and the pool runs
+    /// a scope again after it.
+    #[test]
+    fn a_panicking_item_reaches_the_caller_and_the_pool_recovers() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let ran = AtomicUsize::new(0);
+        let failed = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            pool.install(|| {
+                lead(|| {
+                    for_each(8, &|i| {
+                        assert_ne!(i, 5, "item 5 fails");
+                        ran.fetch_add(1, SeqCst);
+                    })
+                })
+            })
+        }));
+        assert!(failed.is_err());
+        assert_eq!(ran.load(SeqCst), 7, "the other items still ran");
+        let again = AtomicUsize::new(0);
+        pool.install(|| lead(|| for_each(8, &|_| _ = again.fetch_add(1, SeqCst))));
+        assert_eq!(again.load(SeqCst), 8);
+    }
+}
