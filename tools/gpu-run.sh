@@ -95,17 +95,28 @@ synth() {
     [[ -f $f ]] || "$B"/turbospark synth --like "$1" -o "$f" 2>&1 | tail -1 >&2
     echo "$f"
 }
-# Waits (up to 10 minutes each) for every build `peer-build` queued: rows whose work is on the
-# host's CPU are not measured beside a compiler (2026-12-03: ours with --expert-misses cpu ran at
-# 10.5 tok/s beside ik_llama.cpp's build, 87-89 without).
-# `wait_peer_builds lc` waits for llama.cpp's only (rows all on the GPU).
+# Waits for every build `peer-build` queued: rows whose work is on the host's CPU are not
+# measured beside a compiler (2026-12-03: ours with --expert-misses cpu ran at 10.5 tok/s beside
+# ik_llama.cpp's build, 87-89 without). `wait_peer_builds lc` waits for llama.cpp's only (rows
+# all on the GPU). At most PEER_WAIT_S (420) seconds in all, so that a call's 600 s limit does
+# not cut its output (2026-12-03: `side` lost every peer row so); a peer still building is
+# then left out (`peer_ready`), and a later call runs its rows.
 wait_peer_builds() {
-    local log i logs=(/tmp/lcbuild.log /tmp/ikbuild.log)
+    local log logs=(/tmp/lcbuild.log /tmp/ikbuild.log)
     (($#)) && logs=("${@/%/build.log}") && logs=("${logs[@]/#//tmp/}")
     for log in "${logs[@]}"; do
         [[ -f $log ]] || continue
-        for i in $(seq 60); do grep -q "^built" $log && break; sleep 10; done
+        while ! grep -q "^built" $log && ((peer_waited < ${PEER_WAIT_S:-420})); do
+            sleep 10
+            peer_waited=$((peer_waited + 10))
+        done
+        grep -q "^built" $log || echo "gpu-run.sh: $log not built after ${peer_waited} s: its rows are left out"
     done
+}
+peer_waited=0
+# Whether peer `lc` or `ik` was built (its llama-bench there to run).
+peer_ready() {
+    grep -q "^built 0" /tmp/$1build.log 2>/dev/null
 }
 # The LIKEs given, or the two MoE shapes.
 likes_or_default() {
@@ -125,8 +136,8 @@ if [[ $what == batched ]]; then
         echo "== $like, turbospark: 1, 4, 16 sequences"
         "$B"/turbospark bench -m "$f" --device cuda -p 128 -n 64 -r 2 --parallel 1,4,16 2>&1 \
             | tee -a "$OUT/batched-$like.log" | grep -E "^\||error"
-        if [[ -f /tmp/lcbuild.log ]]; then
-            for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+        wait_peer_builds lc
+        if peer_ready lc; then
             echo "== $like, llama.cpp llama-batched-bench: 1, 4, 16 sequences (S_TG t/s is generation)"
             /tmp/lcbuild/bin/llama-batched-bench -m "$f" -ngl 99 -fa 1 -c 4096 -npp 128 -ntg 64 -npl 1,4,16 2>&1 \
                 | tee -a "$OUT/batched-$like.log" | grep -E "^\||error"
@@ -265,7 +276,7 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
         fi
         # Both builds done first: the peers' experts-on-CPU rows need the host's cores.
         wait_peer_builds
-        if [[ -f /tmp/lcbuild.log ]]; then
+        if peer_ready lc; then
             tail -1 /tmp/lcbuild.log
             echo "== $like, llama.cpp: every layer on the GPU"
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" \
@@ -274,8 +285,7 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
             /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -ncmoe "$n_layer" -t 16 -p 512 -n 64 -r 2 2>&1 \
                 | tee -a "$OUT/side-$like.log" | grep -E "^\||error"
         fi
-        if [[ -f /tmp/ikbuild.log ]]; then
-            for i in $(seq 60); do grep -q "^built" /tmp/ikbuild.log && break; sleep 10; done
+        if peer_ready ik; then
             tail -1 /tmp/ikbuild.log
             # Its fused MoE is on by default; -rtr (run-time repack) is for experts on the CPU.
             echo "== $like, ik_llama.cpp: every layer on the GPU"
@@ -292,7 +302,7 @@ if [[ $what == peer-profile ]]; then
     # `peer-build`), to set beside `profile`'s of ours.
     like=$2
     f=$(synth "$like")
-    for i in $(seq 60); do grep -q "^built" /tmp/lcbuild.log && break; sleep 10; done
+    wait_peer_builds lc
     tail -1 /tmp/lcbuild.log
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c ${LAUNCHES:-3000} \
         /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 0 -n 8 -r 1 > "$OUT/peer-profile-$like.log" 2>&1
@@ -334,7 +344,7 @@ if [[ $what == cpu-sweep ]]; then
                 | grep -E "^\|.*(pp|tg)[0-9]|error|cpu timing"
         done
         for peer in lc ik; do
-            [[ -f /tmp/${peer}build.log ]] || continue
+            peer_ready $peer || continue
             extra=""
             [[ $peer == ik ]] && extra="-rtr 1"
             echo "== $like, -t $counts, ${peer/lc/llama.cpp} llama-bench $extra"
@@ -376,10 +386,10 @@ if [[ $what == spec ]]; then
     # With a draft model: llama.cpp's plain decode (llama-bench tg128) and llama-speculative on
     # the same pair and prompt, every layer of both on the GPU, greedy.
     draft=$(sed -n 's/.*--draft-model \([^ ]*\).*/\1/p' <<< "$flags")
-    if [[ -n $draft && -f /tmp/lcbuild.log && ${SPEC_PEER:-1} != 0 ]]; then
+    [[ -n $draft && ${SPEC_PEER:-1} != 0 ]] && wait_peer_builds lc
+    if [[ -n $draft && ${SPEC_PEER:-1} != 0 ]] && peer_ready lc; then
         # Every row on the GPU: ik_llama.cpp's build beside them is not waited for (2026-12-03:
         # waiting for it took a 300 s call).
-        wait_peer_builds lc
         echo "== llama.cpp llama-bench -p 0 -n 128 -r 2 (no draft)"
         /tmp/lcbuild/bin/llama-bench -m "$2" -ngl 99 -fa 1 -p 0 -n 128 -r 2 2>&1 | grep -E "^\||error"
         for round in 1 2; do
