@@ -111,6 +111,7 @@ wait_peer_builds() {
             peer_waited=$((peer_waited + 10))
         done
         grep -q "^built" $log || echo "gpu-run.sh: $log not built after ${peer_waited} s: its rows are left out"
+        grep -q "^built [1-9]" $log && echo "gpu-run.sh: $log: the build failed, its rows are left out"
     done
 }
 peer_waited=0
@@ -303,6 +304,7 @@ if [[ $what == peer-profile ]]; then
     like=$2
     f=$(synth "$like")
     wait_peer_builds lc
+    peer_ready lc || { echo "gpu-run.sh: llama.cpp's llama-bench is not built"; exit 1; }
     tail -1 /tmp/lcbuild.log
     "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c ${LAUNCHES:-3000} \
         /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p 0 -n 8 -r 1 > "$OUT/peer-profile-$like.log" 2>&1

@@ -42,12 +42,15 @@ struct Team {
 thread_local! {
     /// The scope this thread leads (only the thread running a scope's body hands out regions).
     static LEADS: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    /// Whether this thread is in a scope, leading or following (a scope inside one runs its
+    /// body alone: every thread of the pool is taken).
+    static IN_SCOPE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Runs `body` with every thread of the current rayon pool spinning for its [`for_each`]
 /// regions; `body` itself runs on one of them. Without the knob, `body` alone.
 pub fn scope<R: Send>(body: impl FnOnce() -> R + Send) -> R {
-    if !enabled() || rayon::current_num_threads() < 2 || !LEADS.with(|l| l.get().is_null()) {
+    if !enabled() || rayon::current_num_threads() < 2 || IN_SCOPE.with(Cell::get) {
         return body();
     }
     lead(body)
@@ -66,6 +69,7 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
     let out = Mutex::new(None);
     let leader_taken = AtomicBool::new(false);
     rayon::broadcast(|_| {
+        IN_SCOPE.with(|s| s.set(true));
         if !leader_taken.swap(true, SeqCst) {
             let body = body.lock().expect("team body").take().expect("one leader");
             LEADS.with(|l| l.set(&team));
@@ -76,6 +80,7 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
         } else {
             follow(&team);
         }
+        IN_SCOPE.with(|s| s.set(false));
     });
     let result = out.into_inner().expect("team result").expect("the leader ran");
     result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
@@ -88,6 +93,11 @@ fn follow(team: &Team) {
     while !team.stop.load(SeqCst) {
         let g = team.generation.load(SeqCst);
         if g == seen {
+            // The leader's plain rayon work (a `join` inside the step) is taken here too.
+            if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                idle = 0;
+                continue;
+            }
             idle = idle.saturating_add(1);
             if idle < 1 << 16 {
                 std::hint::spin_loop();

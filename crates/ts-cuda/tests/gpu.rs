@@ -253,7 +253,12 @@ fn rope_matches_the_cpu() {
         .collect();
     // Two sequences so begin_step has caches to point at.
     let mut kv: Vec<SeqState<ts_cuda::GpuState>> = (0..2)
-        .map(|_| SeqState { state: cuda.kv_for(&[None], 64, 64, 4096, 8).unwrap(), n_past: 0, n_ctx: 4096 })
+        .map(|_| SeqState {
+            state: cuda.kv_for(&[None], 64, 64, 4096, 8).unwrap(),
+            n_past: 0,
+            n_ctx: 4096,
+            max_chunk: 8,
+        })
         .collect();
     let mut seqs: Vec<&mut SeqState<ts_cuda::GpuState>> = kv.iter_mut().collect();
     for (interleaved, hd, n_rot, mscale) in [(false, 64, 64, 1.0), (true, 128, 128, 1.0), (false, 128, 32, 1.35)] {
@@ -320,7 +325,7 @@ fn rope_store_matches_the_cpu() {
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
         let (c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
         let kv = cuda.kv_for(&[None], kv_dim, v_dim, 16, m).unwrap();
-        let mut seq = SeqState { state: kv, n_past: 0, n_ctx: 16 };
+        let mut seq = SeqState { state: kv, n_past: 0, n_ctx: 16, max_chunk: m };
         // Positions 0.. so that attention reads back only what rope_store stored.
         let rows: Vec<Row> = (0..m).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
         let (q, k, v) =
@@ -405,7 +410,12 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
         };
         let shape = plain_attention(n_head, n_head_kv, hd, hdv);
         let mut states: Vec<SeqState<_>> = (0..past.len())
-            .map(|_| SeqState { state: c.kv_for(&[None], kv_dim, v_dim, n_ctx, n_ctx).unwrap(), n_past: 0, n_ctx })
+            .map(|_| SeqState {
+                state: c.kv_for(&[None], kv_dim, v_dim, n_ctx, n_ctx).unwrap(),
+                n_past: 0,
+                n_ctx,
+                max_chunk: n_ctx,
+            })
             .collect();
         // Each sequence's earlier keys and values, stored by rope_store in a step of its own
         // (direct steps: a recorded one would run only at its end).
@@ -794,7 +804,7 @@ fn attention_matches_the_cpu() {
             let n = 300;
             let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
             let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n_ctx, chunk).unwrap();
-            let mut seq = SeqState { state: kv, n_past: 0, n_ctx };
+            let mut seq = SeqState { state: kv, n_past: 0, n_ctx, max_chunk: chunk };
             let sink_v = rng.normals(n_head, 1.0, 0.0);
             let mut c = Cuda::open(0).unwrap();
             c.upload_vec(&sink_v).unwrap();

@@ -43,11 +43,11 @@ impl Backend for Cpu {
 
     fn begin_step(
         &self,
-        _rows: &[Row],
+        rows: &[Row],
         _seqs: &mut [&mut SeqState<CpuState>],
         _scratch: &Scratch,
     ) -> Result<StepStart<Vec<f32>>, ModelError> {
-        timing().step_begins();
+        timing().step_begins(rows.len());
         Ok(StepStart::Run)
     }
 

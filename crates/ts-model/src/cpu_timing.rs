@@ -3,8 +3,9 @@
 //! and the small ops between them), and how long threads were idle during the phases that run
 //! products (their wall time times the thread count, less the threads' time in the products'
 //! tasks, `ts_cpu::work_time`: waits at a region's start and end, and the phase's serial work
-//! such as quantizing the input or choosing experts). Printed as means per step every 64 steps
-//! (issue 16's decode profile).
+//! such as quantizing the input or choosing experts). One-row steps (decode) only, each from its
+//! start to the next step's; printed as means per step every 64 of them (issue 16's decode
+//! profile).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -33,9 +34,16 @@ const REGIONS: [Phase; 5] = [Phase::Products, Phase::Head, Phase::Route, Phase::
 #[derive(Default)]
 struct Totals {
     time: [Duration; PHASES],
+    /// The step in progress's phases, added to `time` when it ends if it was a one-row step.
+    pending: [Duration; PHASES],
+    /// Rows of the step in progress.
+    rows: usize,
     steps: u64,
     wall: Duration,
-    busy_at_start: Duration,
+    /// Threads' time in products' tasks during the counted steps, and the counter at the
+    /// step in progress's start.
+    busy: Duration,
+    busy_at_step: Duration,
     started: Option<Instant>,
     /// The pool's threads the counts are for (`bench -t 4,8,16` changes pools: counts restart).
     threads: usize,
@@ -62,29 +70,36 @@ impl CpuTiming {
         let Some(totals) = &self.0 else { return f() };
         let start = Instant::now();
         let out = f();
-        totals.lock().expect("cpu timing lock").time[phase as usize] += start.elapsed();
+        totals.lock().expect("cpu timing lock").pending[phase as usize] += start.elapsed();
         out
     }
 
-    /// Marks a step's start (the end of the one before); prints the means every 64 steps.
-    pub(crate) fn step_begins(&self) {
+    /// Marks the start of a step of `rows` rows (the end of the one before); only one-row
+    /// steps (decode) are counted; prints the means every 64 of them.
+    pub(crate) fn step_begins(&self, rows: usize) {
         let Some(totals) = &self.0 else { return };
-        let mut t = totals.lock().expect("cpu timing lock");
+        let mut guard = totals.lock().expect("cpu timing lock");
+        let t = &mut *guard;
         let now = Instant::now();
         let threads = rayon::current_num_threads();
         if t.threads != threads {
             *t = Totals { threads, ..Totals::default() };
         }
-        if t.started.is_none() {
-            t.busy_at_start = ts_cpu::work_time::busy();
-        }
-        if let Some(s) = t.started {
+        let busy_now = ts_cpu::work_time::busy();
+        if let Some(s) = t.started.filter(|_| t.rows == 1) {
             t.wall += now - s;
+            t.busy += busy_now.saturating_sub(t.busy_at_step);
             t.steps += 1;
+            for p in 0..PHASES {
+                t.time[p] += t.pending[p];
+            }
             if t.steps.is_multiple_of(64) {
                 eprintln!("{}", t.report());
             }
         }
+        t.pending = Default::default();
+        t.busy_at_step = busy_now;
+        t.rows = rows;
         t.started = Some(now);
     }
 }
@@ -97,7 +112,7 @@ impl Totals {
         let other = self.wall.saturating_sub(self.time.iter().sum());
         let threads = self.threads as f64;
         let regions: Duration = REGIONS.iter().map(|&p| self.time[p as usize]).sum();
-        let busy = ts_cpu::work_time::busy().saturating_sub(self.busy_at_start);
+        let busy = self.busy;
         let waited = (per(regions) * threads - per(busy)).max(0.0);
         format!(
             "cpu timing: {} steps, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \

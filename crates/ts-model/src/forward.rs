@@ -307,7 +307,7 @@ impl<B: Backend> Model<B> {
 
     /// A new, empty sequence of `n_ctx` positions, filled `max_chunk` rows at a time.
     pub fn new_sequence(&self, n_ctx: usize, max_chunk: usize) -> Result<SeqState<B::State>, ModelError> {
-        Ok(SeqState { state: self.backend.new_state(self, n_ctx, max_chunk)?, n_past: 0, n_ctx })
+        Ok(SeqState { state: self.backend.new_state(self, n_ctx, max_chunk)?, n_past: 0, n_ctx, max_chunk })
     }
 
     /// Whether some layer keeps a recurrent state (which cannot be rewound).
@@ -468,8 +468,9 @@ impl<B: Backend> Model<B> {
     /// padding rows after them. Only for the rows of one sequence at consecutive positions
     /// that all want logits (a checking step) or only the last does (a short prompt, a draft
     /// model reading a check's tokens), with room in its cache, and no recurrent layers
-    /// (their state would take in the padding) nor hidden states asked for. A padding row
-    /// repeats the last token at the next positions.
+    /// (their state would take in the padding) nor hidden states asked for, and no more rows
+    /// than the cache and a step may hold. A padding row repeats the last token at the next
+    /// positions.
     fn padded(&self, rows: &[Row], seqs: &[&mut SeqState<B::State>], hidden: bool) -> Option<PaddedRows> {
         let (first, last) = (rows.first()?, rows.last()?);
         let m = rows.len();
@@ -479,7 +480,9 @@ impl<B: Backend> Model<B> {
         if !consecutive || !(all_logits || last_only) || hidden || self.is_recurrent() {
             return None;
         }
-        let n = self.backend.padded_rows(m)?.min(seqs[first.seq].n_ctx - first.pos);
+        let seq = &seqs[first.seq];
+        // Within the cache, and within a step's rows (a sliding window's ring holds no more).
+        let n = self.backend.padded_rows(m)?.min(seq.n_ctx - first.pos).min(seq.max_chunk.max(m));
         if n == m && all_logits {
             return None;
         }
@@ -592,7 +595,7 @@ impl<B: Backend> Model<B> {
         if self.weights.mtp.is_none() {
             return Err(ModelError::Compute("this model has no multi-token-prediction (nextn) layer".into()));
         }
-        Ok(SeqState { state: self.backend.new_mtp_state(self, n_ctx)?, n_past: 0, n_ctx })
+        Ok(SeqState { state: self.backend.new_mtp_state(self, n_ctx)?, n_past: 0, n_ctx, max_chunk: n_ctx })
     }
 
     /// Rows `rows` of a step's logits (those asked for: padding rows and rows computed only

@@ -224,6 +224,9 @@ pub struct SeqState<S = CpuState> {
     pub n_past: usize,
     /// The most positions this sequence may hold.
     pub n_ctx: usize,
+    /// The most rows one step may bring (a sliding-window layer's ring keeps its window plus
+    /// this many less one): padding stays within it.
+    pub max_chunk: usize,
 }
 
 /// Where a sequence was: its length and its recurrent layers' states, from
@@ -244,7 +247,7 @@ impl<S> SeqState<S> {
 impl SeqState {
     /// CPU state for `n_ctx` positions, taken `max_chunk` rows at a time.
     pub fn new(cfg: &ArchConfig, n_ctx: usize, max_chunk: usize) -> SeqState {
-        SeqState { state: CpuState::new(cfg, n_ctx, max_chunk), n_past: 0, n_ctx }
+        SeqState { state: CpuState::new(cfg, n_ctx, max_chunk), n_past: 0, n_ctx, max_chunk }
     }
 
     pub fn bytes(&self) -> usize {
