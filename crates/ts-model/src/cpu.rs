@@ -125,57 +125,43 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            ops::rms_norm_pieces(x, piece, w, eps);
-            Ok(())
-        })
+        ops::rms_norm_pieces(x, piece, w, eps);
+        Ok(())
     }
 
     fn rms_norm_to(&self, x: &Vec<f32>, w: &[f32], eps: f32) -> Result<Vec<f32>, ModelError> {
-        timing().time(Phase::Small, || {
-            let e = w.len();
-            let mut out = vec![0f32; x.len()];
-            out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
-            Ok(out)
-        })
+        let e = w.len();
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
+        Ok(out)
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            ops::add_inplace(x, y);
-            Ok(())
-        })
+        ops::add_inplace(x, y);
+        Ok(())
     }
 
     fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            ops::scale_inplace(x, s);
-            Ok(())
-        })
+        ops::scale_inplace(x, s);
+        Ok(())
     }
 
     fn softcap(&self, x: &mut Vec<f32>, c: f32) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
-            Ok(())
-        })
+        x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+        Ok(())
     }
 
     fn gated(&self, act: GatedActivation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            gated_activation(act, gate, up);
-            Ok(())
-        })
+        gated_activation(act, gate, up);
+        Ok(())
     }
 
     fn rope(&self, _il: usize, rope: &Rope, x: &mut Vec<f32>, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
-        timing().time(Phase::Attention, || {
-            let width = x.len() / rows.len().max(1);
-            for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
-                rope.apply(xr, head_dim, r.pos as u32);
-            }
-            Ok(())
-        })
+        let width = x.len() / rows.len().max(1);
+        for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
+            rope.apply(xr, head_dim, r.pos as u32);
+        }
+        Ok(())
     }
 
     fn store_kv(
@@ -186,14 +172,12 @@ impl Backend for Cpu {
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
     ) -> Result<(), ModelError> {
-        timing().time(Phase::Attention, || {
-            let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
-            for (i, r) in rows.iter().enumerate() {
-                let cache = kv_cache_mut(seqs[r.seq], il)?;
-                cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
-            }
-            Ok(())
-        })
+        let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
+        for (i, r) in rows.iter().enumerate() {
+            let cache = kv_cache_mut(seqs[r.seq], il)?;
+            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+        }
+        Ok(())
     }
 
     fn attention(
@@ -214,7 +198,13 @@ impl Backend for Cpu {
             let group = shape.n_head / shape.n_head_kv;
             let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
             let seqs: &[&mut SeqState<CpuState>] = seqs;
-            let head = |idx: usize, o: &mut [f32], scores: &mut Vec<f32>| {
+            // One item a (row, head), as `ts_cpu::team` regions (a rayon loop outside a step's
+            // team); each writes its own `hdv` floats of `out`.
+            let base = &OutRows(out.as_mut_ptr());
+            ts_cpu::team::for_each(rows.len() * shape.n_head, &|idx| {
+                // SAFETY: `out` holds `rows * n_head * hdv` floats, borrowed mutably here; item
+                // `idx` alone writes `idx * hdv ..` of them.
+                let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(idx * hdv), hdv) };
                 let (i, h) = (idx / shape.n_head, idx % shape.n_head);
                 let r = rows[i];
                 let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
@@ -222,27 +212,17 @@ impl Backend for Cpu {
                 let params =
                     AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
                 let visible = cache.visible(r.pos);
-                ops::attend(
-                    &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
-                    visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
-                    visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                    &params,
-                    scores,
-                    o,
-                );
-            };
-            if rows.len() == 1 && ts_cpu::team::enabled() {
-                // A one-row step's heads as one of the step's team regions (ts_cpu::team).
-                let base = &OutRows(out.as_mut_ptr());
-                ts_cpu::team::for_each(shape.n_head, &|h| {
-                    // SAFETY: `out` holds `n_head * hdv` floats, borrowed mutably here; head h
-                    // alone writes its `hdv`.
-                    let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(h * hdv), hdv) };
-                    head(h, o, &mut Vec::new());
+                SCORES.with_borrow_mut(|scores| {
+                    ops::attend(
+                        &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                        visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
+                        visible.map(|p| cache.value(p, kvh * hdv, hdv)),
+                        &params,
+                        scores,
+                        o,
+                    )
                 });
-            } else {
-                out.par_chunks_mut(hdv).enumerate().for_each_init(Vec::new, |scores, (idx, o)| head(idx, o, scores));
-            }
+            });
             Ok(out)
         })
     }
@@ -263,10 +243,8 @@ impl Backend for Cpu {
     }
 
     fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
-            Ok(())
-        })
+        x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
+        Ok(())
     }
 
     fn conv_silu(
@@ -311,14 +289,12 @@ impl Backend for Cpu {
     }
 
     fn sigmoid_gate(&self, y: &mut Vec<f32>, x: &Vec<f32>, gate: &[f32]) -> Result<(), ModelError> {
-        timing().time(Phase::Small, || {
-            let e = gate.len();
-            for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
-                let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
-                ops::scale_inplace(yr, ops::sigmoid(dot));
-            }
-            Ok(())
-        })
+        let e = gate.len();
+        for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
+            let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
+            ops::scale_inplace(yr, ops::sigmoid(dot));
+        }
+        Ok(())
     }
 
     fn route(
@@ -431,15 +407,13 @@ impl Backend for Cpu {
     }
 
     fn combine(&self, y: &Vec<f32>, routes: &CpuRoutes, width: usize) -> Result<Vec<f32>, ModelError> {
-        timing().time(Phase::Small, || {
-            let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
-            for (p, &wt) in routes.weights.iter().enumerate() {
-                let row = p / routes.k;
-                let o = &mut out[row * width..(row + 1) * width];
-                o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
-            }
-            Ok(out)
-        })
+        let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
+        for (p, &wt) in routes.weights.iter().enumerate() {
+            let row = p / routes.k;
+            let o = &mut out[row * width..(row + 1) * width];
+            o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+        }
+        Ok(out)
     }
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>, ModelError> {
@@ -546,10 +520,15 @@ pub struct CpuRoutes {
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
 
-/// Attention's output rows, handed across a team's threads: each head writes its own.
+/// Attention's output, handed across threads: each (row, head) writes its own `hdv` floats.
 struct OutRows(*mut f32);
-// SAFETY: each head writes only its own `hdv` floats (see `attention`).
+// SAFETY: each item writes only its own floats (see `attention`).
 unsafe impl Sync for OutRows {}
+
+thread_local! {
+    /// A thread's attention scores, reused from head to head.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// The kind of op a product with `w` is, for `TURBOSPARK_CPU_TIMING`: the output head, a
 /// router, or a weight product.

@@ -1,6 +1,6 @@
 //! `TURBOSPARK_CPU_TIMING=1`, a measurement knob: where a CPU step's wall time goes, by kind of
-//! op (the weight products, the output head, attention, routing, the experts' products, norms
-//! and the small ops between them), and how long threads were idle during the phases that run
+//! op (the weight products, the output head, attention, routing, the experts' products; the
+//! rest is norms, rotations, cache stores, small ops and the host's work), and how long threads were idle during the phases that run
 //! products (their wall time times the thread count, less the threads' time in the products'
 //! tasks, `ts_cpu::work_time`: waits at a region's start and end, and the phase's serial work
 //! such as quantizing the input or choosing experts). One-row steps (decode) only, each from its
@@ -17,17 +17,15 @@ pub(crate) enum Phase {
     Products,
     /// The output head (`[n_vocab][n_embd]`).
     Head,
-    /// Rotations, cache stores and attention over the cache.
+    /// Attention over the cache.
     Attention,
     /// The router's product and the choice of experts.
     Route,
     ExpertGateUp,
     ExpertDown,
-    /// Norms, residual adds, activations, the experts' weighted sum.
-    Small,
 }
 
-const PHASES: usize = 7;
+const PHASES: usize = 6;
 /// The phases that run products in parallel regions.
 const REGIONS: [Phase; 5] = [Phase::Products, Phase::Head, Phase::Route, Phase::ExpertGateUp, Phase::ExpertDown];
 
@@ -116,7 +114,7 @@ impl Totals {
         let waited = (per(regions) * threads - per(busy)).max(0.0);
         format!(
             "cpu timing: {} steps, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
-             experts gate/up {:.3} and down {:.3}, norms and small ops {:.3}, other {:.3}; during the products \
+             experts gate/up {:.3} and down {:.3}, the rest (norms, small ops, host) {:.3}; during the products \
              {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%)",
             self.steps,
             per(self.wall),
@@ -126,7 +124,6 @@ impl Totals {
             phase(Phase::Route),
             phase(Phase::ExpertGateUp),
             phase(Phase::ExpertDown),
-            phase(Phase::Small),
             per(other),
             threads,
             waited,
