@@ -234,6 +234,7 @@ impl Cuda {
                 recorded: Default::default(),
                 current: None,
                 replays: 0,
+                warm_ups: 0,
                 timing,
             }),
             mode: std::sync::atomic::AtomicU8::new(Mode::Direct as u8),
@@ -668,6 +669,10 @@ impl Backend for Cuda {
 
     fn scratch(&self, exact_activations: bool) -> GpuScratch {
         GpuScratch { exact: exact_activations }
+    }
+
+    fn warm_ups(&self) -> u64 {
+        self.graphs.lock().expect("graph lock").warm_ups
     }
 
     /// Row counts 2, 4, 8, then multiples of [`matmul::MATVEC_ROWS`] up to the recorded steps'

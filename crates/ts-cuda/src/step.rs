@@ -101,6 +101,8 @@ pub(crate) struct Graphs {
     pub(crate) current: Option<StepKey>,
     /// Steps run from a recording so far (its first launch included).
     pub(crate) replays: u64,
+    /// Steps run to be measured or recorded so far ([`ts_model::Backend::warm_ups`]).
+    pub(crate) warm_ups: u64,
     /// `TURBOSPARK_STEP_TIMING`: a measurement knob timing each replay on the device.
     pub(crate) timing: Option<ReplayTiming>,
 }
@@ -448,6 +450,7 @@ impl Cuda {
                 // Run directly once, on the arena, watching for overflow and host transfers.
                 g.arena_on = true;
                 g.measuring = true;
+                g.warm_ups += 1;
                 g.transfers_at_start = self.gpu.transfers.load(std::sync::atomic::Ordering::Relaxed);
                 g.current = Some(key);
                 Ok(StepStart::Run)
@@ -455,6 +458,7 @@ impl Cuda {
             _ => {
                 g.arena_on = true;
                 g.current = Some(key);
+                g.warm_ups += 1;
                 self.gpu
                     .stream
                     .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

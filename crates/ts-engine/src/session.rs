@@ -6,7 +6,7 @@ use crate::chat::ChatTemplate;
 use crate::constraint::{ConstraintError, Grammars};
 use crate::decode::{Decoding, Logits, Piece};
 use crate::sampler::SamplerConfig;
-use crate::speculative::{DraftLength, Drafter, SpecOptions};
+use crate::speculative::{DraftLength, Drafter, SpecOptions, catch_up_after_plain};
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -348,9 +348,13 @@ impl<B: Backend> Engine<B> {
         let mut rows = vec![logits];
         let mut guesses: Vec<u32> = Vec::new();
         let mut snapshot = None;
-        // How many guesses pay, and the last step's time (measured once its guesses are judged).
+        // How many guesses pay, and the last step's time (measured once its guesses are judged;
+        // None for a warm-up).
         let mut length = self.learnt_draft_length();
-        let mut last_step: Option<f64> = None;
+        let mut last_step: Option<Option<f64>> = None;
+        let warm_ups = |spec: &Option<(&mut (dyn Drafter + 'd), &SpecOptions)>| {
+            self.model.backend.warm_ups() + spec.as_ref().map_or(0, |(d, _)| d.warm_ups())
+        };
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;
@@ -391,12 +395,18 @@ impl<B: Backend> Engine<B> {
             context.push(token);
             held += 1;
             // Guesses must fit the context and the token limit. A step's time includes
-            // guessing: a draft model's passes cost as much as the checked rows save.
-            let started = Instant::now();
+            // guessing (a draft model's passes cost as much as the checked rows save), not
+            // the drafter's catching up on plain steps' tokens.
             let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
+            let limit = spec.as_ref().map_or(0, |(_, o)| length.limit(o.draft_max.min(room)));
+            if let Some((drafter, _)) = spec.as_mut() {
+                stats.draft_time += catch_up_after_plain(&mut **drafter, &context, limit, guesses.is_empty())?.time;
+            }
+            let started = Instant::now();
+            let warm_before = warm_ups(&spec);
             guesses = match spec.as_mut() {
                 Some((drafter, o)) if room > 0 => {
-                    let mut g = drafter.draft(&context, length.limit(o.draft_max.min(room)))?;
+                    let mut g = drafter.draft(&context, limit)?;
                     stats.draft_time += started.elapsed();
                     g.truncate(room);
                     if g.len() < o.draft_min.max(1) {
@@ -422,7 +432,7 @@ impl<B: Backend> Engine<B> {
             if !guesses.is_empty() {
                 stats.check_time += stepped.elapsed();
             }
-            last_step = Some(started.elapsed().as_secs_f64());
+            last_step = Some((warm_ups(&spec) == warm_before).then(|| started.elapsed().as_secs_f64()));
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         self.remember_draft_length(&length);

@@ -38,8 +38,9 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// to see whether that has changed, and twice as many after each check that finds it has not
 /// (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts where they
 /// stream). The first two steps are plain, to measure `t`: the first one-row step of a model
-/// also warms it up (the GPU records its step graph then, 30 ms against 2 on the H200), so
-/// the second's time replaces it.
+/// also warms it up (page faults, thread wake-ups), so the second's time replaces it. A step
+/// that ran to be recorded ([`ts_model::Backend::warm_ups`]: the GPU records each kind of step
+/// once, 30 ms against 2 on the H200) gives no time at all: it says nothing of later steps.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     plain_secs: Option<f64>,
@@ -87,18 +88,20 @@ impl DraftLength {
         (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64)
     }
 
-    /// A plain step took `secs`.
-    pub fn plain(&mut self, secs: f64) {
+    /// A plain step took `secs` (None: a warm-up, not timed).
+    pub fn plain(&mut self, secs: Option<f64>) {
+        self.plain_since_check += 1;
+        let Some(secs) = secs else { return };
         self.plain_secs = match self.plain_secs {
             Some(t) if self.plain_samples >= 2 => Some(t + Self::WEIGHT * (secs - t)),
             _ => Some(secs),
         };
         self.plain_samples += 1;
-        self.plain_since_check += 1;
     }
 
-    /// A checking step of `guesses` guesses took `secs` and kept `kept`.
-    pub fn checked(&mut self, secs: f64, guesses: usize, kept: usize) {
+    /// A checking step of `guesses` guesses took `secs` (None: a warm-up, not timed) and kept
+    /// `kept`.
+    pub fn checked(&mut self, secs: Option<f64>, guesses: usize, kept: usize) {
         // A check after a long run of plain steps (a probe, or a drafter that had nothing).
         let probed = self.plain_since_check >= self.probe_every;
         self.plain_since_check = 0;
@@ -108,8 +111,10 @@ impl DraftLength {
         let frac = kept as f64 / guesses as f64;
         self.kept += Self::WEIGHT * (frac - self.kept);
         if let Some(t) = self.plain_secs {
-            let per = ((secs - t) / guesses as f64).max(0.0);
-            self.secs_per_guess += Self::WEIGHT * (per - self.secs_per_guess);
+            if let Some(secs) = secs {
+                let per = ((secs - t) / guesses as f64).max(0.0);
+                self.secs_per_guess += Self::WEIGHT * (per - self.secs_per_guess);
+            }
             let pays = (1..=2).any(|n| self.rate(t, n) > self.rate(t, 0));
             if pays {
                 self.probe_every = Self::PROBE;
@@ -125,11 +130,18 @@ pub trait Drafter {
     /// Up to `max` guesses of the tokens after `context` (every token of the text so far).
     fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, EngineError>;
 
-    /// Reads `context` (the prompt) before generation starts, so that the first guesses
-    /// do not pay for it (a draft model's prompt is part of the prompt's time).
+    /// Reads `context` ahead of guessing after it: the prompt before generation starts (a
+    /// draft model's prompt is part of the prompt's time), and the tokens of plain steps
+    /// before a check (no check's guesses pay for them).
     fn catch_up(&mut self, context: &[u32]) -> Result<(), EngineError> {
         let _ = context;
         Ok(())
+    }
+
+    /// Steps of the drafter's own model so far that ran to be recorded
+    /// ([`ts_model::Backend::warm_ups`]).
+    fn warm_ups(&self) -> u64 {
+        0
     }
 
     /// Whether the drafter reads the target's final-normed hidden states (an MTP head): the
@@ -144,6 +156,32 @@ pub trait Drafter {
     fn observe(&mut self, first: usize, tokens: &[u32], hidden: &[f32]) {
         let _ = (first, tokens, hidden);
     }
+}
+
+/// What a drafter's catching up before a check cost ([`catch_up_after_plain`]): its time and
+/// the drafter's warm-ups in it, neither of them the check's.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CaughtUp {
+    pub time: std::time::Duration,
+    pub warm_ups: u64,
+}
+
+/// Before guessing up to `max` tokens after `context` (ending with the token about to run)
+/// in a step that follows a plain one (`after_plain`), a drafter that skipped the plain steps'
+/// tokens reads them ([`Drafter::catch_up`]): outside the check's time, which no steady run of
+/// checks pays.
+pub fn catch_up_after_plain(
+    drafter: &mut dyn Drafter,
+    context: &[u32],
+    max: usize,
+    after_plain: bool,
+) -> Result<CaughtUp, EngineError> {
+    if !after_plain || max == 0 || context.len() < 2 {
+        return Ok(CaughtUp::default());
+    }
+    let (started, warm_before) = (std::time::Instant::now(), drafter.warm_ups());
+    drafter.catch_up(&context[..context.len() - 1])?;
+    Ok(CaughtUp { time: started.elapsed(), warm_ups: drafter.warm_ups() - warm_before })
 }
 
 /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -239,8 +277,22 @@ impl<B: Backend> ModelDrafter<'_, B> {
 }
 
 impl<B: Backend> Drafter for ModelDrafter<'_, B> {
+    fn warm_ups(&self) -> u64 {
+        self.engine.model.backend.warm_ups()
+    }
+
     fn catch_up(&mut self, context: &[u32]) -> Result<(), EngineError> {
         if context.len() < 2 || context.len() >= self.seq.n_ctx {
+            return Ok(());
+        }
+        let held = self.fed.iter().zip(context).take_while(|(a, b)| a == b).count();
+        if held + 1 >= context.len() {
+            // At most one token behind: the next guess reads it with the token after it.
+            return Ok(());
+        }
+        if !self.fed.is_empty() {
+            // Tokens of plain steps, the draft's steps recorded by now.
+            self.feed(context)?;
             return Ok(());
         }
         // All but the last token as a prompt, the last as the one-row step every guess
@@ -475,35 +527,35 @@ mod tests {
     fn draft_length_follows_cost_and_acceptance() {
         let mut d = DraftLength::default();
         assert_eq!(d.limit(8), 0, "plain steps first, to measure them");
-        d.plain(0.300);
+        d.plain(Some(0.300));
         assert_eq!(d.limit(8), 0, "the first one-row step is a warm-up");
-        d.plain(0.010);
+        d.plain(Some(0.010));
         assert_eq!(d.limit(8), 8, "optimistic once it is measured");
         // Cheap guesses, nearly all kept: the longest.
         for _ in 0..20 {
-            d.checked(0.011, 8, 8);
+            d.checked(Some(0.011), 8, 8);
         }
         assert_eq!(d.limit(8), 8);
         // Guesses that cost a plain step each and are never kept: none, then a probe.
         for _ in 0..20 {
-            d.checked(0.010 + 8.0 * 0.010, 8, 0);
+            d.checked(Some(0.010 + 8.0 * 0.010), 8, 0);
         }
         assert_eq!(d.limit(8), 0);
         // A check after PROBE plain steps; each that finds no change doubles the wait.
         let mut wait = DraftLength::PROBE;
         for _ in 0..6 {
             for _ in 1..wait {
-                d.plain(0.010);
+                d.plain(Some(0.010));
             }
             assert_eq!(d.limit(8), 0, "{wait} plain steps before the next check");
-            d.plain(0.010);
+            d.plain(Some(0.010));
             assert_eq!(d.limit(8), 2, "a check after {wait}");
-            d.checked(0.010 + 2.0 * 0.010, 2, 0);
+            d.checked(Some(0.010 + 2.0 * 0.010), 2, 0);
             wait = (2 * wait).min(DraftLength::MAX_PROBE);
         }
         // A check where guessing pays again: back to the longest, and to short waits.
         for _ in 0..20 {
-            d.checked(0.011, 2, 2);
+            d.checked(Some(0.011), 2, 2);
         }
         assert_eq!(d.limit(8), 8);
     }
@@ -513,12 +565,38 @@ mod tests {
         // The H200 pair of 2026-12-03: plain steps 2.2 ms after a first that recorded the
         // step's graph, checks of 7 guesses 29 ms with 96% kept: plain steps pay more.
         let mut d = DraftLength::default();
-        d.plain(0.030);
-        d.plain(0.0022);
+        d.plain(Some(0.030));
+        d.plain(Some(0.0022));
         for _ in 0..8 {
-            d.checked(0.029, 7, 7);
+            d.checked(Some(0.029), 7, 7);
         }
         assert_eq!(d.limit(16), 0);
+    }
+
+    #[test]
+    fn warm_ups_do_not_make_guesses_look_dear() {
+        // A step recorded at its first runs (a plain one, then each new check shape, the
+        // draft's too) costs many plain steps; untimed, it leaves guessing on where the
+        // steady checks pay (2.2 ms plain steps, checks of 3 guesses at 5 ms, all kept).
+        let mut d = DraftLength::default();
+        d.plain(None);
+        d.plain(Some(0.0023));
+        d.plain(Some(0.0022));
+        assert_eq!(d.limit(16), 16);
+        for _ in 0..4 {
+            d.checked(None, 3, 3);
+            assert!(d.limit(16) > 0, "a warm-up stopped guessing");
+        }
+        for _ in 0..8 {
+            d.checked(Some(0.005), 3, 3);
+        }
+        assert!(d.limit(16) >= 3, "steady checks that pay keep guessing: {}", d.limit(16));
+        // Timed, the same warm-ups (35 ms checks) would have turned guessing off.
+        let mut timed = DraftLength::default();
+        timed.plain(Some(0.030));
+        timed.plain(Some(0.0022));
+        timed.checked(Some(0.035), 3, 3);
+        assert_eq!(timed.limit(16), 0);
     }
 
     #[test]

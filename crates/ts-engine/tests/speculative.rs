@@ -8,7 +8,7 @@
 
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, StopReason};
-use ts_engine::speculative::{Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions, catch_up_after_plain};
 use ts_model::ExpertPlacement;
 
 fn engine(path: &std::path::Path) -> Engine {
@@ -141,6 +141,41 @@ fn a_draft_model_runs_on_its_targets_threads() {
     assert_eq!(thread(&target), thread(&draft), "the draft's steps run on the target's thread");
     let beside = Engine::load_beside(dir.join("llama/model-q8_0.gguf"), ExpertPlacement::Mapped, &target).unwrap();
     assert_eq!(thread(&target), thread(&beside), "a draft loaded beside its target runs on its thread");
+}
+
+/// A draft model that skipped plain steps' tokens and catches up on them before a check
+/// (`catch_up_after_plain`) guesses what a draft reading them with its guesses does, and one
+/// at most one token behind reads nothing ahead.
+#[test]
+fn a_draft_catching_up_on_plain_steps_guesses_the_same() {
+    let dir = ts_testkit::fixtures_dir();
+    let target = engine(&dir.join("llama/model-q8_0.gguf"));
+    let draft = Engine::load_beside(dir.join("llama/model-q4_k_m.gguf"), ExpertPlacement::Mapped, &target).unwrap();
+    let tok = target.tokenizer().unwrap();
+    let prompt = tok.encode(PROMPT, true, false).unwrap();
+    let (plain, _) = generate(&target, &SamplerConfig::greedy(), 8, None);
+    assert!(plain.len() >= 6, "{plain:?}");
+    let context: Vec<u32> = prompt.iter().chain(&plain[..6]).copied().collect();
+    // Caught up on the prompt, then five plain steps' tokens skipped.
+    let mut lapsed = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    lapsed.catch_up(&prompt).unwrap();
+    let caught = catch_up_after_plain(&mut lapsed, &context, 4, true).unwrap();
+    assert!(caught.time > std::time::Duration::ZERO);
+    let after_catching_up = lapsed.draft(&context, 4).unwrap();
+    let mut fresh = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    let at_once = fresh.draft(&context, 4).unwrap();
+    assert_eq!(after_catching_up.len(), 4);
+    assert_eq!(after_catching_up, at_once, "catching up changed the guesses");
+    // One token behind: nothing read ahead; the guess reads it with the next.
+    let mut behind_one = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    behind_one.catch_up(&context[..context.len() - 1]).unwrap();
+    behind_one.catch_up(&context).unwrap();
+    assert_eq!(behind_one.draft(&context, 4).unwrap(), at_once);
+    // Not asked to guess, or not after a plain step: nothing read.
+    for (max, after_plain) in [(0, true), (4, false)] {
+        let c = catch_up_after_plain(&mut behind_one, &context, max, after_plain).unwrap();
+        assert_eq!(c.time, std::time::Duration::ZERO, "max {max}, after a plain step {after_plain}");
+    }
 }
 
 #[test]

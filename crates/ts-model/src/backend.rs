@@ -127,6 +127,11 @@ pub trait Backend: Sized + Send + Sync {
         let _ = m;
         None
     }
+    /// Steps so far that ran to be recorded (the GPU runs each kind of step once or twice
+    /// before replaying it): their time says nothing of later steps of their kind.
+    fn warm_ups(&self) -> u64 {
+        0
+    }
     /// Makes steps with `s` compute every row as a one-row step would, bit for bit
     /// (speculative decoding's checking steps), where the backend's batch kernels differ.
     fn rows_alone(&self, s: &mut Self::Scratch) {

@@ -19,7 +19,9 @@ use ts_engine::decode::{Decoding, Logits, Piece};
 use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, StopReason};
-use ts_engine::speculative::{DraftLength, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
+use ts_engine::speculative::{
+    CaughtUp, DraftLength, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions, catch_up_after_plain,
+};
 use ts_model::{Backend, SeqState, Snapshot};
 
 /// Why a generation ended, as OpenAI names it.
@@ -141,7 +143,8 @@ impl<R> Guessing<R> {
 
 /// `drafter`'s guesses after `history` (the sequence's tokens) and `next` (the token
 /// about to run): as many as pay ([`DraftLength`]), fit the context and stay within the
-/// `left` tokens the reply may still have; none when fewer than `draft_min`.
+/// `left` tokens the reply may still have; none when fewer than `draft_min`. After a plain
+/// step the drafter first catches up on its tokens: what that cost is not the step's.
 fn guesses<R, S>(
     g: &Guessing<R>,
     drafter: &mut dyn Drafter,
@@ -149,23 +152,26 @@ fn guesses<R, S>(
     next: u32,
     seq: &SeqState<S>,
     left: usize,
-) -> Vec<u32> {
+) -> (Vec<u32>, CaughtUp) {
     let room = (seq.n_ctx.saturating_sub(seq.n_past + 1)).min(left);
     if room == 0 {
-        return Vec::new();
+        return (Vec::new(), CaughtUp::default());
     }
     let mut context = Vec::with_capacity(history.len() + 1);
     context.extend_from_slice(history);
     context.push(next);
-    let mut out = drafter.draft(&context, g.length.limit(g.opts.draft_max.min(room))).unwrap_or_else(|e| {
+    let limit = g.length.limit(g.opts.draft_max.min(room));
+    let drafted = catch_up_after_plain(drafter, &context, limit, g.guesses.is_empty())
+        .and_then(|caught_up| Ok((drafter.draft(&context, limit)?, caught_up)));
+    let (mut out, caught_up) = drafted.unwrap_or_else(|e| {
         tracing::warn!("guessing failed, going on without guesses: {e}");
-        Vec::new()
+        (Vec::new(), CaughtUp::default())
     });
     out.truncate(room);
     if out.len() < g.opts.draft_min.max(1) {
         out.clear();
     }
-    out
+    (out, caught_up)
 }
 
 /// One choice being generated, in a slot.
@@ -390,6 +396,11 @@ pub fn run<B: Backend>(
         // (measured: two requests guessing together, or one beside another's prompt, were
         // slower than without guesses).
         let alone = active.len() == 1 && active[0].generating();
+        // Steps run to be recorded so far: a step that adds to them (beyond a drafter's catching
+        // up) gives its guesses no time.
+        let warm_ups = || model.backend.warm_ups() + draft.map_or(0, |(d, _)| d.model.backend.warm_ups());
+        let warm_before = warm_ups();
+        let mut caught_up = CaughtUp::default();
         for (i, a) in active.iter_mut().enumerate() {
             if !a.generating() {
                 continue;
@@ -403,7 +414,11 @@ pub fn run<B: Backend>(
                     None => drafter.as_mut(),
                 };
                 g.guesses = match alone {
-                    true => guesses(g, d, &slot.history, a.next, &slot.seq, left),
+                    true => {
+                        let (out, c) = guesses(g, d, &slot.history, a.next, &slot.seq, left);
+                        caught_up = c;
+                        out
+                    }
                     false => Vec::new(),
                 };
                 if !g.guesses.is_empty() {
@@ -497,8 +512,10 @@ pub fn run<B: Backend>(
             metrics.record_step(decode_rows, step_secs);
         }
         metrics.spec_drafted.fetch_add(guessed as u64, Relaxed);
-        // A step of one sequence alone times its guesses (or their absence) for its DraftLength.
-        let timed = (alone && prompt_rows == 0).then_some(step_secs);
+        // A step of one sequence alone times its guesses (or their absence) for its DraftLength,
+        // but for the drafter's catching up; a warm-up gives no time.
+        let warmed = warm_ups() != warm_before + caught_up.warm_ups;
+        let timed = (alone && prompt_rows == 0).then(|| (!warmed).then(|| step_secs.saturating_sub(caught_up.time)));
         // Per active: the logits rows to sample from in turn, once its prompt is read.
         let mut row_of: Vec<Option<&[Vec<f32>]>> = vec![None; active.len()];
         for ((i, tokens, _), rows) in pieces.iter().zip(&logits) {
@@ -653,13 +670,14 @@ fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
 
 /// Samples `a`'s tokens from its step's `rows` in turn: the first row's, then, while the
 /// token sampled is the guess the step ran after it, the next row's; `secs`, the step's
-/// time where it ran this sequence alone; `Some` when the request is finished.
+/// time where it ran this sequence alone (`Some(None)`: alone, but a warm-up); `Some` when
+/// the request is finished.
 fn step_rows<R, S>(
     a: &mut Active<'_, R>,
     rows: &[Vec<f32>],
     tokenizer: &ts_tokenizer::Tokenizer,
     seq: &SeqState<S>,
-    secs: Option<Duration>,
+    secs: Option<Option<Duration>>,
     metrics: &Metrics,
 ) -> Option<Finish> {
     // The position of the token the first row follows (it ran in this step, the guesses after it).
@@ -679,8 +697,8 @@ fn step_rows<R, S>(
         metrics.spec_accepted.fetch_add(kept as u64, Relaxed);
         match (g.guesses.len(), secs) {
             (_, None) => {}
-            (0, Some(t)) => g.length.plain(t.as_secs_f64()),
-            (n, Some(t)) => g.length.checked(t.as_secs_f64(), n, kept),
+            (0, Some(t)) => g.length.plain(t.map(|t| t.as_secs_f64())),
+            (n, Some(t)) => g.length.checked(t.map(|t| t.as_secs_f64()), n, kept),
         }
     }
     finish
