@@ -1296,7 +1296,9 @@ impl ts_engine::speculative::Drafter for ScriptedGuesses {
 
 /// Speculative decoding on the GPU: on every fixture family, greedy generation with guesses
 /// (prompt lookup, and scripted guesses with rejections) gives the same tokens as without;
-/// the checking steps are steps of several rows of one sequence.
+/// the checking steps are steps of several rows of one sequence. Where checks are recorded
+/// (families without recurrent layers), `warm_up_checks` records them first: the scripted
+/// run's checks then run no warm-up.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn speculation_keeps_greedy_output_on_the_gpu() {
@@ -1322,14 +1324,21 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
             let spec = drafter.map(|d| (d, &spec_opts));
             engine.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap()
         };
+        let recorded = engine.warm_up_checks(256, spec_opts.draft_max).unwrap();
         let (plain, _) = run(None);
         let (lookup, s1) = run(Some(&mut NgramDrafter::default()));
         let mut scripted = ScriptedGuesses { truth: plain.clone(), prompt_len: prompt.len() };
+        let warm_before = engine.model.backend.warm_ups();
         let (guessed, s2) = run(Some(&mut scripted));
+        let warm_ups = engine.model.backend.warm_ups() - warm_before;
         println!(
-            "{family}/{}: prompt lookup {}/{} guesses kept in {} steps, scripted {}/{} in {}",
+            "{family}/{}: prompt lookup {}/{} guesses kept in {} steps, scripted {}/{} in {}; {recorded} warm-ups \
+             ahead, {warm_ups} in the scripted run",
             fx.variant, s1.accepted, s1.drafted, s1.spec_steps, s2.accepted, s2.drafted, s2.spec_steps
         );
+        if !engine.model.is_recurrent() && (recorded == 0 || warm_ups > 0) {
+            failures.push(format!("{family}: {recorded} warm-ups ahead, {warm_ups} in the scripted run"));
+        }
         rejected += s2.drafted - s2.accepted;
         for (what, got) in [("prompt lookup", &lookup), ("scripted guesses", &guessed)] {
             if got != &plain {

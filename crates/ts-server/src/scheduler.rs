@@ -246,6 +246,11 @@ pub fn run<B: Backend>(
         }
     }
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
+    if draft.is_some()
+        && let Err(e) = engine.warm_up_checks(n_ctx, SpecOptions::default().draft_max)
+    {
+        tracing::warn!("recording the checking steps failed ({e}); their first runs are slower");
+    }
     // One drafter serves every request: only a request alone in the server guesses.
     let mut drafter: Box<dyn Drafter + '_> = match draft {
         None => Box::new(NgramDrafter::default()),

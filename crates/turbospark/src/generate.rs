@@ -205,19 +205,27 @@ impl SpecArgs {
 }
 
 /// The drafter `spec` asks for: the draft model `draft` (checked against `engine`'s
-/// vocabulary), prompt lookup, or none.
+/// vocabulary), prompt lookup, or none; with one, the target's checking steps are recorded
+/// first where the backend records steps ([`Engine::warm_up_checks`]: load time, not a
+/// generation's).
 pub(crate) fn drafter<'d, B: Backend>(
     spec: &SpecArgs,
     engine: &'d Engine<B>,
     draft: Option<&'d Engine<B>>,
     n_ctx: usize,
 ) -> Result<Option<Box<dyn Drafter + 'd>>> {
-    Ok(match draft {
+    let drafter: Option<Box<dyn Drafter + 'd>> = match draft {
         Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, spec.p_min())?)),
         None if spec.spec_ngram => Some(Box::new(NgramDrafter::default())),
         None if spec.spec_mtp => Some(Box::new(MtpDrafter::new(engine, n_ctx)?)),
         None => None,
-    })
+    };
+    if drafter.is_some()
+        && let Some(opts) = spec.options()?
+    {
+        engine.warm_up_checks(n_ctx, opts.draft_max)?;
+    }
+    Ok(drafter)
 }
 
 /// Speculation's line on stderr: guesses kept and tokens per checking step.
