@@ -1,9 +1,10 @@
-//! A step's threads kept spinning between parallel regions (`TURBOSPARK_CPU_TEAM=1`, a
-//! measurement knob for issue 16's 16-core decode): [`scope`] enlists every thread of the
-//! current rayon pool for the length of a one-row step; inside it, [`for_each`] hands items to
-//! threads that are already awake, as ggml's threadpool does between ops, where a rayon region
-//! may find its threads asleep. Outside a scope (or with the knob off) [`for_each`] is a rayon
-//! parallel loop. Which thread runs which item never changes an item's floats.
+//! A step's threads kept spinning between parallel regions (pools of [`DEFAULT_MIN_THREADS`]
+//! threads and more; `TURBOSPARK_CPU_TEAM=1` or `0` forces it on or off): [`scope`] enlists
+//! every thread of the current rayon pool for the length of a one-row step; inside it,
+//! [`for_each`] hands items to threads that are already awake, as ggml's threadpool does
+//! between ops, where a rayon region may find its threads asleep. Outside a scope (or off)
+//! [`for_each`] is a rayon parallel loop. Which thread runs which item never changes an item's
+//! floats.
 
 use rayon::prelude::*;
 use std::cell::Cell;
@@ -11,10 +12,18 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 
-/// Whether `TURBOSPARK_CPU_TEAM` is set.
-pub fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_CPU_TEAM").is_some())
+/// Pools of this many threads and more run one-row steps as a team unless told otherwise. On
+/// the device machine's 16 Xeon cores (2026-12-03, docs/BENCHMARKS.md) a team decoded qwen3 at
+/// 1.08x / 1.11x and gpt-oss at 0.92x / 1.23x rayon's regions with 8 / 16 threads; on a shared
+/// 2-vCPU machine spinning threads gained nothing steady.
+pub const DEFAULT_MIN_THREADS: usize = 8;
+
+/// Whether a pool of `threads` threads runs one-row steps as a team: `TURBOSPARK_CPU_TEAM`
+/// (`0` off, anything else on), else from [`DEFAULT_MIN_THREADS`].
+pub fn enabled(threads: usize) -> bool {
+    static KNOB: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let knob = *KNOB.get_or_init(|| std::env::var_os("TURBOSPARK_CPU_TEAM").map(|v| v != "0"));
+    knob.unwrap_or(threads >= DEFAULT_MIN_THREADS)
 }
 
 /// One region's work: items `0..n`, taken one at a time.
@@ -48,9 +57,10 @@ thread_local! {
 }
 
 /// Runs `body` with every thread of the current rayon pool spinning for its [`for_each`]
-/// regions; `body` itself runs on one of them. Without the knob, `body` alone.
+/// regions; `body` itself runs on one of them. Off ([`enabled`]), `body` alone.
 pub fn scope<R: Send>(body: impl FnOnce() -> R + Send) -> R {
-    if !enabled() || rayon::current_num_threads() < 2 || IN_SCOPE.with(Cell::get) {
+    let threads = rayon::current_num_threads();
+    if threads < 2 || !enabled(threads) || IN_SCOPE.with(Cell::get) {
         return body();
     }
     lead(body)

@@ -140,9 +140,7 @@ fn decode_product_modes_give_the_same_logits() {
                 cmd.args(["logits", "-m", model.to_str().unwrap(), "--all", "--tokens", tokens, "-t", "2"])
                     .args(extra)
                     .env("TURBOSPARK_DECODE_PRODUCTS", knob);
-                if team {
-                    cmd.env("TURBOSPARK_CPU_TEAM", "1");
-                }
+                cmd.env("TURBOSPARK_CPU_TEAM", if team { "1" } else { "0" });
                 let out = cmd.output().unwrap();
                 assert!(out.status.success(), "{family}: {}", String::from_utf8_lossy(&out.stderr));
                 out.stdout
