@@ -77,6 +77,9 @@ pub struct GenerationStats {
     /// Time spent guessing (the drafter's calls), and in checking steps (their forward pass).
     pub draft_time: Duration,
     pub check_time: Duration,
+    /// Steps of the generation (the target's and a draft model's) that ran to be recorded
+    /// ([`ts_model::Backend::warm_ups`]): none once every kind of step was recorded before.
+    pub warm_ups: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -325,12 +328,16 @@ impl<B: Backend> Engine<B> {
         mut spec: Option<(&mut (dyn Drafter + 'd), &SpecOptions)>,
         mut on_text: impl FnMut(&str) -> bool,
     ) -> Result<(Vec<u32>, GenerationStats), EngineError> {
+        let warm_ups = |spec: &Option<(&mut (dyn Drafter + 'd), &SpecOptions)>| {
+            self.model.backend.warm_ups() + spec.as_ref().map_or(0, |(d, _)| d.warm_ups())
+        };
         // A draft model reads the prompt first: prompt time, not a check's.
         let t_catch_up = Instant::now();
         if let Some((drafter, _)) = spec.as_mut() {
             drafter.catch_up(history)?;
         }
         let catch_up_time = t_catch_up.elapsed();
+        let warm_at_start = warm_ups(&spec);
         let t1 = Instant::now();
         let mut decoding = Decoding::new(self.tokenizer()?, sampler, history, max_tokens, special, Vec::new())?;
         let mut scratch = self.scratch();
@@ -352,9 +359,6 @@ impl<B: Backend> Engine<B> {
         // None for a warm-up).
         let mut length = self.learnt_draft_length();
         let mut last_step: Option<Option<f64>> = None;
-        let warm_ups = |spec: &Option<(&mut (dyn Drafter + 'd), &SpecOptions)>| {
-            self.model.backend.warm_ups() + spec.as_ref().map_or(0, |(d, _)| d.warm_ups())
-        };
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;
@@ -436,6 +440,7 @@ impl<B: Backend> Engine<B> {
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         self.remember_draft_length(&length);
+        stats.warm_ups = warm_ups(&spec) - warm_at_start;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))

@@ -229,6 +229,7 @@ fn measure<B: ts_model::Backend>(
                     stats_sum.accepted += st.accepted;
                     stats_sum.draft_time += st.draft_time;
                     stats_sum.check_time += st.check_time;
+                    stats_sum.warm_ups += st.warm_ups;
                 }
             }
             let test = format!("g{} greedy{}", args.n_gen, if with_spec { "+spec" } else { "" });

@@ -238,7 +238,7 @@ fn report_spec(stats: &GenerationStats) {
 /// Guesses kept, checking steps and tokens per checking step.
 pub(crate) fn spec_summary(stats: &GenerationStats) -> String {
     format!(
-        "{} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step, {:.2} ms a check guessing and {:.2} checking",
+        "{} of {} guesses kept ({:.1}%), {} checking steps, {:.2} tokens per checking step, {:.2} ms a check guessing and {:.2} checking, {} warm-up steps",
         stats.accepted,
         stats.drafted,
         100.0 * stats.acceptance(),
@@ -246,6 +246,7 @@ pub(crate) fn spec_summary(stats: &GenerationStats) -> String {
         (stats.accepted + stats.spec_steps) as f64 / stats.spec_steps.max(1) as f64,
         1e3 * stats.draft_time.as_secs_f64() / stats.spec_steps.max(1) as f64,
         1e3 * stats.check_time.as_secs_f64() / stats.spec_steps.max(1) as f64,
+        stats.warm_ups,
     )
 }
 
