@@ -3,6 +3,7 @@
 # the PTX with ptxas, printing each kernel's registers and spills: catches what NVRTC passes
 # through unchecked (inline asm) before a device lease. No GPU needed; NVRTC and ptxas come
 # from PyPI's nvidia-cuda-nvrtc / nvidia-cuda-nvcc wheels, unpacked under /tmp once.
+# TURBOSPARK_NVRTC_DEFINES="A=1 B" checks a kernel variant, as the backend compiles it.
 #   tools/ptxas-check.sh [KERNEL_REGEX]
 set -euo pipefail
 cd "$(dirname "$0")/.."

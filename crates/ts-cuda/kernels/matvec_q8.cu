@@ -68,6 +68,23 @@ __device__ __forceinline__ void ts_q8_prefetch_row(const ts_u8* row, ts_u64 byte
 #endif
 }
 
+// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_Q8_EARLY=1): a dense matvec asks L2 for its
+// lane's share of its weight row before waiting for the kernel before it (ts_grid_begin; no step
+// writes weights), so that the fetch overlaps that kernel's end where the launch was early.
+#ifndef TS_Q8_EARLY
+#define TS_Q8_EARLY 0
+#endif
+template <class V>
+__device__ __forceinline__ void ts_q8_early(const ts_u8* w, int n_out, int k, int lanes) {
+#if TS_Q8_EARLY
+    const TsQ8Lane l = ts_q8_lane(n_out, lanes);
+    const ts_u64 bytes = V::row_bytes(k);
+    const ts_u8* row = w + l.row * bytes;
+    for (ts_u64 off = (ts_u64)l.j * 128; off < bytes; off += (ts_u64)lanes * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+#endif
+}
+
 // acc[r] = the lane's row (at w + row * row_bytes) . activation row r of x, summed over the
 // group's lanes.
 template <class V, int M>
@@ -286,6 +303,7 @@ __device__ __forceinline__ void ts_moe_chunk_gate_up_q8(const MoeChunkGateUpQ8& 
 
 #define TS_DEFINE_Q8_KERNELS(t)                                                                                       \
     extern "C" __global__ void __launch_bounds__(128) matvec_q8_##t(const MatvecQ8 p) {                              \
+        ts_q8_early<vdot_##t>(p.w, p.n_out, p.k, p.lanes);                                                            \
         ts_grid_begin();                                                                                              \
         ts_matvec_q8<vdot_##t>(p);                                                                                    \
     }                                                                                                                 \

@@ -291,7 +291,12 @@ fn nvrtc_compile(src: &str) -> Result<(String, String), String> {
     use cudarc::nvrtc::result;
     let src = CString::new(src).unwrap();
     let prog = result::create_program(&src, Some(c"matmul.cu")).map_err(|e| format!("{e:?}"))?;
-    let options = ["--gpu-architecture=sm_90".to_string(), format!("--include-path={}", kernels_dir().display())];
+    let mut options =
+        vec!["--gpu-architecture=sm_90".to_string(), format!("--include-path={}", kernels_dir().display())];
+    // The backend's kernel-variant knob, so that a variant is checked before a lease.
+    if let Ok(defines) = std::env::var("TURBOSPARK_NVRTC_DEFINES") {
+        options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
+    }
     // SAFETY: `prog` comes from create_program and is destroyed once, last.
     unsafe {
         let compiled = result::compile_program(prog, &options);
