@@ -47,6 +47,12 @@ pub(crate) struct Runs {
 /// Bytes of the arena recorded steps allocate their activations from.
 pub(crate) const ARENA_BYTES: usize = 256 << 20;
 
+/// Rows the step buffers hold from the first step on: a step of more rows moves them, and every
+/// recording made against them is dropped (on the H200 the fixtures' prompts of 33 rows and
+/// more dropped what `Engine::warm_up_checks` had recorded). The engine's default batch (its
+/// prompt chunk, and the server's step) fits; a few KiB a layer.
+pub(crate) const STEP_ROWS_RESERVED: usize = 512;
+
 /// The most rows of a recorded step: below cuBLAS's (whose staging is not in the arena).
 pub(crate) const GRAPH_MAX_ROWS: usize = crate::matmul::GEMM_MIN_ROWS - 1;
 
@@ -383,7 +389,7 @@ impl Cuda {
         let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
         if !fits {
             // Room for every recorded size at once: growing batches keep their recordings.
-            let cap = m.max(GRAPH_MAX_ROWS + 1);
+            let cap = m.max(STEP_ROWS_RESERVED);
             *step = Some(Step {
                 m,
                 tokens_host: Vec::new(),
