@@ -327,7 +327,7 @@ if [[ $what == sweep ]]; then
     done
 fi
 if [[ $what == cpu-sweep ]]; then
-    # `cpu-sweep LIKE...` with SWEEP="A=1;A=0" and THREADS="4 8 16": the machine's CPU alone (GPU
+    # `cpu-sweep LIKE|FILE.gguf...` with SWEEP="A=1;A=0" and THREADS="4 8 16": the machine's CPU alone (GPU
     # hidden), experts resident, under each setting of a build's measurement knobs, one process
     # each running every thread count (`bench -t 4,8,16`; CPU_BENCH gives other bench flags),
     # then the peers `peer-build` built (CUDA builds, the GPU hidden) with the same flags,
@@ -337,7 +337,8 @@ if [[ $what == cpu-sweep ]]; then
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
     for like in "$@"; do
-        f=$(synth "$like")
+        # A staged model's path as it is (tools/gpu-stage.sh), else a synthetic file.
+        if [[ $like == *.gguf ]]; then f=$like like=$(basename "$like" .gguf); else f=$(synth "$like"); fi
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
         for setting in "${settings[@]}"; do
             echo "== $like, -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
