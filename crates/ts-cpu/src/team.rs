@@ -19,11 +19,16 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering:
 pub const DEFAULT_MIN_THREADS: usize = 8;
 
 /// Whether a pool of `threads` threads runs one-row steps as a team: `TURBOSPARK_CPU_TEAM`
-/// (`0` off, anything else on), else from [`DEFAULT_MIN_THREADS`].
+/// (`0`, `false`, `off` or `no`: off; anything else on), else from [`DEFAULT_MIN_THREADS`]
+/// threads where the machine has a core for each (spinning threads sharing cores stall).
 pub fn enabled(threads: usize) -> bool {
     static KNOB: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let knob = *KNOB.get_or_init(|| std::env::var_os("TURBOSPARK_CPU_TEAM").map(|v| v != "0"));
-    knob.unwrap_or(threads >= DEFAULT_MIN_THREADS)
+    let knob = *KNOB.get_or_init(|| {
+        let v = std::env::var("TURBOSPARK_CPU_TEAM").ok()?;
+        Some(!["0", "false", "off", "no"].contains(&v.trim().to_ascii_lowercase().as_str()))
+    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    knob.unwrap_or(threads >= DEFAULT_MIN_THREADS && threads <= cores)
 }
 
 /// One region's work: items `0..n`, taken one at a time.

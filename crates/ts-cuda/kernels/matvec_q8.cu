@@ -69,8 +69,10 @@ __device__ __forceinline__ void ts_q8_prefetch_row(const ts_u8* row, ts_u64 byte
 }
 
 // A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_Q8_EARLY=1): a dense matvec asks L2 for its
-// lane's share of its weight row before waiting for the kernel before it (ts_grid_begin; no step
-// writes weights), so that the fetch overlaps that kernel's end where the launch was early.
+// lane's share of its weight row before waiting for the kernel before it (ts_grid_begin), so
+// that the fetch overlaps that kernel's end where the launch was early. A prefetch binds no
+// value: the row's loads after the wait see what the kernels before wrote (an expert cache's
+// slots are filled by copies, never by the kernel before).
 #ifndef TS_Q8_EARLY
 #define TS_Q8_EARLY 0
 #endif

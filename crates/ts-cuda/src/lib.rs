@@ -129,6 +129,9 @@ pub struct Cuda {
     /// Activation rows one dense 8-bit matvec launch serves ([`matmul::MATVEC_ROWS`], or
     /// `TURBOSPARK_Q8_LAUNCH_ROWS`: a measurement knob for steps of 9-31 rows).
     pub(crate) q8_launch_rows: usize,
+    /// The most rows a step of any sequence made so far may take (`new_state`'s `max_chunk`):
+    /// the step buffers hold as many from the first step on ([`step::STEP_ROWS_RESERVED`]).
+    pub(crate) largest_chunk: std::sync::atomic::AtomicUsize,
     blas: Option<CudaBlas>,
     /// f16 staging for cuBLAS: a dequantized weight and the activations.
     half: Mutex<(CudaSlice<u16>, CudaSlice<u16>)>,
@@ -244,6 +247,7 @@ impl Cuda {
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&r| r > 0)
                 .unwrap_or(matmul::MATVEC_ROWS),
+            largest_chunk: std::sync::atomic::AtomicUsize::new(0),
             blas,
             weight_bytes: 0,
             tier: None,
@@ -689,6 +693,7 @@ impl Backend for Cuda {
     }
 
     fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<GpuState, ModelError> {
+        self.largest_chunk.fetch_max(max_chunk.min(n_ctx), std::sync::atomic::Ordering::Relaxed);
         let cfg = &model.cfg;
         let layers = cfg
             .layers

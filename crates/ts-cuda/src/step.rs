@@ -47,10 +47,10 @@ pub(crate) struct Runs {
 /// Bytes of the arena recorded steps allocate their activations from.
 pub(crate) const ARENA_BYTES: usize = 256 << 20;
 
-/// Rows the step buffers hold from the first step on: a step of more rows moves them, and every
-/// recording made against them is dropped (on the H200 the fixtures' prompts of 33 rows and
-/// more dropped what `Engine::warm_up_checks` had recorded). The engine's default batch (its
-/// prompt chunk, and the server's step) fits; a few KiB a layer.
+/// Rows the step buffers hold from the first step on, at least (and as many as the sequences
+/// made so far may take in a step, `Cuda::largest_chunk`): a step of more rows moves them, and
+/// every recording made against them is dropped (on the H200 the fixtures' prompts of 33 rows
+/// and more dropped what `Engine::warm_up_checks` had recorded). A few KiB a layer.
 pub(crate) const STEP_ROWS_RESERVED: usize = 512;
 
 /// The most rows of a recorded step: below cuBLAS's (whose staging is not in the arena).
@@ -389,7 +389,7 @@ impl Cuda {
         let fits = step.as_ref().is_some_and(|s| s.tokens.len() >= m && s.kv.len() >= kv.len().max(1));
         if !fits {
             // Room for every recorded size at once: growing batches keep their recordings.
-            let cap = m.max(STEP_ROWS_RESERVED);
+            let cap = m.max(STEP_ROWS_RESERVED).max(self.largest_chunk.load(std::sync::atomic::Ordering::Relaxed));
             *step = Some(Step {
                 m,
                 tokens_host: Vec::new(),

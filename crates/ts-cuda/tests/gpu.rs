@@ -1324,7 +1324,7 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
             let spec = drafter.map(|d| (d, &spec_opts));
             engine.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap()
         };
-        let recorded = engine.warm_up_checks(256, spec_opts.draft_max).unwrap();
+        let recorded = engine.warm_up_checks(&mut engine.new_sequence(256).unwrap(), spec_opts.draft_max).unwrap();
         let (plain, _) = run(None);
         let (lookup, s1) = run(Some(&mut NgramDrafter::default()));
         let mut scripted = ScriptedGuesses { truth: plain.clone(), prompt_len: prompt.len() };

@@ -448,28 +448,31 @@ impl<B: Backend> Engine<B> {
 
     /// Records, ahead of a generation of `n_ctx` positions, the kinds of checking step that
     /// up to `max_guesses` guesses take, where the backend records steps of a few row counts
-    /// ([`Backend::padded_rows`]): each kind runs until it replays (measured, then recorded),
-    /// in a sequence of its own, so that no check of the generation is a warm-up (on the H200
-    /// a 1.5B model's first checks of a kind ran directly, about 10 ms against 2 ms replayed).
-    /// Returns the warm-ups run.
-    pub fn warm_up_checks(&self, n_ctx: usize, max_guesses: usize) -> Result<u64, EngineError> {
+    /// ([`Backend::padded_rows`]): each kind runs until it replays (measured, then recorded)
+    /// at the start of `seq` (a sequence of the generation's size, left empty), so that no check
+    /// of the generation is a warm-up (on the H200 a 1.5B model's first checks of a kind ran
+    /// directly, about 10 ms against 2 ms replayed). Models with recurrent layers are not padded
+    /// (and checks whose hidden states an MTP head reads are never recorded: the caller skips
+    /// those). Returns the warm-ups run.
+    pub fn warm_up_checks(&self, seq: &mut SeqState<B::State>, max_guesses: usize) -> Result<u64, EngineError> {
         let backend = &self.model.backend;
         let mut kinds: Vec<usize> = (2..=max_guesses + 1).filter_map(|m| backend.padded_rows(m)).collect();
         kinds.dedup();
-        // Recurrent layers' steps are not padded, and checks handing hidden states to an MTP
-        // head are not recorded.
         if kinds.is_empty() || self.model.is_recurrent() {
             return Ok(0);
         }
         let mut checking = self.scratch();
         backend.rows_alone(&mut checking);
         let before = backend.warm_ups();
+        let n_ctx = seq.n_ctx;
         for rows in kinds.into_iter().filter(|&rows| rows <= n_ctx) {
             let tokens = vec![0; rows];
             for _ in 0..3 {
                 let warm = backend.warm_ups();
-                let mut seq = self.new_sequence(n_ctx)?;
-                self.step(&mut [&mut seq], &[Piece { tokens: &tokens, logits: Logits::All }], &mut checking)?;
+                seq.n_past = 0;
+                let run = self.step(&mut [&mut *seq], &[Piece { tokens: &tokens, logits: Logits::All }], &mut checking);
+                seq.n_past = 0;
+                run?;
                 if backend.warm_ups() == warm {
                     break;
                 }

@@ -37,8 +37,9 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// steps) when guessing does not pay, with a check after [`DraftLength::PROBE`] plain steps
 /// to see whether that has changed, and twice as many after each check that finds it has not
 /// (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts where they
-/// stream). The first two steps are plain, to measure `t`: the first one-row step of a model
-/// also warms it up (page faults, thread wake-ups), so the second's time replaces it. A step
+/// stream). The first steps are plain, to measure `t` from two timed ones: the first one-row
+/// step of a model also warms it up (page faults, thread wake-ups), so the second's time
+/// replaces the first's. A step
 /// that ran to be recorded ([`ts_model::Backend::warm_ups`]: the GPU records each kind of step
 /// once, 30 ms against 2 on the H200) gives no time at all: it says nothing of later steps.
 #[derive(Clone, Debug)]

@@ -247,7 +247,8 @@ pub fn run<B: Backend>(
     }
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
     if draft.is_some()
-        && let Err(e) = engine.warm_up_checks(n_ctx, SpecOptions::default().draft_max)
+        && let Some(slot) = slots.first_mut()
+        && let Err(e) = engine.warm_up_checks(&mut slot.seq, SpecOptions::default().draft_max)
     {
         tracing::warn!("recording the checking steps failed ({e}); their first runs are slower");
     }

@@ -215,7 +215,7 @@ fn measure<B: ts_model::Backend>(
             let mut before = snapshot();
             for (rep, prompt) in prompts.iter().enumerate() {
                 let mut seq = engine.new_sequence(n_ctx)?;
-                let mut guesser = if with_spec { drafter(&args.spec, engine, draft, n_ctx)? } else { None };
+                let mut guesser = if with_spec { drafter(&args.spec, engine, draft, &mut seq)? } else { None };
                 let guessing = guesser.as_deref_mut().map(|d| (d, opts));
                 if rep == warm {
                     before = snapshot();

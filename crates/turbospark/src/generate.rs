@@ -205,25 +205,28 @@ impl SpecArgs {
 }
 
 /// The drafter `spec` asks for: the draft model `draft` (checked against `engine`'s
-/// vocabulary), prompt lookup, or none; with one, the target's checking steps are recorded
-/// first where the backend records steps ([`Engine::warm_up_checks`]: load time, not a
-/// generation's).
+/// vocabulary), prompt lookup, or none, for `seq`'s context; with one, the target's checking
+/// steps are recorded first at the start of the empty `seq` where the backend records steps
+/// ([`Engine::warm_up_checks`]: load time, not a generation's; not for an MTP head, whose
+/// checks are never recorded). A failed warm-up only costs the checks' first runs: a warning.
 pub(crate) fn drafter<'d, B: Backend>(
     spec: &SpecArgs,
     engine: &'d Engine<B>,
     draft: Option<&'d Engine<B>>,
-    n_ctx: usize,
+    seq: &mut ts_model::SeqState<B::State>,
 ) -> Result<Option<Box<dyn Drafter + 'd>>> {
+    let n_ctx = seq.n_ctx;
     let drafter: Option<Box<dyn Drafter + 'd>> = match draft {
         Some(d) => Some(Box::new(ModelDrafter::new(d, engine.tokenizer()?, n_ctx, spec.p_min())?)),
         None if spec.spec_ngram => Some(Box::new(NgramDrafter::default())),
         None if spec.spec_mtp => Some(Box::new(MtpDrafter::new(engine, n_ctx)?)),
         None => None,
     };
-    if drafter.is_some()
-        && let Some(opts) = spec.options()?
+    if let (Some(d), Some(opts)) = (&drafter, spec.options()?)
+        && !d.wants_hidden()
+        && let Err(e) = engine.warm_up_checks(seq, opts.draft_max)
     {
-        engine.warm_up_checks(n_ctx, opts.draft_max)?;
+        eprintln!("warning: recording the checking steps ahead failed ({e}); their first runs are slower");
     }
     Ok(drafter)
 }
@@ -535,7 +538,7 @@ fn run_on<B: Backend>(
     let sampler = args.sampling.config();
     let tokens = engine.tokenizer()?.encode(&prompt, true, true)?;
     let mut seq = engine.new_sequence(n_ctx)?;
-    let mut drafter = drafter(&args.spec, engine, draft, n_ctx)?;
+    let mut drafter = drafter(&args.spec, engine, draft, &mut seq)?;
     let mut out = std::io::stdout().lock();
     let mut closed = false;
     let guessing = drafter.as_deref_mut().zip(spec);
@@ -579,7 +582,10 @@ fn chat_on<B: Backend>(
     args: &ChatArgs,
     spec: Option<&SpecOptions>,
 ) -> Result<()> {
-    let mut drafter = drafter(&args.spec, engine, draft, n_ctx)?;
+    // Each turn reads only what is new: the conversation so far stays in the
+    // sequence (a recurrent model goes back to where the last prompt ended).
+    let mut cached = CachedSequence::new(engine.new_sequence(n_ctx)?);
+    let mut drafter = drafter(&args.spec, engine, draft, &mut cached.seq)?;
     let chatml;
     let template = match &engine.template {
         Some(t) => t,
@@ -594,9 +600,6 @@ fn chat_on<B: Backend>(
     if let Some(s) = &args.system {
         messages.push(ChatMessage::system(s.clone()));
     }
-    // Each turn reads only what is new: the conversation so far stays in the
-    // sequence (a recurrent model goes back to where the last prompt ended).
-    let mut cached = CachedSequence::new(engine.new_sequence(n_ctx)?);
     let stdin = std::io::stdin();
     let interactive = std::io::IsTerminal::is_terminal(&stdin);
     loop {
