@@ -72,13 +72,16 @@ __device__ __forceinline__ void ts_q8_prefetch_row(const ts_u8* row, ts_u64 byte
 // lane's share of its weight row before waiting for the kernel before it (ts_grid_begin), so
 // that the fetch overlaps that kernel's end where the launch was early. A prefetch binds no
 // value: the row's loads after the wait see what the kernels before wrote (an expert cache's
-// slots are filled by copies, never by the kernel before).
+// slots are filled by copies, never by the kernel before). TS_Q8_EARLY=2 also has an expert
+// down projection do so for its slot's expert: the slot's index was written by the router two
+// kernels back, complete before the gate/up kernel between them let this one be scheduled.
 #ifndef TS_Q8_EARLY
 #define TS_Q8_EARLY 0
 #endif
 template <class V>
 __device__ __forceinline__ void ts_q8_early(const ts_u8* w, int n_out, int k, int lanes) {
 #if TS_Q8_EARLY
+    if (w == nullptr) return;
     const TsQ8Lane l = ts_q8_lane(n_out, lanes);
     const ts_u64 bytes = V::row_bytes(k);
     const ts_u8* row = w + l.row * bytes;
@@ -310,6 +313,10 @@ __device__ __forceinline__ void ts_moe_chunk_gate_up_q8(const MoeChunkGateUpQ8& 
         ts_matvec_q8<vdot_##t>(p);                                                                                    \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) moe_matvec_q8_##t(const MoeMatvecQ8 p) {                       \
+        if (TS_Q8_EARLY >= 2) {                                                                                       \
+            const int e = p.index[blockIdx.y];                                                                        \
+            ts_q8_early<vdot_##t>(e < 0 ? nullptr : p.w + e * p.expert_stride, p.n_out, p.k, p.lanes);               \
+        }                                                                                                             \
         ts_grid_begin();                                                                                              \
         ts_moe_matvec_q8<vdot_##t>(p);                                                                                \
     }                                                                                                                 \
