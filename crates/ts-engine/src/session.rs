@@ -566,9 +566,8 @@ pub struct Perplexity {
 
 /// `log softmax(logits)[target]`, in f64.
 pub fn log_softmax_at(logits: &[f32], target: usize) -> f64 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-    logits[target] as f64 - max - sum.ln()
+    let (_, max) = ts_cpu::ops::argmax(logits);
+    logits[target] as f64 - max as f64 - ts_cpu::ops::sum_exp_shifted(logits, max).ln()
 }
 
 /// Peak resident memory of this process so far (VmHWM), in bytes.

@@ -464,13 +464,15 @@ impl<B: Backend> Drafter for MtpDrafter<'_, B> {
 
 /// The most likely token of `logits` (the first of ties).
 fn argmax(logits: &[f32]) -> u32 {
-    logits.iter().enumerate().fold(0, |b, (i, &v)| if v > logits[b] { i } else { b }) as u32
+    ts_cpu::ops::argmax(logits).0 as u32
 }
 
-/// The most likely token of `logits` (the first of ties) and its softmax probability.
+/// The most likely token of `logits` (the first of ties) and its softmax probability: 1 over
+/// the sum of `e^(l - max)` (a draft model's every guess; 1.4 ms a 152k vocabulary term by term
+/// in f64, about 0.15 ms so).
 fn top_probability(logits: &[f32]) -> (u32, f32) {
-    let best = argmax(logits);
-    (best, crate::session::log_softmax_at(logits, best as usize).exp() as f32)
+    let (best, max) = ts_cpu::ops::argmax(logits);
+    (best as u32, (1.0 / ts_cpu::ops::sum_exp_shifted(logits, max)) as f32)
 }
 
 /// A draft model must give every token id the target's text (llama.cpp allows the two

@@ -116,6 +116,17 @@ fn greedy_is_argmax() {
         let logits = noise(5000, seed, 10.0);
         assert_eq!(sampler.sample(&logits), argmax(&logits));
     }
+    // A vocabulary's worth with NaNs among the logits (read as -inf): the same token as the
+    // whole chain's candidates give (`distribution`), and as a plain loop.
+    for seed in 0..4 {
+        let mut logits = noise(151_936, seed, 12.0);
+        for i in (seed as usize..logits.len()).step_by(997) {
+            logits[i] = f32::NAN;
+        }
+        let want = argmax(&logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }).collect::<Vec<_>>());
+        assert_eq!(sampler.sample(&logits), want);
+        assert_eq!(sampler.distribution(&logits).unwrap()[0].token, want);
+    }
     // Ties go to the lowest id.
     assert_eq!(sampler.sample(&[1.0, 3.0, 3.0, 2.0]), 1);
     assert_eq!(sampler.distribution(&[1.0, 3.0, 0.0]).unwrap(), [TokenProb { token: 1, prob: 1.0 }]);
