@@ -126,6 +126,12 @@ fn greedy_is_argmax() {
         let want = argmax(&logits.iter().map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l }).collect::<Vec<_>>());
         assert_eq!(sampler.sample(&logits), want);
         assert_eq!(sampler.distribution(&logits).unwrap()[0].token, want);
+        // The best banned and another raised: the biased copy's argmax, as the chain's.
+        let bias = vec![(want, f32::NEG_INFINITY), (7, 30.0)];
+        let mut biased = Sampler::new(SamplerConfig { logit_bias: bias, ..SamplerConfig::greedy() }).unwrap();
+        let got = biased.sample(&logits);
+        assert_eq!(got, biased.distribution(&logits).unwrap()[0].token);
+        assert!(got != want && (got == 7 || logits[7].is_nan()), "{got}");
     }
     // Ties go to the lowest id.
     assert_eq!(sampler.sample(&[1.0, 3.0, 3.0, 2.0]), 1);
