@@ -238,14 +238,8 @@ pub(crate) fn matmul(
     };
     let rows_per_task = plan.rows_per_task;
     if x.m() == 1 {
-        let out = &OutPtr(out.as_mut_ptr());
-        crate::team::for_each(plan.tasks(), &|task| {
-            let start = task * rows_per_task;
-            let rows = rows_per_task.min(n_out - start);
-            // SAFETY: `out` holds at least `n_out` floats, borrowed mutably for this call; task
-            // `task` alone writes `start..start + rows` of them.
-            let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(start), rows) };
-            crate::work_time::task(|| plan.run(task, &mut [out]));
+        crate::team::for_each_chunk(&mut out[..n_out], rows_per_task, &|task, out| {
+            crate::work_time::task(|| plan.run(task, &mut [out]))
         });
     } else {
         // Each task's piece of every output row, split up front so tasks own them.
@@ -280,7 +274,7 @@ pub struct Matvec<'a> {
 
 /// A task's output rows, handed across threads: tasks of one product write disjoint runs.
 struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own run of rows (see `matmul` and `matvecs`).
+// SAFETY: each task writes only its own run of rows (see `matvecs`).
 unsafe impl Sync for OutPtr {}
 
 /// Several one-row products in one parallel region instead of one region each: each product's

@@ -182,6 +182,25 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// [`for_each`] over `out` in chunks of `chunk` floats (the last may be shorter): item `i`
+/// writes chunk `i` and nothing else.
+pub fn for_each_chunk(out: &mut [f32], chunk: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+    /// The output, handed across threads: each item takes only its own chunk.
+    struct Chunks(*mut f32, usize);
+    // SAFETY: items write disjoint chunks (below).
+    unsafe impl Sync for Chunks {}
+    let (len, chunk) = (out.len(), chunk.max(1));
+    let base = Chunks(out.as_mut_ptr(), len);
+    let base = &base;
+    for_each(len.div_ceil(chunk), &|i| {
+        let start = i * chunk;
+        // SAFETY: `out` is borrowed mutably for this call and item `i` alone takes
+        // `start..start + chunk` (within `len`).
+        let piece = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), chunk.min(base.1 - start)) };
+        f(i, piece);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +252,19 @@ mod tests {
         let again = AtomicUsize::new(0);
         pool.install(|| lead(|| for_each(8, &|_| _ = again.fetch_add(1, SeqCst))));
         assert_eq!(again.load(SeqCst), 8);
+    }
+
+    /// Each item gets its own chunk, the last one shorter, in a scope and out.
+    #[test]
+    fn chunks_cover_the_output_once() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for in_scope in [false, true] {
+            let mut out = vec![0f32; 23];
+            let fill =
+                |out: &mut [f32]| for_each_chunk(out, 5, &|i, c| c.iter_mut().for_each(|v| *v += i as f32 + 1.0));
+            pool.install(|| if in_scope { lead(|| fill(&mut out)) } else { fill(&mut out) });
+            let want: Vec<f32> = (0..23).map(|j| (j / 5) as f32 + 1.0).collect();
+            assert_eq!(out, want, "in a scope: {in_scope}");
+        }
     }
 }

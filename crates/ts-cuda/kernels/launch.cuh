@@ -3,7 +3,8 @@
 // the stream is still running: every kernel first waits for that one's writes (griddepcontrol
 // .wait), then lets the next kernel be scheduled, so that the next launch's latency is spent
 // while this one runs. A kernel must not read or write memory before ts_grid_begin (a prefetch,
-// a hint that binds nothing, may come first: matvec_q8.cu's TS_Q8_EARLY).
+// a hint that binds nothing, may come first: matvec_q8.cu's TS_Q8_EARLY, whose variant 2 also
+// reads what the kernel two before wrote, complete before this one can be scheduled).
 __device__ __forceinline__ void ts_grid_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

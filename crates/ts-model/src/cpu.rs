@@ -200,11 +200,7 @@ impl Backend for Cpu {
             let seqs: &[&mut SeqState<CpuState>] = seqs;
             // One item a (row, head), as `ts_cpu::team` regions (a rayon loop outside a step's
             // team); each writes its own `hdv` floats of `out`.
-            let base = &OutRows(out.as_mut_ptr());
-            ts_cpu::team::for_each(rows.len() * shape.n_head, &|idx| {
-                // SAFETY: `out` holds `rows * n_head * hdv` floats, borrowed mutably here; item
-                // `idx` alone writes `idx * hdv ..` of them.
-                let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(idx * hdv), hdv) };
+            ts_cpu::team::for_each_chunk(&mut out, hdv, &|idx, o| {
                 let (i, h) = (idx / shape.n_head, idx % shape.n_head);
                 let r = rows[i];
                 let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
@@ -519,11 +515,6 @@ pub struct CpuRoutes {
 /// expert, the threads met at every one of its matmuls). Fewer rows (decode) split each
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
-
-/// Attention's output, handed across threads: each (row, head) writes its own `hdv` floats.
-struct OutRows(*mut f32);
-// SAFETY: each item writes only its own floats (see `attention`).
-unsafe impl Sync for OutRows {}
 
 thread_local! {
     /// A thread's attention scores, reused from head to head.
