@@ -50,7 +50,7 @@ pub(crate) const ARENA_BYTES: usize = 256 << 20;
 /// Rows the step buffers hold from the first step on, at least (and as many as the sequences
 /// made so far may take in a step, `Cuda::largest_chunk`): a step of more rows moves them, and
 /// every recording made against them is dropped (on the H200 the fixtures' prompts of 33 rows
-/// and more dropped what `Engine::warm_up_checks` had recorded). A few KiB a layer.
+/// and more dropped what `Engine::warm_up_steps` had recorded). A few KiB a layer.
 pub(crate) const STEP_ROWS_RESERVED: usize = 512;
 
 /// The most rows of a recorded step: below cuBLAS's (whose staging is not in the arena).

@@ -1297,7 +1297,7 @@ impl ts_engine::speculative::Drafter for ScriptedGuesses {
 /// Speculative decoding on the GPU: on every fixture family, greedy generation with guesses
 /// (prompt lookup, and scripted guesses with rejections) gives the same tokens as without;
 /// the checking steps are steps of several rows of one sequence. Where checks are recorded
-/// (families without recurrent layers), `warm_up_checks` records them first: the scripted
+/// (families without recurrent layers), `warm_up_steps` records them first: the scripted
 /// run's checks then run no warm-up.
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
@@ -1324,7 +1324,7 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
             let spec = drafter.map(|d| (d, &spec_opts));
             engine.generate(&mut seq, &prompt, 32, &SamplerConfig::greedy(), false, spec, |_| true).unwrap()
         };
-        let recorded = engine.warm_up_checks(&mut engine.new_sequence(256).unwrap(), spec_opts.draft_max).unwrap();
+        let recorded = engine.warm_up_steps(&mut engine.new_sequence(256).unwrap(), spec_opts.draft_max).unwrap();
         let (plain, _) = run(None);
         let (lookup, s1) = run(Some(&mut NgramDrafter::default()));
         let mut scripted = ScriptedGuesses { truth: plain.clone(), prompt_len: prompt.len() };

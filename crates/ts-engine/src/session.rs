@@ -80,6 +80,9 @@ pub struct GenerationStats {
     /// Steps of the generation (the target's and a draft model's) that ran to be recorded
     /// ([`ts_model::Backend::warm_ups`]): none once every kind of step was recorded before.
     pub warm_ups: u64,
+    /// Where guessing was off because even kept guesses cannot pay
+    /// ([`DraftLength::never_pays`]): the least a guess costs and a plain step's time, seconds.
+    pub guessing_off: Option<(f64, f64)>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -187,7 +190,7 @@ impl<B: Backend> Engine<B> {
 
     /// Records what a finished generation learnt, for the next one.
     pub fn remember_draft_length(&self, length: &DraftLength) {
-        *self.draft_length.lock().expect("draft length lock") = length.clone();
+        *self.draft_length.lock().expect("draft length lock") = length.for_next_generation();
     }
 
     /// Starts the next generation's draft length from the prior again, as if it were the
@@ -337,6 +340,10 @@ impl<B: Backend> Engine<B> {
             drafter.catch_up(history)?;
         }
         let catch_up_time = t_catch_up.elapsed();
+        let mut length = self.learnt_draft_length();
+        if let Some(secs) = spec.as_ref().and_then(|(d, _)| d.step_secs()) {
+            length.set_draft_step(secs);
+        }
         let warm_at_start = warm_ups(&spec);
         let t1 = Instant::now();
         let mut decoding = Decoding::new(self.tokenizer()?, sampler, history, max_tokens, special, Vec::new())?;
@@ -357,8 +364,10 @@ impl<B: Backend> Engine<B> {
         let mut snapshot = None;
         // How many guesses pay, and the last step's time (measured once its guesses are judged;
         // None for a warm-up).
-        let mut length = self.learnt_draft_length();
         let mut last_step: Option<Option<f64>> = None;
+        // `TURBOSPARK_SPEC_TRACE`, a measurement knob: each step's guesses and times on stderr.
+        let trace = spec.is_some() && std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
+        let (mut last_limit, mut last_guessing) = (0, std::time::Duration::ZERO);
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;
@@ -389,6 +398,16 @@ impl<B: Backend> Engine<B> {
                 break;
             }
             if let Some(secs) = last_step.take() {
+                if trace {
+                    let ms = |d: Option<f64>| d.map_or("warm-up".into(), |s| format!("{:.2} ms", s * 1e3));
+                    eprintln!(
+                        "spec step: {} guesses, {} kept, limit {last_limit}, guessing {:.2} ms, step {}",
+                        guesses.len(),
+                        stats.accepted - accepted_before,
+                        last_guessing.as_secs_f64() * 1e3,
+                        ms(secs)
+                    );
+                }
                 match guesses.len() {
                     0 => length.plain(secs),
                     n => length.checked(secs, n, stats.accepted - accepted_before),
@@ -399,19 +418,21 @@ impl<B: Backend> Engine<B> {
             context.push(token);
             held += 1;
             // Guesses must fit the context and the token limit. A step's time includes
-            // guessing (a draft model's passes cost as much as the checked rows save), not
-            // the drafter's catching up on plain steps' tokens.
+            // guessing (a draft model's passes cost as much as the checked rows save).
             let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
             let limit = spec.as_ref().map_or(0, |(_, o)| length.limit(o.draft_max.min(room)));
+            last_limit = limit;
+            // A check's time includes the drafter's catching up on the plain steps before it
+            // (what returning to guessing costs), unless that ran a warm-up.
+            let (started, warm_before) = (Instant::now(), warm_ups(&spec));
             if let Some((drafter, _)) = spec.as_mut() {
-                stats.draft_time += catch_up_after_plain(&mut **drafter, &context, limit, guesses.is_empty())?.time;
+                catch_up_after_plain(&mut **drafter, &context, limit, guesses.is_empty())?;
             }
-            let started = Instant::now();
-            let warm_before = warm_ups(&spec);
             guesses = match spec.as_mut() {
                 Some((drafter, o)) if room > 0 => {
                     let mut g = drafter.draft(&context, limit)?;
-                    stats.draft_time += started.elapsed();
+                    last_guessing = started.elapsed();
+                    stats.draft_time += last_guessing;
                     g.truncate(room);
                     if g.len() < o.draft_min.max(1) {
                         g.clear();
@@ -440,43 +461,54 @@ impl<B: Backend> Engine<B> {
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         self.remember_draft_length(&length);
+        stats.guessing_off = spec.as_ref().and(length.never_pays());
         stats.warm_ups = warm_ups(&spec) - warm_at_start;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok((generated, stats))
     }
 
-    /// Records, ahead of a generation of `n_ctx` positions, the kinds of checking step that
-    /// up to `max_guesses` guesses take, where the backend records steps of a few row counts
-    /// ([`Backend::padded_rows`]): each kind runs until it replays (measured, then recorded)
-    /// at the start of `seq` (a sequence of the generation's size, left empty), so that no check
-    /// of the generation is a warm-up (on the H200 a 1.5B model's first checks of a kind ran
-    /// directly, about 10 ms against 2 ms replayed). Models with recurrent layers are not padded
-    /// (and checks whose hidden states an MTP head reads are never recorded: the caller skips
-    /// those). Returns the warm-ups run.
-    pub fn warm_up_checks(&self, seq: &mut SeqState<B::State>, max_guesses: usize) -> Result<u64, EngineError> {
+    /// Records, ahead of a generation of `n_ctx` positions, the steps it takes where the backend
+    /// records steps of a few row counts ([`Backend::padded_rows`]): the one-row step and the
+    /// kinds of checking step that up to `max_guesses` guesses take (none without a drafter),
+    /// each run until it replays (measured, then recorded) at the start of `seq` (a sequence of
+    /// the generation's size, left empty), so that no step of the generation is a warm-up (on
+    /// the H200 a 1.5B model's first steps of a kind ran directly, about 10 ms against 2 ms
+    /// replayed, and recording took 30; llama.cpp's tools run a warm-up step at load too).
+    /// Checks of models with recurrent layers are not padded (and checks whose hidden states an
+    /// MTP head reads are never recorded: the caller skips those). Returns the warm-ups run.
+    pub fn warm_up_steps(&self, seq: &mut SeqState<B::State>, max_guesses: usize) -> Result<u64, EngineError> {
         let backend = &self.model.backend;
-        let mut kinds: Vec<usize> = (2..=max_guesses + 1).filter_map(|m| backend.padded_rows(m)).collect();
-        kinds.dedup();
-        if kinds.is_empty() || self.model.is_recurrent() {
+        if backend.padded_rows(2).is_none() {
             return Ok(0);
         }
-        let mut checking = self.scratch();
+        let mut kinds: Vec<usize> = (2..=max_guesses + 1).filter_map(|m| backend.padded_rows(m)).collect();
+        kinds.dedup();
+        if self.model.is_recurrent() {
+            kinds.clear();
+        }
+        let (mut plain, mut checking) = (self.scratch(), self.scratch());
         backend.rows_alone(&mut checking);
         let before = backend.warm_ups();
         let n_ctx = seq.n_ctx;
-        for rows in kinds.into_iter().filter(|&rows| rows <= n_ctx) {
+        let steps = std::iter::once((1, Logits::Last)).chain(kinds.into_iter().map(|rows| (rows, Logits::All)));
+        // Each kind's replayed time, for the smallest check's cost beyond a plain step's.
+        let mut replayed = Vec::new();
+        for (rows, logits) in steps.filter(|&(rows, _)| rows <= n_ctx) {
             let tokens = vec![0; rows];
-            for _ in 0..3 {
-                let warm = backend.warm_ups();
+            let scratch = if rows == 1 { &mut plain } else { &mut checking };
+            let secs = replayed_secs(backend, || {
                 seq.n_past = 0;
-                let run = self.step(&mut [&mut *seq], &[Piece { tokens: &tokens, logits: Logits::All }], &mut checking);
+                let run = self.step(&mut [&mut *seq], &[Piece { tokens: &tokens, logits }], scratch);
                 seq.n_past = 0;
-                run?;
-                if backend.warm_ups() == warm {
-                    break;
-                }
-            }
+                run.map(drop)
+            })?;
+            replayed.extend(secs.map(|secs| (rows, secs)));
+        }
+        if let [(1, plain_secs), (rows, check_secs), ..] = replayed[..] {
+            // A check of `rows` rows holds rows - 1 guesses.
+            let per_row = (check_secs - plain_secs) / (rows - 1) as f64;
+            self.draft_length.lock().expect("draft length lock").set_row(per_row);
         }
         Ok(backend.warm_ups() - before)
     }
@@ -576,4 +608,26 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
+}
+
+/// Runs a step (`run`) until it no longer adds to `backend`'s warm-ups (at most three runs:
+/// the GPU measures, then records), then once more: the faster of the last two runs' seconds,
+/// or None when it never stopped warming up.
+pub(crate) fn replayed_secs<B: Backend>(
+    backend: &B,
+    mut run: impl FnMut() -> Result<(), EngineError>,
+) -> Result<Option<f64>, EngineError> {
+    let mut timed = || -> Result<(f64, bool), EngineError> {
+        let (warm, started) = (backend.warm_ups(), Instant::now());
+        run()?;
+        Ok((started.elapsed().as_secs_f64(), backend.warm_ups() == warm))
+    };
+    for _ in 0..3 {
+        let (secs, replayed) = timed()?;
+        if replayed {
+            let (again, _) = timed()?;
+            return Ok(Some(secs.min(again)));
+        }
+    }
+    Ok(None)
 }

@@ -42,15 +42,35 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// replaces the first's. A step
 /// that ran to be recorded ([`ts_model::Backend::warm_ups`]: the GPU records each kind of step
 /// once, 30 ms against 2 on the H200) gives no time at all: it says nothing of later steps.
+///
+/// The model prices every guess alike, but a draft model's checks also pay a fixed part (the
+/// step reading the last check's tokens, and the step whose guess falls below `--draft-p-min`),
+/// and its guesses stop early: so the tokens and seconds the checks really gave are kept too,
+/// and guessing stops while they give fewer tokens a second than plain steps (the H200's
+/// 1.5B/0.5B pair: 2.35 tokens in 7.3 ms a check against 2.2 ms a plain step, while the
+/// per-guess price alone, about 1.9 ms, said long guesses would pay).
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     plain_secs: Option<f64>,
     plain_samples: usize,
     secs_per_guess: f64,
     kept: f64,
+    /// The least a guess can cost, measured ahead of the generation: a draft model's one-row
+    /// step ([`Drafter::step_secs`]) and a checked row's time beyond a plain step's
+    /// ([`crate::session::Engine::warm_up_steps`]); 0 where unknown.
+    draft_step_secs: f64,
+    row_secs: f64,
+    /// Moving averages over timed checks of the tokens each gave (guesses kept and the
+    /// target's own) and of its seconds; `timed_checks` of them so far.
+    check_tokens: f64,
+    check_secs: f64,
+    timed_checks: usize,
     plain_since_check: usize,
     /// Plain steps before the next check while guessing does not pay.
     probe_every: usize,
+    /// Probes in a row of this generation that found guessing still does not pay: after
+    /// [`DraftLength::GIVE_UP`] no more (each costs a check and the draft's catching up).
+    failed_probes: usize,
 }
 
 impl Default for DraftLength {
@@ -61,8 +81,14 @@ impl Default for DraftLength {
             plain_samples: 0,
             secs_per_guess: 0.0,
             kept: 0.5,
+            draft_step_secs: 0.0,
+            row_secs: 0.0,
+            check_tokens: 0.0,
+            check_secs: 0.0,
+            timed_checks: 0,
             plain_since_check: 0,
             probe_every: Self::PROBE,
+            failed_probes: 0,
         }
     }
 }
@@ -72,6 +98,8 @@ impl DraftLength {
     pub const PROBE: usize = 16;
     /// The most plain steps between two checks.
     pub const MAX_PROBE: usize = 256;
+    /// Probes in a row that find no change before a generation stops probing.
+    pub const GIVE_UP: usize = 3;
     const WEIGHT: f64 = 0.25;
 
     /// How many of up to `max` guesses to check now.
@@ -79,14 +107,58 @@ impl DraftLength {
         // Without a plain step's time no guess can be weighed (a drafter that always
         // guesses would never give one); the first is a warm-up.
         let Some(t) = self.plain_secs.filter(|_| self.plain_samples >= 2) else { return 0 };
+        if self.never_pays().is_some() {
+            return 0;
+        }
         let best = (0..=max).max_by(|&x, &y| self.rate(t, x).total_cmp(&self.rate(t, y))).unwrap_or(0);
-        if best == 0 && self.plain_since_check >= self.probe_every { max.min(2) } else { best }
+        let now = if self.checks_pay(t) { best } else { 0 };
+        let probe = self.plain_since_check >= self.probe_every && self.failed_probes < Self::GIVE_UP;
+        if now == 0 && probe { best.max(max.min(2)) } else { now }
     }
+
+    /// Whether the timed checks so far gave at least [`DraftLength::MARGIN`] more tokens a
+    /// second than plain steps of `t` seconds (true until [`DraftLength::JUDGED_AFTER`] of
+    /// them): checks that only break even are noise's to win or lose, and each return to
+    /// guessing after plain steps costs the draft's catching up.
+    fn checks_pay(&self, t: f64) -> bool {
+        self.timed_checks < Self::JUDGED_AFTER || self.check_tokens * t > self.check_secs * (1.0 + Self::MARGIN)
+    }
+
+    /// Where even guesses that are all kept cannot pay: the least a guess costs (the draft's
+    /// step and a checked row) is no less than a plain step's time over 1 + [`DraftLength::MARGIN`]
+    /// (n guesses give n + 1 tokens in `t + n floor`). Gives that least cost and the plain
+    /// step's time; then no check runs, not even a probe.
+    pub fn never_pays(&self) -> Option<(f64, f64)> {
+        let t = self.plain_secs.filter(|_| self.plain_samples >= 2)?;
+        let floor = self.draft_step_secs + self.row_secs;
+        (self.draft_step_secs > 0.0 && floor * (1.0 + Self::MARGIN) >= t).then_some((floor, t))
+    }
+
+    /// A draft model's one-row step takes `secs` (measured where it replays).
+    pub fn set_draft_step(&mut self, secs: f64) {
+        self.draft_step_secs = secs;
+    }
+
+    /// A checking step takes `secs` more per checked row than a plain step.
+    pub fn set_row(&mut self, secs: f64) {
+        self.row_secs = secs.max(0.0);
+    }
+
+    /// What a finished generation hands the next: all it measured, its probes' count reset.
+    pub fn for_next_generation(&self) -> DraftLength {
+        DraftLength { plain_since_check: 0, failed_probes: 0, ..self.clone() }
+    }
+
+    /// Timed checks before their own rate is weighed against plain steps'.
+    const JUDGED_AFTER: usize = 2;
+    /// How much faster than plain steps checks must give tokens to go on.
+    const MARGIN: f64 = 0.05;
 
     /// Expected tokens per second with `n` guesses a step, a plain step taking `t`.
     fn rate(&self, t: f64, n: usize) -> f64 {
         let a = self.kept.clamp(0.0, 0.999);
-        (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + self.secs_per_guess * n as f64)
+        let per_guess = self.secs_per_guess.max(self.draft_step_secs + self.row_secs);
+        (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + per_guess * n as f64)
     }
 
     /// A plain step took `secs` (None: a warm-up, not timed).
@@ -111,16 +183,28 @@ impl DraftLength {
         }
         let frac = kept as f64 / guesses as f64;
         self.kept += Self::WEIGHT * (frac - self.kept);
+        if let Some(secs) = secs {
+            let tokens = (kept + 1) as f64;
+            if self.timed_checks == 0 {
+                (self.check_tokens, self.check_secs) = (tokens, secs);
+            } else {
+                self.check_tokens += Self::WEIGHT * (tokens - self.check_tokens);
+                self.check_secs += Self::WEIGHT * (secs - self.check_secs);
+            }
+            self.timed_checks += 1;
+        }
         if let Some(t) = self.plain_secs {
             if let Some(secs) = secs {
                 let per = ((secs - t) / guesses as f64).max(0.0);
                 self.secs_per_guess += Self::WEIGHT * (per - self.secs_per_guess);
             }
-            let pays = (1..=2).any(|n| self.rate(t, n) > self.rate(t, 0));
+            let pays = self.checks_pay(t) && (1..=2).any(|n| self.rate(t, n) > self.rate(t, 0));
             if pays {
                 self.probe_every = Self::PROBE;
+                self.failed_probes = 0;
             } else if probed {
                 self.probe_every = (2 * self.probe_every).min(Self::MAX_PROBE);
+                self.failed_probes += 1;
             }
         }
     }
@@ -145,6 +229,12 @@ pub trait Drafter {
         0
     }
 
+    /// A draft model's one-row step time, measured where it replays (none before its
+    /// [`Drafter::catch_up`] on a prompt; none for drafters without a model).
+    fn step_secs(&self) -> Option<f64> {
+        None
+    }
+
     /// Whether the drafter reads the target's final-normed hidden states (an MTP head): the
     /// target's steps then hand them to [`Drafter::observe`] (they cost nothing otherwise).
     fn wants_hidden(&self) -> bool {
@@ -159,30 +249,20 @@ pub trait Drafter {
     }
 }
 
-/// What a drafter's catching up before a check cost ([`catch_up_after_plain`]): its time and
-/// the drafter's warm-ups in it, neither of them the check's.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CaughtUp {
-    pub time: std::time::Duration,
-    pub warm_ups: u64,
-}
-
 /// Before guessing up to `max` tokens after `context` (ending with the token about to run)
 /// in a step that follows a plain one (`after_plain`), a drafter that skipped the plain steps'
-/// tokens reads them ([`Drafter::catch_up`]): outside the check's time, which no steady run of
-/// checks pays.
+/// tokens reads them ([`Drafter::catch_up`]): part of the check's time, the price of
+/// returning to guessing.
 pub fn catch_up_after_plain(
     drafter: &mut dyn Drafter,
     context: &[u32],
     max: usize,
     after_plain: bool,
-) -> Result<CaughtUp, EngineError> {
+) -> Result<(), EngineError> {
     if !after_plain || max == 0 || context.len() < 2 {
-        return Ok(CaughtUp::default());
+        return Ok(());
     }
-    let (started, warm_before) = (std::time::Instant::now(), drafter.warm_ups());
-    drafter.catch_up(&context[..context.len() - 1])?;
-    Ok(CaughtUp { time: started.elapsed(), warm_ups: drafter.warm_ups() - warm_before })
+    drafter.catch_up(&context[..context.len() - 1])
 }
 
 /// Prompt lookup: the tokens that followed the latest earlier occurrence of the
@@ -227,6 +307,8 @@ pub struct ModelDrafter<'e, B: Backend> {
     /// The tokens `seq` holds.
     fed: Vec<u32>,
     p_min: f32,
+    /// Its one-row step's time, replayed ([`Drafter::step_secs`]).
+    step_secs: Option<f64>,
 }
 
 impl<'e, B: Backend> ModelDrafter<'e, B> {
@@ -236,7 +318,7 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
     pub fn new(engine: &'e Engine<B>, target: &Tokenizer, n_ctx: usize, p_min: f32) -> Result<Self, EngineError> {
         check_draft(engine, target)?;
         let seq = engine.new_sequence(n_ctx)?;
-        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min })
+        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None })
     }
 }
 
@@ -282,6 +364,10 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         self.engine.model.backend.warm_ups()
     }
 
+    fn step_secs(&self) -> Option<f64> {
+        self.step_secs
+    }
+
     fn catch_up(&mut self, context: &[u32]) -> Result<(), EngineError> {
         if context.len() < 2 || context.len() >= self.seq.n_ctx {
             return Ok(());
@@ -313,8 +399,13 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         } else {
             self.feed(head)?;
         }
+        // Run until it replays, timed: what a guess costs at least.
         let piece = Piece { tokens: last, logits: Logits::Last };
-        self.engine.step(&mut [&mut self.seq], &[piece], &mut self.engine.scratch())?;
+        let (engine, seq, mut scratch) = (self.engine, &mut self.seq, self.engine.scratch());
+        self.step_secs = crate::session::replayed_secs(&engine.model.backend, || {
+            seq.n_past = n;
+            engine.step(&mut [&mut *seq], &[piece], &mut scratch).map(drop)
+        })?;
         self.fed.extend_from_slice(last);
         Ok(())
     }
@@ -544,9 +635,10 @@ mod tests {
             d.checked(Some(0.010 + 8.0 * 0.010), 8, 0);
         }
         assert_eq!(d.limit(8), 0);
-        // A check after PROBE plain steps; each that finds no change doubles the wait.
+        // A check after PROBE plain steps; each that finds no change doubles the wait, and
+        // after GIVE_UP of them the generation stops probing.
         let mut wait = DraftLength::PROBE;
-        for _ in 0..6 {
+        for _ in 0..DraftLength::GIVE_UP {
             for _ in 1..wait {
                 d.plain(Some(0.010));
             }
@@ -556,11 +648,46 @@ mod tests {
             d.checked(Some(0.010 + 2.0 * 0.010), 2, 0);
             wait = (2 * wait).min(DraftLength::MAX_PROBE);
         }
+        for _ in 0..2 * DraftLength::MAX_PROBE {
+            d.plain(Some(0.010));
+            assert_eq!(d.limit(8), 0, "no probe after giving up");
+        }
+        // The next generation probes again, after the longer wait it learnt.
+        let mut d = d.for_next_generation();
+        for _ in 1..wait {
+            d.plain(Some(0.010));
+        }
+        assert_eq!(d.limit(8), 0);
+        d.plain(Some(0.010));
+        assert_eq!(d.limit(8), 2, "the next generation's probe");
         // A check where guessing pays again: back to the longest, and to short waits.
         for _ in 0..20 {
             d.checked(Some(0.011), 2, 2);
         }
         assert_eq!(d.limit(8), 8);
+    }
+
+    #[test]
+    fn a_draft_step_as_dear_as_a_plain_one_never_guesses() {
+        // The H200 pair: the 0.5B draft's one-row step 1.7 ms, a checked row 0.4 ms beyond a
+        // plain step, the 1.5B's plain step 1.8 ms: no check at all, not even probes.
+        let mut d = DraftLength::default();
+        d.set_draft_step(0.0017);
+        d.set_row(0.0004);
+        for _ in 0..4 * DraftLength::MAX_PROBE {
+            d.plain(Some(0.0018));
+            assert_eq!(d.limit(16), 0);
+        }
+        let (floor, t) = d.never_pays().expect("off");
+        assert!((floor - 0.0021).abs() < 1e-9 && (t - 0.0018).abs() < 1e-9);
+        // A draft a fifth of the target's step, rows nearly free: guessing from the start.
+        let mut d = DraftLength::default();
+        d.set_draft_step(0.0004);
+        d.set_row(0.0001);
+        d.plain(Some(0.0019));
+        d.plain(Some(0.0018));
+        assert!(d.never_pays().is_none());
+        assert!(d.limit(16) > 0);
     }
 
     #[test]
@@ -574,6 +701,41 @@ mod tests {
             d.checked(Some(0.029), 7, 7);
         }
         assert_eq!(d.limit(16), 0);
+    }
+
+    #[test]
+    fn checks_that_give_less_than_plain_steps_stop() {
+        // The H200 pair of 2026-12-03 (fifth session): plain steps 2.2 ms; a check's guesses
+        // stop early at the draft's p-min (1 or 2 a check, all kept) and each costs the draft's
+        // catching-up step and the step that stopped it: 6.6 ms for one guess, 8.5 for two,
+        // while 16 guesses in 34 ms priced alone (about 2 ms a guess) look like they pay.
+        let mut d = DraftLength::default();
+        d.plain(Some(0.0023));
+        d.plain(Some(0.0022));
+        d.checked(Some(0.034), 16, 16);
+        assert!(d.limit(16) > 0, "one check is not judged");
+        for i in 0..4 {
+            let (secs, n) = if i % 2 == 0 { (0.0066, 1) } else { (0.0085, 2) };
+            d.checked(Some(secs), n, n);
+        }
+        assert_eq!(d.limit(16), 0, "checks gave fewer tokens a second than plain steps");
+        // The probe after PROBE plain steps guesses as far as the model says, and a probe
+        // that gives no more does not turn guessing on.
+        for _ in 0..DraftLength::PROBE {
+            d.plain(Some(0.0022));
+        }
+        assert!(d.limit(16) >= 2, "a probe");
+        d.checked(Some(0.0066), 1, 1);
+        assert_eq!(d.limit(16), 0);
+        // Checks that give more (long runs of kept guesses) turn it on again.
+        for _ in 0..2 * DraftLength::PROBE {
+            d.plain(Some(0.0022));
+        }
+        assert!(d.limit(16) >= 2, "the next probe");
+        for _ in 0..12 {
+            d.checked(Some(0.020), 10, 10);
+        }
+        assert!(d.limit(16) >= 8, "long runs kept: {}", d.limit(16));
     }
 
     #[test]

@@ -157,10 +157,10 @@ fn a_draft_catching_up_on_plain_steps_guesses_the_same() {
     assert!(plain.len() >= 6, "{plain:?}");
     let context: Vec<u32> = prompt.iter().chain(&plain[..6]).copied().collect();
     // Caught up on the prompt, then five plain steps' tokens skipped.
-    let mut lapsed = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    let mut lapsed = CatchUps { inner: ModelDrafter::new(&draft, tok, 256, 0.0).unwrap(), read: Vec::new() };
     lapsed.catch_up(&prompt).unwrap();
-    let caught = catch_up_after_plain(&mut lapsed, &context, 4, true).unwrap();
-    assert!(caught.time > std::time::Duration::ZERO);
+    catch_up_after_plain(&mut lapsed, &context, 4, true).unwrap();
+    assert_eq!(lapsed.read.last().map(Vec::len), Some(context.len() - 1), "caught up to the token about to run");
     let after_catching_up = lapsed.draft(&context, 4).unwrap();
     let mut fresh = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
     let at_once = fresh.draft(&context, 4).unwrap();
@@ -172,9 +172,27 @@ fn a_draft_catching_up_on_plain_steps_guesses_the_same() {
     behind_one.catch_up(&context).unwrap();
     assert_eq!(behind_one.draft(&context, 4).unwrap(), at_once);
     // Not asked to guess, or not after a plain step: nothing read.
+    let mut idle = CatchUps { inner: behind_one, read: Vec::new() };
     for (max, after_plain) in [(0, true), (4, false)] {
-        let c = catch_up_after_plain(&mut behind_one, &context, max, after_plain).unwrap();
-        assert_eq!(c.time, std::time::Duration::ZERO, "max {max}, after a plain step {after_plain}");
+        catch_up_after_plain(&mut idle, &context, max, after_plain).unwrap();
+        assert!(idle.read.is_empty(), "max {max}, after a plain step {after_plain}");
+    }
+}
+
+/// A drafter that notes each context it is asked to catch up on.
+struct CatchUps<D> {
+    inner: D,
+    read: Vec<Vec<u32>>,
+}
+
+impl<D: Drafter> Drafter for CatchUps<D> {
+    fn draft(&mut self, context: &[u32], max: usize) -> Result<Vec<u32>, ts_engine::session::EngineError> {
+        self.inner.draft(context, max)
+    }
+
+    fn catch_up(&mut self, context: &[u32]) -> Result<(), ts_engine::session::EngineError> {
+        self.read.push(context.to_vec());
+        self.inner.catch_up(context)
     }
 }
 

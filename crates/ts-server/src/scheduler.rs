@@ -20,7 +20,7 @@ use ts_engine::reuse::CachedSequence;
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, StopReason};
 use ts_engine::speculative::{
-    CaughtUp, DraftLength, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions, catch_up_after_plain,
+    DraftLength, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions, catch_up_after_plain,
 };
 use ts_model::{Backend, SeqState, Snapshot};
 
@@ -144,34 +144,37 @@ impl<R> Guessing<R> {
 /// `drafter`'s guesses after `history` (the sequence's tokens) and `next` (the token
 /// about to run): as many as pay ([`DraftLength`]), fit the context and stay within the
 /// `left` tokens the reply may still have; none when fewer than `draft_min`. After a plain
-/// step the drafter first catches up on its tokens: what that cost is not the step's.
+/// step the drafter first catches up on its tokens (part of the step's time).
 fn guesses<R, S>(
-    g: &Guessing<R>,
+    g: &mut Guessing<R>,
     drafter: &mut dyn Drafter,
     history: &[u32],
     next: u32,
     seq: &SeqState<S>,
     left: usize,
-) -> (Vec<u32>, CaughtUp) {
+) -> Vec<u32> {
     let room = (seq.n_ctx.saturating_sub(seq.n_past + 1)).min(left);
     if room == 0 {
-        return (Vec::new(), CaughtUp::default());
+        return Vec::new();
     }
     let mut context = Vec::with_capacity(history.len() + 1);
     context.extend_from_slice(history);
     context.push(next);
+    if let Some(secs) = drafter.step_secs() {
+        g.length.set_draft_step(secs);
+    }
     let limit = g.length.limit(g.opts.draft_max.min(room));
     let drafted = catch_up_after_plain(drafter, &context, limit, g.guesses.is_empty())
-        .and_then(|caught_up| Ok((drafter.draft(&context, limit)?, caught_up)));
-    let (mut out, caught_up) = drafted.unwrap_or_else(|e| {
+        .and_then(|()| drafter.draft(&context, limit));
+    let mut out = drafted.unwrap_or_else(|e| {
         tracing::warn!("guessing failed, going on without guesses: {e}");
-        (Vec::new(), CaughtUp::default())
+        Vec::new()
     });
     out.truncate(room);
     if out.len() < g.opts.draft_min.max(1) {
         out.clear();
     }
-    (out, caught_up)
+    out
 }
 
 /// One choice being generated, in a slot.
@@ -246,11 +249,11 @@ pub fn run<B: Backend>(
         }
     }
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
-    if draft.is_some()
-        && let Some(slot) = slots.first_mut()
-        && let Err(e) = engine.warm_up_checks(&mut slot.seq, SpecOptions::default().draft_max)
+    let max_guesses = if draft.is_some() { SpecOptions::default().draft_max } else { 0 };
+    if let Some(slot) = slots.first_mut()
+        && let Err(e) = engine.warm_up_steps(&mut slot.seq, max_guesses)
     {
-        tracing::warn!("recording the checking steps failed ({e}); their first runs are slower");
+        tracing::warn!("recording the decode steps ahead failed ({e}); their first runs are slower");
     }
     // One drafter serves every request: only a request alone in the server guesses.
     let mut drafter: Box<dyn Drafter + '_> = match draft {
@@ -402,11 +405,9 @@ pub fn run<B: Backend>(
         // (measured: two requests guessing together, or one beside another's prompt, were
         // slower than without guesses).
         let alone = active.len() == 1 && active[0].generating();
-        // Steps run to be recorded so far: a step that adds to them (beyond a drafter's catching
-        // up) gives its guesses no time.
+        // Steps run to be recorded so far: a step that adds to them gives its guesses no time.
         let warm_ups = || model.backend.warm_ups() + draft.map_or(0, |(d, _)| d.model.backend.warm_ups());
         let warm_before = warm_ups();
-        let mut caught_up = CaughtUp::default();
         for (i, a) in active.iter_mut().enumerate() {
             if !a.generating() {
                 continue;
@@ -420,11 +421,7 @@ pub fn run<B: Backend>(
                     None => drafter.as_mut(),
                 };
                 g.guesses = match alone {
-                    true => {
-                        let (out, c) = guesses(g, d, &slot.history, a.next, &slot.seq, left);
-                        caught_up = c;
-                        out
-                    }
+                    true => guesses(g, d, &slot.history, a.next, &slot.seq, left),
                     false => Vec::new(),
                 };
                 if !g.guesses.is_empty() {
@@ -519,9 +516,10 @@ pub fn run<B: Backend>(
         }
         metrics.spec_drafted.fetch_add(guessed as u64, Relaxed);
         // A step of one sequence alone times its guesses (or their absence) for its DraftLength,
-        // but for the drafter's catching up; a warm-up gives no time.
-        let warmed = warm_ups() != warm_before + caught_up.warm_ups;
-        let timed = (alone && prompt_rows == 0).then(|| (!warmed).then(|| step_secs.saturating_sub(caught_up.time)));
+        // the drafter's catching up included (what returning to guessing costs); a warm-up,
+        // the catching up's too, gives no time.
+        let warmed = warm_ups() != warm_before;
+        let timed = (alone && prompt_rows == 0).then(|| (!warmed).then_some(step_secs));
         // Per active: the logits rows to sample from in turn, once its prompt is read.
         let mut row_of: Vec<Option<&[Vec<f32>]>> = vec![None; active.len()];
         for ((i, tokens, _), rows) in pieces.iter().zip(&logits) {

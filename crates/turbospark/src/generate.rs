@@ -205,10 +205,11 @@ impl SpecArgs {
 }
 
 /// The drafter `spec` asks for: the draft model `draft` (checked against `engine`'s
-/// vocabulary), prompt lookup, or none, for `seq`'s context; with one, the target's checking
-/// steps are recorded first at the start of the empty `seq` where the backend records steps
-/// ([`Engine::warm_up_checks`]: load time, not a generation's; not for an MTP head, whose
-/// checks are never recorded). A failed warm-up only costs the checks' first runs: a warning.
+/// vocabulary), prompt lookup, or none, for `seq`'s context. First the generation's steps are
+/// recorded at the start of the empty `seq` where the backend records steps
+/// ([`Engine::warm_up_steps`]: the one-row step, and with a drafter the checking steps; load
+/// time, not a generation's; not for an MTP head, whose steps are never recorded). A failed
+/// warm-up only costs the steps' first runs: a warning.
 pub(crate) fn drafter<'d, B: Backend>(
     spec: &SpecArgs,
     engine: &'d Engine<B>,
@@ -222,18 +223,27 @@ pub(crate) fn drafter<'d, B: Backend>(
         None if spec.spec_mtp => Some(Box::new(MtpDrafter::new(engine, n_ctx)?)),
         None => None,
     };
-    if let (Some(d), Some(opts)) = (&drafter, spec.options()?)
-        && !d.wants_hidden()
-        && let Err(e) = engine.warm_up_checks(seq, opts.draft_max)
+    let max_guesses = match (&drafter, spec.options()?) {
+        (Some(_), Some(opts)) => opts.draft_max,
+        _ => 0,
+    };
+    if !drafter.as_ref().is_some_and(|d| d.wants_hidden())
+        && let Err(e) = engine.warm_up_steps(seq, max_guesses)
     {
-        eprintln!("warning: recording the checking steps ahead failed ({e}); their first runs are slower");
+        eprintln!("warning: recording the decode steps ahead failed ({e}); their first runs are slower");
     }
     Ok(drafter)
 }
 
 /// Speculation's line on stderr: guesses kept and tokens per checking step.
 fn report_spec(stats: &GenerationStats) {
-    if stats.spec_steps > 0 || stats.drafted > 0 {
+    if let (0, Some((floor, plain))) = (stats.spec_steps, stats.guessing_off) {
+        eprintln!(
+            "speculative: off: a guess costs at least {:.2} ms (the draft's step and a checked row), a plain step {:.2} ms",
+            floor * 1e3,
+            plain * 1e3
+        );
+    } else if stats.spec_steps > 0 || stats.drafted > 0 {
         eprintln!("speculative: {}", spec_summary(stats));
     }
 }
