@@ -1317,7 +1317,7 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
             ts_engine::session::Engine::load(&fx.model, &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
         let prompt = engine.tokenizer().unwrap().encode("one two three four, one two three four, one two", true, false);
         let prompt = prompt.unwrap();
-        let spec_opts = SpecOptions { draft_max: 5, draft_min: 0 };
+        let spec_opts = SpecOptions { draft_max: 5, draft_min: 0, adapt: false };
         let run = |drafter: Option<&mut dyn Drafter>| {
             let mut seq = engine.new_sequence(256).unwrap();
             engine.forget_draft_length();
@@ -1351,6 +1351,57 @@ fn speculation_keeps_greedy_output_on_the_gpu() {
     }
     assert!(rejected > 0, "no guess was rejected: the rollback did not run");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A draft model on the GPU (the llama fixture's q4_k_m guessing for its q8_0): one that
+/// skipped 40 plain steps' tokens catches up on them in recorded steps of
+/// `ModelDrafter::CATCH_UP_ROWS` rows and then guesses what a draft that read them one or two
+/// at a time guesses (rows of recorded steps are computed as one-row steps are), with no
+/// step run for the first time after the drafter was made; greedy output with its guesses is
+/// the plain run's.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn a_draft_model_catches_up_in_recorded_steps_on_the_gpu() {
+    use ts_engine::sampler::SamplerConfig;
+    use ts_engine::session::Engine;
+    use ts_engine::speculative::{Drafter, ModelDrafter, SpecOptions, catch_up_after_plain};
+    drop(gpu()); // a clear failure first when there is no device
+    let dir = fixtures_dir().join("llama");
+    let opts = ts_engine::session::LoadOptions { threads: 2, experts: ExpertPlacement::Mapped };
+    let target = Engine::load(dir.join("model-q8_0.gguf"), &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+    let draft = Engine::load(dir.join("model-q4_k_m.gguf"), &opts).unwrap().into_backend(|m| Cuda::new(0, m)).unwrap();
+    let tok = target.tokenizer().unwrap();
+    let prompt = tok.encode("one two three four, one two three four, one two", true, false).unwrap();
+    let greedy = SamplerConfig::greedy();
+    let mut seq = target.new_sequence(256).unwrap();
+    let (plain, _) = target.generate(&mut seq, &prompt, 48, &greedy, false, None, |_| true).unwrap();
+    assert!(plain.len() >= 41, "{} tokens", plain.len());
+    let context: Vec<u32> = prompt.iter().chain(&plain[..40]).copied().collect();
+
+    let mut lapsed = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    lapsed.catch_up(&prompt).unwrap();
+    let warm_before = draft.model.backend.warm_ups();
+    catch_up_after_plain(&mut lapsed, &context, 4, true).unwrap();
+    let caught_up = lapsed.draft(&context, 4).unwrap();
+    let warm_ups = draft.model.backend.warm_ups() - warm_before;
+    let mut stepwise = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    stepwise.catch_up(&prompt).unwrap();
+    for end in prompt.len() + 1..context.len() {
+        stepwise.draft(&context[..end], 1).unwrap();
+    }
+    let one_by_one = stepwise.draft(&context, 4).unwrap();
+    println!("caught up on 40 tokens: guesses {caught_up:?}, one at a time {one_by_one:?}, {warm_ups} warm-ups");
+    assert_eq!(caught_up.len(), 4);
+    assert_eq!(caught_up, one_by_one, "catching up in recorded steps changed the guesses");
+    assert_eq!(warm_ups, 0, "the draft's catching up or guessing ran a step for the first time");
+
+    let spec_opts = SpecOptions { draft_max: 4, draft_min: 0, adapt: false };
+    target.forget_draft_length();
+    let mut guesser = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
+    let mut seq = target.new_sequence(256).unwrap();
+    let spec = Some((&mut guesser as &mut dyn Drafter, &spec_opts));
+    let (guessed, _) = target.generate(&mut seq, &prompt, 48, &greedy, false, spec, |_| true).unwrap();
+    assert_eq!(guessed, plain, "the draft model's guesses changed the greedy output");
 }
 
 /// The MTP head on the GPU (`--spec-mtp`): on the fixtures with a nextn layer (qwen3_5_moe,
@@ -1394,7 +1445,7 @@ fn mtp_head_keeps_greedy_output_on_the_gpu() {
             assert!(d <= 1e-3 * scale, "{}/{} row {p}: MTP logits off by {d} of {scale}", fx.family, fx.variant);
         }
         // Greedy generation with and without the head's guesses.
-        let spec_opts = SpecOptions { draft_max: 4, draft_min: 0 };
+        let spec_opts = SpecOptions { draft_max: 4, draft_min: 0, adapt: false };
         let mut outputs = Vec::new();
         for with_mtp in [false, true] {
             let mut seq = gpu.new_sequence(256).unwrap();

@@ -420,7 +420,7 @@ impl<B: Backend> Engine<B> {
             // Guesses must fit the context and the token limit. A step's time includes
             // guessing (a draft model's passes cost as much as the checked rows save).
             let room = (seq.n_ctx - held).min(max_tokens.saturating_sub(decoding.generated()));
-            let limit = spec.as_ref().map_or(0, |(_, o)| length.limit(o.draft_max.min(room)));
+            let limit = spec.as_ref().map_or(0, |(_, o)| o.limit(&length, room));
             last_limit = limit;
             // A check's time includes the drafter's catching up on the plain steps before it
             // (what returning to guessing costs), unless that ran a warm-up.

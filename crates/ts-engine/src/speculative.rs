@@ -19,11 +19,23 @@ pub struct SpecOptions {
     pub draft_max: usize,
     /// Fewer guesses than this are not checked (a plain one-token step instead).
     pub draft_min: usize,
+    /// Whether how many guesses a step checks follows what they cost and how many are kept
+    /// ([`DraftLength`]: none where guessing does not pay); else up to `draft_max` every step,
+    /// as llama.cpp does (`--draft-fixed`).
+    pub adapt: bool,
 }
 
 impl Default for SpecOptions {
     fn default() -> Self {
-        SpecOptions { draft_max: 16, draft_min: 0 }
+        SpecOptions { draft_max: 16, draft_min: 0, adapt: true }
+    }
+}
+
+impl SpecOptions {
+    /// How many of up to `max` guesses to check now, after what `length` learnt.
+    pub fn limit(&self, length: &DraftLength, max: usize) -> usize {
+        let max = max.min(self.draft_max);
+        if self.adapt { length.limit(max) } else { max }
     }
 }
 
@@ -97,7 +109,10 @@ impl DraftLength {
     /// Plain steps before the first check once guessing does not pay.
     pub const PROBE: usize = 16;
     /// The most plain steps between two checks.
-    pub const MAX_PROBE: usize = 256;
+    pub const MAX_PROBE: usize = 1024;
+    /// The share of the plain steps' time between two probes that a probe may lose: a probe
+    /// that finds no change waits at least its loss over this share of a plain step.
+    const PROBE_SHARE: f64 = 0.02;
     /// Probes in a row that find no change before a generation stops probing.
     pub const GIVE_UP: usize = 3;
     const WEIGHT: f64 = 0.25;
@@ -203,7 +218,10 @@ impl DraftLength {
                 self.probe_every = Self::PROBE;
                 self.failed_probes = 0;
             } else if probed {
-                self.probe_every = (2 * self.probe_every).min(Self::MAX_PROBE);
+                // What the probe lost against plain steps for its tokens.
+                let lost = secs.map_or(0.0, |secs| secs - (kept + 1) as f64 * t).max(0.0);
+                let earned = (lost / (Self::PROBE_SHARE * t)).ceil() as usize;
+                self.probe_every = (2 * self.probe_every).max(earned).min(Self::MAX_PROBE);
                 self.failed_probes += 1;
             }
         }
@@ -315,11 +333,21 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
     /// A drafter of `engine`'s model for contexts of up to `n_ctx` tokens, after
     /// checking that its vocabulary is the target's (`target`); it stops guessing at a
     /// token it gives less than `p_min` probability.
+    /// Where the backend records steps, the draft's steps of 1 to [`ModelDrafter::CATCH_UP_ROWS`]
+    /// rows are recorded first ([`Engine::warm_up_steps`]), so that neither its guesses nor its
+    /// catching up run a step for the first time.
     pub fn new(engine: &'e Engine<B>, target: &Tokenizer, n_ctx: usize, p_min: f32) -> Result<Self, EngineError> {
         check_draft(engine, target)?;
-        let seq = engine.new_sequence(n_ctx)?;
+        let mut seq = engine.new_sequence(n_ctx)?;
+        engine.warm_up_steps(&mut seq, Self::CATCH_UP_ROWS - 1)?;
         Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None })
     }
+
+    /// The most rows of a step catching up on plain steps' tokens where the backend records
+    /// steps of a few row counts: longer runs go in recorded steps of this many (on the H200
+    /// the 0.5B draft's unrecorded steps of 16 to 64 rows took 9-19 ms, a third of the
+    /// plain steps they followed).
+    pub const CATCH_UP_ROWS: usize = 16;
 }
 
 /// Whether `engine`'s model has an MTP head to guess with (`--spec-mtp`), else an error naming the flag.
@@ -378,28 +406,23 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
             return Ok(());
         }
         if !self.fed.is_empty() {
-            // Tokens of plain steps, the draft's steps recorded by now.
+            // Tokens of plain steps, in recorded steps where the backend records them.
+            let rows = Self::CATCH_UP_ROWS;
+            if self.engine.model.backend.padded_rows(rows) == Some(rows) {
+                let mut at = held;
+                while at + rows < context.len() {
+                    self.feed(&context[..at + rows])?;
+                    at += rows;
+                }
+            }
             self.feed(context)?;
             return Ok(());
         }
         // All but the last token as a prompt, the last as the one-row step every guess
-        // takes: its first run is a warm-up (the GPU records the step's graph) that belongs
-        // to the prompt's time, not to the first check's.
+        // takes, timed where it replays: what a guess costs at least.
         let (head, last) = context.split_at(context.len() - 1);
         let n = head.len();
-        if n >= 3 && self.engine.model.backend.padded_rows(2).is_some() {
-            // A check that keeps every guess leaves two tokens to read (the last guess and
-            // the target's own); a backend that records steps records that step of two rows
-            // on its second run, so the prompt's last two run as it twice.
-            self.feed(&head[..n - 2])?;
-            for _ in 0..2 {
-                self.fed.truncate(n - 2);
-                self.feed(head)?;
-            }
-        } else {
-            self.feed(head)?;
-        }
-        // Run until it replays, timed: what a guess costs at least.
+        self.feed(head)?;
         let piece = Piece { tokens: last, logits: Logits::Last };
         let (engine, seq, mut scratch) = (self.engine, &mut self.seq, self.engine.scratch());
         self.step_secs = crate::session::replayed_secs(&engine.model.backend, || {
@@ -635,8 +658,10 @@ mod tests {
             d.checked(Some(0.010 + 8.0 * 0.010), 8, 0);
         }
         assert_eq!(d.limit(8), 0);
-        // A check after PROBE plain steps; each that finds no change doubles the wait, and
-        // after GIVE_UP of them the generation stops probing.
+        // A check after PROBE plain steps; each that finds no change at least doubles the
+        // wait, and waits long enough that it lost at most 2% of the plain steps' time (this
+        // one loses 20 ms, 2 plain steps: 100 steps); after GIVE_UP of them the generation
+        // stops probing.
         let mut wait = DraftLength::PROBE;
         for _ in 0..DraftLength::GIVE_UP {
             for _ in 1..wait {
@@ -646,7 +671,7 @@ mod tests {
             d.plain(Some(0.010));
             assert_eq!(d.limit(8), 2, "a check after {wait}");
             d.checked(Some(0.010 + 2.0 * 0.010), 2, 0);
-            wait = (2 * wait).min(DraftLength::MAX_PROBE);
+            wait = (2 * wait).max(100).min(DraftLength::MAX_PROBE);
         }
         for _ in 0..2 * DraftLength::MAX_PROBE {
             d.plain(Some(0.010));
@@ -727,10 +752,13 @@ mod tests {
         assert!(d.limit(16) >= 2, "a probe");
         d.checked(Some(0.0066), 1, 1);
         assert_eq!(d.limit(16), 0);
-        // Checks that give more (long runs of kept guesses) turn it on again.
-        for _ in 0..2 * DraftLength::PROBE {
+        // Checks that give more (long runs of kept guesses) turn it on again. The probe lost
+        // 2.2 ms, a plain step: the next waits 50 plain steps.
+        for _ in 1..50 {
             d.plain(Some(0.0022));
         }
+        assert_eq!(d.limit(16), 0);
+        d.plain(Some(0.0022));
         assert!(d.limit(16) >= 2, "the next probe");
         for _ in 0..12 {
             d.checked(Some(0.020), 10, 10);

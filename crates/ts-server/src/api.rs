@@ -436,6 +436,7 @@ fn submit<B: Backend>(
         spec: st.opts.spec.as_ref().map(|o| SpecOptions {
             draft_max: c.spec_max.unwrap_or(o.draft_max),
             draft_min: c.spec_min.unwrap_or(o.draft_min),
+            adapt: o.adapt,
         }),
     };
     st.metrics.queued.fetch_add(1, Relaxed);

@@ -163,7 +163,7 @@ fn guesses<R, S>(
     if let Some(secs) = drafter.step_secs() {
         g.length.set_draft_step(secs);
     }
-    let limit = g.length.limit(g.opts.draft_max.min(room));
+    let limit = g.opts.limit(&g.length, room);
     let drafted = catch_up_after_plain(drafter, &context, limit, g.guesses.is_empty())
         .and_then(|()| drafter.draft(&context, limit));
     let mut out = drafted.unwrap_or_else(|e| {

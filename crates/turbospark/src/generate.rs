@@ -144,6 +144,11 @@ pub struct SpecArgs {
     /// The draft model stops guessing at a token it gives less than this probability [default: 0.75].
     #[arg(long, value_name = "P")]
     draft_p_min: Option<f32>,
+    /// Guess up to --draft-max every step, as llama.cpp does, even where guesses do not pay
+    /// (by default the number follows what guesses cost and how many are kept, none where
+    /// they cannot pay).
+    #[arg(long)]
+    draft_fixed: bool,
 }
 
 impl SpecArgs {
@@ -153,12 +158,14 @@ impl SpecArgs {
         let opts = SpecOptions {
             draft_max: self.draft_max.unwrap_or(d.draft_max),
             draft_min: self.draft_min.unwrap_or(d.draft_min),
+            adapt: !self.draft_fixed,
         };
         if self.draft_model.is_none() && !self.spec_ngram && !self.spec_mtp {
             for (set, flag) in [
                 (self.draft_max.is_some(), "--draft-max"),
                 (self.draft_min.is_some(), "--draft-min"),
                 (self.draft_p_min.is_some(), "--draft-p-min"),
+                (self.draft_fixed, "--draft-fixed"),
             ] {
                 if set {
                     bail!("{flag} needs a drafter: --draft-model PATH, --spec-ngram or --spec-mtp");
