@@ -505,10 +505,10 @@ impl<B: Backend> Engine<B> {
             })?;
             replayed.extend(secs.map(|secs| (rows, secs)));
         }
-        if let [(1, plain_secs), (rows, check_secs), ..] = replayed[..] {
-            // A check of `rows` rows holds rows - 1 guesses.
-            let per_row = (check_secs - plain_secs) / (rows - 1) as f64;
-            self.draft_length.lock().expect("draft length lock").set_row(per_row);
+        if let [(1, plain_secs), ref checks @ ..] = replayed[..]
+            && !checks.is_empty()
+        {
+            self.draft_length.lock().expect("draft length lock").set_checks(plain_secs, checks);
         }
         Ok(backend.warm_ups() - before)
     }

@@ -72,6 +72,10 @@ pub struct DraftLength {
     /// ([`crate::session::Engine::warm_up_steps`]); 0 where unknown.
     draft_step_secs: f64,
     row_secs: f64,
+    /// Each recorded kind of checking step (rows, replayed time beyond a replayed plain
+    /// step's), measured ahead of the generation ([`DraftLength::set_checks`]); empty where
+    /// steps are not recorded.
+    check_extra: Vec<(usize, f64)>,
     /// Moving averages over timed checks of the tokens each gave (guesses kept and the
     /// target's own) and of its seconds; `timed_checks` of them so far.
     check_tokens: f64,
@@ -95,6 +99,7 @@ impl Default for DraftLength {
             kept: 0.5,
             draft_step_secs: 0.0,
             row_secs: 0.0,
+            check_extra: Vec::new(),
             check_tokens: 0.0,
             check_secs: 0.0,
             timed_checks: 0,
@@ -139,14 +144,28 @@ impl DraftLength {
         self.timed_checks < Self::JUDGED_AFTER || self.check_tokens * t > self.check_secs * (1.0 + Self::MARGIN)
     }
 
-    /// Where even guesses that are all kept cannot pay: the least a guess costs (the draft's
-    /// step and a checked row) is no less than a plain step's time over 1 + [`DraftLength::MARGIN`]
-    /// (n guesses give n + 1 tokens in `t + n floor`). Gives that least cost and the plain
-    /// step's time; then no check runs, not even a probe.
+    /// Where even guesses that are all kept cannot pay by [`DraftLength::MARGIN`]: n guesses give
+    /// n + 1 tokens in n draft steps and a check of n + 1 rows, against n + 1 plain steps of `t`.
+    /// With each kind of check's measured time, every kind is weighed (its most guesses);
+    /// without (the CPU), a guess costs at least a draft step and a checked row. Gives the
+    /// least a guess costs and the plain step's time; then no check runs, not even a probe.
     pub fn never_pays(&self) -> Option<(f64, f64)> {
         let t = self.plain_secs.filter(|_| self.plain_samples >= 2)?;
-        let floor = self.draft_step_secs + self.row_secs;
-        (self.draft_step_secs > 0.0 && floor * (1.0 + Self::MARGIN) >= t).then_some((floor, t))
+        let d = self.draft_step_secs;
+        if d <= 0.0 {
+            return None;
+        }
+        let pays = |n: f64, cost: f64| (n + 1.0) * t > (1.0 + Self::MARGIN) * cost;
+        if self.check_extra.is_empty() {
+            let floor = d + self.row_secs;
+            return (!pays(1e9, t + 1e9 * floor)).then_some((floor, t));
+        }
+        let kinds = self.check_extra.iter().map(|&(rows, extra)| ((rows - 1) as f64, extra));
+        if kinds.clone().any(|(n, extra)| pays(n, n * d + t + extra)) {
+            return None;
+        }
+        let floor = kinds.map(|(n, extra)| d + extra / n).fold(f64::INFINITY, f64::min);
+        Some((floor, t))
     }
 
     /// A draft model's one-row step takes `secs` (measured where it replays).
@@ -154,9 +173,12 @@ impl DraftLength {
         self.draft_step_secs = secs;
     }
 
-    /// A checking step takes `secs` more per checked row than a plain step.
-    pub fn set_row(&mut self, secs: f64) {
-        self.row_secs = secs.max(0.0);
+    /// A replayed plain step took `plain` seconds and each recorded kind of checking step
+    /// `(rows, secs)` (rows > 1, fewest first): what a checked row costs beyond a plain step.
+    pub fn set_checks(&mut self, plain: f64, checks: &[(usize, f64)]) {
+        self.check_extra =
+            checks.iter().filter(|c| c.0 > 1).map(|&(rows, secs)| (rows, (secs - plain).max(0.0))).collect();
+        self.row_secs = self.check_extra.first().map_or(0.0, |&(rows, extra)| extra / (rows - 1) as f64);
     }
 
     /// What a finished generation hands the next: all it measured, its probes' count reset.
@@ -671,7 +693,7 @@ mod tests {
             d.plain(Some(0.010));
             assert_eq!(d.limit(8), 2, "a check after {wait}");
             d.checked(Some(0.010 + 2.0 * 0.010), 2, 0);
-            wait = (2 * wait).max(100).min(DraftLength::MAX_PROBE);
+            wait = (2 * wait).clamp(100, DraftLength::MAX_PROBE);
         }
         for _ in 0..2 * DraftLength::MAX_PROBE {
             d.plain(Some(0.010));
@@ -698,7 +720,7 @@ mod tests {
         // plain step, the 1.5B's plain step 1.8 ms: no check at all, not even probes.
         let mut d = DraftLength::default();
         d.set_draft_step(0.0017);
-        d.set_row(0.0004);
+        d.set_checks(0.0018, &[(2, 0.0022)]);
         for _ in 0..4 * DraftLength::MAX_PROBE {
             d.plain(Some(0.0018));
             assert_eq!(d.limit(16), 0);
@@ -708,11 +730,24 @@ mod tests {
         // A draft a fifth of the target's step, rows nearly free: guessing from the start.
         let mut d = DraftLength::default();
         d.set_draft_step(0.0004);
-        d.set_row(0.0001);
+        d.set_checks(0.0018, &[(2, 0.0019)]);
         d.plain(Some(0.0019));
         d.plain(Some(0.0018));
         assert!(d.never_pays().is_none());
         assert!(d.limit(16) > 0);
+        // The H200 pair measured at 46b18d3 (--draft-fixed): the 0.5B's step 1.56 ms, the
+        // 1.5B's plain step 2.1, a check of 17 rows (padded to 24) 17 ms: the long checks
+        // cannot pay; a 2-row check of 2.3 ms would let one guess pay (2 tokens in 3.96 ms),
+        // one of 2.5 ms would not.
+        let mut d = DraftLength::default();
+        d.set_draft_step(0.00156);
+        d.set_checks(0.0021, &[(2, 0.0023), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)]);
+        d.plain(Some(0.0021));
+        d.plain(Some(0.0021));
+        assert!(d.never_pays().is_none(), "one guess and a 2-row check of 2.3 ms could pay");
+        d.set_checks(0.0021, &[(2, 0.0025), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)]);
+        assert!(d.never_pays().is_some());
+        assert_eq!(d.limit(16), 0);
     }
 
     #[test]
