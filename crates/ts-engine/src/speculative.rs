@@ -120,6 +120,8 @@ impl DraftLength {
     const PROBE_SHARE: f64 = 0.02;
     /// Probes in a row that find no change before a generation stops probing.
     pub const GIVE_UP: usize = 3;
+    /// The fraction of guesses kept from which a probe that does not pay is the last.
+    const KEPT_ENOUGH: f64 = 0.9;
     const WEIGHT: f64 = 0.25;
 
     /// How many of up to `max` guesses to check now.
@@ -244,7 +246,10 @@ impl DraftLength {
                 let lost = secs.map_or(0.0, |secs| secs - (kept + 1) as f64 * t).max(0.0);
                 let earned = (lost / (Self::PROBE_SHARE * t)).ceil() as usize;
                 self.probe_every = (2 * self.probe_every).max(earned).min(Self::MAX_PROBE);
-                self.failed_probes += 1;
+                // A probe looks for more guesses kept; where nearly all already are and checks
+                // still lose, what they cost is the cause, which no probe changes.
+                self.failed_probes =
+                    if self.kept >= Self::KEPT_ENOUGH { Self::GIVE_UP } else { self.failed_probes + 1 };
             }
         }
     }
@@ -787,14 +792,22 @@ mod tests {
         assert!(d.limit(16) >= 2, "a probe");
         d.checked(Some(0.0066), 1, 1);
         assert_eq!(d.limit(16), 0);
-        // Checks that give more (long runs of kept guesses) turn it on again. The probe lost
-        // 2.2 ms, a plain step: the next waits 50 plain steps.
+        // Every guess was kept and checks still lose: no more probes this generation.
+        for _ in 0..2 * DraftLength::MAX_PROBE {
+            d.plain(Some(0.0022));
+            assert_eq!(d.limit(16), 0, "a probe after checks that kept every guess");
+        }
+        // The next generation probes again (the wait learnt: at least 50 plain steps, the
+        // probe's 2.2 ms loss over 2% of a plain step), and checks that give more (long runs
+        // of kept guesses) turn guessing on again.
+        let mut d = d.for_next_generation();
         for _ in 1..50 {
             d.plain(Some(0.0022));
+            assert_eq!(d.limit(16), 0);
         }
-        assert_eq!(d.limit(16), 0);
-        d.plain(Some(0.0022));
-        assert!(d.limit(16) >= 2, "the next probe");
+        while d.limit(16) == 0 {
+            d.plain(Some(0.0022));
+        }
         for _ in 0..12 {
             d.checked(Some(0.020), 10, 10);
         }
