@@ -74,7 +74,8 @@ pub struct GenerationStats {
     pub spec_steps: usize,
     pub drafted: usize,
     pub accepted: usize,
-    /// Time spent guessing (the drafter's calls), and in checking steps (their forward pass).
+    /// Time spent guessing (the drafter's calls, its catching up on plain steps' tokens
+    /// included), and in checking steps (their forward pass).
     pub draft_time: Duration,
     pub check_time: Duration,
     /// Steps of the generation (the target's and a draft model's) that ran to be recorded
@@ -194,9 +195,11 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Starts the next generation's draft length from the prior again, as if it were the
-    /// first: the learnt one is carried from generation to generation otherwise.
+    /// first (keeping the costs measured at load: the kinds of check): the learnt one is
+    /// carried from generation to generation otherwise.
     pub fn forget_draft_length(&self) {
-        self.remember_draft_length(&DraftLength::default());
+        let mut length = self.draft_length.lock().expect("draft length lock");
+        *length = length.forget();
     }
 
     /// The tokenizer, or an error for a tokenizer-less model.
@@ -461,7 +464,7 @@ impl<B: Backend> Engine<B> {
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         self.remember_draft_length(&length);
-        stats.guessing_off = spec.as_ref().and(length.never_pays());
+        stats.guessing_off = spec.as_ref().filter(|(_, o)| o.adapt).and(length.never_pays());
         stats.warm_ups = warm_ups(&spec) - warm_at_start;
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
@@ -508,7 +511,7 @@ impl<B: Backend> Engine<B> {
         if let [(1, plain_secs), ref checks @ ..] = replayed[..]
             && !checks.is_empty()
         {
-            self.draft_length.lock().expect("draft length lock").set_checks(plain_secs, checks);
+            self.draft_length.lock().expect("draft length lock").set_checks(plain_secs, checks, max_guesses);
         }
         Ok(backend.warm_ups() - before)
     }

@@ -72,9 +72,9 @@ pub struct DraftLength {
     /// ([`crate::session::Engine::warm_up_steps`]); 0 where unknown.
     draft_step_secs: f64,
     row_secs: f64,
-    /// Each recorded kind of checking step (rows, replayed time beyond a replayed plain
-    /// step's), measured ahead of the generation ([`DraftLength::set_checks`]); empty where
-    /// steps are not recorded.
+    /// Each recorded kind of checking step (the most guesses it holds, its replayed time
+    /// beyond a replayed plain step's), measured ahead of the generation
+    /// ([`DraftLength::set_checks`]); empty where steps are not recorded.
     check_extra: Vec<(usize, f64)>,
     /// Moving averages over timed checks of the tokens each gave (guesses kept and the
     /// target's own) and of its seconds; `timed_checks` of them so far.
@@ -115,8 +115,10 @@ impl DraftLength {
     pub const PROBE: usize = 16;
     /// The most plain steps between two checks.
     pub const MAX_PROBE: usize = 1024;
-    /// The share of the plain steps' time between two probes that a probe may lose: a probe
-    /// that finds no change waits at least its loss over this share of a plain step.
+    /// A probe that finds no change waits at least its loss over this share of a plain step
+    /// (aiming at probes losing no more than this share of the plain steps' time between
+    /// them; a probe's loss includes catching up on those steps' tokens, so a long wait can
+    /// still lose more, and the wait then grows to [`DraftLength::MAX_PROBE`]).
     const PROBE_SHARE: f64 = 0.02;
     /// Probes in a row that find no change before a generation stops probing.
     pub const GIVE_UP: usize = 3;
@@ -162,7 +164,7 @@ impl DraftLength {
             let floor = d + self.row_secs;
             return (!pays(1e9, t + 1e9 * floor)).then_some((floor, t));
         }
-        let kinds = self.check_extra.iter().map(|&(rows, extra)| ((rows - 1) as f64, extra));
+        let kinds = self.check_extra.iter().map(|&(n, extra)| (n as f64, extra));
         if kinds.clone().any(|(n, extra)| pays(n, n * d + t + extra)) {
             return None;
         }
@@ -176,16 +178,31 @@ impl DraftLength {
     }
 
     /// A replayed plain step took `plain` seconds and each recorded kind of checking step
-    /// `(rows, secs)` (rows > 1, fewest first): what a checked row costs beyond a plain step.
-    pub fn set_checks(&mut self, plain: f64, checks: &[(usize, f64)]) {
+    /// `(rows, secs)` (rows > 1, fewest first) for up to `max_guesses` guesses: what a checked
+    /// row costs beyond a plain step. A kind holds at most `rows - 1` guesses, and no more
+    /// than `max_guesses` (a padded kind may have more rows).
+    pub fn set_checks(&mut self, plain: f64, checks: &[(usize, f64)], max_guesses: usize) {
+        let guesses = |rows: usize| (rows - 1).min(max_guesses).max(1);
         self.check_extra =
-            checks.iter().filter(|c| c.0 > 1).map(|&(rows, secs)| (rows, (secs - plain).max(0.0))).collect();
-        self.row_secs = self.check_extra.first().map_or(0.0, |&(rows, extra)| extra / (rows - 1) as f64);
+            checks.iter().filter(|c| c.0 > 1).map(|&(rows, secs)| (guesses(rows), (secs - plain).max(0.0))).collect();
+        self.row_secs = self.check_extra.first().map_or(0.0, |&(n, extra)| extra / n as f64);
     }
 
-    /// What a finished generation hands the next: all it measured, its probes' count reset.
+    /// What a finished generation hands the next: all it measured (the plain steps since the
+    /// last check too, so that short requests still reach a probe), its probes' count reset.
     pub fn for_next_generation(&self) -> DraftLength {
-        DraftLength { plain_since_check: 0, failed_probes: 0, ..self.clone() }
+        DraftLength { failed_probes: 0, ..self.clone() }
+    }
+
+    /// The prior again, keeping only what was measured ahead of any generation (the draft's
+    /// step, the kinds of check).
+    pub fn forget(&self) -> DraftLength {
+        DraftLength {
+            draft_step_secs: self.draft_step_secs,
+            row_secs: self.row_secs,
+            check_extra: self.check_extra.clone(),
+            ..DraftLength::default()
+        }
     }
 
     /// Timed checks before their own rate is weighed against plain steps'.
@@ -375,6 +392,8 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
     /// the 0.5B draft's unrecorded steps of 16 to 64 rows took 9-19 ms, a third of the
     /// plain steps they followed).
     pub const CATCH_UP_ROWS: usize = 16;
+    /// Recorded steps at most in one catching up; more tokens go in one prompt step.
+    const CATCH_UP_CHUNKS: usize = 4;
 }
 
 /// Whether `engine`'s model has an MTP head to guess with (`--spec-mtp`), else an error naming the flag.
@@ -435,7 +454,10 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         if !self.fed.is_empty() {
             // Tokens of plain steps, in recorded steps where the backend records them.
             let rows = Self::CATCH_UP_ROWS;
-            if self.engine.model.backend.padded_rows(rows) == Some(rows) {
+            // A long run (a new prompt of a chat turn, a reused drafter's next request) reads
+            // better as one prompt step.
+            let long = context.len() - held > Self::CATCH_UP_CHUNKS * rows;
+            if !long && self.engine.model.backend.padded_rows(rows) == Some(rows) {
                 let mut at = held;
                 while at + rows < context.len() {
                     self.feed(&context[..at + rows])?;
@@ -704,14 +726,15 @@ mod tests {
             d.plain(Some(0.010));
             assert_eq!(d.limit(8), 0, "no probe after giving up");
         }
-        // The next generation probes again, after the longer wait it learnt.
+        // The next generation probes again: its plain steps since the last check carried over
+        // (2 MAX_PROBE of them), at once; the wait learnt stays.
         let mut d = d.for_next_generation();
-        for _ in 1..wait {
-            d.plain(Some(0.010));
-        }
-        assert_eq!(d.limit(8), 0);
-        d.plain(Some(0.010));
         assert_eq!(d.limit(8), 2, "the next generation's probe");
+        let mut f = d.forget();
+        f.plain(Some(0.010));
+        f.plain(Some(0.010));
+        assert_eq!(f.limit(8), 8, "forgotten: the prior again");
+        let _ = wait;
         // A check where guessing pays again: back to the longest, and to short waits.
         for _ in 0..20 {
             d.checked(Some(0.011), 2, 2);
@@ -725,7 +748,7 @@ mod tests {
         // plain step, the 1.5B's plain step 1.8 ms: no check at all, not even probes.
         let mut d = DraftLength::default();
         d.set_draft_step(0.0017);
-        d.set_checks(0.0018, &[(2, 0.0022)]);
+        d.set_checks(0.0018, &[(2, 0.0022)], 16);
         for _ in 0..4 * DraftLength::MAX_PROBE {
             d.plain(Some(0.0018));
             assert_eq!(d.limit(16), 0);
@@ -735,7 +758,7 @@ mod tests {
         // A draft a fifth of the target's step, rows nearly free: guessing from the start.
         let mut d = DraftLength::default();
         d.set_draft_step(0.0004);
-        d.set_checks(0.0018, &[(2, 0.0019)]);
+        d.set_checks(0.0018, &[(2, 0.0019)], 16);
         d.plain(Some(0.0019));
         d.plain(Some(0.0018));
         assert!(d.never_pays().is_none());
@@ -746,11 +769,11 @@ mod tests {
         // one of 2.5 ms would not.
         let mut d = DraftLength::default();
         d.set_draft_step(0.00156);
-        d.set_checks(0.0021, &[(2, 0.0023), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)]);
+        d.set_checks(0.0021, &[(2, 0.0023), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)], 16);
         d.plain(Some(0.0021));
         d.plain(Some(0.0021));
         assert!(d.never_pays().is_none(), "one guess and a 2-row check of 2.3 ms could pay");
-        d.set_checks(0.0021, &[(2, 0.0025), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)]);
+        d.set_checks(0.0021, &[(2, 0.0025), (4, 0.0045), (8, 0.0085), (16, 0.016), (24, 0.017)], 16);
         assert!(d.never_pays().is_some());
         assert_eq!(d.limit(16), 0);
     }
@@ -797,17 +820,11 @@ mod tests {
             d.plain(Some(0.0022));
             assert_eq!(d.limit(16), 0, "a probe after checks that kept every guess");
         }
-        // The next generation probes again (the wait learnt: at least 50 plain steps, the
-        // probe's 2.2 ms loss over 2% of a plain step), and checks that give more (long runs
-        // of kept guesses) turn guessing on again.
+        // The next generation probes again (at once: its plain steps since the last check
+        // carried over), and checks that give more (long runs of kept guesses) turn guessing
+        // on again.
         let mut d = d.for_next_generation();
-        for _ in 1..50 {
-            d.plain(Some(0.0022));
-            assert_eq!(d.limit(16), 0);
-        }
-        while d.limit(16) == 0 {
-            d.plain(Some(0.0022));
-        }
+        assert!(d.limit(16) >= 2, "the next generation's probe");
         for _ in 0..12 {
             d.checked(Some(0.020), 10, 10);
         }

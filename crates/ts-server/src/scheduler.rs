@@ -131,20 +131,25 @@ struct Guessing<R> {
     /// How many of `guesses` the model kept.
     kept: usize,
     snapshot: Option<Snapshot<R>>,
+    /// Whether the drafter has read this request's prompt (its first catching up: prompt
+    /// time, not a step's).
+    read_prompt: bool,
 }
 
 impl<R> Guessing<R> {
     /// Starts from `learnt`: what the requests before learnt about how many guesses pay
     /// ([`ts_engine::session::Engine::learnt_draft_length`]).
     fn new(opts: &SpecOptions, learnt: &DraftLength) -> Guessing<R> {
-        Guessing { opts: opts.clone(), length: learnt.clone(), guesses: Vec::new(), kept: 0, snapshot: None }
+        let length = learnt.clone();
+        Guessing { opts: opts.clone(), length, guesses: Vec::new(), kept: 0, snapshot: None, read_prompt: false }
     }
 }
 
 /// `drafter`'s guesses after `history` (the sequence's tokens) and `next` (the token
 /// about to run): as many as pay ([`DraftLength`]), fit the context and stay within the
 /// `left` tokens the reply may still have; none when fewer than `draft_min`. After a plain
-/// step the drafter first catches up on its tokens (part of the step's time).
+/// step the drafter first catches up on its tokens (part of the step's time); the time it
+/// spent reading the request's prompt, the first time, is handed back (not the step's).
 fn guesses<R, S>(
     g: &mut Guessing<R>,
     drafter: &mut dyn Drafter,
@@ -152,11 +157,21 @@ fn guesses<R, S>(
     next: u32,
     seq: &SeqState<S>,
     left: usize,
-) -> Vec<u32> {
+) -> (Vec<u32>, Duration) {
     let room = (seq.n_ctx.saturating_sub(seq.n_past + 1)).min(left);
     if room == 0 {
-        return Vec::new();
+        return (Vec::new(), Duration::ZERO);
     }
+    let prompt_time = match std::mem::replace(&mut g.read_prompt, true) {
+        true => Duration::ZERO,
+        false => {
+            let started = Instant::now();
+            if let Err(e) = drafter.catch_up(history) {
+                tracing::warn!("the drafter could not read the prompt: {e}");
+            }
+            started.elapsed()
+        }
+    };
     let mut context = Vec::with_capacity(history.len() + 1);
     context.extend_from_slice(history);
     context.push(next);
@@ -174,7 +189,7 @@ fn guesses<R, S>(
     if out.len() < g.opts.draft_min.max(1) {
         out.clear();
     }
-    out
+    (out, prompt_time)
 }
 
 /// One choice being generated, in a slot.
@@ -408,6 +423,8 @@ pub fn run<B: Backend>(
         // Steps run to be recorded so far: a step that adds to them gives its guesses no time.
         let warm_ups = || model.backend.warm_ups() + draft.map_or(0, |(d, _)| d.model.backend.warm_ups());
         let warm_before = warm_ups();
+        // The drafter's reading of a request's prompt, within the step but not its guesses'.
+        let mut untimed = Duration::ZERO;
         for (i, a) in active.iter_mut().enumerate() {
             if !a.generating() {
                 continue;
@@ -421,7 +438,11 @@ pub fn run<B: Backend>(
                     None => drafter.as_mut(),
                 };
                 g.guesses = match alone {
-                    true => guesses(g, d, &slot.history, a.next, &slot.seq, left),
+                    true => {
+                        let (out, prompt_time) = guesses(g, d, &slot.history, a.next, &slot.seq, left);
+                        untimed = prompt_time;
+                        out
+                    }
                     false => Vec::new(),
                 };
                 if !g.guesses.is_empty() {
@@ -516,10 +537,10 @@ pub fn run<B: Backend>(
         }
         metrics.spec_drafted.fetch_add(guessed as u64, Relaxed);
         // A step of one sequence alone times its guesses (or their absence) for its DraftLength,
-        // the drafter's catching up included (what returning to guessing costs); a warm-up,
-        // the catching up's too, gives no time.
+        // the drafter's catching up on plain steps included (what returning to guessing costs),
+        // its reading of the prompt not; a warm-up gives no time.
         let warmed = warm_ups() != warm_before;
-        let timed = (alone && prompt_rows == 0).then(|| (!warmed).then_some(step_secs));
+        let timed = (alone && prompt_rows == 0).then(|| (!warmed).then(|| step_secs.saturating_sub(untimed)));
         // Per active: the logits rows to sample from in turn, once its prompt is read.
         let mut row_of: Vec<Option<&[Vec<f32>]>> = vec![None; active.len()];
         for ((i, tokens, _), rows) in pieces.iter().zip(&logits) {
