@@ -370,7 +370,7 @@ impl<B: Backend> Engine<B> {
         let mut last_step: Option<Option<f64>> = None;
         // `TURBOSPARK_SPEC_TRACE`, a measurement knob: each step's guesses and times on stderr.
         let trace = spec.is_some() && std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
-        let (mut last_limit, mut last_guessing) = (0, std::time::Duration::ZERO);
+        let (mut last_limit, mut last_guessing) = (0, Duration::ZERO);
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;

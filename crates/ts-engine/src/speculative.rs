@@ -47,9 +47,9 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// guesses kept (moving averages) give the expected tokens per second of each length,
 /// `(1 - a^(n+1)) / (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain
 /// steps) when guessing does not pay, with a check after [`DraftLength::PROBE`] plain steps
-/// to see whether that has changed, and twice as many after each check that finds it has not
-/// (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts where they
-/// stream). The first steps are plain, to measure `t` from two timed ones: the first one-row
+/// to see whether that has changed, and at least twice as many after each check that finds it
+/// has not (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts
+/// where they stream; after [`DraftLength::GIVE_UP`] such checks a generation stops probing). The first steps are plain, to measure `t` from two timed ones: the first one-row
 /// step of a model also warms it up (page faults, thread wake-ups), so the second's time
 /// replaces the first's. A step
 /// that ran to be recorded ([`ts_model::Backend::warm_ups`]: the GPU records each kind of step
@@ -67,14 +67,12 @@ pub struct DraftLength {
     plain_samples: usize,
     secs_per_guess: f64,
     kept: f64,
-    /// The least a guess can cost, measured ahead of the generation: a draft model's one-row
-    /// step ([`Drafter::step_secs`]) and a checked row's time beyond a plain step's
-    /// ([`crate::session::Engine::warm_up_steps`]); 0 where unknown.
+    /// What a guess costs at least, measured ahead of the generation: a draft model's one-row
+    /// step ([`Drafter::step_secs`]; 0 where unknown), and each recorded kind of checking step
+    /// (the most guesses it holds, its replayed time beyond a replayed plain step's:
+    /// [`DraftLength::set_checks`], from [`crate::session::Engine::warm_up_steps`]; empty where
+    /// steps are not recorded).
     draft_step_secs: f64,
-    row_secs: f64,
-    /// Each recorded kind of checking step (the most guesses it holds, its replayed time
-    /// beyond a replayed plain step's), measured ahead of the generation
-    /// ([`DraftLength::set_checks`]); empty where steps are not recorded.
     check_extra: Vec<(usize, f64)>,
     /// Moving averages over timed checks of the tokens each gave (guesses kept and the
     /// target's own) and of its seconds; `timed_checks` of them so far.
@@ -98,7 +96,6 @@ impl Default for DraftLength {
             secs_per_guess: 0.0,
             kept: 0.5,
             draft_step_secs: 0.0,
-            row_secs: 0.0,
             check_extra: Vec::new(),
             check_tokens: 0.0,
             check_secs: 0.0,
@@ -124,6 +121,10 @@ impl DraftLength {
     pub const GIVE_UP: usize = 3;
     /// The fraction of guesses kept from which a probe that does not pay is the last.
     const KEPT_ENOUGH: f64 = 0.9;
+    /// Timed checks before their own rate is weighed against plain steps'.
+    const JUDGED_AFTER: usize = 2;
+    /// How much faster than plain steps checks must give tokens to go on.
+    const MARGIN: f64 = 0.05;
     const WEIGHT: f64 = 0.25;
 
     /// How many of up to `max` guesses to check now.
@@ -159,11 +160,11 @@ impl DraftLength {
         if d <= 0.0 {
             return None;
         }
-        let pays = |n: f64, cost: f64| (n + 1.0) * t > (1.0 + Self::MARGIN) * cost;
         if self.check_extra.is_empty() {
-            let floor = d + self.row_secs;
-            return (!pays(1e9, t + 1e9 * floor)).then_some((floor, t));
+            // n guesses in t + n d pay for some n only while d (1 + MARGIN) < t.
+            return (d * (1.0 + Self::MARGIN) >= t).then_some((d, t));
         }
+        let pays = |n: f64, cost: f64| (n + 1.0) * t > (1.0 + Self::MARGIN) * cost;
         let kinds = self.check_extra.iter().map(|&(n, extra)| (n as f64, extra));
         if kinds.clone().any(|(n, extra)| pays(n, n * d + t + extra)) {
             return None;
@@ -185,7 +186,11 @@ impl DraftLength {
         let guesses = |rows: usize| (rows - 1).min(max_guesses).max(1);
         self.check_extra =
             checks.iter().filter(|c| c.0 > 1).map(|&(rows, secs)| (guesses(rows), (secs - plain).max(0.0))).collect();
-        self.row_secs = self.check_extra.first().map_or(0.0, |&(n, extra)| extra / n as f64);
+    }
+
+    /// A checked row's time beyond a plain step's, from the smallest kind of check (0 unknown).
+    fn row_secs(&self) -> f64 {
+        self.check_extra.first().map_or(0.0, |&(n, extra)| extra / n as f64)
     }
 
     /// What a finished generation hands the next: all it measured (the plain steps since the
@@ -199,21 +204,15 @@ impl DraftLength {
     pub fn forget(&self) -> DraftLength {
         DraftLength {
             draft_step_secs: self.draft_step_secs,
-            row_secs: self.row_secs,
             check_extra: self.check_extra.clone(),
             ..DraftLength::default()
         }
     }
 
-    /// Timed checks before their own rate is weighed against plain steps'.
-    const JUDGED_AFTER: usize = 2;
-    /// How much faster than plain steps checks must give tokens to go on.
-    const MARGIN: f64 = 0.05;
-
     /// Expected tokens per second with `n` guesses a step, a plain step taking `t`.
     fn rate(&self, t: f64, n: usize) -> f64 {
         let a = self.kept.clamp(0.0, 0.999);
-        let per_guess = self.secs_per_guess.max(self.draft_step_secs + self.row_secs);
+        let per_guess = self.secs_per_guess.max(self.draft_step_secs + self.row_secs());
         (1.0 - a.powi(n as i32 + 1)) / (1.0 - a) / (t + per_guess * n as f64)
     }
 
@@ -734,7 +733,6 @@ mod tests {
         f.plain(Some(0.010));
         f.plain(Some(0.010));
         assert_eq!(f.limit(8), 8, "forgotten: the prior again");
-        let _ = wait;
         // A check where guessing pays again: back to the longest, and to short waits.
         for _ in 0..20 {
             d.checked(Some(0.011), 2, 2);
