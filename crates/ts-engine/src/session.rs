@@ -344,8 +344,9 @@ impl<B: Backend> Engine<B> {
         }
         let catch_up_time = t_catch_up.elapsed();
         let mut length = self.learnt_draft_length();
-        if let Some(secs) = spec.as_ref().and_then(|(d, _)| d.step_secs()) {
-            length.set_draft_step(secs);
+        if let Some((drafter, _)) = spec.as_ref() {
+            drafter.step_secs().inspect(|&secs| length.set_draft_step(secs));
+            drafter.read_secs().inspect(|&secs| length.set_read_secs(secs));
         }
         let warm_at_start = warm_ups(&spec);
         let t1 = Instant::now();
@@ -371,6 +372,9 @@ impl<B: Backend> Engine<B> {
         // `TURBOSPARK_SPEC_TRACE`, a measurement knob: each step's guesses and times on stderr.
         let trace = spec.is_some() && std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
         let (mut last_limit, mut last_guessing) = (0, Duration::ZERO);
+        if trace {
+            eprintln!("spec start: {length:?}");
+        }
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;

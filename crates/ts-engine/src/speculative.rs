@@ -46,8 +46,10 @@ pub const DEFAULT_P_MIN: f32 = 0.75;
 /// plain step, the extra time per checked guess (guessing included) and the fraction of
 /// guesses kept (moving averages) give the expected tokens per second of each length,
 /// `(1 - a^(n+1)) / (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain
-/// steps) when guessing does not pay, with a check after [`DraftLength::PROBE`] plain steps
-/// to see whether that has changed, and at least twice as many after each check that finds it
+/// steps) when guessing does not pay, with a check at each generation's start (where a draft
+/// model has nothing to catch up on) and after [`DraftLength::PROBE`] plain steps (where its
+/// catching up on them can pay for itself: [`DraftLength::set_read_secs`]) to see whether that
+/// has changed, and at least twice as many after each check that finds it
 /// has not (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts
 /// where they stream; after [`DraftLength::GIVE_UP`] such checks a generation stops probing). The first steps are plain, to measure `t` from two timed ones: the first one-row
 /// step of a model also warms it up (page faults, thread wake-ups), so the second's time
@@ -85,6 +87,15 @@ pub struct DraftLength {
     /// Probes in a row of this generation that found guessing still does not pay: after
     /// [`DraftLength::GIVE_UP`] no more (each costs a check and the draft's catching up).
     failed_probes: usize,
+    /// Whether this generation has yet to check once: a check at its start costs no catching
+    /// up (a draft model has just read the prompt), so it is made even where the prior says
+    /// guessing does not pay, to learn how many guesses are kept.
+    start_probe: bool,
+    /// A draft model's time per token read ahead of guessing, at its cheapest (its prompt
+    /// step; 0 where unknown or nothing is read): a probe after w plain steps costs at least
+    /// w times this, so where it exceeds [`DraftLength::PROBE_SHARE`] of a plain step no wait
+    /// amortizes a probe and a generation probes only at its start.
+    read_secs: f64,
 }
 
 impl Default for DraftLength {
@@ -103,6 +114,8 @@ impl Default for DraftLength {
             plain_since_check: 0,
             probe_every: Self::PROBE,
             failed_probes: 0,
+            start_probe: true,
+            read_secs: 0.0,
         }
     }
 }
@@ -137,7 +150,8 @@ impl DraftLength {
         }
         let best = (0..=max).max_by(|&x, &y| self.rate(t, x).total_cmp(&self.rate(t, y))).unwrap_or(0);
         let now = if self.checks_pay(t) { best } else { 0 };
-        let probe = self.plain_since_check >= self.probe_every && self.failed_probes < Self::GIVE_UP;
+        let waited = self.plain_since_check >= self.probe_every && self.read_secs <= Self::PROBE_SHARE * t;
+        let probe = (self.start_probe || waited) && self.failed_probes < Self::GIVE_UP;
         if now == 0 && probe { best.max(max.min(2)) } else { now }
     }
 
@@ -178,6 +192,11 @@ impl DraftLength {
         self.draft_step_secs = secs;
     }
 
+    /// A draft model reads `secs` a token ahead of guessing, at its cheapest ([`Drafter::read_secs`]).
+    pub fn set_read_secs(&mut self, secs: f64) {
+        self.read_secs = secs;
+    }
+
     /// A replayed plain step took `plain` seconds and each recorded kind of checking step
     /// `(rows, secs)` (rows > 1, fewest first) for up to `max_guesses` guesses: what a checked
     /// row costs beyond a plain step. A kind holds at most `rows - 1` guesses, and no more
@@ -196,7 +215,7 @@ impl DraftLength {
     /// What a finished generation hands the next: all it measured (the plain steps since the
     /// last check too, so that short requests still reach a probe), its probes' count reset.
     pub fn for_next_generation(&self) -> DraftLength {
-        DraftLength { failed_probes: 0, ..self.clone() }
+        DraftLength { failed_probes: 0, start_probe: true, ..self.clone() }
     }
 
     /// The prior again, keeping only what was measured ahead of any generation (the draft's
@@ -230,9 +249,11 @@ impl DraftLength {
     /// A checking step of `guesses` guesses took `secs` (None: a warm-up, not timed) and kept
     /// `kept`.
     pub fn checked(&mut self, secs: Option<f64>, guesses: usize, kept: usize) {
-        // A check after a long run of plain steps (a probe, or a drafter that had nothing).
-        let probed = self.plain_since_check >= self.probe_every;
+        // A check after a long run of plain steps or the generation's first (a probe, or a
+        // drafter that had nothing).
+        let probed = self.start_probe || self.plain_since_check >= self.probe_every;
         self.plain_since_check = 0;
+        self.start_probe = false;
         if guesses == 0 {
             return;
         }
@@ -293,6 +314,12 @@ pub trait Drafter {
     /// A draft model's one-row step time, measured where it replays (none before its
     /// [`Drafter::catch_up`] on a prompt; none for drafters without a model).
     fn step_secs(&self) -> Option<f64> {
+        None
+    }
+
+    /// A draft model's time per token read ahead of guessing, at its cheapest: its prompt step
+    /// (none before its [`Drafter::catch_up`] on a prompt; none for drafters that read nothing).
+    fn read_secs(&self) -> Option<f64> {
         None
     }
 
@@ -370,6 +397,8 @@ pub struct ModelDrafter<'e, B: Backend> {
     p_min: f32,
     /// Its one-row step's time, replayed ([`Drafter::step_secs`]).
     step_secs: Option<f64>,
+    /// Its prompt step's time per token ([`Drafter::read_secs`]).
+    read_secs: Option<f64>,
 }
 
 impl<'e, B: Backend> ModelDrafter<'e, B> {
@@ -383,7 +412,7 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
         check_draft(engine, target)?;
         let mut seq = engine.new_sequence(n_ctx)?;
         engine.warm_up_steps(&mut seq, Self::CATCH_UP_ROWS - 1)?;
-        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None })
+        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None, read_secs: None })
     }
 
     /// The most rows of a step catching up on plain steps' tokens where the backend records
@@ -441,6 +470,10 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
         self.step_secs
     }
 
+    fn read_secs(&self) -> Option<f64> {
+        self.read_secs
+    }
+
     fn catch_up(&mut self, context: &[u32]) -> Result<(), EngineError> {
         if context.len() < 2 || context.len() >= self.seq.n_ctx {
             return Ok(());
@@ -466,16 +499,21 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
             self.feed(context)?;
             return Ok(());
         }
-        // All but the last token as a prompt, the last as the one-row step every guess
-        // takes, timed where it replays: what a guess costs at least.
+        // All but the last token as a prompt (timed: what reading a token costs at least), the
+        // last as the one-row step every guess takes with the pick of its guess, timed where it
+        // replays: what a guess costs at least.
         let (head, last) = context.split_at(context.len() - 1);
         let n = head.len();
+        let read = std::time::Instant::now();
         self.feed(head)?;
+        self.read_secs = Some(read.elapsed().as_secs_f64() / n as f64);
         let piece = Piece { tokens: last, logits: Logits::Last };
         let (engine, seq, mut scratch) = (self.engine, &mut self.seq, self.engine.scratch());
         self.step_secs = crate::session::replayed_secs(&engine.model.backend, || {
             seq.n_past = n;
-            engine.step(&mut [&mut *seq], &[piece], &mut scratch).map(drop)
+            let rows = engine.step(&mut [&mut *seq], &[piece], &mut scratch)?;
+            std::hint::black_box(top_probability(&rows[0][0]));
+            Ok(())
         })?;
         self.fed.extend_from_slice(last);
         Ok(())
@@ -827,6 +865,33 @@ mod tests {
             d.checked(Some(0.020), 10, 10);
         }
         assert!(d.limit(16) >= 8, "long runs kept: {}", d.limit(16));
+    }
+
+    #[test]
+    fn a_draft_that_reads_dearly_probes_only_at_the_start() {
+        // The H200 pair at 6c6be3a: plain steps 2.05 ms; the 0.5B draft read the prompt at
+        // about 0.09 ms a token; its probes after 16 and 149 plain steps lost 6.1 and 16.6 ms,
+        // nearly all of it catching up on those steps' tokens (5.5% of the generation).
+        let mut d = DraftLength::default();
+        d.set_draft_step(0.0011);
+        d.set_read_secs(0.00009);
+        d.plain(Some(0.0021));
+        d.plain(Some(0.00205));
+        assert_eq!(d.limit(16), 2, "the generation's first check, with nothing to catch up on");
+        d.checked(Some(0.0065), 2, 2);
+        assert_eq!(d.limit(16), 1, "one check is not judged");
+        d.checked(Some(0.0044), 1, 1);
+        for _ in 0..2 * DraftLength::MAX_PROBE {
+            d.plain(Some(0.00205));
+            assert_eq!(d.limit(16), 0, "a probe that would catch up on every plain step before it");
+        }
+        let mut next = d.for_next_generation();
+        assert_eq!(next.limit(16), 2, "the next generation's first check");
+        next.checked(Some(0.0065), 2, 2);
+        assert_eq!(next.limit(16), 0, "checks judged in the generation before");
+        // A draft that reads a token in 1% of a plain step probes after plain steps again.
+        d.set_read_secs(0.00002);
+        assert_eq!(d.limit(16), 2);
     }
 
     #[test]

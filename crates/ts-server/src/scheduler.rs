@@ -178,6 +178,9 @@ fn guesses<R, S>(
     if let Some(secs) = drafter.step_secs() {
         g.length.set_draft_step(secs);
     }
+    if let Some(secs) = drafter.read_secs() {
+        g.length.set_read_secs(secs);
+    }
     let limit = g.opts.limit(&g.length, room);
     let drafted = catch_up_after_plain(drafter, &context, limit, g.guesses.is_empty())
         .and_then(|()| drafter.draft(&context, limit));
