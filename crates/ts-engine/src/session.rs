@@ -373,8 +373,9 @@ impl<B: Backend> Engine<B> {
         let trace = spec.is_some() && std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
         let (mut last_limit, mut last_guessing) = (0, Duration::ZERO);
         if trace {
-            eprintln!("spec start: {length:?}");
+            eprintln!("spec start: {:.2} ms in, {length:?}", t1.elapsed().as_secs_f64() * 1e3);
         }
+        let mut steps_time = Duration::ZERO;
         'generation: loop {
             let accepted_before = stats.accepted;
             let mut next_token = None;
@@ -465,6 +466,11 @@ impl<B: Backend> Engine<B> {
                 stats.check_time += stepped.elapsed();
             }
             last_step = Some((warm_ups(&spec) == warm_before).then(|| started.elapsed().as_secs_f64()));
+            steps_time += started.elapsed();
+        }
+        if trace {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            eprintln!("spec end: {:.2} ms in, {:.2} of it in steps", ms(t1.elapsed()), ms(steps_time));
         }
         self.rewind(seq, held, &context, snapshot.take(), &mut checking)?;
         self.remember_draft_length(&length);
