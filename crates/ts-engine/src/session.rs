@@ -369,8 +369,9 @@ impl<B: Backend> Engine<B> {
         // How many guesses pay, and the last step's time (measured once its guesses are judged;
         // None for a warm-up).
         let mut last_step: Option<Option<f64>> = None;
-        // `TURBOSPARK_SPEC_TRACE`, a measurement knob: each step's guesses and times on stderr.
-        let trace = spec.is_some() && std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
+        // `TURBOSPARK_SPEC_TRACE`, a measurement knob: each step's guesses and times on stderr
+        // (plain decoding's too, to compare).
+        let trace = std::env::var_os("TURBOSPARK_SPEC_TRACE").is_some();
         let (mut last_limit, mut last_guessing) = (0, Duration::ZERO);
         if trace {
             eprintln!("spec start: {:.2} ms in, {length:?}", t1.elapsed().as_secs_f64() * 1e3);
