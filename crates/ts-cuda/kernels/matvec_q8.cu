@@ -5,6 +5,7 @@
 //
 //   quantize_q8_1(x, q, ds, n)   x f32 [n] (n a multiple of 32) to TsQ8; any 1-D launch.
 //   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
+//   matvec_q8_wide_<t>(MatvecQ8) the same for steps of three rows and more, up to eight a pass.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
 //       moe_gate_up_<t> of matmul.cu, the expert's bias rows added in the same kernel.
 //   moe_chunk_q8_<t>(MoeChunkQ8), moe_chunk_gate_up_q8_<t>(MoeChunkGateUpQ8): the same for
@@ -173,6 +174,26 @@ __device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
     }
 }
 
+// Steps of several rows (checks of guesses, a few sequences' decode) in passes of up to eight,
+// each row's weights read once a pass: a kernel of its own, whose eight sums' registers the
+// one-row launches do not pay for. A row's sum is the one-row kernel's, bit for bit (the same
+// units in the same order per lane, the same lane sums).
+template <class V>
+__device__ __forceinline__ void ts_matvec_q8_wide(const MatvecQ8& p) {
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+    int r0 = 0;
+    for (; p.m - r0 >= 8; r0 += 8) ts_matvec_q8_rows<V, 8>(p, l, r0);
+    if (p.m - r0 >= 4) {
+        ts_matvec_q8_rows<V, 4>(p, l, r0);
+        r0 += 4;
+    }
+    if (p.m - r0 >= 2) {
+        ts_matvec_q8_rows<V, 2>(p, l, r0);
+        r0 += 2;
+    }
+    if (r0 < p.m) ts_matvec_q8_rows<V, 1>(p, l, r0);
+}
+
 template <class V>
 __device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
     const int s = blockIdx.y;
@@ -311,6 +332,11 @@ __device__ __forceinline__ void ts_moe_chunk_gate_up_q8(const MoeChunkGateUpQ8& 
         ts_q8_early<vdot_##t>(p.w, p.n_out, p.k, p.lanes);                                                            \
         ts_grid_begin();                                                                                              \
         ts_matvec_q8<vdot_##t>(p);                                                                                    \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) matvec_q8_wide_##t(const MatvecQ8 p) {                         \
+        ts_q8_early<vdot_##t>(p.w, p.n_out, p.k, p.lanes);                                                            \
+        ts_grid_begin();                                                                                              \
+        ts_matvec_q8_wide<vdot_##t>(p);                                                                               \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) moe_matvec_q8_##t(const MoeMatvecQ8 p) {                       \
         if (TS_Q8_EARLY >= 2) {                                                                                       \

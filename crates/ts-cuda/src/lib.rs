@@ -126,7 +126,7 @@ pub struct Cuda {
     mode: std::sync::atomic::AtomicU8,
     /// Replay single-row steps from a CUDA graph (off when the expert tier needs the host mid-step).
     pub use_graphs: bool,
-    /// Activation rows one dense 8-bit matvec launch serves ([`matmul::MATVEC_ROWS`], or
+    /// Activation rows one dense 8-bit matvec launch serves at most (all of a step's, or
     /// `TURBOSPARK_Q8_LAUNCH_ROWS`: a measurement knob for steps of 9-31 rows).
     pub(crate) q8_launch_rows: usize,
     /// The most rows a step of any sequence made so far may take (`new_state`'s `max_chunk`):
@@ -246,7 +246,7 @@ impl Cuda {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&r| r > 0)
-                .unwrap_or(matmul::MATVEC_ROWS),
+                .unwrap_or(usize::MAX),
             largest_chunk: std::sync::atomic::AtomicUsize::new(0),
             blas,
             weight_bytes: 0,

@@ -191,6 +191,9 @@ fn lanes_rule() -> (usize, usize) {
     })
 }
 
+/// Steps of this many rows and more take `matvec_q8_wide_<t>` (passes of up to eight rows).
+pub(crate) const WIDE_MIN_ROWS: usize = 3;
+
 /// Rows of W a (32, 4) block takes with `lanes` lanes per row.
 pub(crate) fn rows_per_block(lanes: i32) -> usize {
     4 * 32 / lanes as usize
@@ -262,11 +265,13 @@ impl Cuda {
         self.keeping_quantized(&[(mm.y, 4 * mm.m * mm.n_out)], || self.matvecs_q8(sfx, &xq, mm))
     }
 
-    /// The launches of [`Cuda::matmul_q8`], `xq` standing for `mm.x`.
+    /// The launches of [`Cuda::matmul_q8`], `xq` standing for `mm.x`: `matvec_q8_<t>` for one
+    /// or two rows, `matvec_q8_wide_<t>` for more (up to [`Cuda::q8_launch_rows`] a launch).
     fn matvecs_q8(&self, sfx: &str, xq: &Q8Act, mm: &Matmul) -> Result<(), ModelError> {
         let Matmul { w, n_out, k, m, y, bias, .. } = *mm;
         let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
+        let kernel = if m >= WIDE_MIN_ROWS { format!("matvec_q8_wide_{sfx}") } else { format!("matvec_q8_{sfx}") };
         for r0 in (0..m).step_by(self.q8_launch_rows) {
             let p = MatvecQ8 {
                 w,
@@ -279,7 +284,7 @@ impl Cuda {
                 m: (m - r0).min(self.q8_launch_rows) as i32,
                 lanes,
             };
-            self.launch_with(&format!("matvec_q8_{sfx}"), grid, (32, 4, 1), &p)?;
+            self.launch_with(&kernel, grid, (32, 4, 1), &p)?;
         }
         Ok(())
     }

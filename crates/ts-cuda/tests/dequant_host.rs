@@ -251,8 +251,16 @@ fn vdot_matches_the_dequantized_product() {
                 }
                 let got = floats(&std::fs::read(path("out")).unwrap());
                 for o in 0..rows {
-                    let (alone, pair) = (got[3 * o], [got[3 * o + 1], got[3 * o + 2]]);
+                    let row = &got[11 * o..11 * (o + 1)];
+                    let (alone, pair, eight) = (row[0], [row[1], row[2]], &row[3..]);
                     assert_eq!(alone.to_bits(), pair[0].to_bits(), "{tag} row {o}: dot<1> and dot<2> differ");
+                    for (r, v) in eight.iter().enumerate() {
+                        assert_eq!(
+                            v.to_bits(),
+                            pair[r % 2].to_bits(),
+                            "{tag} row {o}: dot<8> row {r} and dot<2> differ"
+                        );
+                    }
                     for r in 0..2 {
                         let (e, g) = (want[r * rows + o], pair[r]);
                         // f32 products of exact integer sums, summed in f32.

@@ -106,13 +106,30 @@ fn matmul_every_type_matches_the_cpu() {
                 let (q, ds) = common::quantize_q8(&x);
                 common::dequantize_q8(&q, &ds)
             } else {
-                x
+                x.clone()
             };
             let (mut want, _) = common::reference_matmul(&wf, &x_used, n_out, k, m);
             if with_bias {
                 want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % n_out]);
             }
-            let err = rel_err(&cuda.to_host(&y).unwrap(), &want);
+            let got = cuda.to_host(&y).unwrap();
+            let err = rel_err(&got, &want);
+            if (2..32).contains(&m) && !exact {
+                // Each row of a step of several rows is what a one-row step gives it, bit for
+                // bit (a check of guessed tokens must sample what plain decoding would).
+                for r in 0..m {
+                    let xr = cuda.act_from_host(&x[r * k..(r + 1) * k]).unwrap();
+                    let alone = cuda.to_host(&cuda.linear(&w, b, &xr, 1, &mut cuda.scratch(false)).unwrap()).unwrap();
+                    let row = &got[r * n_out..(r + 1) * n_out];
+                    if let Some(o) = (0..n_out).find(|&o| row[o].to_bits() != alone[o].to_bits()) {
+                        failures.push(format!(
+                            "{ty} {n_out}x{k} m={m}: row {r} output {o} is {:e}, alone {:e}",
+                            row[o], alone[o]
+                        ));
+                        break;
+                    }
+                }
+            }
             // f32 accumulation of dequantized weights (exact integer sums per block on the
             // 8-bit path): summation order only. The tensor-core path rounds weights and
             // activations to f16 (2^-11 relative).

@@ -3,8 +3,9 @@
 //
 //   vdot_host TYPE K N_ROWS W XQ XDS OUT OFFSET FRAGS
 //     W: N_ROWS rows of K elements of TYPE, placed OFFSET bytes past a 16-byte boundary;
-//     XQ: 2 rows of K int8; XDS: 2 rows of K/32 (d, sum) f32 pairs. OUT: per weight row three
-//     floats: its dot with activation row 0 alone (dot<1>), then with rows 0 and 1 (dot<2>).
+//     XQ: 2 rows of K int8; XDS: 2 rows of K/32 (d, sum) f32 pairs. OUT: per weight row eleven
+//     floats: its dot with activation row 0 alone (dot<1>), then with rows 0 and 1 (dot<2>),
+//     then with rows 0, 1, 0, 1, ... (dot<8>, as the kernels' passes of eight rows).
 //     FRAGS: the weights as the tensor-core fragments give them (frag: d[h] * q + m), K floats
 //     per row.
 
@@ -17,6 +18,7 @@
 
 typedef void (*Dot1)(const ts_u8*, int, const TsQ8&, float (&)[1]);
 typedef void (*Dot2)(const ts_u8*, int, const TsQ8&, float (&)[2]);
+typedef void (*Dot8)(const ts_u8*, int, const TsQ8&, float (&)[8]);
 typedef TsFrag (*Frag)(const ts_u8*, int, int);
 
 static bool read_exact(const char* path, void* dst, size_t size) {
@@ -39,12 +41,14 @@ int main(int argc, char** argv) {
 
     Dot1 dot1 = nullptr;
     Dot2 dot2 = nullptr;
+    Dot8 dot8 = nullptr;
     Frag frag = nullptr;
     ts_u64 (*row_bytes)(int) = nullptr;
 #define TS_PICK(t)                        \
     if (strcmp(type, #t) == 0) {          \
         dot1 = vdot_##t::dot<1>;          \
         dot2 = vdot_##t::dot<2>;          \
+        dot8 = vdot_##t::dot<8>;          \
         frag = vdot_##t::frag;            \
         row_bytes = vdot_##t::row_bytes;  \
     }
@@ -68,17 +72,29 @@ int main(int argc, char** argv) {
         return 1;
     }
     const TsQ8 x{xq.data(), xds.data(), k};
+    // Eight rows: rows 0 and 1 four times over.
+    std::vector<signed char> xq8;
+    std::vector<ts_f2> xds8;
+    for (int r = 0; r < 4; r++) {
+        xq8.insert(xq8.end(), xq.begin(), xq.end());
+        xds8.insert(xds8.end(), xds.begin(), xds.end());
+    }
+    const TsQ8 x8{xq8.data(), xds8.data(), k};
 
-    std::vector<float> out(3 * (size_t)n_rows);
+    const int per_row = 11;
+    std::vector<float> out(per_row * (size_t)n_rows);
     for (int o = 0; o < n_rows; o++) {
-        float a1[1] = {0.0f}, a2[2] = {0.0f, 0.0f};
+        float a1[1] = {0.0f}, a2[2] = {0.0f, 0.0f}, a8[8] = {};
         for (int u = 0; u < k / 32; u++) {
             dot1(w + o * rb, u, x, a1);
             dot2(w + o * rb, u, x, a2);
+            dot8(w + o * rb, u, x8, a8);
         }
-        out[3 * o] = a1[0];
-        out[3 * o + 1] = a2[0];
-        out[3 * o + 2] = a2[1];
+        float* row = &out[per_row * (size_t)o];
+        row[0] = a1[0];
+        row[1] = a2[0];
+        row[2] = a2[1];
+        for (int r = 0; r < 8; r++) row[3 + r] = a8[r];
     }
     FILE* f = fopen(argv[7], "wb");
     if (!f) return 1;
