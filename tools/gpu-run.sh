@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|misses|cpu-sweep]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|wide|misses|cpu-sweep]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -366,6 +366,24 @@ if [[ $what == ncu-detail ]]; then
         --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
         "$B"/turbospark bench -m "$f" --device cuda ${DETAIL_BENCH:--p 512 -n 0 -r 1} 2>&1 | tee "$OUT/ncu-detail-$like.log" \
         | grep -vE "^ *-+ *$|^ *$|^==PROF==" | grep -E "Duration|Throughput|Occupancy|Registers|Stall|Warp Cycles|Issued|Eligible|Active Warps|Block Limit|Executed Ipc|OPT|sec|^  [a-z_]" | head -${LINES_MAX:-80}
+fi
+if [[ $what == wide ]]; then
+    # `wide MODEL...`: steps of several rows with the 8-bit matvec's passes of up to 8 rows
+    # (`matvec_q8_wide_<t>`) and with earlier builds' two-row passes, 8 rows a launch
+    # (TURBOSPARK_Q8_WIDE_ROWS=32 TURBOSPARK_Q8_LAUNCH_ROWS=8), interleaved, two rounds:
+    # generation of 1, 4 and 16 sequences at once.
+    shift
+    for f in "$@"; do
+        for round in 1 2; do
+            for mode in wide two-row; do
+                knobs=(TURBOSPARK_Q8_WIDE_ROWS=3)
+                [[ $mode == two-row ]] && knobs=(TURBOSPARK_Q8_WIDE_ROWS=32 TURBOSPARK_Q8_LAUNCH_ROWS=8)
+                echo "== $(basename "$f"), $mode passes, round $round"
+                env "${knobs[@]}" "$B"/turbospark bench -m "$f" --device cuda -p 128 -n 64 -r 2 --parallel 1,4,16 2>&1 \
+                    | tee -a "$OUT/wide-$(basename "$f" .gguf).log" | grep -E "tg|error"
+            done
+        done
+    done
 fi
 if [[ $what == spec ]]; then
     # `spec MODEL PROMPT_FILE [FLAGS]`: greedy generation of 256 tokens on the GPU without and

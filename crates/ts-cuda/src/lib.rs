@@ -129,6 +129,10 @@ pub struct Cuda {
     /// Activation rows one dense 8-bit matvec launch serves at most (all of a step's, or
     /// `TURBOSPARK_Q8_LAUNCH_ROWS`: a measurement knob for steps of 9-31 rows).
     pub(crate) q8_launch_rows: usize,
+    /// Steps of this many rows and more take the dense 8-bit matvec in passes of up to 8 rows
+    /// ([`matvec_q8::WIDE_MIN_ROWS`], or `TURBOSPARK_Q8_WIDE_ROWS`: a measurement knob; 32
+    /// gives the two-row passes of earlier builds to every step below the tensor cores).
+    pub(crate) q8_wide_rows: usize,
     /// The most rows a step of any sequence made so far may take (`new_state`'s `max_chunk`):
     /// the step buffers hold as many from the first step on ([`step::STEP_ROWS_RESERVED`]).
     pub(crate) largest_chunk: std::sync::atomic::AtomicUsize,
@@ -247,6 +251,10 @@ impl Cuda {
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&r| r > 0)
                 .unwrap_or(usize::MAX),
+            q8_wide_rows: std::env::var("TURBOSPARK_Q8_WIDE_ROWS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(matvec_q8::WIDE_MIN_ROWS),
             largest_chunk: std::sync::atomic::AtomicUsize::new(0),
             blas,
             weight_bytes: 0,

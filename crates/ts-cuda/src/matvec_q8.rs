@@ -266,12 +266,13 @@ impl Cuda {
     }
 
     /// The launches of [`Cuda::matmul_q8`], `xq` standing for `mm.x`: `matvec_q8_<t>` for one
-    /// or two rows, `matvec_q8_wide_<t>` for more (up to [`Cuda::q8_launch_rows`] a launch).
+    /// or two rows, `matvec_q8_wide_<t>` from [`Cuda::q8_wide_rows`] rows (up to
+    /// [`Cuda::q8_launch_rows`] a launch).
     fn matvecs_q8(&self, sfx: &str, xq: &Q8Act, mm: &Matmul) -> Result<(), ModelError> {
         let Matmul { w, n_out, k, m, y, bias, .. } = *mm;
         let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
-        let kernel = if m >= WIDE_MIN_ROWS { format!("matvec_q8_wide_{sfx}") } else { format!("matvec_q8_{sfx}") };
+        let kernel = if m >= self.q8_wide_rows { format!("matvec_q8_wide_{sfx}") } else { format!("matvec_q8_{sfx}") };
         for r0 in (0..m).step_by(self.q8_launch_rows) {
             let p = MatvecQ8 {
                 w,
