@@ -130,8 +130,8 @@ pub struct Cuda {
     /// `TURBOSPARK_Q8_LAUNCH_ROWS`: a measurement knob for steps of 9-31 rows).
     pub(crate) q8_launch_rows: usize,
     /// Steps of this many rows and more take the dense 8-bit matvec in passes of up to 8 rows
-    /// ([`matvec_q8::WIDE_MIN_ROWS`], or `TURBOSPARK_Q8_WIDE_ROWS`: a measurement knob; 32
-    /// gives the two-row passes of earlier builds to every step below the tensor cores).
+    /// ([`matvec_q8::WIDE_MIN_ROWS`], or `TURBOSPARK_Q8_WIDE_ROWS`: a measurement knob; with
+    /// 32 and `TURBOSPARK_Q8_LAUNCH_ROWS=8`, earlier builds' two-row passes, 8 rows a launch).
     pub(crate) q8_wide_rows: usize,
     /// The most rows a step of any sequence made so far may take (`new_state`'s `max_chunk`):
     /// the step buffers hold as many from the first step on ([`step::STEP_ROWS_RESERVED`]).

@@ -8,10 +8,10 @@ use cudarc::cublas::{CudaBlas, sys as blas};
 use ts_gguf::GgmlType;
 use ts_model::ModelError;
 
-/// Rows below this go through the matvec kernels, 8 at a time; from it on, cuBLAS.
+/// Rows below this go through the matvec kernels; from it on, cuBLAS.
 pub(crate) const GEMM_MIN_ROWS: usize = 32;
 
-/// Activation rows one matvec launch serves.
+/// Activation rows one f32 matvec launch serves (the padding of recorded steps' row counts too).
 pub(crate) const MATVEC_ROWS: usize = 8;
 
 /// One `y[m][n_out] = x[m][k] · Wᵀ (+ bias)`: `n_out` rows of type `ty` at device

@@ -219,12 +219,13 @@ fn vdot_matches_the_dequantized_product() {
             let data = quantized_rows(&mut rng, ty, &v);
             let mut w = vec![0f32; rows * k];
             ts_quant::dequantize(ty, &data, &mut w).unwrap();
-            // Two activation rows: one with a spread of magnitudes, one with a zero block.
-            let mut x = rng.normals(2 * k, 1.0, 0.1);
+            // Eight activation rows: one with a spread of magnitudes, one with a zero block.
+            let n_x = 8;
+            let mut x = rng.normals(n_x * k, 1.0, 0.1);
             x[k..k + 32].fill(0.0);
             x[7] = 30.0;
             let (q, ds) = common::quantize_q8(&x);
-            let (want, mag) = common::reference_matmul(&w, &common::dequantize_q8(&q, &ds), rows, k, 2);
+            let (want, mag) = common::reference_matmul(&w, &common::dequantize_q8(&q, &ds), rows, k, n_x);
             let xq: Vec<u8> = q.iter().map(|&v| v as u8).collect();
             let xds: Vec<u8> = ds.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
             for offset in [0, 1, 2, 3, 8].into_iter().filter(|o| o % align == 0) {
@@ -250,19 +251,22 @@ fn vdot_matches_the_dequantized_product() {
                     );
                 }
                 let got = floats(&std::fs::read(path("out")).unwrap());
+                let per_row = got.len() / rows;
                 for o in 0..rows {
-                    let row = &got[11 * o..11 * (o + 1)];
-                    let (alone, pair, eight) = (row[0], [row[1], row[2]], &row[3..]);
-                    assert_eq!(alone.to_bits(), pair[0].to_bits(), "{tag} row {o}: dot<1> and dot<2> differ");
-                    for (r, v) in eight.iter().enumerate() {
-                        assert_eq!(
-                            v.to_bits(),
-                            pair[r % 2].to_bits(),
-                            "{tag} row {o}: dot<8> row {r} and dot<2> differ"
-                        );
+                    // dot<1>, dot<2>, dot<4>, dot<8> over the same activation rows.
+                    let passes: Vec<&[f32]> = got[per_row * o..per_row * (o + 1)].chunks(n_x).collect();
+                    for (m, pass) in [2, 4, 8].iter().zip(&passes[1..]) {
+                        for r in 0..n_x {
+                            let (alone, with) = (passes[0][r], pass[r]);
+                            assert_eq!(
+                                alone.to_bits(),
+                                with.to_bits(),
+                                "{tag} row {o}: dot<1> and dot<{m}> differ on row {r}"
+                            );
+                        }
                     }
-                    for r in 0..2 {
-                        let (e, g) = (want[r * rows + o], pair[r]);
+                    for r in 0..n_x {
+                        let (e, g) = (want[r * rows + o], passes[0][r]);
                         // f32 products of exact integer sums, summed in f32.
                         let bound = 1e-5 * mag[r * rows + o];
                         assert!(
@@ -342,7 +346,7 @@ fn nvrtc_compiles() {
         }
     }
     for (_, name, _) in q8_types() {
-        for kernel in ["matvec_q8", "moe_matvec_q8", "moe_gate_up_q8"] {
+        for kernel in ["matvec_q8", "matvec_q8_wide", "moe_matvec_q8", "moe_gate_up_q8"] {
             let entry = format!(".entry {kernel}_{name}(");
             assert!(ptx.contains(&entry), "no {entry} in the PTX");
         }

@@ -80,12 +80,12 @@ fn matmul_every_type_matches_the_cpu() {
     let mut failures = Vec::new();
     // The device copies are found by host address: keep every weight alive.
     let mut alive = Vec::new();
-    // m = 1, 5, 13 and 48 (f16 tensor cores) add a bias. Below 32 rows the types with
-    // integer dot products take 8-bit activations unless exact: their reference is the
-    // product with those activations (common::quantize_q8, written from the format's
-    // definition), so a quant off by one shows.
+    // Every case but m = 8 and the exact ones adds a bias (m = 48: the f16 tensor cores).
+    // Below 32 rows the types with integer dot products take 8-bit activations unless exact:
+    // their reference is the product with those activations (common::quantize_q8, written
+    // from the format's definition), so a quant off by one shows.
     println!(
-        "{:<6} {:>5} {:>5}  m=1      m=5      m=8      m=13     m=1 exact m=48 f16 m=48 exact",
+        "{:<6} {:>5} {:>5}  m=1      m=3      m=5      m=7      m=8      m=13     m=1 exact m=48 f16 m=48 exact",
         "type", "n_out", "k"
     );
     for (ty, n_out, k) in cases {
@@ -95,7 +95,17 @@ fn matmul_every_type_matches_the_cpu() {
         cuda.upload_vec(&bias).unwrap();
         let mut line = format!("{:<6} {n_out:>5} {k:>5}", ty.to_string());
         let q8 = ts_cuda::q8_suffix(ty).is_some();
-        for (m, exact) in [(1, false), (5, false), (8, false), (13, false), (1, true), (48, false), (48, true)] {
+        for (m, exact) in [
+            (1, false),
+            (3, false),
+            (5, false),
+            (7, false),
+            (8, false),
+            (13, false),
+            (1, true),
+            (48, false),
+            (48, true),
+        ] {
             let x = rng.normals(m * k, 1.0, 0.0);
             let xd = cuda.act_from_host(&x).unwrap();
             // Every other case with a bias, so both kernel paths run with and without one.

@@ -3,9 +3,9 @@
 //
 //   vdot_host TYPE K N_ROWS W XQ XDS OUT OFFSET FRAGS
 //     W: N_ROWS rows of K elements of TYPE, placed OFFSET bytes past a 16-byte boundary;
-//     XQ: 2 rows of K int8; XDS: 2 rows of K/32 (d, sum) f32 pairs. OUT: per weight row eleven
-//     floats: its dot with activation row 0 alone (dot<1>), then with rows 0 and 1 (dot<2>),
-//     then with rows 0, 1, 0, 1, ... (dot<8>, as the kernels' passes of eight rows).
+//     XQ: 8 rows of K int8; XDS: 8 rows of K/32 (d, sum) f32 pairs. OUT: per weight row, for
+//     M = 1, 2, 4 and 8, its dots with the 8 activation rows taken M at a time (dot<M>, as the
+//     kernels' passes of M rows): 32 floats.
 //     FRAGS: the weights as the tensor-core fragments give them (frag: d[h] * q + m), K floats
 //     per row.
 
@@ -18,6 +18,7 @@
 
 typedef void (*Dot1)(const ts_u8*, int, const TsQ8&, float (&)[1]);
 typedef void (*Dot2)(const ts_u8*, int, const TsQ8&, float (&)[2]);
+typedef void (*Dot4)(const ts_u8*, int, const TsQ8&, float (&)[4]);
 typedef void (*Dot8)(const ts_u8*, int, const TsQ8&, float (&)[8]);
 typedef TsFrag (*Frag)(const ts_u8*, int, int);
 
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
 
     Dot1 dot1 = nullptr;
     Dot2 dot2 = nullptr;
+    Dot4 dot4 = nullptr;
     Dot8 dot8 = nullptr;
     Frag frag = nullptr;
     ts_u64 (*row_bytes)(int) = nullptr;
@@ -48,6 +50,7 @@ int main(int argc, char** argv) {
     if (strcmp(type, #t) == 0) {          \
         dot1 = vdot_##t::dot<1>;          \
         dot2 = vdot_##t::dot<2>;          \
+        dot4 = vdot_##t::dot<4>;          \
         dot8 = vdot_##t::dot<8>;          \
         frag = vdot_##t::frag;            \
         row_bytes = vdot_##t::row_bytes;  \
@@ -64,37 +67,41 @@ int main(int argc, char** argv) {
     // Slack on each side: loads may touch the aligned words around a row's bytes.
     std::vector<ts_u32> storage((size + 64) / 4);
     ts_u8* w = reinterpret_cast<ts_u8*>(storage.data()) + 16 + offset;
-    std::vector<signed char> xq(2 * (size_t)k);
-    std::vector<ts_f2> xds(2 * (size_t)k / 32);
+    const int n_x = 8;
+    std::vector<signed char> xq(n_x * (size_t)k);
+    std::vector<ts_f2> xds(n_x * (size_t)k / 32);
     if (!read_exact(argv[4], w, size) || !read_exact(argv[5], xq.data(), xq.size()) ||
         !read_exact(argv[6], xds.data(), xds.size() * sizeof(ts_f2))) {
         fprintf(stderr, "cannot read the inputs\n");
         return 1;
     }
-    const TsQ8 x{xq.data(), xds.data(), k};
-    // Eight rows: rows 0 and 1 four times over.
-    std::vector<signed char> xq8;
-    std::vector<ts_f2> xds8;
-    for (int r = 0; r < 4; r++) {
-        xq8.insert(xq8.end(), xq.begin(), xq.end());
-        xds8.insert(xds8.end(), xds.begin(), xds.end());
-    }
-    const TsQ8 x8{xq8.data(), xds8.data(), k};
-
-    const int per_row = 11;
+    // Activation rows r0 .. r0 + M - 1.
+    auto rows_at = [&](int r0) {
+        return TsQ8{xq.data() + (size_t)r0 * k, xds.data() + (size_t)r0 * (k / 32), k};
+    };
+    const int per_row = 4 * n_x;
     std::vector<float> out(per_row * (size_t)n_rows);
     for (int o = 0; o < n_rows; o++) {
-        float a1[1] = {0.0f}, a2[2] = {0.0f, 0.0f}, a8[8] = {};
-        for (int u = 0; u < k / 32; u++) {
-            dot1(w + o * rb, u, x, a1);
-            dot2(w + o * rb, u, x, a2);
-            dot8(w + o * rb, u, x8, a8);
+        const ts_u8* row = w + o * rb;
+        float* got = &out[per_row * (size_t)o];
+        for (int r0 = 0; r0 < n_x; r0++) {
+            float a[1] = {};
+            for (int u = 0; u < k / 32; u++) dot1(row, u, rows_at(r0), a);
+            got[r0] = a[0];
         }
-        float* row = &out[per_row * (size_t)o];
-        row[0] = a1[0];
-        row[1] = a2[0];
-        row[2] = a2[1];
-        for (int r = 0; r < 8; r++) row[3 + r] = a8[r];
+        for (int r0 = 0; r0 < n_x; r0 += 2) {
+            float a[2] = {};
+            for (int u = 0; u < k / 32; u++) dot2(row, u, rows_at(r0), a);
+            for (int r = 0; r < 2; r++) got[n_x + r0 + r] = a[r];
+        }
+        for (int r0 = 0; r0 < n_x; r0 += 4) {
+            float a[4] = {};
+            for (int u = 0; u < k / 32; u++) dot4(row, u, rows_at(r0), a);
+            for (int r = 0; r < 4; r++) got[2 * n_x + r0 + r] = a[r];
+        }
+        float a[8] = {};
+        for (int u = 0; u < k / 32; u++) dot8(row, u, rows_at(0), a);
+        for (int r = 0; r < 8; r++) got[3 * n_x + r] = a[r];
     }
     FILE* f = fopen(argv[7], "wb");
     if (!f) return 1;

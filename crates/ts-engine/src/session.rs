@@ -345,8 +345,7 @@ impl<B: Backend> Engine<B> {
         let catch_up_time = t_catch_up.elapsed();
         let mut length = self.learnt_draft_length();
         if let Some((drafter, _)) = spec.as_ref() {
-            drafter.step_secs().inspect(|&secs| length.set_draft_step(secs));
-            drafter.read_secs().inspect(|&secs| length.set_read_secs(secs));
+            length.learn_costs(&**drafter);
         }
         let warm_at_start = warm_ups(&spec);
         let t1 = Instant::now();

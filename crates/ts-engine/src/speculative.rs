@@ -42,27 +42,18 @@ impl SpecOptions {
 /// llama.cpp's default `--draft-p-min`.
 pub const DEFAULT_P_MIN: f32 = 0.75;
 
-/// The number of guesses worth checking, learnt as the generation goes: the time of a
-/// plain step, the extra time per checked guess (guessing included) and the fraction of
-/// guesses kept (moving averages) give the expected tokens per second of each length,
-/// `(1 - a^(n+1)) / (1 - a)` tokens in `t + c n` seconds; the best length is used, 0 (plain
-/// steps) when guessing does not pay, with a check at each generation's start (where a draft
-/// model has nothing to catch up on) and after [`DraftLength::PROBE`] plain steps (where its
-/// catching up on them can pay for itself: [`DraftLength::set_read_secs`]) to see whether that
-/// has changed, and at least twice as many after each check that finds it
-/// has not (up to [`DraftLength::MAX_PROBE`]: a check costs the union of its rows' experts
-/// where they stream; after [`DraftLength::GIVE_UP`] such checks a generation stops probing). The first steps are plain, to measure `t` from two timed ones: the first one-row
-/// step of a model also warms it up (page faults, thread wake-ups), so the second's time
-/// replaces the first's. A step
-/// that ran to be recorded ([`ts_model::Backend::warm_ups`]: the GPU records each kind of step
-/// once, 30 ms against 2 on the H200) gives no time at all: it says nothing of later steps.
-///
-/// The model prices every guess alike, but a draft model's checks also pay a fixed part (the
-/// step reading the last check's tokens, and the step whose guess falls below `--draft-p-min`),
-/// and its guesses stop early: so the tokens and seconds the checks really gave are kept too,
-/// and guessing stops while they give fewer tokens a second than plain steps (the H200's
-/// 1.5B/0.5B pair: 2.35 tokens in 7.3 ms a check against 2.2 ms a plain step, while the
-/// per-guess price alone, about 1.9 ms, said long guesses would pay).
+/// The number of guesses worth checking, learnt as the generation goes: a plain step's time
+/// `t` (from the second timed plain step: the first warms the model up), the extra time per
+/// checked guess and the fraction `a` kept (moving averages) give `(1 - a^(n+1)) / (1 - a)`
+/// tokens in `t + c n` seconds for n guesses; the best n is used, 0 when guessing does not pay.
+/// Then a generation checks at its start (where a draft model has nothing to catch up on) and
+/// probes after [`DraftLength::PROBE`] plain steps where its catching up can pay
+/// ([`DraftLength::set_read_secs`]), each failed probe waiting at least twice as long (up to
+/// [`DraftLength::MAX_PROBE`]), at most [`DraftLength::GIVE_UP`] a generation. Steps that ran
+/// to be recorded ([`ts_model::Backend::warm_ups`]) give no time. The tokens and seconds the
+/// checks really gave are kept too, since a draft model's checks pay a fixed part the per-guess
+/// price misses (the step reading the last check's tokens, the step that fell below
+/// `--draft-p-min`): guessing stops while they give fewer tokens a second than plain steps.
 #[derive(Clone, Debug)]
 pub struct DraftLength {
     plain_secs: Option<f64>,
@@ -91,10 +82,9 @@ pub struct DraftLength {
     /// up (a draft model has just read the prompt), so it is made even where the prior says
     /// guessing does not pay, to learn how many guesses are kept.
     start_probe: bool,
-    /// A draft model's time per token read ahead of guessing, at its cheapest (its prompt
-    /// step; 0 where unknown or nothing is read): a probe after w plain steps costs at least
-    /// w times this, so where it exceeds [`DraftLength::PROBE_SHARE`] of a plain step no wait
-    /// amortizes a probe and a generation probes only at its start.
+    /// What a draft model pays a token to catch up ([`Drafter::read_secs`]; 0 where unknown or
+    /// nothing is read): a probe after w plain steps costs w times this, so where it exceeds
+    /// [`DraftLength::PROBE_SHARE`] of a plain step no wait amortizes a probe.
     read_secs: f64,
 }
 
@@ -192,9 +182,15 @@ impl DraftLength {
         self.draft_step_secs = secs;
     }
 
-    /// A draft model reads `secs` a token ahead of guessing, at its cheapest ([`Drafter::read_secs`]).
+    /// A draft model reads `secs` a token when it catches up ([`Drafter::read_secs`]).
     pub fn set_read_secs(&mut self, secs: f64) {
         self.read_secs = secs;
+    }
+
+    /// What `drafter` measured of its costs so far ([`Drafter::step_secs`], [`Drafter::read_secs`]).
+    pub fn learn_costs(&mut self, drafter: &dyn Drafter) {
+        drafter.step_secs().inspect(|&secs| self.set_draft_step(secs));
+        drafter.read_secs().inspect(|&secs| self.set_read_secs(secs));
     }
 
     /// A replayed plain step took `plain` seconds and each recorded kind of checking step
@@ -224,6 +220,7 @@ impl DraftLength {
         DraftLength {
             draft_step_secs: self.draft_step_secs,
             check_extra: self.check_extra.clone(),
+            read_secs: self.read_secs,
             ..DraftLength::default()
         }
     }
@@ -237,6 +234,11 @@ impl DraftLength {
 
     /// A plain step took `secs` (None: a warm-up, not timed).
     pub fn plain(&mut self, secs: Option<f64>) {
+        // A plain step once `t` was known: the start's check was asked for and the drafter
+        // had no guess (below its p-min); the next chance is a probe.
+        if self.plain_samples >= 2 {
+            self.start_probe = false;
+        }
         self.plain_since_check += 1;
         let Some(secs) = secs else { return };
         self.plain_secs = match self.plain_secs {
@@ -317,8 +319,10 @@ pub trait Drafter {
         None
     }
 
-    /// A draft model's time per token read ahead of guessing, at its cheapest: its prompt step
-    /// (none before its [`Drafter::catch_up`] on a prompt; none for drafters that read nothing).
+    /// What a draft model pays a token to catch up on plain steps: as its last catching up did,
+    /// else at least a prompt token's time and, where steps are recorded, a recorded catching-up
+    /// step's row (none before its [`Drafter::catch_up`] on a prompt; none for drafters that
+    /// read nothing).
     fn read_secs(&self) -> Option<f64> {
         None
     }
@@ -397,8 +401,11 @@ pub struct ModelDrafter<'e, B: Backend> {
     p_min: f32,
     /// Its one-row step's time, replayed ([`Drafter::step_secs`]).
     step_secs: Option<f64>,
-    /// Its prompt step's time per token ([`Drafter::read_secs`]).
+    /// What it pays a token to catch up ([`Drafter::read_secs`]).
     read_secs: Option<f64>,
+    /// Its recorded step of [`ModelDrafter::CATCH_UP_ROWS`] rows, replayed, a row (where the
+    /// backend records steps).
+    chunk_secs: Option<f64>,
 }
 
 impl<'e, B: Backend> ModelDrafter<'e, B> {
@@ -412,7 +419,20 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
         check_draft(engine, target)?;
         let mut seq = engine.new_sequence(n_ctx)?;
         engine.warm_up_steps(&mut seq, Self::CATCH_UP_ROWS - 1)?;
-        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None, read_secs: None })
+        let rows = Self::CATCH_UP_ROWS;
+        let mut chunk_secs = None;
+        if engine.model.backend.padded_rows(rows) == Some(rows) && rows <= n_ctx {
+            let (tokens, mut scratch) = (vec![0; rows], engine.scratch());
+            let piece = Piece { tokens: &tokens, logits: Logits::Last };
+            chunk_secs = crate::session::replayed_secs(&engine.model.backend, || {
+                seq.n_past = 0;
+                let run = engine.step(&mut [&mut seq], &[piece], &mut scratch).map(drop);
+                seq.n_past = 0;
+                run
+            })?
+            .map(|secs| secs / rows as f64);
+        }
+        Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None, read_secs: None, chunk_secs })
     }
 
     /// The most rows of a step catching up on plain steps' tokens where the backend records
@@ -484,7 +504,9 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
             return Ok(());
         }
         if !self.fed.is_empty() {
-            // Tokens of plain steps, in recorded steps where the backend records them.
+            // Tokens of plain steps, in recorded steps where the backend records them; what
+            // that cost a token is what the next probe's catching up will cost.
+            let started = std::time::Instant::now();
             let rows = Self::CATCH_UP_ROWS;
             // A long run (a new prompt of a chat turn, a reused drafter's next request) reads
             // better as one prompt step.
@@ -497,16 +519,19 @@ impl<B: Backend> Drafter for ModelDrafter<'_, B> {
                 }
             }
             self.feed(context)?;
+            self.read_secs = Some(started.elapsed().as_secs_f64() / (context.len() - held) as f64);
             return Ok(());
         }
-        // All but the last token as a prompt (timed: what reading a token costs at least), the
-        // last as the one-row step every guess takes with the pick of its guess, timed where it
-        // replays: what a guess costs at least.
+        // All but the last token as a prompt, the last as the one-row step every guess takes
+        // with the pick of its guess, timed where it replays: what a guess costs at least. A
+        // token caught up costs at least what a prompt's token did, and where the backend
+        // records steps at least a recorded catching-up step's row.
         let (head, last) = context.split_at(context.len() - 1);
         let n = head.len();
         let read = std::time::Instant::now();
         self.feed(head)?;
-        self.read_secs = Some(read.elapsed().as_secs_f64() / n as f64);
+        let prompt_secs = read.elapsed().as_secs_f64() / n as f64;
+        self.read_secs = Some(prompt_secs.max(self.chunk_secs.unwrap_or(0.0)));
         let piece = Piece { tokens: last, logits: Logits::Last };
         let (engine, seq, mut scratch) = (self.engine, &mut self.seq, self.engine.scratch());
         self.step_secs = crate::session::replayed_secs(&engine.model.backend, || {
@@ -892,6 +917,20 @@ mod tests {
         // A draft that reads a token in 1% of a plain step probes after plain steps again.
         d.set_read_secs(0.00002);
         assert_eq!(d.limit(16), 2);
+    }
+
+    #[test]
+    fn a_start_check_the_drafter_had_no_guess_for_is_not_asked_again() {
+        // The draft's first guess fell below its p-min: the step ran plain, and the following
+        // steps do not ask for the start's check again (each would cost a draft step).
+        let mut d = DraftLength::default();
+        d.set_draft_step(0.0011);
+        d.set_read_secs(0.00009);
+        d.plain(Some(0.0021));
+        d.plain(Some(0.00205));
+        assert_eq!(d.limit(16), 2);
+        d.plain(Some(0.0021));
+        assert_eq!(d.limit(16), 0);
     }
 
     #[test]

@@ -362,8 +362,7 @@ impl Backend for Cpu {
             let mut h = vec![0f32; routes.ids.len() * f];
             // One expert's h for its pairs, `[pairs][f]`.
             let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-                let xs: Vec<f32> =
-                    pairs.iter().flat_map(|&p| &x[p / routes.k * e..(p / routes.k + 1) * e]).copied().collect();
+                let xs = gather_rows(x, e, pairs.iter().map(|&p| p / routes.k));
                 expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
             };
             map_experts(w, routes, at, s, gate_up, |pairs, g| {
@@ -391,7 +390,7 @@ impl Backend for Cpu {
             let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
             // One expert's outputs for its pairs, `[pairs][e]`.
             let down = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-                let hs: Vec<f32> = pairs.iter().flat_map(|&p| &h[p * f..(p + 1) * f]).copied().collect();
+                let hs = gather_rows(h, f, pairs.iter().copied());
                 expert_output(w, ex, &bytes, &hs, pairs.len(), s)
             };
             map_experts(w, routes, at, s, down, |pairs, d| {
@@ -553,6 +552,16 @@ fn decode_products() -> DecodeProducts {
         Ok("split") => DecodeProducts::Split,
         _ => DecodeProducts::Flat,
     })
+}
+
+/// Rows `rows` of `x` (rows of `k`), one after another: whole-row copies (an iterator over
+/// their elements cost 2% of qwen3's prefill on two cores).
+fn gather_rows(x: &[f32], k: usize, rows: impl ExactSizeIterator<Item = usize>) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * k);
+    for r in rows {
+        out.extend_from_slice(&x[r * k..(r + 1) * k]);
+    }
+    out
 }
 
 /// One activation row `x` quantized for weights of `ty`.

@@ -175,12 +175,7 @@ fn guesses<R, S>(
     let mut context = Vec::with_capacity(history.len() + 1);
     context.extend_from_slice(history);
     context.push(next);
-    if let Some(secs) = drafter.step_secs() {
-        g.length.set_draft_step(secs);
-    }
-    if let Some(secs) = drafter.read_secs() {
-        g.length.set_read_secs(secs);
-    }
+    g.length.learn_costs(&*drafter);
     let limit = g.opts.limit(&g.length, room);
     let drafted = catch_up_after_plain(drafter, &context, limit, g.guesses.is_empty())
         .and_then(|()| drafter.draft(&context, limit));
