@@ -254,6 +254,7 @@ impl Cuda {
             q8_wide_rows: std::env::var("TURBOSPARK_Q8_WIDE_ROWS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&r| r > 1)
                 .unwrap_or(matvec_q8::WIDE_MIN_ROWS),
             largest_chunk: std::sync::atomic::AtomicUsize::new(0),
             blas,
