@@ -381,6 +381,7 @@ if [[ $what == wide ]]; then
                 echo "== $(basename "$f"), $mode passes, round $round"
                 env "${knobs[@]}" "$B"/turbospark bench -m "$f" --device cuda -p 128 -n 64 -r 2 --parallel 1,4,16 2>&1 \
                     | tee -a "$OUT/wide-$(basename "$f" .gguf).log" | grep -E "tg|error"
+                ((PIPESTATUS[0] == 0)) || failed=1
             done
         done
     done
