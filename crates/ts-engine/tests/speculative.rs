@@ -159,7 +159,13 @@ fn a_draft_catching_up_on_plain_steps_guesses_the_same() {
     // Caught up on the prompt, then five plain steps' tokens skipped.
     let mut lapsed = CatchUps { inner: ModelDrafter::new(&draft, tok, 256, 0.0).unwrap(), read: Vec::new() };
     lapsed.catch_up(&prompt).unwrap();
+    // Reading the prompt measured what a guess and a caught-up token cost at least.
+    let positive = |v: Option<f64>| v.is_some_and(|v| v > 0.0 && v.is_finite());
+    assert!(positive(lapsed.inner.step_secs()) && positive(lapsed.inner.read_secs()));
+    let from_prompt = lapsed.inner.read_secs();
     catch_up_after_plain(&mut lapsed, &context, 4, true).unwrap();
+    assert!(positive(lapsed.inner.read_secs()));
+    assert_ne!(lapsed.inner.read_secs(), from_prompt, "catching up measured its own cost a token");
     assert_eq!(lapsed.read.last().map(Vec::len), Some(context.len() - 1), "caught up to the token about to run");
     let after_catching_up = lapsed.draft(&context, 4).unwrap();
     let mut fresh = ModelDrafter::new(&draft, tok, 256, 0.0).unwrap();
