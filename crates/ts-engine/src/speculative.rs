@@ -892,16 +892,21 @@ mod tests {
         assert!(d.limit(16) >= 8, "long runs kept: {}", d.limit(16));
     }
 
-    #[test]
-    fn a_draft_that_reads_dearly_probes_only_at_the_start() {
-        // The H200 pair at 6c6be3a: plain steps 2.05 ms; the 0.5B draft read the prompt at
-        // about 0.09 ms a token; its probes after 16 and 149 plain steps lost 6.1 and 16.6 ms,
-        // nearly all of it catching up on those steps' tokens (5.5% of the generation).
+    /// The H200 pair at 6c6be3a after its first two plain steps: plain steps 2.05 ms, the 0.5B
+    /// draft's step 1.1 ms, reading a token about 0.09 ms (its probes after 16 and 149 plain
+    /// steps lost 6.1 and 16.6 ms, nearly all of it catching up: 5.5% of the generation).
+    fn dear_reading_pair() -> DraftLength {
         let mut d = DraftLength::default();
         d.set_draft_step(0.0011);
         d.set_read_secs(0.00009);
         d.plain(Some(0.0021));
         d.plain(Some(0.00205));
+        d
+    }
+
+    #[test]
+    fn a_draft_that_reads_dearly_probes_only_at_the_start() {
+        let mut d = dear_reading_pair();
         assert_eq!(d.limit(16), 2, "the generation's first check, with nothing to catch up on");
         d.checked(Some(0.0065), 2, 2);
         assert_eq!(d.limit(16), 1, "one check is not judged");
@@ -923,11 +928,7 @@ mod tests {
     fn a_start_check_the_drafter_had_no_guess_for_is_not_asked_again() {
         // The draft's first guess fell below its p-min: the step ran plain, and the following
         // steps do not ask for the start's check again (each would cost a draft step).
-        let mut d = DraftLength::default();
-        d.set_draft_step(0.0011);
-        d.set_read_secs(0.00009);
-        d.plain(Some(0.0021));
-        d.plain(Some(0.00205));
+        let mut d = dear_reading_pair();
         assert_eq!(d.limit(16), 2);
         d.plain(Some(0.0021));
         assert_eq!(d.limit(16), 0);
