@@ -465,8 +465,9 @@ impl<B: Backend> Engine<B> {
             if !guesses.is_empty() {
                 stats.check_time += stepped.elapsed();
             }
-            last_step = Some((warm_ups(&spec) == warm_before).then(|| started.elapsed().as_secs_f64()));
-            steps_time += started.elapsed();
+            let step_time = started.elapsed();
+            last_step = Some((warm_ups(&spec) == warm_before).then_some(step_time.as_secs_f64()));
+            steps_time += step_time;
         }
         if trace {
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -508,15 +509,8 @@ impl<B: Backend> Engine<B> {
         // Each kind's replayed time, for the smallest check's cost beyond a plain step's.
         let mut replayed = Vec::new();
         for (rows, logits) in steps.filter(|&(rows, _)| rows <= n_ctx) {
-            let tokens = vec![0; rows];
             let scratch = if rows == 1 { &mut plain } else { &mut checking };
-            let secs = replayed_secs(backend, || {
-                seq.n_past = 0;
-                let run = self.step(&mut [&mut *seq], &[Piece { tokens: &tokens, logits }], scratch);
-                seq.n_past = 0;
-                run.map(drop)
-            })?;
-            replayed.extend(secs.map(|secs| (rows, secs)));
+            replayed.extend(self.time_step_at_start(seq, rows, logits, scratch)?.map(|secs| (rows, secs)));
         }
         if let [(1, plain_secs), ref checks @ ..] = replayed[..]
             && !checks.is_empty()
@@ -524,6 +518,24 @@ impl<B: Backend> Engine<B> {
             self.draft_length.lock().expect("draft length lock").set_checks(plain_secs, checks, max_guesses);
         }
         Ok(backend.warm_ups() - before)
+    }
+
+    /// Runs a step of `rows` tokens at the start of `seq` (left empty) until it replays
+    /// ([`replayed_secs`]): its replayed time, None where it never stopped warming up.
+    pub(crate) fn time_step_at_start(
+        &self,
+        seq: &mut SeqState<B::State>,
+        rows: usize,
+        logits: Logits,
+        scratch: &mut B::Scratch,
+    ) -> Result<Option<f64>, EngineError> {
+        let tokens = vec![0; rows];
+        replayed_secs(&self.model.backend, || {
+            seq.n_past = 0;
+            let run = self.step(&mut [&mut *seq], &[Piece { tokens: &tokens, logits }], scratch);
+            seq.n_past = 0;
+            run.map(drop)
+        })
     }
 
     /// Takes `seq` back to its first `held` positions (those of `context`'s end it

@@ -420,18 +420,11 @@ impl<'e, B: Backend> ModelDrafter<'e, B> {
         let mut seq = engine.new_sequence(n_ctx)?;
         engine.warm_up_steps(&mut seq, Self::CATCH_UP_ROWS - 1)?;
         let rows = Self::CATCH_UP_ROWS;
-        let mut chunk_secs = None;
-        if engine.model.backend.padded_rows(rows) == Some(rows) && rows <= n_ctx {
-            let (tokens, mut scratch) = (vec![0; rows], engine.scratch());
-            let piece = Piece { tokens: &tokens, logits: Logits::Last };
-            chunk_secs = crate::session::replayed_secs(&engine.model.backend, || {
-                seq.n_past = 0;
-                let run = engine.step(&mut [&mut seq], &[piece], &mut scratch).map(drop);
-                seq.n_past = 0;
-                run
-            })?
-            .map(|secs| secs / rows as f64);
+        let chunk_secs = match engine.model.backend.padded_rows(rows) == Some(rows) && rows <= n_ctx {
+            true => engine.time_step_at_start(&mut seq, rows, Logits::Last, &mut engine.scratch())?,
+            false => None,
         }
+        .map(|secs| secs / rows as f64);
         Ok(ModelDrafter { engine, seq, fed: Vec::new(), p_min, step_secs: None, read_secs: None, chunk_secs })
     }
 
