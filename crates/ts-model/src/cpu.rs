@@ -416,7 +416,7 @@ impl Backend for Cpu {
     }
 
     fn select_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>, ModelError> {
-        Ok(rows.iter().flat_map(|&i| x[i * width..(i + 1) * width].iter().copied()).collect())
+        Ok(gather_rows(x, width, rows.iter().copied()))
     }
 
     fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
