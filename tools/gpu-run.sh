@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|wide|misses|cpu-sweep]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|wide|misses|cpu-sweep|depth]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -298,6 +298,30 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
         fi
     done
 fi
+if [[ $what == depth ]]; then
+    # `depth MODEL|LIKE...`: decode (tg128) and prompts (pp512) after DEPTHS tokens already in
+    # the sequence (default 0,1024,4096; llama-bench's -d), everything in VRAM: the earlier
+    # build (turbospark-before, where carried) and this one (DEPTH_BINS names others; empty:
+    # none), then llama.cpp (its rows all on the GPU: its build alone is waited for).
+    shift
+    depths=${DEPTHS:-0,1024,4096}
+    for like in "$@"; do
+        if [[ -f $like ]]; then f=$like; else f=$(synth "$like"); fi
+        like=$(basename "$like" .gguf)
+        for bin in ${DEPTH_BINS-turbospark-before turbospark}; do
+            [[ -x $B/$bin ]] || continue
+            echo "== $like, $bin, depths $depths"
+            "$B/$bin" bench -m "$f" --device cuda -p ${DEPTH_P:-512} -n 128 -d "$depths" -r 2 2>&1 \
+                | tee -a "$OUT/depth-$like.log" | grep -E "^\|.*(pp|tg)|error"
+        done
+        wait_peer_builds lc
+        if peer_ready lc; then
+            echo "== $like, llama.cpp, depths $depths"
+            /tmp/lcbuild/bin/llama-bench -m "$f" -ngl 99 -fa 1 -p ${DEPTH_P:-512} -n 128 -d "$depths" -r 2 2>&1 \
+                | tee -a "$OUT/depth-$like.log" | grep -E "^\|.*(pp|tg)|error"
+        fi
+    done
+fi
 if [[ $what == peer-profile ]]; then
     # `peer-profile LIKE`: llama.cpp's time per kernel over a few decode steps (started by
     # `peer-build`), to set beside `profile`'s of ours.
@@ -313,11 +337,12 @@ if [[ $what == peer-profile ]]; then
     rm -f "$OUT/peer-profile-$like.log"
 fi
 if [[ $what == sweep ]]; then
-    # `sweep LIKE...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM; SWEEP_BENCH gives
-    # other bench flags) under each setting of a build's measurement knobs, one process each.
+    # `sweep LIKE|FILE.gguf...` with SWEEP="A=1 B=2;A=3": pp512 (every expert in VRAM;
+    # SWEEP_BENCH gives other bench flags) under each setting of a build's measurement knobs,
+    # one process each.
     shift
     for like in "$@"; do
-        f=$(synth "$like")
+        if [[ -f $like ]]; then f=$like; like=$(basename "$like" .gguf); else f=$(synth "$like"); fi
         IFS=';' read -ra settings <<< "${SWEEP:-}"
         for setting in "${settings[@]}"; do
             echo "== $like, ${SWEEP_BENCH:-pp512} with $setting"

@@ -125,8 +125,13 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 }
 
 #define ATTN_WARPS 4
-// Positions scored together: their weights wait in shared memory for the values' pass.
+// Runs a split decode attention has at most (attention.rs's MAX_SPLIT; more blocks leave).
+#define ATTN_MAX_RUNS 64
+// Positions scored together: their weights wait in shared memory for the values' pass
+// (device.rs's attention_tile sets it).
+#ifndef ATTN_TILE
 #define ATTN_TILE 128
+#endif
 // Lanes that share one position's dot product in the scores' pass.
 #define ATTN_GROUP 8
 
@@ -150,6 +155,22 @@ struct DecodeAttn {
     RopeStore rope;
 };
 
+__device__ __forceinline__ float4 attn_scaled(float4 a, float c) {
+    return make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
+}
+
+__device__ __forceinline__ float4 attn_fma4(float e, float4 v, float4 a) {
+    return make_float4(a.x + e * v.x, a.y + e * v.y, a.z + e * v.z, a.w + e * v.w);
+}
+
+// Elements i .. i + 3 of a value row of hdv (zeros past it): one 16-byte load where rows
+// start on 16 bytes (hdv a multiple of 4).
+__device__ __forceinline__ float4 attn_load4(const float* v, int i, int hdv, bool vec) {
+    if (vec) return *(const float4*)(v + i);
+    return make_float4(v[i], i + 1 < hdv ? v[i + 1] : 0.0f, i + 2 < hdv ? v[i + 2] : 0.0f,
+                       i + 3 < hdv ? v[i + 3] : 0.0f);
+}
+
 // Max (is_max) or sum over the block's ATTN_WARPS warps; red holds ATTN_WARPS floats and is
 // free again when every thread has returned.
 __device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_max) {
@@ -167,9 +188,11 @@ __device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_
 // tile's max and weights are taken over the block, then each warp adds the values of every
 // fourth position; the running max and sum rescale the warps' sums from tile to tile, and
 // the warps' sums are added at the end. With n_split = gridDim.z > 1 the positions are cut
-// into n_split runs of whole tiles, one per block (long contexts: more blocks at work); each
-// leaves its max, sum and weighted values in `partial`, and the block that finishes last
-// (`done`) combines them and resets its counter. Heads of up to MAX_HEAD_DIM (`attention`:
+// into at most n_split runs of equally many whole tiles, one per block (long contexts: more
+// blocks at work, each a short chain of loads); blocks past the last run leave at once. With
+// one run its block writes the output; with more, each leaves its max, sum and weighted
+// values in `partial`, and the run that finishes last (`done`) combines them and resets its
+// counter. Heads of up to MAX_HEAD_DIM (`attention`:
 // 256; `attention_wide`: 512, gemma4's global layers).
 template <int MAX_HEAD_DIM>
 __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
@@ -189,6 +212,17 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
     __shared__ __align__(16) float qs[MAX_HEAD_DIM];
     __shared__ float weight[ATTN_TILE];
     __shared__ float red[ATTN_WARPS];
+    // This block's run of whole tiles; runs past the last tile (a short sequence in a long
+    // cache) leave at once, and the runs that have positions combine among themselves.
+    const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS), split = blockIdx.z;
+    const int seen_first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
+    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+    const int tiles_per_split = (tiles + n_split - 1) / n_split;
+    const int runs = (tiles + tiles_per_split - 1) / tiles_per_split;
+    if (split >= runs) return;
+    const int first = seen_first + split * tiles_per_split * ATTN_TILE;
+    const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
+
     // The row's new key and value where this launch makes them ready (at position `fresh`).
     __shared__ __align__(16) float k_new[MAX_HEAD_DIM];
     const float* v_new = nullptr;
@@ -205,20 +239,16 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
         __syncthreads();
     }
 
-    const int n_split = gridDim.z, split = blockIdx.z;
-    const int seen_first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
-    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
-    const int tiles_per_split = (tiles + n_split - 1) / n_split;
-    const int first = seen_first + split * tiles_per_split * ATTN_TILE;
-    const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
     // Keys read 4 floats at a time where every head's keys start on 16 bytes.
     const bool vec = hd % 4 == 0;
     const int group = threadIdx.x / ATTN_GROUP, in_group = threadIdx.x % ATTN_GROUP;
     const int groups = blockDim.x / ATTN_GROUP;
     float mx = -INFINITY, sum = 0.0f;
-    float acc[MAX_HEAD_DIM / WARP];
+    // The weighted values' sums: element c of acc[j] is dimension 128 j + 4 lane + c.
+    const bool vec_v = hdv % 4 == 0;
+    float4 acc[MAX_HEAD_DIM / 128];
 #pragma unroll
-    for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) acc[j] = 0.0f;
+    for (int j = 0; j < MAX_HEAD_DIM / 128; j++) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
     for (int start = first; start <= last; start += ATTN_TILE) {
         const int n = min(ATTN_TILE, last + 1 - start);
@@ -263,15 +293,18 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
         sum = sum * corr + tile_sum;
         mx = new_max;
 #pragma unroll
-        for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) acc[j] *= corr;
-#pragma unroll 4
+        for (int j = 0; j < MAX_HEAD_DIM / 128; j++) acc[j] = attn_scaled(acc[j], corr);
+        // Each warp adds every fourth position's values, four elements a lane a load and eight
+        // positions' loads in flight (one element a lane, four in flight, took 8 rounds of
+        // memory latency a tile, the scores' pass 2).
+#pragma unroll 8
         for (int t = warp; t < n; t += ATTN_WARPS) {
             const float e = weight[t];
             const float* vp = start + t == fresh ? v_new : V + (long long)((start + t) % ri.slots) * v_dim;
 #pragma unroll
-            for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
-                const int i = lane + j * WARP;
-                if (i < hdv) acc[j] += e * vp[i];
+            for (int j = 0; j < MAX_HEAD_DIM / 128; j++) {
+                const int i = 128 * j + 4 * lane;
+                if (i < hdv) acc[j] = attn_fma4(e, attn_load4(vp, i, hdv, vec_v), acc[j]);
             }
         }
         // The next tile's scores overwrite the weights.
@@ -280,14 +313,17 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
 
     __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
 #pragma unroll
-    for (int j = 0; j < MAX_HEAD_DIM / WARP; j++) {
-        const int i = lane + j * WARP;
-        if (i < hdv) wacc[warp][i] = acc[j];
+    for (int j = 0; j < MAX_HEAD_DIM / 128; j++) {
+        const int i = 128 * j + 4 * lane;
+        const float a[4] = {acc[j].x, acc[j].y, acc[j].z, acc[j].w};
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            if (i + c < hdv) wacc[warp][i + c] = a[c];
     }
     __syncthreads();
     const long long o = (long long)r * n_head * hdv + h * hdv;
     const float sink = p.sinks ? p.sinks[h] : -INFINITY;
-    if (n_split == 1) {
+    if (runs == 1) {
         // With a sink the denominator gains exp(sink); all taken relative to the larger max.
         const float top = fmaxf(mx, sink);
         const float keep = expf(mx - top);
@@ -302,7 +338,7 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
         }
         return;
     }
-    // This run's part; a run past the last position leaves max -inf, sum 0.
+    // This run's part.
     const long long head = (long long)r * n_head + h;
     float* part = p.partial + (head * n_split + split) * (2 + hdv);
     if (threadIdx.x == 0) {
@@ -318,24 +354,38 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
     __threadfence();
     __syncthreads();
     __shared__ bool last_block;
-    if (threadIdx.x == 0) last_block = atomicAdd(p.done + head, 1u) == (unsigned)n_split - 1;
+    if (threadIdx.x == 0) last_block = atomicAdd(p.done + head, 1u) == (unsigned)runs - 1;
     __syncthreads();
     if (!last_block) return;
     __threadfence();
     const float* parts = p.partial + head * n_split * (2 + hdv);
-    float top = sink;
-    for (int s = 0; s < n_split; s++) top = fmaxf(top, __ldcg(parts + s * (2 + hdv)));
-    float denom = p.sinks ? expf(sink - top) : 0.0f;
-    for (int s = 0; s < n_split; s++) {
-        const float m_s = __ldcg(parts + s * (2 + hdv));
-        if (m_s > -INFINITY) denom += __ldcg(parts + s * (2 + hdv) + 1) * expf(m_s - top);
+    // Each run's max and sum read once by a thread of its own, its weight exp(max - top) and
+    // the denominator taken once (in the order of the runs), then every element's sum over
+    // the runs (runs <= ATTN_MAX_RUNS <= blockDim.x).
+    __shared__ float run_w[ATTN_MAX_RUNS], run_sum[ATTN_MAX_RUNS];
+    __shared__ float denom_all;
+    if (threadIdx.x < runs) {
+        run_w[threadIdx.x] = __ldcg(parts + threadIdx.x * (2 + hdv));
+        run_sum[threadIdx.x] = __ldcg(parts + threadIdx.x * (2 + hdv) + 1);
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float top = sink;
+        for (int s = 0; s < runs; s++) top = fmaxf(top, run_w[s]);
+        float denom = p.sinks ? expf(sink - top) : 0.0f;
+        for (int s = 0; s < runs; s++) {
+            const float m_s = run_w[s];
+            run_w[s] = m_s > -INFINITY ? expf(m_s - top) : 0.0f;
+            denom += run_sum[s] * run_w[s];
+        }
+        denom_all = denom;
+    }
+    __syncthreads();
+    const float denom = denom_all;
     for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
         float v = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float m_s = __ldcg(parts + s * (2 + hdv));
-            if (m_s > -INFINITY) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * expf(m_s - top);
-        }
+#pragma unroll 8
+        for (int s = 0; s < runs; s++) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * run_w[s];
         v /= denom;
         p.out[o + i] = v;
         if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);

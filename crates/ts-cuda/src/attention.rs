@@ -281,7 +281,11 @@ impl Cuda {
         // The split is fixed by the cache's size, not the position: a recorded step replays it.
         let slots = self.step.lock().expect("step lock").as_ref().and_then(|s| s.slots.get(il).copied()).unwrap_or(0);
         let n_split = match m * shape.n_head <= SPLIT_COUNTERS {
-            true => slots.div_ceil(SPLIT_POSITIONS).clamp(1, MAX_SPLIT),
+            true => slots
+                .div_ceil(crate::device::attention_tile())
+                .min(MAX_SPLIT)
+                .min(SPLIT_RUNS / (m * shape.n_head).max(1))
+                .max(1),
             false => 1,
         };
         let partial = match n_split > 1 {
@@ -321,10 +325,17 @@ impl Cuda {
 
 /// Counters of decode attention's split runs (`Cuda::attn_done`): rows x query heads.
 pub(crate) const SPLIT_COUNTERS: usize = 4096;
-/// Cache slots per run of a split decode attention (four of attention.cu's 128-position tiles).
-const SPLIT_POSITIONS: usize = 512;
-/// Runs a decode attention is split into at most.
-const MAX_SPLIT: usize = 16;
+// A split decode attention: the live positions of a cache of n slots are cut evenly over at
+// most n / tile runs (`device::attention_tile`, 128 positions), one block each working at once.
+// With four tiles a run and at most 16 runs, decode on the H200 lost 56% of its speed from
+// position 0 to 2048 (qwen3-30b-a3b: 319 to 142 tok/s), llama.cpp 7%.
+/// Runs a decode attention is split into at most (64 tiles: 8,192 positions at one tile a run;
+/// attention.cu's ATTN_MAX_RUNS).
+const MAX_SPLIT: usize = 64;
+/// Runs of one launch at most (rows x query heads x runs): each layer's partial sums take
+/// room in the step's arena until the step ends, so more rows get fewer runs (one row of 32
+/// heads 64, eight rows 16: no more room than at most 16 runs took before).
+const SPLIT_RUNS: usize = 4096;
 
 /// attention.cu's `DecodeAttn`.
 #[repr(C)]

@@ -335,13 +335,36 @@ fn compile(arch: (i32, i32)) -> Result<cudarc::nvrtc::Ptx, CudaError> {
 pub fn compile_for(arch: &'static str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     let src = kernel_source();
     let mut options = vec!["--std=c++17".to_string()];
-    // A measurement knob: kernel variants chosen by defines ("TS_WORD_NO_L1 TS_Q8_UNROLL=4").
-    if let Ok(defines) = std::env::var("TURBOSPARK_NVRTC_DEFINES") {
-        options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
-    }
+    options.extend(kernel_defines());
     let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), options, ..Default::default() };
     guard("loading NVRTC", || cudarc::nvrtc::compile_ptx_with_opts(src, opts))?
         .map_err(|e| CudaError::Compile(e.to_string()))
+}
+
+/// The kernels' `-D` options: the measurement knobs' variants (`TURBOSPARK_NVRTC_DEFINES`, e.g.
+/// "TS_WORD_NO_L1 TS_Q8_UNROLL=4") and decode attention's tile.
+pub fn kernel_defines() -> Vec<String> {
+    let mut options: Vec<String> = std::env::var("TURBOSPARK_NVRTC_DEFINES")
+        .map(|d| d.split_whitespace().map(|d| format!("-D{d}")).collect())
+        .unwrap_or_default();
+    // A tile named among the defines stays theirs (a second -D would redefine it).
+    if !options.iter().any(|d| d.starts_with("-DATTN_TILE")) {
+        options.push(format!("-DATTN_TILE={}", attention_tile()));
+    }
+    options
+}
+
+/// Positions decode attention scores at once, and a run's share of a split cache (attention.cu's
+/// ATTN_TILE): 128, or `TURBOSPARK_ATTN_TILE` (32, 64, 128 or 256), a measurement knob.
+pub fn attention_tile() -> usize {
+    static TILE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILE.get_or_init(|| {
+        std::env::var("TURBOSPARK_ATTN_TILE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|t| [32, 64, 128, 256].contains(t))
+            .unwrap_or(128)
+    })
 }
 
 /// Names of the kernels (`.entry NAME(`) in PTX text.

@@ -305,10 +305,8 @@ fn nvrtc_compile(src: &str) -> Result<(String, String), String> {
     let prog = result::create_program(&src, Some(c"matmul.cu")).map_err(|e| format!("{e:?}"))?;
     let mut options =
         vec!["--gpu-architecture=sm_90".to_string(), format!("--include-path={}", kernels_dir().display())];
-    // The backend's kernel-variant knob, so that a variant is checked before a lease.
-    if let Ok(defines) = std::env::var("TURBOSPARK_NVRTC_DEFINES") {
-        options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
-    }
+    // The backend's defines (its kernel-variant knobs), so that a variant is checked before a lease.
+    options.extend(ts_cuda::device::kernel_defines());
     // SAFETY: `prog` comes from create_program and is destroyed once, last.
     unsafe {
         let compiled = result::compile_program(prog, &options);

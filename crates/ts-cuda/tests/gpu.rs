@@ -421,8 +421,11 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
         (16, 2, 128, 128, 128, false, true, [700, 1030, 40]),
         (6, 2, 96, 64, 96, true, true, [4, 7, 0]),
         (8, 1, 256, 256, 256, false, true, [600, 2, 1]),
+        // A cache of more than 64 tiles: runs of two tiles (8,900 positions), one run of two
+        // tiles, and a row whose one tile leaves every other run idle.
+        (8, 2, 64, 64, 64, false, false, [8900, 130, 0]),
     ] {
-        let n_ctx = 1100;
+        let n_ctx = (past.iter().max().unwrap() + 70).max(1100);
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
         let (c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
         let head_norm = norm.then_some(HeadNorm { q: Some(&q_scale), k: Some(&k_scale), eps: 1e-6 });

@@ -15,6 +15,7 @@ use ts_engine::decode::{Logits, Piece};
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, peak_rss_bytes};
 use ts_engine::speculative::SpecOptions;
+use ts_model::SeqState;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -24,6 +25,11 @@ pub struct BenchArgs {
     /// Tokens to generate (0 skips the test).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     n_gen: usize,
+    /// Tokens already in the sequence before each prompt and generation test, e.g. `0,4096`
+    /// (llama-bench's `-d`): written untimed first, each test reported as `pp512 @ d4096`.
+    /// The --parallel and drafter tests hold only their prompts of -p tokens.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    n_depth: Vec<usize>,
     /// Repetitions of each test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
     repetitions: usize,
@@ -116,7 +122,8 @@ fn measure<B: ts_model::Backend>(
     threads: usize,
     args: &BenchArgs,
 ) -> Result<Measured> {
-    let n_ctx = args.n_prompt.max(args.n_gen).max(1);
+    let deepest = args.n_depth.iter().copied().max().unwrap_or(0);
+    let n_ctx = deepest + args.n_prompt.max(args.n_gen).max(1);
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % n_vocab) as u32).collect() };
@@ -127,46 +134,59 @@ fn measure<B: ts_model::Backend>(
     let mut results = Vec::new();
     let mut cache_lines = Vec::new();
     let snapshot = || engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats());
-    if args.n_prompt > 0 {
-        let mut tps = Vec::new();
-        let mut before = snapshot();
-        for rep in 0..warm + args.repetitions {
-            let prompt = tokens(args.n_prompt);
+    for &depth in &args.n_depth {
+        let named = |test: String| if depth == 0 { test } else { format!("{test} @ d{depth}") };
+        // The sequence cleared and `depth` tokens written, untimed.
+        let fill = |seq: &mut SeqState<B::State>, context: &[u32]| -> Result<()> {
             seq.clear();
-            if rep == warm {
-                before = snapshot();
+            if !context.is_empty() {
+                engine.prefill(seq, context, false)?;
             }
-            let t = Instant::now();
-            engine.prefill(&mut seq, &prompt, false)?;
-            if rep >= warm {
-                tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+            Ok(())
+        };
+        if args.n_prompt > 0 {
+            let test = named(format!("pp{}", args.n_prompt));
+            let mut tps = Vec::new();
+            let mut before = snapshot();
+            for rep in 0..warm + args.repetitions {
+                let (context, prompt) = (tokens(depth), tokens(args.n_prompt));
+                fill(&mut seq, &context)?;
+                if rep == warm {
+                    before = snapshot();
+                }
+                let t = Instant::now();
+                engine.prefill(&mut seq, &prompt, false)?;
+                if rep >= warm {
+                    tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+                }
             }
-        }
-        results.push((format!("pp{}", args.n_prompt), mean_sd(&tps)));
-        if let (Some(a), Some(b)) = (snapshot(), before) {
-            cache_lines.push((format!("pp{}", args.n_prompt), a.since(&b), args.n_prompt * args.repetitions));
-        }
-    }
-    if args.n_gen > 0 {
-        let mut tps = Vec::new();
-        let mut before = snapshot();
-        for rep in 0..warm + args.repetitions {
-            let steps = tokens(args.n_gen);
-            seq.clear();
-            if rep == warm {
-                before = snapshot();
-            }
-            let t = Instant::now();
-            for &tok in &steps {
-                engine.prefill(&mut seq, &[tok], false)?;
-            }
-            if rep >= warm {
-                tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+            results.push((test.clone(), mean_sd(&tps)));
+            if let (Some(a), Some(b)) = (snapshot(), before) {
+                cache_lines.push((test, a.since(&b), args.n_prompt * args.repetitions));
             }
         }
-        results.push((format!("tg{}", args.n_gen), mean_sd(&tps)));
-        if let (Some(a), Some(b)) = (snapshot(), before) {
-            cache_lines.push((format!("tg{}", args.n_gen), a.since(&b), args.n_gen * args.repetitions));
+        if args.n_gen > 0 {
+            let test = named(format!("tg{}", args.n_gen));
+            let mut tps = Vec::new();
+            let mut before = snapshot();
+            for rep in 0..warm + args.repetitions {
+                let (context, steps) = (tokens(depth), tokens(args.n_gen));
+                fill(&mut seq, &context)?;
+                if rep == warm {
+                    before = snapshot();
+                }
+                let t = Instant::now();
+                for &tok in &steps {
+                    engine.prefill(&mut seq, &[tok], false)?;
+                }
+                if rep >= warm {
+                    tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+                }
+            }
+            results.push((test.clone(), mean_sd(&tps)));
+            if let (Some(a), Some(b)) = (snapshot(), before) {
+                cache_lines.push((test, a.since(&b), args.n_gen * args.repetitions));
+            }
         }
     }
 

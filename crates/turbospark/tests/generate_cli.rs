@@ -115,6 +115,17 @@ fn bench_runs_each_thread_count_of_a_list() {
         assert_eq!(tests, ["pp8", "tg4"], "{r}");
         assert!(r["tests"][1]["tokens_per_second"].as_f64().unwrap() > 0.0, "{r}");
     }
+    // `-d` (llama-bench's depth): each test again after that many tokens, named so.
+    let out = bench(&["--json", "-d", "0,16"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let first: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    let tests: Vec<&str> = first["tests"].as_array().unwrap().iter().map(|t| t["test"].as_str().unwrap()).collect();
+    assert_eq!(tests, ["pp8", "tg4", "pp8 @ d16", "tg4 @ d16"], "{first}");
+    assert!(
+        first["tests"].as_array().unwrap().iter().all(|t| t["tokens_per_second"].as_f64().unwrap() > 0.0),
+        "{first}"
+    );
     let out = bench(&[]);
     let table = String::from_utf8_lossy(&out.stdout);
     for (threads, test) in [(1, "pp8"), (1, "tg4"), (2, "pp8"), (2, "tg4")] {
