@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (no Rust there): the CUDA op and fixture tests, then
 # benchmarks on synthetic models, from binaries built here by tools/gpu-build.sh
-# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|wide|misses|cpu-sweep|depth]
+# into .devbin/. Usage there: tools/gpu-run.sh [tests|bench|all|real|profile|before-after|batched|peer-build|peer-profile|side|sweep|ncu-detail|timing|host-timing|spec|wide|misses|cpu-sweep|depth|peer-unpack]
 # (`real`: the real models staged by tools/gpu-stage.sh, greedy on GPU vs CPU;
 # `before-after [LIKE...]`: .devbin/turbospark-before (an earlier commit's build) beside
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
@@ -170,6 +170,20 @@ if [[ $what == peer-build ]]; then
     done
     # Niced: our runs beside them keep their host thread.
     [[ -n $chain ]] && setsid nohup nice -n 19 bash -c "$chain" > /dev/null 2>&1 &
+fi
+if [[ $what == peer-unpack ]]; then
+    # `peer-unpack` (a call of its own that carries .peer-bin, the fixtures hidden): llama.cpp's
+    # and ik_llama.cpp's CUDA binaries prebuilt on the developers' machine (tools/peer-prebuild.md)
+    # unpacked where peer-build's builds go, and marked built, so `side`, `depth` and `spec` run
+    # them without the 6-13 minutes of building here.
+    for peer in llama ik; do
+        pack=.peer-bin/$peer-cuda-bin.tar.xz
+        [[ -f $pack ]] || continue
+        dir=/tmp/${peer/llama/lc}build
+        mkdir -p $dir/bin && tar -xJf $pack -C $dir/bin --strip-components=1
+        if $dir/bin/llama-bench --help > /dev/null 2>&1; then echo "built 0" > $dir.log; else echo "built 1" > $dir.log; fi
+        echo "$peer: $(tail -1 $dir.log) ($(ls $dir/bin | tr '\n' ' '))"
+    done
 fi
 if [[ $what == timing ]]; then
     # `timing LIKE...`: where a replayed decode step's time goes (TURBOSPARK_STEP_TIMING), with
