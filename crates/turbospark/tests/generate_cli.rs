@@ -4,6 +4,15 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 /// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
+/// Held by the tests whose processes run several threads of model work: run side by side on a
+/// 2-core machine, the others' threads distorted the step timer's figures against bench's.
+static BUSY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The lock of [`BUSY`], also after another holder's test failed.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    BUSY.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn model(file: &str) -> std::path::PathBuf {
     let path = ts_testkit::models_dir().join(file);
     assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
@@ -51,6 +60,7 @@ fn chat_answers_two_turns_through_the_template() {
 /// prompt lookup has guesses to make.
 #[test]
 fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
+    let _alone = alone();
     let model = model("smollm2-135m-instruct-q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args([
@@ -97,6 +107,7 @@ fn bench_with_a_drafter_reports_both_runs_and_the_guesses() {
 /// refuse a list by name, and every command a count of 0.
 #[test]
 fn bench_runs_each_thread_count_of_a_list() {
+    let _alone = alone();
     let model = model("smollm2-135m-instruct-q4_1.gguf");
     let bench = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_turbospark"))
@@ -148,6 +159,7 @@ fn bench_runs_each_thread_count_of_a_list() {
 /// the threads' idle share is a fraction.
 #[test]
 fn cpu_timing_accounts_for_a_decode_step() {
+    let _alone = alone();
     let model = model("smollm2-135m-instruct-q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["bench", "-m", model.to_str().unwrap(), "-t", "2", "-p", "0", "-n", "128", "-r", "1", "--json"])
