@@ -89,8 +89,10 @@ if [[ $what == profile-prefill ]]; then
     python3 tools/ncu-summary.py "$OUT/profile-prefill-$like.log" | tee "$OUT/profile-prefill-$like.txt" | head -25
     rm -f "$OUT/profile-prefill-$like.log"
 fi
-# The synthetic model `$1` in /tmp (written once per machine).
+# The synthetic model `$1` in /tmp (written once per machine), or `$1` itself where it is a
+# file (a real model staged by tools/gpu-stage.sh).
 synth() {
+    [[ -f $1 ]] && { echo "$1"; return; }
     local f=/tmp/$1.gguf
     [[ -f $f ]] || "$B"/turbospark synth --like "$1" -o "$f" 2>&1 | tail -1 >&2
     echo "$f"
@@ -273,7 +275,7 @@ if [[ $what == side ]]; then
     # has no quarter-tier runs.
     shift
     for like in "$@"; do
-        if [[ -f $like ]]; then f=$like; else f=$(synth "$like"); fi
+        f=$(synth "$like")
         like=$(basename "$like" .gguf)
         q=$(quarter "$f")
         n_layer=$("$B"/turbospark inspect --json "$f" | python3 -c 'import json,sys
@@ -320,7 +322,7 @@ if [[ $what == depth ]]; then
     shift
     depths=${DEPTHS:-0,1024,4096}
     for like in "$@"; do
-        if [[ -f $like ]]; then f=$like; else f=$(synth "$like"); fi
+        f=$(synth "$like")
         like=$(basename "$like" .gguf)
         for bin in ${DEPTH_BINS-turbospark-before turbospark}; do
             [[ -x $B/$bin ]] || continue
@@ -356,7 +358,8 @@ if [[ $what == sweep ]]; then
     # one process each.
     shift
     for like in "$@"; do
-        if [[ -f $like ]]; then f=$like; like=$(basename "$like" .gguf); else f=$(synth "$like"); fi
+        f=$(synth "$like")
+        like=$(basename "$like" .gguf)
         IFS=';' read -ra settings <<< "${SWEEP:-}"
         for setting in "${settings[@]}"; do
             echo "== $like, ${SWEEP_BENCH:-pp512} with $setting"
@@ -376,8 +379,8 @@ if [[ $what == cpu-sweep ]]; then
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
     for like in "$@"; do
-        # A staged model's path as it is (tools/gpu-stage.sh), else a synthetic file.
-        if [[ $like == *.gguf ]]; then f=$like like=$(basename "$like" .gguf); else f=$(synth "$like"); fi
+        f=$(synth "$like")
+        like=$(basename "$like" .gguf)
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
         for setting in "${settings[@]}"; do
             echo "== $like, -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"

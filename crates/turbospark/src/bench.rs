@@ -15,7 +15,6 @@ use ts_engine::decode::{Logits, Piece};
 use ts_engine::sampler::SamplerConfig;
 use ts_engine::session::{Engine, peak_rss_bytes};
 use ts_engine::speculative::SpecOptions;
-use ts_model::SeqState;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -134,58 +133,36 @@ fn measure<B: ts_model::Backend>(
     let mut results = Vec::new();
     let mut cache_lines = Vec::new();
     let snapshot = || engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats());
+    // Each depth's prompt test (pp: the tokens in one prefill) and generation test (tg: one
+    // token a step), each after `depth` untimed tokens in a cleared sequence.
     for &depth in &args.n_depth {
-        let named = |test: String| if depth == 0 { test } else { format!("{test} @ d{depth}") };
-        // The sequence cleared and `depth` tokens written, untimed.
-        let fill = |seq: &mut SeqState<B::State>, context: &[u32]| -> Result<()> {
-            seq.clear();
-            if !context.is_empty() {
-                engine.prefill(seq, context, false)?;
+        for (name, n, step) in [("pp", args.n_prompt, args.n_prompt), ("tg", args.n_gen, 1)] {
+            if n == 0 {
+                continue;
             }
-            Ok(())
-        };
-        if args.n_prompt > 0 {
-            let test = named(format!("pp{}", args.n_prompt));
+            let test = if depth == 0 { format!("{name}{n}") } else { format!("{name}{n} @ d{depth}") };
             let mut tps = Vec::new();
             let mut before = snapshot();
             for rep in 0..warm + args.repetitions {
-                let (context, prompt) = (tokens(depth), tokens(args.n_prompt));
-                fill(&mut seq, &context)?;
+                let (context, input) = (tokens(depth), tokens(n));
+                seq.clear();
+                if !context.is_empty() {
+                    engine.prefill(&mut seq, &context, false)?;
+                }
                 if rep == warm {
                     before = snapshot();
                 }
                 let t = Instant::now();
-                engine.prefill(&mut seq, &prompt, false)?;
+                for piece in input.chunks(step) {
+                    engine.prefill(&mut seq, piece, false)?;
+                }
                 if rep >= warm {
-                    tps.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+                    tps.push(n as f64 / t.elapsed().as_secs_f64());
                 }
             }
             results.push((test.clone(), mean_sd(&tps)));
             if let (Some(a), Some(b)) = (snapshot(), before) {
-                cache_lines.push((test, a.since(&b), args.n_prompt * args.repetitions));
-            }
-        }
-        if args.n_gen > 0 {
-            let test = named(format!("tg{}", args.n_gen));
-            let mut tps = Vec::new();
-            let mut before = snapshot();
-            for rep in 0..warm + args.repetitions {
-                let (context, steps) = (tokens(depth), tokens(args.n_gen));
-                fill(&mut seq, &context)?;
-                if rep == warm {
-                    before = snapshot();
-                }
-                let t = Instant::now();
-                for &tok in &steps {
-                    engine.prefill(&mut seq, &[tok], false)?;
-                }
-                if rep >= warm {
-                    tps.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
-                }
-            }
-            results.push((test.clone(), mean_sd(&tps)));
-            if let (Some(a), Some(b)) = (snapshot(), before) {
-                cache_lines.push((test, a.since(&b), args.n_gen * args.repetitions));
+                cache_lines.push((test, a.since(&b), n * args.repetitions));
             }
         }
     }
