@@ -132,10 +132,12 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 #ifndef ATTN_TILE
 #define ATTN_TILE 128
 #endif
-// Lanes that share one position's dot product in the scores' pass.
+// Lanes that share one position's dot products in the scores' pass.
 #define ATTN_GROUP 8
 
-// A decode attention launch: grid (n_head, m, n_split), block 32 * ATTN_WARPS.
+// A decode attention launch: grid (n_head_kv * ceil(group / heads_per_block), m, n_split),
+// block 32 * ATTN_WARPS, where group = n_head / n_head_kv; a block takes heads_per_block
+// query heads of one KV head (the last block of a KV head the rest).
 struct DecodeAttn {
     const float* q;  // [m][n_head * hd]
     float* out;  // [m][n_head * hdv]
@@ -145,13 +147,13 @@ struct DecodeAttn {
     float2* ods;
     float* partial;  // n_split > 1: [m][n_head][n_split][2 + hdv] (max, sum, weighted values)
     unsigned int* done;  // n_split > 1: [m * n_head] counters, zero between launches
-    int n_head, n_head_kv, hd, hdv, window;
+    int n_head, n_head_kv, hd, hdv, window, heads_per_block;
     float scale, softcap;
     // With rope.k not null, the rows' queries and new keys as the projections left them:
-    // each block makes its query head and its KV head's new key ready itself (rope_store's
+    // each block makes its query heads and their KV head's new key ready itself (rope_store's
     // work, for rows of distinct sequences: a row sees no other row's new key), attends the
-    // row's own position with that key and rope.v's value, and the first query head of each
-    // KV head (split 0) stores them in the cache.
+    // row's own position with that key and rope.v's value, and the first block of each KV
+    // head (split 0) stores them in the cache.
     RopeStore rope;
 };
 
@@ -163,6 +165,10 @@ __device__ __forceinline__ float4 attn_fma4(float e, float4 v, float4 a) {
     return make_float4(a.x + e * v.x, a.y + e * v.y, a.z + e * v.z, a.w + e * v.w);
 }
 
+__device__ __forceinline__ float attn_dot4(float4 a, float4 b) {
+    return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
+
 // Elements i .. i + 3 of a value row of hdv (zeros past it): one 16-byte load where rows
 // start on 16 bytes (hdv a multiple of 4).
 __device__ __forceinline__ float4 attn_load4(const float* v, int i, int hdv, bool vec) {
@@ -171,47 +177,88 @@ __device__ __forceinline__ float4 attn_load4(const float* v, int i, int hdv, boo
                        i + 3 < hdv ? v[i + 3] : 0.0f);
 }
 
-// Max (is_max) or sum over the block's ATTN_WARPS warps; red holds ATTN_WARPS floats and is
-// free again when every thread has returned.
-__device__ __forceinline__ float attn_block_reduce(float v, float* red, bool is_max) {
-    v = is_max ? warp_max(v) : warp_sum(v);
-    if (threadIdx.x % WARP == 0) red[threadIdx.x / WARP] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int w = 1; w < ATTN_WARPS; w++) r = is_max ? fmaxf(r, red[w]) : r + red[w];
-    return r;
+// Head `h` [len] in shared memory made ready by one warp (ready_head's work): RMS-normed
+// (times `w` where not null) where `p.norm` is set, then rotated at position `at`.
+__device__ __forceinline__ void ready_head_warp(float* h, int len, const RopeStore& p, const float* w, float at) {
+    const int lane = threadIdx.x % WARP;
+    if (p.norm) {
+        float ss = 0.0f;
+        for (int i = lane; i < len; i += WARP) ss += h[i] * h[i];
+        const float scale = rsqrtf(warp_sum(ss) / len + p.eps);
+        for (int i = lane; i < len; i += WARP) h[i] = h[i] * scale * (w ? w[i] : 1.0f);
+        __syncwarp();
+    }
+    const int half = p.n_rot / 2;
+    for (int i = lane; i < half; i += WARP) {
+        float s, c;
+        sincosf(at * p.inv_freq[i], &s, &c);
+        c *= p.mscale;
+        s *= p.mscale;
+        const int a = p.interleaved ? 2 * i : i;
+        const int o = p.interleaved ? 2 * i + 1 : i + half;
+        const float x0 = h[a], x1 = h[o];
+        h[a] = x0 * c - x1 * s;
+        h[o] = x0 * s + x1 * c;
+    }
+    __syncwarp();
 }
 
-// One query head of one row over the positions it sees (its window, or all up to its
-// position), ATTN_TILE positions at a time: groups of ATTN_GROUP lanes score one position
-// each (a tile's keys all in flight at once, not one position per warp after another), the
-// tile's max and weights are taken over the block, then each warp adds the values of every
-// fourth position; the running max and sum rescale the warps' sums from tile to tile, and
-// the warps' sums are added at the end. With n_split = gridDim.z > 1 the positions are cut
-// into at most n_split runs of equally many whole tiles, one per block (long contexts: more
-// blocks at work, each a short chain of loads); blocks past the last run leave at once. With
-// one run its block writes the output; with more, each leaves its max, sum and weighted
-// values in `partial`, and the run that finishes last (`done`) combines them and resets its
-// counter. Heads of up to MAX_HEAD_DIM (`attention`:
-// 256; `attention_wide`: 512, gemma4's global layers).
-template <int MAX_HEAD_DIM>
-__device__ __forceinline__ void attention_head(const DecodeAttn& p) {
-    const float* q = p.q;
-    const RowKv* info = p.info;
+// Sums of G values over the ATTN_GROUP lanes of a group: lane j of the group is left with
+// value j % G's sum. Lanes G or more apart add their values whole; then each level halves
+// what a lane holds (the lane with bit o set keeps the upper half): 7 shuffles for 8 values.
+template <int G>
+__device__ __forceinline__ float attn_group_sums(float (&d)[G], int in_group) {
+#pragma unroll
+    for (int o = ATTN_GROUP / 2; o >= G; o >>= 1)
+#pragma unroll
+        for (int j = 0; j < G; j++) d[j] += __shfl_xor_sync(0xffffffffu, d[j], o);
+#pragma unroll
+    for (int n = G; n > 1; n >>= 1) {
+        const int o = n / 2;
+        const bool upper = in_group & o;
+#pragma unroll
+        for (int k = 0; k < n / 2; k++) {
+            const float send = upper ? d[k] : d[k + o];
+            const float keep = upper ? d[k + o] : d[k];
+            d[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    return d[0];
+}
+
+// Up to G query heads of one KV head for one row, over the positions they see (their window,
+// or all up to the row's position), ATTN_TILE positions at a time. Each key and value is read
+// once for the block's heads (not once per head: 6-8 times over for grouped-query models).
+// Groups of ATTN_GROUP lanes score one position for every head (a tile's keys all in flight at
+// once), warp j % ATTN_WARPS takes head j's tile max and weights, then each warp adds every
+// fourth position's values to every head's sums; running maxima and sums rescale the sums
+// from tile to tile, and the warps' sums are added at the end. With n_split = gridDim.z > 1
+// the positions are cut into at most n_split runs of equally many whole tiles, one per block
+// (long contexts: more blocks at work, each a short chain of loads); blocks past the last run
+// leave at once. With one run its block writes the output; with more, each leaves its maxima,
+// sums and weighted values in `partial`, and the run that finishes last (`done`) combines
+// them and resets its counter. Heads of up to MAX_HEAD_DIM.
+template <int MAX_HEAD_DIM, int G>
+__device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
+    static_assert(G <= ATTN_GROUP && ATTN_WARPS * WARP >= ATTN_MAX_RUNS, "attention launch shape");
     const int n_head = p.n_head, n_head_kv = p.n_head_kv, hd = p.hd, hdv = p.hdv, window = p.window;
     const float scale = p.scale, softcap = p.softcap;
-    const int h = blockIdx.x, r = blockIdx.y;
+    const int group = n_head / n_head_kv;
+    const int per_block = min(G, p.heads_per_block);
+    const int blocks_per_kv = (group + per_block - 1) / per_block;
+    const int kvh = blockIdx.x / blocks_per_kv, chunk = blockIdx.x % blocks_per_kv;
+    const int h0 = kvh * group + chunk * per_block, g = min(per_block, group - chunk * per_block);
+    const int r = blockIdx.y;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const RowKv ri = info[r];
-    const int kvh = h / (n_head / n_head_kv);
+    const RowKv ri = p.info[r];
     const int kv_dim = n_head_kv * hd, v_dim = n_head_kv * hdv;
-    const float* qh = q + (long long)r * n_head * hd + h * hd;
     const float* K = (const float*)ri.k + kvh * hd;
     const float* V = (const float*)ri.v + kvh * hdv;
 
-    __shared__ __align__(16) float qs[MAX_HEAD_DIM];
-    __shared__ float weight[ATTN_TILE];
-    __shared__ float red[ATTN_WARPS];
+    __shared__ __align__(16) float qs[G][MAX_HEAD_DIM];
+    __shared__ __align__(16) float k_new[MAX_HEAD_DIM];
+    __shared__ float weight[G][ATTN_TILE];
+    __shared__ float head_corr[G];
     // This block's run of whole tiles; runs past the last tile (a short sequence in a long
     // cache) leave at once, and the runs that have positions combine among themselves.
     const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS), split = blockIdx.z;
@@ -223,184 +270,247 @@ __device__ __forceinline__ void attention_head(const DecodeAttn& p) {
     const int first = seen_first + split * tiles_per_split * ATTN_TILE;
     const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
 
-    // The row's new key and value where this launch makes them ready (at position `fresh`).
-    __shared__ __align__(16) float k_new[MAX_HEAD_DIM];
+    // The block's query heads (contiguous in q), and where this launch makes them ready the
+    // KV head's new key (at position `fresh`) beside them, all loads in flight at once.
+    const bool fused = p.rope.k != nullptr;
+    const float* qh = p.q + ((long long)r * n_head + h0) * hd;
+    const float* kh = fused ? p.rope.k + (long long)r * kv_dim + kvh * hd : nullptr;
+    for (int i = threadIdx.x; i < (g + fused) * hd; i += blockDim.x) {
+        const int j = i / hd, e = i - j * hd;
+        if (j < g) qs[j][e] = qh[i];
+        else k_new[e] = kh[e];
+    }
+    __syncthreads();
     const float* v_new = nullptr;
     int fresh = -1;
-    if (p.rope.k) {
+    if (fused) {
         const float at = (float)p.rope.pos[r];
-        ready_head(qs, qh, hd, p.rope, p.rope.q_scale, at);
-        ready_head(k_new, p.rope.k + (long long)r * kv_dim + kvh * hd, hd, p.rope, p.rope.k_scale, at);
+        for (int j = warp; j <= g; j += ATTN_WARPS)
+            ready_head_warp(j < g ? qs[j] : k_new, hd, p.rope, j < g ? p.rope.q_scale : p.rope.k_scale, at);
+        __syncthreads();
         v_new = p.rope.v + (long long)r * v_dim + kvh * hdv;
         fresh = (int)ri.pos;
-        if (h % (n_head / n_head_kv) == 0 && blockIdx.z == 0) store_kv_head(p.rope, r, kvh, k_new, v_new);
-    } else {
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = qh[i];
-        __syncthreads();
+        if (chunk == 0 && split == 0) store_kv_head(p.rope, r, kvh, k_new, v_new);
     }
 
     // Keys read 4 floats at a time where every head's keys start on 16 bytes.
     const bool vec = hd % 4 == 0;
-    const int group = threadIdx.x / ATTN_GROUP, in_group = threadIdx.x % ATTN_GROUP;
-    const int groups = blockDim.x / ATTN_GROUP;
-    float mx = -INFINITY, sum = 0.0f;
-    // The weighted values' sums: element c of acc[j] is dimension 128 j + 4 lane + c.
-    const bool vec_v = hdv % 4 == 0;
-    float4 acc[MAX_HEAD_DIM / 128];
+    const int pgroup = threadIdx.x / ATTN_GROUP, in_group = threadIdx.x % ATTN_GROUP;
+    const int pgroups = blockDim.x / ATTN_GROUP;
+    // Head j's running max and sum, held by every lane of warp j % ATTN_WARPS.
+    constexpr int OWN = (G + ATTN_WARPS - 1) / ATTN_WARPS;
+    float mx[OWN], sum[OWN];
 #pragma unroll
-    for (int j = 0; j < MAX_HEAD_DIM / 128; j++) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < OWN; k++) mx[k] = -INFINITY, sum[k] = 0.0f;
+    // Head j's weighted values' sums: element c of acc[j][u] is dimension 128 u + 4 lane + c.
+    const bool vec_v = hdv % 4 == 0;
+    float4 acc[G][MAX_HEAD_DIM / 128];
+#pragma unroll
+    for (int j = 0; j < G; j++)
+#pragma unroll
+        for (int u = 0; u < MAX_HEAD_DIM / 128; u++) acc[j][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
     for (int start = first; start <= last; start += ATTN_TILE) {
         const int n = min(ATTN_TILE, last + 1 - start);
         // Whole warps go round together (the groups' shuffles name every lane).
 #pragma unroll 4
-        for (int base = 0; base < n; base += groups) {
-            const int t = base + group;
-            float d = 0.0f;
+        for (int base = 0; base < n; base += pgroups) {
+            const int t = base + pgroup;
+            float d[G];
+#pragma unroll
+            for (int j = 0; j < G; j++) d[j] = 0.0f;
             if (t < n) {
                 const float* kp = start + t == fresh ? k_new : K + (long long)((start + t) % ri.slots) * kv_dim;
                 if (vec) {
                     for (int i = 4 * in_group; i < hd; i += 4 * ATTN_GROUP) {
                         const float4 k4 = *(const float4*)(kp + i);
-                        const float4 q4 = *(const float4*)(qs + i);
-                        d += q4.x * k4.x + q4.y * k4.y + q4.z * k4.z + q4.w * k4.w;
+#pragma unroll
+                        for (int j = 0; j < G; j++)
+                            if (j < g) d[j] += attn_dot4(*(const float4*)(&qs[j][i]), k4);
                     }
                 } else {
-                    for (int i = in_group; i < hd; i += ATTN_GROUP) d += qs[i] * kp[i];
+                    for (int i = in_group; i < hd; i += ATTN_GROUP) {
+                        const float k = kp[i];
+#pragma unroll
+                        for (int j = 0; j < G; j++)
+                            if (j < g) d[j] += qs[j][i] * k;
+                    }
                 }
             }
-#pragma unroll
-            for (int o = ATTN_GROUP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-            float s = d * scale;
-            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-            if (t < n && in_group == 0) weight[t] = s;
+            const float dot = attn_group_sums<G>(d, in_group);
+            if (t < n && in_group < g) {
+                float s = dot * scale;
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                weight[in_group][t] = s;
+            }
         }
         __syncthreads();
-        float tile_max = -INFINITY;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) tile_max = fmaxf(tile_max, weight[t]);
-        const float new_max = fmaxf(mx, attn_block_reduce(tile_max, red, true));
-        float tile_sum = 0.0f;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) {
-            const float e = expf(weight[t] - new_max);
-            weight[t] = e;
-            tile_sum += e;
-        }
-        // The reduction's barrier also makes the weights whole; red is read before it is
-        // written again.
-        __syncthreads();
-        tile_sum = attn_block_reduce(tile_sum, red, false);
-        const float corr = expf(mx - new_max);
-        sum = sum * corr + tile_sum;
-        mx = new_max;
 #pragma unroll
-        for (int j = 0; j < MAX_HEAD_DIM / 128; j++) acc[j] = attn_scaled(acc[j], corr);
-        // Each warp adds every fourth position's values, four elements a lane a load and eight
-        // positions' loads in flight (one element a lane, four in flight, took 8 rounds of
-        // memory latency a tile, the scores' pass 2).
-#pragma unroll 8
+        for (int k = 0; k < OWN; k++) {
+            const int j = warp + k * ATTN_WARPS;
+            if (j < g) {
+                float tile_max = -INFINITY;
+                for (int t = lane; t < n; t += WARP) tile_max = fmaxf(tile_max, weight[j][t]);
+                const float new_max = fmaxf(mx[k], warp_max(tile_max));
+                float tile_sum = 0.0f;
+                for (int t = lane; t < n; t += WARP) {
+                    const float e = expf(weight[j][t] - new_max);
+                    weight[j][t] = e;
+                    tile_sum += e;
+                }
+                const float corr = expf(mx[k] - new_max);
+                sum[k] = sum[k] * corr + warp_sum(tile_sum);
+                mx[k] = new_max;
+                if (lane == 0) head_corr[j] = corr;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < G; j++) {
+            const float corr = j < g ? head_corr[j] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < MAX_HEAD_DIM / 128; u++) acc[j][u] = attn_scaled(acc[j][u], corr);
+        }
+        // Each warp adds every fourth position's values, four elements a lane a load, several
+        // positions' loads in flight.
+#pragma unroll 4
         for (int t = warp; t < n; t += ATTN_WARPS) {
-            const float e = weight[t];
+            float e[G];
+#pragma unroll
+            for (int j = 0; j < G; j++) e[j] = j < g ? weight[j][t] : 0.0f;
             const float* vp = start + t == fresh ? v_new : V + (long long)((start + t) % ri.slots) * v_dim;
 #pragma unroll
-            for (int j = 0; j < MAX_HEAD_DIM / 128; j++) {
-                const int i = 128 * j + 4 * lane;
-                if (i < hdv) acc[j] = attn_fma4(e, attn_load4(vp, i, hdv, vec_v), acc[j]);
+            for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
+                const int i = 128 * u + 4 * lane;
+                if (i < hdv) {
+                    const float4 v4 = attn_load4(vp, i, hdv, vec_v);
+#pragma unroll
+                    for (int j = 0; j < G; j++) acc[j][u] = attn_fma4(e[j], v4, acc[j][u]);
+                }
             }
         }
         // The next tile's scores overwrite the weights.
         __syncthreads();
     }
 
+    // Each head's warps' sums added, then its output (one run) or its part (several).
     __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
+    __shared__ float head_max[G], head_sum[G];
 #pragma unroll
-    for (int j = 0; j < MAX_HEAD_DIM / 128; j++) {
-        const int i = 128 * j + 4 * lane;
-        const float a[4] = {acc[j].x, acc[j].y, acc[j].z, acc[j].w};
-#pragma unroll
-        for (int c = 0; c < 4; c++)
-            if (i + c < hdv) wacc[warp][i + c] = a[c];
+    for (int k = 0; k < OWN; k++) {
+        const int j = warp + k * ATTN_WARPS;
+        if (j < g && lane == 0) head_max[j] = mx[k], head_sum[j] = sum[k];
     }
-    __syncthreads();
-    const long long o = (long long)r * n_head * hdv + h * hdv;
-    const float sink = p.sinks ? p.sinks[h] : -INFINITY;
-    if (runs == 1) {
-        // With a sink the denominator gains exp(sink); all taken relative to the larger max.
-        const float top = fmaxf(mx, sink);
-        const float keep = expf(mx - top);
-        const float denom = sum * keep + (p.sinks ? expf(sink - top) : 0.0f);
-        // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
-        for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
-            float v = 0.0f;
-            for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
-            v = v * keep / denom;
-            p.out[o + i] = v;
-            if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
+    const long long head0 = (long long)r * n_head + h0;
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        if (j >= g) break;
+        // The previous head's readers are done with wacc (and the maxima are visible).
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
+            const int i = 128 * u + 4 * lane;
+            const float a[4] = {acc[j][u].x, acc[j][u].y, acc[j][u].z, acc[j][u].w};
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                if (i + c < hdv) wacc[warp][i + c] = a[c];
         }
-        return;
+        __syncthreads();
+        if (runs == 1) {
+            // With a sink the denominator gains exp(sink); all taken relative to the larger max.
+            const float sink = p.sinks ? p.sinks[h0 + j] : -INFINITY;
+            const float top = fmaxf(head_max[j], sink);
+            const float keep = expf(head_max[j] - top);
+            const float denom = head_sum[j] * keep + (p.sinks ? expf(sink - top) : 0.0f);
+            const long long o = (head0 + j) * hdv;
+            // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
+            for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
+                float v = 0.0f;
+                for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+                v = v * keep / denom;
+                p.out[o + i] = v;
+                if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
+            }
+        } else {
+            float* part = p.partial + ((head0 + j) * n_split + split) * (2 + hdv);
+            if (threadIdx.x == 0) {
+                part[0] = head_max[j];
+                part[1] = head_sum[j];
+            }
+            for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
+                float v = 0.0f;
+                for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+                part[2 + i] = v;
+            }
+        }
     }
-    // This run's part.
-    const long long head = (long long)r * n_head + h;
-    float* part = p.partial + (head * n_split + split) * (2 + hdv);
-    if (threadIdx.x == 0) {
-        part[0] = mx;
-        part[1] = sum;
-    }
-    for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
-        float v = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
-        part[2 + i] = v;
-    }
+    if (runs == 1) return;
     // Parts written before the count; the last block to count reads them all.
     __threadfence();
     __syncthreads();
     __shared__ bool last_block;
-    if (threadIdx.x == 0) last_block = atomicAdd(p.done + head, 1u) == (unsigned)runs - 1;
+    if (threadIdx.x == 0) last_block = atomicAdd(p.done + head0, 1u) == (unsigned)runs - 1;
     __syncthreads();
     if (!last_block) return;
     __threadfence();
-    const float* parts = p.partial + head * n_split * (2 + hdv);
-    // Each run's max and sum read once by a thread of its own, its weight exp(max - top) and
-    // the denominator taken once (in the order of the runs), then every element's sum over
-    // the runs (runs <= ATTN_MAX_RUNS <= blockDim.x).
-    __shared__ float run_w[ATTN_MAX_RUNS], run_sum[ATTN_MAX_RUNS];
-    __shared__ float denom_all;
-    if (threadIdx.x < runs) {
-        run_w[threadIdx.x] = __ldcg(parts + threadIdx.x * (2 + hdv));
-        run_sum[threadIdx.x] = __ldcg(parts + threadIdx.x * (2 + hdv) + 1);
+    // Each run's max and sum read once, each run's weight exp(max - top) and each head's
+    // denominator taken once by a thread of the head's (in the order of the runs), then every
+    // element's sum over the runs. The block's heads' outputs are contiguous: g * hdv from
+    // the first's.
+    __shared__ float run_w[G][ATTN_MAX_RUNS], run_sum[G][ATTN_MAX_RUNS];
+    __shared__ float denom_all[G];
+    for (int i = threadIdx.x; i < g * runs; i += blockDim.x) {
+        const int j = i / runs, s = i - j * runs;
+        const float* part = p.partial + ((head0 + j) * n_split + s) * (2 + hdv);
+        run_w[j][s] = __ldcg(part);
+        run_sum[j][s] = __ldcg(part + 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < g) {
+        const int j = threadIdx.x;
+        const float sink = p.sinks ? p.sinks[h0 + j] : -INFINITY;
         float top = sink;
-        for (int s = 0; s < runs; s++) top = fmaxf(top, run_w[s]);
+        for (int s = 0; s < runs; s++) top = fmaxf(top, run_w[j][s]);
         float denom = p.sinks ? expf(sink - top) : 0.0f;
         for (int s = 0; s < runs; s++) {
-            const float m_s = run_w[s];
-            run_w[s] = m_s > -INFINITY ? expf(m_s - top) : 0.0f;
-            denom += run_sum[s] * run_w[s];
+            const float m_s = run_w[j][s];
+            run_w[j][s] = m_s > -INFINITY ? expf(m_s - top) : 0.0f;
+            denom += run_sum[j][s] * run_w[j][s];
         }
-        denom_all = denom;
+        denom_all[j] = denom;
     }
     __syncthreads();
-    const float denom = denom_all;
-    for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
+    const long long o0 = head0 * hdv;
+    // With oq, g * hdv is a multiple of 32: whole warps take part in each 8-bit block.
+    for (int f = threadIdx.x; f < g * hdv; f += blockDim.x) {
+        const int j = f / hdv, i = f - j * hdv;
+        const float* parts = p.partial + (head0 + j) * n_split * (2 + hdv);
         float v = 0.0f;
 #pragma unroll 8
-        for (int s = 0; s < runs; s++) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * run_w[s];
-        v /= denom;
-        p.out[o + i] = v;
-        if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
+        for (int s = 0; s < runs; s++) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * run_w[j][s];
+        v /= denom_all[j];
+        p.out[o0 + f] = v;
+        if (p.oq) ts_q8_store_warp(v, o0 + f, p.oq, p.ods);
     }
-    if (threadIdx.x == 0) p.done[head] = 0;
+    if (threadIdx.x == 0) p.done[head0] = 0;
 }
 
+// Heads of up to 128 (most models), 8 query heads a block.
 extern "C" __global__ void attention(const DecodeAttn p) {
     ts_grid_begin();
-    attention_head<256>(p);
+    attention_heads<128, 8>(p);
 }
 
+// Heads of up to 256, 4 query heads a block.
+extern "C" __global__ void attention_256(const DecodeAttn p) {
+    ts_grid_begin();
+    attention_heads<256, 4>(p);
+}
+
+// Heads of up to 512 (gemma4's global layers), one query head a block.
 extern "C" __global__ void attention_wide(const DecodeAttn p) {
     ts_grid_begin();
-    attention_head<512>(p);
+    attention_heads<512, 1>(p);
 }
 
 // Attention for a prompt: rows of one sequence, heads and values of at most 128. A block takes

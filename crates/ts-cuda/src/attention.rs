@@ -292,6 +292,7 @@ impl Cuda {
             true => Some(self.act(m * shape.n_head * n_split * (2 + shape.head_dim_v))?),
             false => None,
         };
+        let (kernel, heads_per_block) = decode_kernel(shape);
         let params = DecodeAttn {
             q: self.p(q),
             out: self.p(&out),
@@ -306,13 +307,15 @@ impl Cuda {
             hd: shape.head_dim as i32,
             hdv: shape.head_dim_v as i32,
             window: self.windows[il],
+            heads_per_block: heads_per_block as i32,
             scale: shape.scale,
             softcap: shape.softcap.unwrap_or(0.0),
             rope: rope.unwrap_or_default(),
         };
+        let group = shape.n_head / shape.n_head_kv;
         self.launch_with(
-            if shape.head_dim.max(shape.head_dim_v) > 256 { "attention_wide" } else { "attention" },
-            (shape.n_head as u32, m as u32, n_split as u32),
+            kernel,
+            ((shape.n_head_kv * group.div_ceil(heads_per_block)) as u32, m as u32, n_split as u32),
             (128, 1, 1),
             &params,
         )?;
@@ -337,6 +340,18 @@ const MAX_SPLIT: usize = 64;
 /// heads 64, eight rows 16: no more room than at most 16 runs took before).
 const SPLIT_RUNS: usize = 4096;
 
+/// The decode attention kernel for heads of this size, and the query heads of one KV head
+/// each block takes: at most the kernel's (8 for heads of up to 128, 4 up to 256, 1 up to
+/// 512), its group's, and `device::attention_heads`.
+fn decode_kernel(shape: &AttnShape) -> (&'static str, usize) {
+    let (kernel, most) = match shape.head_dim.max(shape.head_dim_v) {
+        0..=128 => ("attention", 8),
+        129..=256 => ("attention_256", 4),
+        _ => ("attention_wide", 1),
+    };
+    (kernel, most.min(crate::device::attention_heads()).min(shape.n_head / shape.n_head_kv).max(1))
+}
+
 /// attention.cu's `DecodeAttn`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -354,6 +369,7 @@ struct DecodeAttn {
     hd: i32,
     hdv: i32,
     window: i32,
+    heads_per_block: i32,
     scale: f32,
     softcap: f32,
     rope: RopeStore,

@@ -367,6 +367,19 @@ pub fn attention_tile() -> usize {
     })
 }
 
+/// Query heads of one KV head a decode attention block takes at most (each key and value read
+/// once for them): 8, or `TURBOSPARK_ATTN_HEADS` (1, 2, 4 or 8), a measurement knob.
+pub fn attention_heads() -> usize {
+    static HEADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *HEADS.get_or_init(|| {
+        std::env::var("TURBOSPARK_ATTN_HEADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|h| [1, 2, 4, 8].contains(h))
+            .unwrap_or(8)
+    })
+}
+
 /// Names of the kernels (`.entry NAME(`) in PTX text.
 pub fn ptx_entries(ptx: &str) -> Vec<String> {
     ptx.lines()

@@ -424,6 +424,8 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
         // A cache of more than 64 tiles: runs of two tiles (8,900 positions), one run of two
         // tiles, and a row whose one tile leaves every other run idle.
         (8, 2, 64, 64, 64, false, false, [8900, 130, 0]),
+        // Two blocks of 8 query heads a KV head, each making the KV head's new key ready.
+        (32, 2, 64, 64, 64, true, true, [300, 5, 1]),
     ] {
         let n_ctx = (past.iter().max().unwrap() + 70).max(1100);
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
@@ -820,6 +822,8 @@ fn attention_matches_the_cpu() {
         (12, 4, 64, Some(7), true, Some(30.0)),
         (6, 6, 96, Some(40), false, None),
         (4, 2, 66, Some(200), true, None),
+        // 16 query heads to a KV head: two decode blocks of 8 share each key and value.
+        (32, 2, 128, None, true, None),
     ] {
         // Chunks of 4 rows take the per-row kernel; of 20, `attention_prompt` where the shape allows,
         // and without `exact` `attention_prompt_mma` (f16 tensor cores) for heads of 64 and 128:
