@@ -11,8 +11,9 @@
 set -u
 what=${1:-all}
 export TURBOSPARK_ROOT=$PWD
-# gpu-build.sh carries the binaries xz-compressed: unpacked once per machine.
-B=/tmp/devbin
+# gpu-build.sh carries the binaries xz-compressed: unpacked once per machine. DEVBIN names
+# another folder of unpacked binaries (an earlier build's turbospark, for `spec` or `depth`).
+B=${DEVBIN:-/tmp/devbin}
 mkdir -p $B
 # Carried once per lease: later calls of a warm machine may leave .devbin out.
 shopt -s nullglob
@@ -178,8 +179,12 @@ if [[ $what == peer-unpack ]]; then
     # and ik_llama.cpp's CUDA binaries prebuilt on the developers' machine (tools/peer-prebuild.md)
     # unpacked where peer-build's builds go, and marked built, so `side`, `depth` and `spec` run
     # them without the 6-13 minutes of building here.
+    # ik_llama.cpp's pack (199 MB) travels in pieces of 52 MB (.peer-bin-ik/NNN), each carried
+    # by a call of its own that copies it to /root/peer; they are joined here.
+    if compgen -G "/root/peer/ikpart.*" > /dev/null; then cat /root/peer/ikpart.* > /tmp/ik-cuda-bin.tar.xz; fi
     for peer in llama ik; do
         pack=.peer-bin/$peer-cuda-bin.tar.xz
+        [[ -f $pack ]] || pack=/tmp/$peer-cuda-bin.tar.xz
         [[ -f $pack ]] || continue
         dir=/tmp/${peer/llama/lc}build
         mkdir -p $dir/bin && tar -xJf $pack -C $dir/bin --strip-components=1

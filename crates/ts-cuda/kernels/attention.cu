@@ -63,6 +63,15 @@ struct RopeStore {
     float mscale, eps;
 };
 
+// Pair i of head h rotated by (c, s): elements 2i and 2i + 1 (interleaved) or i and i + half.
+__device__ __forceinline__ void rotate_pair(float* h, int i, int half, int interleaved, float c, float s) {
+    const int a = interleaved ? 2 * i : i;
+    const int o = interleaved ? 2 * i + 1 : i + half;
+    const float x0 = h[a], x1 = h[o];
+    h[a] = x0 * c - x1 * s;
+    h[o] = x0 * s + x1 * c;
+}
+
 // Head `x` [len] made ready in shared `h` [len]: RMS-normed (times `w` where not null) where
 // `p.norm` is set, then rotated at position `at` as `rope` rotates it. Every thread of the
 // block calls it; h is whole on return.
@@ -83,13 +92,7 @@ __device__ __forceinline__ void ready_head(float* h, const float* x, int len, co
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(at * p.inv_freq[i], &s, &c);
-        c *= p.mscale;
-        s *= p.mscale;
-        const int a = p.interleaved ? 2 * i : i;
-        const int o = p.interleaved ? 2 * i + 1 : i + half;
-        const float x0 = h[a], x1 = h[o];
-        h[a] = x0 * c - x1 * s;
-        h[o] = x0 * s + x1 * c;
+        rotate_pair(h, i, half, p.interleaved, c * p.mscale, s * p.mscale);
     }
     __syncthreads();
 }
@@ -124,7 +127,10 @@ extern "C" __global__ void rope_store(const RopeStore p) {
     if (key) store_kv_head(p, row, head, h, p.v + (long long)b * p.head_dim_v);
 }
 
-#define ATTN_WARPS 4
+// Warps of a decode attention block (device.rs's attention_warps sets it).
+#ifndef ATTN_WARPS
+#define ATTN_WARPS 16
+#endif
 // Runs a split decode attention has at most (attention.rs's MAX_SPLIT; more blocks leave).
 #define ATTN_MAX_RUNS 64
 // Positions scored together: their weights wait in shared memory for the values' pass
@@ -134,10 +140,13 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 #endif
 // Lanes that share one position's dot products in the scores' pass.
 #define ATTN_GROUP 8
+// Elements a thread of the combining block sums at once.
+#define ATTN_COMBINE 8
 
-// A decode attention launch: grid (n_head_kv * ceil(group / heads_per_block), m, n_split),
-// block 32 * ATTN_WARPS, where group = n_head / n_head_kv; a block takes heads_per_block
-// query heads of one KV head (the last block of a KV head the rest).
+// A decode attention launch: grid (n_head, m, n_split), block 32 * ATTN_WARPS. Block b takes
+// query head b alone while its row sees fewer than group_tiles tiles; from there on the
+// block of every heads_per_block-th head of a KV head's group takes that head and the next
+// ones of its group (up to heads_per_block), and the blocks between leave at once.
 struct DecodeAttn {
     const float* q;  // [m][n_head * hd]
     float* out;  // [m][n_head * hdv]
@@ -147,7 +156,7 @@ struct DecodeAttn {
     float2* ods;
     float* partial;  // n_split > 1: [m][n_head][n_split][2 + hdv] (max, sum, weighted values)
     unsigned int* done;  // n_split > 1: [m * n_head] counters, zero between launches
-    int n_head, n_head_kv, hd, hdv, window, heads_per_block;
+    int n_head, n_head_kv, hd, hdv, window, heads_per_block, group_tiles;
     float scale, softcap;
     // With rope.k not null, the rows' queries and new keys as the projections left them:
     // each block makes its query heads and their KV head's new key ready itself (rope_store's
@@ -178,8 +187,10 @@ __device__ __forceinline__ float4 attn_load4(const float* v, int i, int hdv, boo
 }
 
 // Head `h` [len] in shared memory made ready by one warp (ready_head's work): RMS-normed
-// (times `w` where not null) where `p.norm` is set, then rotated at position `at`.
-__device__ __forceinline__ void ready_head_warp(float* h, int len, const RopeStore& p, const float* w, float at) {
+// (times `w` [len] where not null) where `p.norm` is set, then rotated by the row's
+// cos / sin [n_rot / 2] (mscale in them).
+__device__ __forceinline__ void ready_head_warp(float* h, int len, const RopeStore& p, const float* w,
+                                                const float* cos_t, const float* sin_t) {
     const int lane = threadIdx.x % WARP;
     if (p.norm) {
         float ss = 0.0f;
@@ -189,17 +200,7 @@ __device__ __forceinline__ void ready_head_warp(float* h, int len, const RopeSto
         __syncwarp();
     }
     const int half = p.n_rot / 2;
-    for (int i = lane; i < half; i += WARP) {
-        float s, c;
-        sincosf(at * p.inv_freq[i], &s, &c);
-        c *= p.mscale;
-        s *= p.mscale;
-        const int a = p.interleaved ? 2 * i : i;
-        const int o = p.interleaved ? 2 * i + 1 : i + half;
-        const float x0 = h[a], x1 = h[o];
-        h[a] = x0 * c - x1 * s;
-        h[o] = x0 * s + x1 * c;
-    }
+    for (int i = lane; i < half; i += WARP) rotate_pair(h, i, half, p.interleaved, cos_t[i], sin_t[i]);
     __syncwarp();
 }
 
@@ -226,31 +227,28 @@ __device__ __forceinline__ float attn_group_sums(float (&d)[G], int in_group) {
     return d[0];
 }
 
-// Up to G query heads of one KV head for one row, over the positions they see (their window,
-// or all up to the row's position), ATTN_TILE positions at a time. Each key and value is read
-// once for the block's heads (not once per head: 6-8 times over for grouped-query models).
-// Groups of ATTN_GROUP lanes score one position for every head (a tile's keys all in flight at
-// once), warp j % ATTN_WARPS takes head j's tile max and weights, then each warp adds every
-// fourth position's values to every head's sums; running maxima and sums rescale the sums
-// from tile to tile, and the warps' sums are added at the end. With n_split = gridDim.z > 1
+// Query heads h0 .. h0 + g - 1 (g <= G; h0 the in_kv-th of its group) of KV head kvh for one
+// row, over the positions they see (their window, or all up to the row's position), ATTN_TILE
+// positions at a time; each key and value is read once for the block's heads (blocks of one
+// query head read them 6-8 times over in grouped-query models). Groups of ATTN_GROUP lanes
+// score one position for every head (a tile's keys all in flight at once), warp j % ATTN_WARPS
+// takes head j's tile max and weights, then each warp adds every ATTN_WARPS-th position's
+// values to every head's sums; running maxima and sums rescale the sums from tile to tile,
+// and the warps' sums are added at the end. With n_split = gridDim.z > 1
 // the positions are cut into at most n_split runs of equally many whole tiles, one per block
 // (long contexts: more blocks at work, each a short chain of loads); blocks past the last run
 // leave at once. With one run its block writes the output; with more, each leaves its maxima,
 // sums and weighted values in `partial`, and the run that finishes last (`done`) combines
-// them and resets its counter. Heads of up to MAX_HEAD_DIM.
+// them and resets its counter. Heads of up to MAX_HEAD_DIM; `wacc` [ATTN_WARPS][MAX_HEAD_DIM]
+// is shared memory for the warps' sums.
 template <int MAX_HEAD_DIM, int G>
-__device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
+__device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv ri, int seen_first, int tiles,
+                                                int h0, int g, int kvh, int in_kv, float (*wacc)[MAX_HEAD_DIM]) {
     static_assert(G <= ATTN_GROUP && ATTN_WARPS * WARP >= ATTN_MAX_RUNS, "attention launch shape");
-    const int n_head = p.n_head, n_head_kv = p.n_head_kv, hd = p.hd, hdv = p.hdv, window = p.window;
+    const int n_head = p.n_head, n_head_kv = p.n_head_kv, hd = p.hd, hdv = p.hdv;
     const float scale = p.scale, softcap = p.softcap;
-    const int group = n_head / n_head_kv;
-    const int per_block = min(G, p.heads_per_block);
-    const int blocks_per_kv = (group + per_block - 1) / per_block;
-    const int kvh = blockIdx.x / blocks_per_kv, chunk = blockIdx.x % blocks_per_kv;
-    const int h0 = kvh * group + chunk * per_block, g = min(per_block, group - chunk * per_block);
     const int r = blockIdx.y;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const RowKv ri = p.info[r];
     const int kv_dim = n_head_kv * hd, v_dim = n_head_kv * hdv;
     const float* K = (const float*)ri.k + kvh * hd;
     const float* V = (const float*)ri.v + kvh * hdv;
@@ -262,8 +260,6 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
     // This block's run of whole tiles; runs past the last tile (a short sequence in a long
     // cache) leave at once, and the runs that have positions combine among themselves.
     const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS), split = blockIdx.z;
-    const int seen_first = window > 0 ? max(0, (int)ri.pos + 1 - window) : 0;
-    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
     const int tiles_per_split = (tiles + n_split - 1) / n_split;
     const int runs = (tiles + tiles_per_split - 1) / tiles_per_split;
     if (split >= runs) return;
@@ -271,26 +267,54 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
     const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
 
     // The block's query heads (contiguous in q), and where this launch makes them ready the
-    // KV head's new key (at position `fresh`) beside them, all loads in flight at once.
+    // KV head's new key (at position `fresh`) beside them, its norms' weights and the row's
+    // rotation: all loads in flight at once (16 bytes a load where heads allow).
     const bool fused = p.rope.k != nullptr;
     const float* qh = p.q + ((long long)r * n_head + h0) * hd;
     const float* kh = fused ? p.rope.k + (long long)r * kv_dim + kvh * hd : nullptr;
-    for (int i = threadIdx.x; i < (g + fused) * hd; i += blockDim.x) {
-        const int j = i / hd, e = i - j * hd;
-        if (j < g) qs[j][e] = qh[i];
-        else k_new[e] = kh[e];
+    if (hd % 4 == 0) {
+        const int n4 = hd / 4;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (g + fused) * n4; i += blockDim.x) {
+            const int j = i / n4, e = 4 * (i - j * n4);
+            const float4 x = *(const float4*)(j < g ? qh + j * hd + e : kh + e);
+            *(float4*)(j < g ? &qs[j][e] : &k_new[e]) = x;
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < (g + fused) * hd; i += blockDim.x) {
+            const int j = i / hd, e = i - j * hd;
+            if (j < g) qs[j][e] = qh[i];
+            else k_new[e] = kh[e];
+        }
+    }
+    __shared__ float w_q[MAX_HEAD_DIM], w_k[MAX_HEAD_DIM], cos_t[MAX_HEAD_DIM / 2], sin_t[MAX_HEAD_DIM / 2];
+    if (fused) {
+        const float at = (float)p.rope.pos[r];
+        for (int i = threadIdx.x; i < p.rope.n_rot / 2; i += blockDim.x) {
+            float s, c;
+            sincosf(at * p.rope.inv_freq[i], &s, &c);
+            cos_t[i] = c * p.rope.mscale;
+            sin_t[i] = s * p.rope.mscale;
+        }
+        if (p.rope.norm)
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+                if (p.rope.q_scale) w_q[i] = p.rope.q_scale[i];
+                if (p.rope.k_scale) w_k[i] = p.rope.k_scale[i];
+            }
     }
     __syncthreads();
     const float* v_new = nullptr;
     int fresh = -1;
     if (fused) {
-        const float at = (float)p.rope.pos[r];
-        for (int j = warp; j <= g; j += ATTN_WARPS)
-            ready_head_warp(j < g ? qs[j] : k_new, hd, p.rope, j < g ? p.rope.q_scale : p.rope.k_scale, at);
+        for (int j = warp; j <= g; j += ATTN_WARPS) {
+            const float* w = j < g ? (p.rope.q_scale ? w_q : nullptr) : (p.rope.k_scale ? w_k : nullptr);
+            ready_head_warp(j < g ? qs[j] : k_new, hd, p.rope, w, cos_t, sin_t);
+        }
         __syncthreads();
         v_new = p.rope.v + (long long)r * v_dim + kvh * hdv;
         fresh = (int)ri.pos;
-        if (chunk == 0 && split == 0) store_kv_head(p.rope, r, kvh, k_new, v_new);
+        if (in_kv == 0 && split == 0) store_kv_head(p.rope, r, kvh, k_new, v_new);
     }
 
     // Keys read 4 floats at a time where every head's keys start on 16 bytes.
@@ -371,9 +395,9 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
 #pragma unroll
             for (int u = 0; u < MAX_HEAD_DIM / 128; u++) acc[j][u] = attn_scaled(acc[j][u], corr);
         }
-        // Each warp adds every fourth position's values, four elements a lane a load, several
-        // positions' loads in flight.
-#pragma unroll 4
+        // Each warp adds every ATTN_WARPS-th position's values, four elements a lane a load,
+        // eight positions' loads in flight.
+#pragma unroll 8
         for (int t = warp; t < n; t += ATTN_WARPS) {
             float e[G];
 #pragma unroll
@@ -385,7 +409,8 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
                 if (i < hdv) {
                     const float4 v4 = attn_load4(vp, i, hdv, vec_v);
 #pragma unroll
-                    for (int j = 0; j < G; j++) acc[j][u] = attn_fma4(e[j], v4, acc[j][u]);
+                    for (int j = 0; j < G; j++)
+                        if (j < g) acc[j][u] = attn_fma4(e[j], v4, acc[j][u]);
                 }
             }
         }
@@ -394,7 +419,6 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
     }
 
     // Each head's warps' sums added, then its output (one run) or its part (several).
-    __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
     __shared__ float head_max[G], head_sum[G];
 #pragma unroll
     for (int k = 0; k < OWN; k++) {
@@ -481,36 +505,76 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p) {
     }
     __syncthreads();
     const long long o0 = head0 * hdv;
+    // Each thread sums up to ATTN_COMBINE elements at once (their loads in flight together).
     // With oq, g * hdv is a multiple of 32: whole warps take part in each 8-bit block.
-    for (int f = threadIdx.x; f < g * hdv; f += blockDim.x) {
-        const int j = f / hdv, i = f - j * hdv;
-        const float* parts = p.partial + (head0 + j) * n_split * (2 + hdv);
-        float v = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < runs; s++) v += __ldcg(parts + s * (2 + hdv) + 2 + i) * run_w[j][s];
-        v /= denom_all[j];
-        p.out[o0 + f] = v;
-        if (p.oq) ts_q8_store_warp(v, o0 + f, p.oq, p.ods);
+    for (int f0 = threadIdx.x; f0 < g * hdv; f0 += ATTN_COMBINE * blockDim.x) {
+        float v[ATTN_COMBINE];
+        const float* parts[ATTN_COMBINE];
+        float* w[ATTN_COMBINE];
+        bool live[ATTN_COMBINE];
+#pragma unroll
+        for (int k = 0; k < ATTN_COMBINE; k++) {
+            const int f = f0 + k * blockDim.x, j = min(f, g * hdv - 1) / hdv;
+            live[k] = f < g * hdv;
+            parts[k] = p.partial + (head0 + j) * n_split * (2 + hdv) + 2 + (f - j * hdv);
+            w[k] = run_w[j];
+            v[k] = 0.0f;
+        }
+#pragma unroll 2
+        for (int s = 0; s < runs; s++)
+#pragma unroll
+            for (int k = 0; k < ATTN_COMBINE; k++)
+                if (live[k]) v[k] += __ldcg(parts[k] + s * (2 + hdv)) * w[k][s];
+#pragma unroll
+        for (int k = 0; k < ATTN_COMBINE; k++) {
+            const int f = f0 + k * blockDim.x;
+            if (f < g * hdv) {
+                const float x = v[k] / denom_all[f / hdv];
+                p.out[o0 + f] = x;
+                if (p.oq) ts_q8_store_warp(x, o0 + f, p.oq, p.ods);
+            }
+        }
     }
     if (threadIdx.x == 0) p.done[head0] = 0;
 }
 
-// Heads of up to 128 (most models), 8 query heads a block.
-extern "C" __global__ void attention(const DecodeAttn p) {
-    ts_grid_begin();
-    attention_heads<128, 8>(p);
+// Block blockIdx.x's heads: query head blockIdx.x alone (attention_heads<.., 1>: no work for
+// heads it does not have) while its row sees fewer than group_tiles tiles, else with up to
+// heads_per_block - 1 after it in its KV head's group (at most G) where it is the first of
+// them, and none where it is not.
+template <int MAX_HEAD_DIM, int G>
+__device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
+    __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
+    const RowKv ri = p.info[blockIdx.y];
+    const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
+    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+    const int group = p.n_head / p.n_head_kv, h0 = blockIdx.x, kvh = h0 / group, in_kv = h0 % group;
+    const int per_block = tiles >= p.group_tiles ? min(G, p.heads_per_block) : 1;
+    if (G == 1 || per_block == 1) {
+        attention_heads<MAX_HEAD_DIM, 1>(p, ri, seen_first, tiles, h0, 1, kvh, in_kv, wacc);
+    } else if constexpr (G > 1) {
+        if (in_kv % per_block == 0)
+            attention_heads<MAX_HEAD_DIM, G>(p, ri, seen_first, tiles, h0, min(per_block, group - in_kv), kvh,
+                                             in_kv, wacc);
+    }
 }
 
-// Heads of up to 256, 4 query heads a block.
+// Heads of up to 128 (most models), up to 8 query heads a block.
+extern "C" __global__ void attention(const DecodeAttn p) {
+    ts_grid_begin();
+    attention_blocks<128, 8>(p);
+}
+
+// Heads of up to 256, up to 4 query heads a block.
 extern "C" __global__ void attention_256(const DecodeAttn p) {
     ts_grid_begin();
-    attention_heads<256, 4>(p);
+    attention_blocks<256, 4>(p);
 }
 
 // Heads of up to 512 (gemma4's global layers), one query head a block.
 extern "C" __global__ void attention_wide(const DecodeAttn p) {
     ts_grid_begin();
-    attention_heads<512, 1>(p);
+    attention_blocks<512, 1>(p);
 }
 
 // Attention for a prompt: rows of one sequence, heads and values of at most 128. A block takes

@@ -35,6 +35,12 @@ impl Cuda {
         Ok(GpuLayerState::Kv { k: self.state_zeros(slots * kv_dim)?, v: self.state_zeros(slots * v_dim)?, slots })
     }
 
+    /// Sets the positions a row sees from which a decode attention block takes several query
+    /// heads of one KV head (0: always; `usize::MAX`: never), so that tests cover both.
+    pub fn set_attention_group_from(&mut self, positions: usize) {
+        self.attn_group_from = positions;
+    }
+
     /// Adds a layer's rotary frequencies and sliding window (tests build layers by hand).
     pub fn push_rope(&mut self, inv_freq: &[f32], window: Option<usize>) -> Result<(), ModelError> {
         self.ropes.push(Some(self.gpu.upload(inv_freq).map_err(err)?));
@@ -308,15 +314,15 @@ impl Cuda {
             hdv: shape.head_dim_v as i32,
             window: self.windows[il],
             heads_per_block: heads_per_block as i32,
+            group_tiles: self.attn_group_from.div_ceil(crate::device::attention_tile()).min(i32::MAX as usize) as i32,
             scale: shape.scale,
             softcap: shape.softcap.unwrap_or(0.0),
             rope: rope.unwrap_or_default(),
         };
-        let group = shape.n_head / shape.n_head_kv;
         self.launch_with(
             kernel,
-            ((shape.n_head_kv * group.div_ceil(heads_per_block)) as u32, m as u32, n_split as u32),
-            (128, 1, 1),
+            (shape.n_head as u32, m as u32, n_split as u32),
+            ((32 * crate::device::attention_warps()) as u32, 1, 1),
             &params,
         )?;
         if let Some((q, buf)) = q8 {
@@ -340,9 +346,10 @@ const MAX_SPLIT: usize = 64;
 /// heads 64, eight rows 16: no more room than at most 16 runs took before).
 const SPLIT_RUNS: usize = 4096;
 
-/// The decode attention kernel for heads of this size, and the query heads of one KV head
-/// each block takes: at most the kernel's (8 for heads of up to 128, 4 up to 256, 1 up to
-/// 512), its group's, and `device::attention_heads`.
+/// The decode attention kernel for heads of this size, and the query heads of one KV head a
+/// block takes where a row sees `device::attention_group_from` positions or more: at most the
+/// kernel's (8 for heads of up to 128, 4 up to 256, 1 up to 512), its group's, and
+/// `device::attention_heads`.
 fn decode_kernel(shape: &AttnShape) -> (&'static str, usize) {
     let (kernel, most) = match shape.head_dim.max(shape.head_dim_v) {
         0..=128 => ("attention", 8),
@@ -370,12 +377,13 @@ struct DecodeAttn {
     hdv: i32,
     window: i32,
     heads_per_block: i32,
+    group_tiles: i32,
     scale: f32,
     softcap: f32,
     rope: RopeStore,
 }
 
-const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 200);
+const _: () = assert!(std::mem::size_of::<DecodeAttn>() == 208);
 
 /// attention.cu's `ROPE_STORE_MAX_HEAD`.
 const ROPE_STORE_MAX_HEAD: usize = 512;

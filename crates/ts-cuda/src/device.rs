@@ -351,33 +351,49 @@ pub fn kernel_defines() -> Vec<String> {
     if !options.iter().any(|d| d.starts_with("-DATTN_TILE")) {
         options.push(format!("-DATTN_TILE={}", attention_tile()));
     }
+    if !options.iter().any(|d| d.starts_with("-DATTN_WARPS")) {
+        options.push(format!("-DATTN_WARPS={}", attention_warps()));
+    }
     options
+}
+
+/// A measurement knob: the number in environment variable `name` where it is one of `allowed`
+/// (any where `allowed` is empty), else `default`.
+fn knob(name: &str, allowed: &[usize], default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|v| allowed.is_empty() || allowed.contains(v))
+        .unwrap_or(default)
 }
 
 /// Positions decode attention scores at once, and a run's share of a split cache (attention.cu's
 /// ATTN_TILE): 128, or `TURBOSPARK_ATTN_TILE` (32, 64, 128 or 256), a measurement knob.
 pub fn attention_tile() -> usize {
     static TILE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILE.get_or_init(|| {
-        std::env::var("TURBOSPARK_ATTN_TILE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|t| [32, 64, 128, 256].contains(t))
-            .unwrap_or(128)
-    })
+    *TILE.get_or_init(|| knob("TURBOSPARK_ATTN_TILE", &[32, 64, 128, 256], 128))
+}
+
+/// Warps of a decode attention block (attention.cu's ATTN_WARPS): 16, or `TURBOSPARK_ATTN_WARPS`
+/// (2, 4, 8 or 16), a measurement knob.
+pub fn attention_warps() -> usize {
+    static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WARPS.get_or_init(|| knob("TURBOSPARK_ATTN_WARPS", &[2, 4, 8, 16], 16))
 }
 
 /// Query heads of one KV head a decode attention block takes at most (each key and value read
 /// once for them): 8, or `TURBOSPARK_ATTN_HEADS` (1, 2, 4 or 8), a measurement knob.
 pub fn attention_heads() -> usize {
     static HEADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *HEADS.get_or_init(|| {
-        std::env::var("TURBOSPARK_ATTN_HEADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|h| [1, 2, 4, 8].contains(h))
-            .unwrap_or(8)
-    })
+    *HEADS.get_or_init(|| knob("TURBOSPARK_ATTN_HEADS", &[1, 2, 4, 8], 8))
+}
+
+/// Positions a row sees from which a decode attention block takes several query heads of one
+/// KV head (below them, one block a head: more blocks at work on short rows): 1,024, or
+/// `TURBOSPARK_ATTN_GROUP_FROM`, a measurement knob.
+pub fn attention_group_from() -> usize {
+    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| knob("TURBOSPARK_ATTN_GROUP_FROM", &[], 1024))
 }
 
 /// Names of the kernels (`.entry NAME(`) in PTX text.

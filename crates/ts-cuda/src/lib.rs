@@ -165,6 +165,9 @@ pub struct Cuda {
     /// Decode attention's finished runs per (row, head), `[attention::SPLIT_COUNTERS]`, zero
     /// between launches.
     attn_done: CudaSlice<u32>,
+    /// Positions a row sees from which a decode attention block takes several query heads
+    /// (`device::attention_group_from`; tests set it).
+    attn_group_from: usize,
     /// `TURBOSPARK_HOST_TIMING`: the host's time per step by what it was doing.
     host_timing: host_timing::HostTiming,
     /// Rows of the step being run (decode steps may leave cache misses to the CPU).
@@ -229,6 +232,7 @@ impl Cuda {
             half: Mutex::new((gpu.alloc(1).map_err(err)?, gpu.alloc(1).map_err(err)?)),
             route_done: gpu.zeros(moe::DEVICE_MOE_ROWS).map_err(err)?,
             attn_done: gpu.zeros(attention::SPLIT_COUNTERS).map_err(err)?,
+            attn_group_from: device::attention_group_from(),
             gpu,
             weights: BTreeMap::new(),
             vectors: HashMap::new(),

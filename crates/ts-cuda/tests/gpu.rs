@@ -429,7 +429,7 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
     ] {
         let n_ctx = (past.iter().max().unwrap() + 70).max(1100);
         let (q_dim, kv_dim, v_dim) = (n_head * hd, n_head_kv * hd, n_head_kv * hdv);
-        let (c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
+        let (mut c, rope, q_scale, k_scale) = rope_layer(&mut rng, hd, n_rot, interleaved);
         let head_norm = norm.then_some(HeadNorm { q: Some(&q_scale), k: Some(&k_scale), eps: 1e-6 });
         // The CPU's ready heads: normed where asked, rotated at each row's position.
         let ready = |x: &[f32], w: &[f32], rows: &[Row]| {
@@ -493,36 +493,40 @@ fn rope_store_in_decode_attention_matches_the_cpu() {
                 ops::attend(qh, (0..=row.pos).map(key), (0..=row.pos).map(value), &p, &mut Vec::new(), o);
             }
         }
-        let mut seqs: Vec<&mut SeqState<_>> = states.iter_mut().collect();
-        c.begin_direct_step(&rows, &mut seqs, &c.scratch(true)).unwrap();
-        let (mut gq, mut gk, gv) =
-            (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
-        let out = c
-            .rope_store_attention(
-                0,
-                &rope,
-                &mut gq,
-                Some((&mut gk, &gv)),
-                head_norm,
-                &shape,
-                &rows,
-                &mut seqs,
-                &c.scratch(true),
-            )
-            .unwrap();
-        // The fused kernel leaves q as the projection wrote it (the ops one by one rotate it).
-        assert_eq!(c.to_host(&gq).unwrap(), q, "the attention kernel did not take rope_store's work");
-        let err_fused = rel_err(&c.to_host(&out).unwrap(), &want);
-        // What it stored: plain attention of the ready queries reads the new keys from the cache.
-        let gq = c.act_from_host(&want_q).unwrap();
-        let err_stored = rel_err(
-            &c.to_host(&c.attention(0, &shape, &gq, &rows, &mut seqs, &c.scratch(true)).unwrap()).unwrap(),
-            &want,
-        );
-        println!(
-            "rope_store in attention: heads {n_head}/{n_head_kv} hd {hd}/{hdv} n_rot {n_rot} past {past:?}: fused {err_fused:.2e}, stored {err_stored:.2e}"
-        );
-        assert!(err_fused < 1e-5 && err_stored < 1e-5, "{err_fused:e} {err_stored:e}");
+        // Decode blocks of one query head, then of several (the new key made ready by each).
+        for grouped in [false, true] {
+            c.set_attention_group_from(if grouped { 0 } else { usize::MAX });
+            let mut seqs: Vec<&mut SeqState<_>> = states.iter_mut().collect();
+            c.begin_direct_step(&rows, &mut seqs, &c.scratch(true)).unwrap();
+            let (mut gq, mut gk, gv) =
+                (c.act_from_host(&q).unwrap(), c.act_from_host(&k).unwrap(), c.act_from_host(&v).unwrap());
+            let out = c
+                .rope_store_attention(
+                    0,
+                    &rope,
+                    &mut gq,
+                    Some((&mut gk, &gv)),
+                    head_norm,
+                    &shape,
+                    &rows,
+                    &mut seqs,
+                    &c.scratch(true),
+                )
+                .unwrap();
+            // The fused kernel leaves q as the projection wrote it (the ops one by one rotate it).
+            assert_eq!(c.to_host(&gq).unwrap(), q, "the attention kernel did not take rope_store's work");
+            let err_fused = rel_err(&c.to_host(&out).unwrap(), &want);
+            // What it stored: plain attention of the ready queries reads the new keys from the cache.
+            let gq = c.act_from_host(&want_q).unwrap();
+            let err_stored = rel_err(
+                &c.to_host(&c.attention(0, &shape, &gq, &rows, &mut seqs, &c.scratch(true)).unwrap()).unwrap(),
+                &want,
+            );
+            println!(
+                "rope_store in attention: heads {n_head}/{n_head_kv} hd {hd}/{hdv} n_rot {n_rot} past {past:?} grouped {grouped}: fused {err_fused:.2e}, stored {err_stored:.2e}"
+            );
+            assert!(err_fused < 1e-5 && err_stored < 1e-5, "{err_fused:e} {err_stored:e}");
+        }
     }
 }
 
@@ -832,9 +836,16 @@ fn attention_matches_the_cpu() {
         // partial), windows wrapping their ring of slots; a head size not a multiple of 4 reads
         // keys one by one. A cache of 2048 positions splits the per-row kernel's positions
         // over 4 blocks.
-        for (chunk, n_ctx, exact) in
-            [(4, 300, true), (4, 2048, true), (20, 300, true), (20, 300, false), (60, 300, false)]
-        {
+        // Decode rows run with blocks of one query head and of several (`grouped`).
+        for (chunk, n_ctx, exact, grouped) in [
+            (4, 300, true, false),
+            (4, 300, true, true),
+            (4, 2048, true, false),
+            (4, 2048, true, true),
+            (20, 300, true, false),
+            (20, 300, false, false),
+            (60, 300, false, false),
+        ] {
             let n = 300;
             let (kv_dim, q_dim) = (n_head_kv * hd, n_head * hd);
             let kv = cuda.kv_for(&[window], kv_dim, kv_dim, n_ctx, chunk).unwrap();
@@ -843,6 +854,7 @@ fn attention_matches_the_cpu() {
             let mut c = Cuda::open(0).unwrap();
             c.upload_vec(&sink_v).unwrap();
             c.push_rope(&[1.0], window).unwrap();
+            c.set_attention_group_from(if grouped { 0 } else { usize::MAX });
             let shape = AttnShape {
                 n_head,
                 n_head_kv,
@@ -898,7 +910,7 @@ fn attention_matches_the_cpu() {
                 }
             }
             println!(
-                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk} cache {n_ctx} exact {exact}: {worst:.2e}"
+                "attention heads {n_head}/{n_head_kv} hd {hd} window {window:?} sinks {sinks} softcap {softcap:?} chunk {chunk} cache {n_ctx} exact {exact} grouped {grouped}: {worst:.2e}"
             );
             // f16 keys, values, queries and weights where the tensor cores took the prompt.
             let f16 = !exact && chunk >= 16 && matches!(hd, 64 | 128);
