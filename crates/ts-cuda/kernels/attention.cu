@@ -144,7 +144,7 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 #define ATTN_COMBINE 8
 
 // A decode attention launch: grid (n_head, m, n_split), block 32 * ATTN_WARPS. Block b takes
-// query head b alone while its row sees fewer than group_tiles tiles; from there on the
+// query head b alone while its row sees fewer than group_from positions; from there on the
 // block of every heads_per_block-th head of a KV head's group takes that head and the next
 // ones of its group (up to heads_per_block), and the blocks between leave at once.
 struct DecodeAttn {
@@ -156,7 +156,7 @@ struct DecodeAttn {
     float2* ods;
     float* partial;  // n_split > 1: [m][n_head][n_split][2 + hdv] (max, sum, weighted values)
     unsigned int* done;  // n_split > 1: [m * n_head] counters, zero between launches
-    int n_head, n_head_kv, hd, hdv, window, heads_per_block, group_tiles;
+    int n_head, n_head_kv, hd, hdv, window, heads_per_block, group_from;
     float scale, softcap;
     // With rope.k not null, the rows' queries and new keys as the projections left them:
     // each block makes its query heads and their KV head's new key ready itself (rope_store's
@@ -539,7 +539,7 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
 }
 
 // Block blockIdx.x's heads: query head blockIdx.x alone (attention_heads<.., 1>: no work for
-// heads it does not have) while its row sees fewer than group_tiles tiles, else with up to
+// heads it does not have) while its row sees fewer than group_from positions, else with up to
 // heads_per_block - 1 after it in its KV head's group (at most G) where it is the first of
 // them, and none where it is not.
 template <int MAX_HEAD_DIM, int G>
@@ -549,7 +549,7 @@ __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
     const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
     const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
     const int group = p.n_head / p.n_head_kv, h0 = blockIdx.x, kvh = h0 / group, in_kv = h0 % group;
-    const int per_block = tiles >= p.group_tiles ? min(G, p.heads_per_block) : 1;
+    const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
     if (G == 1 || per_block == 1) {
         attention_heads<MAX_HEAD_DIM, 1>(p, ri, seen_first, tiles, h0, 1, kvh, in_kv, wacc);
     } else if constexpr (G > 1) {

@@ -357,6 +357,13 @@ pub fn kernel_defines() -> Vec<String> {
     options
 }
 
+/// The N of `{name}=N` among `TURBOSPARK_NVRTC_DEFINES`, which the kernels are compiled
+/// with: the launches then follow it.
+fn defined(name: &str) -> Option<usize> {
+    let defines = std::env::var("TURBOSPARK_NVRTC_DEFINES").ok()?;
+    defines.split_whitespace().find_map(|d| d.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
+}
+
 /// A measurement knob: the number in environment variable `name` where it is one of `allowed`
 /// (any where `allowed` is empty), else `default`.
 fn knob(name: &str, allowed: &[usize], default: usize) -> usize {
@@ -368,17 +375,18 @@ fn knob(name: &str, allowed: &[usize], default: usize) -> usize {
 }
 
 /// Positions decode attention scores at once, and a run's share of a split cache (attention.cu's
-/// ATTN_TILE): 128, or `TURBOSPARK_ATTN_TILE` (32, 64, 128 or 256), a measurement knob.
+/// ATTN_TILE): 128, or `TURBOSPARK_ATTN_TILE` (32, 64, 128 or 256), a measurement knob (an
+/// ATTN_TILE among `TURBOSPARK_NVRTC_DEFINES` wins).
 pub fn attention_tile() -> usize {
     static TILE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILE.get_or_init(|| knob("TURBOSPARK_ATTN_TILE", &[32, 64, 128, 256], 128))
+    *TILE.get_or_init(|| defined("ATTN_TILE").unwrap_or_else(|| knob("TURBOSPARK_ATTN_TILE", &[32, 64, 128, 256], 128)))
 }
 
 /// Warps of a decode attention block (attention.cu's ATTN_WARPS): 16, or `TURBOSPARK_ATTN_WARPS`
-/// (2, 4, 8 or 16), a measurement knob.
+/// (2, 4, 8 or 16), a measurement knob (an ATTN_WARPS among `TURBOSPARK_NVRTC_DEFINES` wins).
 pub fn attention_warps() -> usize {
     static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *WARPS.get_or_init(|| knob("TURBOSPARK_ATTN_WARPS", &[2, 4, 8, 16], 16))
+    *WARPS.get_or_init(|| defined("ATTN_WARPS").unwrap_or_else(|| knob("TURBOSPARK_ATTN_WARPS", &[2, 4, 8, 16], 16)))
 }
 
 /// Query heads of one KV head a decode attention block takes at most (each key and value read
