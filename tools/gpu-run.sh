@@ -7,9 +7,67 @@
 # .devbin/turbospark on the same synthetic files; `peer-build` starts building
 # llama.cpp's CUDA llama-bench from .peer/llama-cuda.tar.xz (tools/peer-pack.sh), and
 # ik_llama.cpp's from .peer/ik-cuda.tar.xz (tools/peer-pack-ik.sh) when packed, in the
-# background; `side LIKE...`: synthetic files, ours beside those llama-benches.)
+# background; `side LIKE...`: synthetic files, ours beside those llama-benches;
+# `queue 'CMD'` and `wait [S]`: below.)
 set -u
 what=${1:-all}
+# `queue 'CMD'` runs shell command CMD (e.g. "SWEEP='X=1;A=2' tools/gpu-run.sh sweep
+# qwen3-30b-a3b") after the jobs queued before it, one at a time, detached from the call, in a
+# copy of the call's tree; its output goes to $QUEUE/N.log. `wait [S]` holds the call (and so
+# the machine, which goes back 30 s after a call ends) up to S seconds (50) while jobs run,
+# then prints where each stands. Long runs thus never hang on one call's time limit, and the
+# next call can come from a quick edit here.
+QUEUE=${QUEUE:-/root/queue}
+queue_worker_alive() { [[ -f $QUEUE/worker.pid ]] && kill -0 "$(cat "$QUEUE/worker.pid")" 2> /dev/null; }
+queue_start_worker() {
+    queue_worker_alive && return
+    setsid nohup bash "$QUEUE/0.tree/tools/gpu-run.sh" queue-worker > /dev/null 2>&1 < /dev/null &
+    echo $! > "$QUEUE/worker.pid"
+}
+if [[ $what == queue-worker ]]; then
+    i=0
+    while [[ -f $QUEUE/$i.cmd ]]; do
+        if [[ ! -f $QUEUE/$i.exit ]]; then
+            (cd "$QUEUE/$i.tree" && OUT=$QUEUE/$i.out bash -c "$(cat "$QUEUE/$i.cmd")") > "$QUEUE/$i.log" 2>&1
+            echo $? > "$QUEUE/$i.exit"
+        fi
+        i=$((i + 1))
+    done
+    exit 0
+fi
+if [[ $what == queue ]]; then
+    mkdir -p "$QUEUE"
+    n=0
+    while [[ -e $QUEUE/$n.cmd ]]; do n=$((n + 1)); done
+    mkdir -p "$QUEUE/$n.tree" "$QUEUE/$n.out"
+    tar -c --exclude=./target --exclude=./models . | tar -x -C "$QUEUE/$n.tree"
+    printf '%s\n' "$2" > "$QUEUE/$n.cmd"
+    queue_start_worker
+    echo "queued job $n: $2"
+    what=wait
+    set -- wait 1
+fi
+if [[ $what == wait ]]; then
+    end=$((SECONDS + ${2:-50}))
+    # A job queued while the worker was leaving finds no worker: start one.
+    i=0
+    while [[ -f $QUEUE/$i.cmd ]]; do
+        [[ -f $QUEUE/$i.exit ]] || { queue_start_worker; break; }
+        i=$((i + 1))
+    done
+    while ((SECONDS < end)) && queue_worker_alive; do sleep 2; done
+    i=0
+    while [[ -f $QUEUE/$i.cmd ]]; do
+        j=$QUEUE/$i
+        state="waiting"
+        [[ -f $j.log ]] && state="running"
+        [[ -f $j.exit ]] && state="exit $(cat "$j.exit")"
+        echo "== job $i: $(cat "$j.cmd") ($state)"
+        [[ -f $j.log ]] && tail -n "${WAIT_LINES:-6}" "$j.log"
+        i=$((i + 1))
+    done
+    exit 0
+fi
 export TURBOSPARK_ROOT=$PWD
 # gpu-build.sh carries the binaries xz-compressed: unpacked once per machine. DEVBIN names
 # another folder of unpacked binaries (an earlier build's turbospark, for `spec` or `depth`).
@@ -19,7 +77,8 @@ mkdir -p $B
 shopt -s nullglob
 for z in .devbin/*.xz; do
     n=$B/$(basename "$z" .xz)
-    [[ -x $n && $n -nt $z ]] || { xz -dc "$z" > "$n" && chmod +x "$n"; }
+    # Through a new file: a binary still running elsewhere (a queued job) keeps its old one.
+    [[ -x $n && $n -nt $z ]] || { xz -dc "$z" > "$n.new" && chmod +x "$n.new" && mv -f "$n.new" "$n"; }
 done
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"

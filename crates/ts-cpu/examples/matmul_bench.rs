@@ -2,14 +2,15 @@
 //! the same bytes, and prefill (m = 128) in GFLOP/s, on 1 and 2 threads.
 //!
 //! `cargo run --release -p ts-cpu --example matmul_bench [-- [--types q4_0,q4_k] [--no-head]
-//! [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2] [--packed]]`
+//! [--head N_OUT,K] [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2] [--packed]]`
 //!
 //! `--packed`: weights repacked first (`pack_rows`) where the type and shape allow it, and
 //! multiplied by `matmul_packed` (the detected instruction set).
 //!
 //! Shapes: 4864x896 and 896x4864 (Qwen2.5-0.5B's MLP), which stay in the L3 cache between runs,
-//! and a 151936x896 output head, read from memory (caches are flushed before each run). K-quants
-//! need k to be a multiple of 256, so they use 1024 in place of 896.
+//! and a 151936x896 output head, read from memory (caches are flushed before each run; `--head`
+//! gives another shape, e.g. 262144,640 for Gemma 3 270M's). K-quants need k to be a multiple of
+//! 256, so they use 1024 in place of 896.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ const TYPES: [GgmlType; 14] = {
 struct Options {
     types: Vec<GgmlType>,
     head: bool,
+    head_shape: Option<(usize, usize)>,
     isa: Isa,
     prefill_m: usize,
     threads: Vec<usize>,
@@ -35,6 +37,7 @@ fn options() -> Options {
     let mut o = Options {
         types: TYPES.to_vec(),
         head: true,
+        head_shape: None,
         isa: Isa::detect(),
         prefill_m: 128,
         threads: vec![1, 2],
@@ -51,6 +54,11 @@ fn options() -> Options {
                 i += 1;
             }
             "--no-head" => o.head = false,
+            "--head" => {
+                let (n, k) = value.split_once(',').expect("--head N_OUT,K");
+                o.head_shape = Some((n.parse().expect("--head N_OUT,K"), k.parse().expect("--head N_OUT,K")));
+                i += 1;
+            }
             "--packed" => o.packed = true,
             "--isa" => {
                 o.isa = match value.as_str() {
@@ -170,7 +178,8 @@ fn main() {
         let narrow = if ty.block_size() == 256 { 1024 } else { 896 };
         let mut shapes = vec![(4864, narrow, true), (narrow, 4864, true)];
         if o.head {
-            shapes.push((151_936, narrow, false));
+            let (n_out, k) = o.head_shape.unwrap_or((151_936, narrow));
+            shapes.push((n_out, k, false));
         }
         for (n_out, k, prefill) in shapes {
             let mut w = random_weights(ty, n_out, k, 7);
