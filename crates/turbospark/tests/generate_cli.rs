@@ -3,7 +3,6 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-/// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
 /// Held by the tests whose processes run several threads of model work: run side by side on a
 /// 2-core machine, the others' threads distorted the step timer's figures against bench's.
 static BUSY: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -13,6 +12,7 @@ fn alone() -> std::sync::MutexGuard<'static, ()> {
     BUSY.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A real model from tools/fetch-models.sh (tools/test.sh runs it): absent is a failure.
 fn model(file: &str) -> std::path::PathBuf {
     let path = ts_testkit::models_dir().join(file);
     assert!(path.exists(), "{} is absent: run tools/fetch-models.sh", path.display());
