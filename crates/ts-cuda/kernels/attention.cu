@@ -722,6 +722,7 @@ extern "C" __global__ void __launch_bounds__(128)
 
 #define FA_ROWS 64
 #define FA_KEYS 64
+#define FA_THREADS 128  // the launch's block
 
 // attention_prompt_mma's parameters (crates/ts-cuda/src/attention.rs mirrors them).
 struct PromptAttn {
@@ -752,7 +753,7 @@ __device__ __forceinline__ void ts_mma_f16(float (&c)[4], ts_u32 a0, ts_u32 a1, 
 template <int HD>
 __device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
     // Row strides padded by 8 halves: the lanes' 32-bit fragment loads fall in distinct banks.
-    __shared__ ts_u32 ks[FA_KEYS][(HD + 8) / 2];  // keys: [position][element pair]
+    __shared__ __align__(16) ts_u32 ks[FA_KEYS][(HD + 8) / 2];  // keys: [position][element pair]
     __shared__ ts_u32 vt[HD][(FA_KEYS + 8) / 2];  // values transposed: [element][position pair]
     __shared__ int range[2];
     const int group = p.n_head / p.n_head_kv, kvh = blockIdx.y;
@@ -804,27 +805,55 @@ __device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
     const float* K = (const float*)seq.k + kvh * HD;
     const float* V = (const float*)seq.v + kvh * HD;
     for (int p0 = range[0]; p0 <= range[1]; p0 += FA_KEYS) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int i = threadIdx.x; i < FA_KEYS * HD / 2; i += blockDim.x) {
-            const int l = i / (HD / 2), e = 2 * (i - l * (HD / 2)), pos = p0 + l;
-            const float2 k = pos <= range[1] ? *reinterpret_cast<const float2*>(K + (long long)(pos % seq.slots) * kv_dim + e)
-                                             : make_float2(0.0f, 0.0f);
-            ks[l][e / 2] = ts_half2(k.x, k.y);
+        // The tile's slots: one modulo a tile (a ring wraps at most once within a tile).
+        const int base = p0 % seq.slots;
+        const auto slot = [&](int l) {
+            if (seq.slots < FA_KEYS) return (p0 + l) % seq.slots;
+            return base + l >= seq.slots ? base + l - seq.slots : base + l;
+        };
+        // Every load of a tile's keys in flight before any is converted, then its values'
+        // (issued one after another, each load waited on alone, they made the kernel 1.27 ms
+        // a layer at 2,048 positions of qwen3-30b-a3b on the H200, 12% of its time issuing).
+        // Keys: four elements a thread, a warp's lanes along one position's row.
+        constexpr int K_LOADS = FA_KEYS * HD / 4 / FA_THREADS;
+        float4 kr[K_LOADS];
+        TS_UNROLL
+        for (int it = 0; it < K_LOADS; it++) {
+            const int i = it * FA_THREADS + threadIdx.x, l = i / (HD / 4), e = 4 * (i % (HD / 4));
+            kr[it] = p0 + l <= range[1] ? __ldg(reinterpret_cast<const float4*>(K + (long long)slot(l) * kv_dim + e))
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-        for (int i = threadIdx.x; i < FA_KEYS / 2 * HD / 2; i += blockDim.x) {
-            // A warp's lanes: 8 position pairs by 4 element pairs, so that its loads read whole
-            // sectors and its transposed stores fall in distinct banks.
-            const int j = i >> 5, pp = (j & 3) * 8 + (i & 7), ep = (j >> 2) * 4 + ((i >> 3) & 3);
-            const int lp = 2 * pp, e = 2 * ep;
-            const float2 zero = make_float2(0.0f, 0.0f);
-            const float2 v0 = p0 + lp <= range[1]
-                                  ? *reinterpret_cast<const float2*>(V + (long long)((p0 + lp) % seq.slots) * kv_dim + e)
-                                  : zero;
-            const float2 v1 = p0 + lp + 1 <= range[1]
-                                  ? *reinterpret_cast<const float2*>(V + (long long)((p0 + lp + 1) % seq.slots) * kv_dim + e)
-                                  : zero;
+        __syncthreads();  // the previous tile is no longer read
+        TS_UNROLL
+        for (int it = 0; it < K_LOADS; it++) {
+            const int i = it * FA_THREADS + threadIdx.x, l = i / (HD / 4), e = 4 * (i % (HD / 4));
+            *reinterpret_cast<uint2*>(&ks[l][e / 2]) =
+                make_uint2(ts_half2(kr[it].x, kr[it].y), ts_half2(kr[it].z, kr[it].w));
+        }
+        // Values: a thread takes positions 2pp and 2pp + 1 at elements 4eq .. 4eq + 3; a warp's
+        // lanes cover 16 position pairs by 2 element quads, so that its transposed stores
+        // fall in distinct banks (word 36 * e + pp: bank 16 * (eq & 1) + pp + 4 * (e & 3)).
+        constexpr int V_LOADS = FA_KEYS / 2 * HD / 4 / FA_THREADS;
+        float4 vr[V_LOADS][2];
+        TS_UNROLL
+        for (int it = 0; it < V_LOADS; it++) {
+            const int i = it * FA_THREADS + threadIdx.x, j = i >> 5, lane_i = i & 31;
+            const int lp = 2 * ((j & 1) * 16 + (lane_i & 15)), e = 4 * ((j >> 1) * 2 + (lane_i >> 4));
+            TS_UNROLL
+            for (int t = 0; t < 2; t++)
+                vr[it][t] = p0 + lp + t <= range[1]
+                                ? __ldg(reinterpret_cast<const float4*>(V + (long long)slot(lp + t) * kv_dim + e))
+                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        TS_UNROLL
+        for (int it = 0; it < V_LOADS; it++) {
+            const int i = it * FA_THREADS + threadIdx.x, j = i >> 5, lane_i = i & 31;
+            const int lp = 2 * ((j & 1) * 16 + (lane_i & 15)), e = 4 * ((j >> 1) * 2 + (lane_i >> 4));
+            const float4 v0 = vr[it][0], v1 = vr[it][1];
             vt[e][lp / 2] = ts_half2(v0.x, v1.x);
             vt[e + 1][lp / 2] = ts_half2(v0.y, v1.y);
+            vt[e + 2][lp / 2] = ts_half2(v0.z, v1.z);
+            vt[e + 3][lp / 2] = ts_half2(v0.w, v1.w);
         }
         __syncthreads();
         if (p0 > whi || p0 + FA_KEYS - 1 < wlo) continue;
@@ -904,12 +933,17 @@ __device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_prompt_mma_64(const PromptAttn p) {
+// Blocks an SM the 64-wide kernel's registers are fitted to (a measurement knob: 4 keeps the
+// occupancy it had before its tile loads were batched, spilling 16 bytes; 2 lets them be 162).
+#ifndef FA_MIN_BLOCKS_64
+#define FA_MIN_BLOCKS_64 4
+#endif
+extern "C" __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_64) attention_prompt_mma_64(const PromptAttn p) {
     ts_grid_begin();
     ts_attention_prompt_mma<64>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_prompt_mma_128(const PromptAttn p) {
+extern "C" __global__ void __launch_bounds__(FA_THREADS) attention_prompt_mma_128(const PromptAttn p) {
     ts_grid_begin();
     ts_attention_prompt_mma<128>(p);
 }
