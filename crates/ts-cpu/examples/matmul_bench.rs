@@ -2,7 +2,11 @@
 //! the same bytes, and prefill (m = 128) in GFLOP/s, on 1 and 2 threads.
 //!
 //! `cargo run --release -p ts-cpu --example matmul_bench [-- [--types q4_0,q4_k] [--no-head]
-//! [--head N_OUT,K] [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2] [--packed]]`
+//! [--head N_OUT,K] [--isa avx2|avx512|scalar] [--prefill-m N] [--threads 1,2] [--packed] [--mapped]]`
+//!
+//! `--mapped`: the output head's bytes read through a mapping of a file (written to the
+//! system's temporary directory and read once before timing), as a model's dense weights are,
+//! beside the same bytes in the process's own memory.
 //!
 //! `--packed`: weights repacked first (`pack_rows`) where the type and shape allow it, and
 //! multiplied by `matmul_packed` (the detected instruction set).
@@ -31,6 +35,7 @@ struct Options {
     prefill_m: usize,
     threads: Vec<usize>,
     packed: bool,
+    mapped: bool,
 }
 
 fn options() -> Options {
@@ -42,6 +47,7 @@ fn options() -> Options {
         prefill_m: 128,
         threads: vec![1, 2],
         packed: false,
+        mapped: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -60,6 +66,7 @@ fn options() -> Options {
                 i += 1;
             }
             "--packed" => o.packed = true,
+            "--mapped" => o.mapped = true,
             "--isa" => {
                 o.isa = match value.as_str() {
                     "avx2" => Isa::Avx2,
@@ -184,9 +191,12 @@ fn main() {
         for (n_out, k, prefill) in shapes {
             let mut w = random_weights(ty, n_out, k, 7);
             let packed = o.packed && ts_cpu::pack_rows(ty, &mut w, n_out, k).unwrap();
+            // The head through a file mapping (its pages in the page cache), where asked.
+            let map = (o.mapped && !prefill).then(|| map_copy(&w));
+            let w: &[u8] = map.as_deref().unwrap_or(&w);
             let mm = |x: &QuantizedRows, out: &mut [f32]| match packed {
-                true => ts_cpu::matmul_packed(ty, &w, n_out, k, x, out, n_out).unwrap(),
-                false => matmul_with_isa(o.isa, ty, &w, n_out, k, x, out, n_out).unwrap(),
+                true => ts_cpu::matmul_packed(ty, w, n_out, k, x, out, n_out).unwrap(),
+                false => matmul_with_isa(o.isa, ty, w, n_out, k, x, out, n_out).unwrap(),
             };
             let m = o.prefill_m;
             let xf: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
@@ -204,13 +214,18 @@ fn main() {
                         black_box(&out);
                     });
                     let read = time(cold, || {
-                        black_box(read_all(&w));
+                        black_box(read_all(w));
                     });
                     let gbs = w.len() as f64 / decode.as_secs_f64() / 1e9;
                     let read_gbs = w.len() as f64 / read.as_secs_f64() / 1e9;
                     let mut line = format!(
                         "{:<6} {:>13} {:>4} | {:>9.1} {:>8.2} {:>8.2} {:>4.0}% |",
-                        format!("{}{}", ty.name(), if packed { "p" } else { "" }),
+                        format!(
+                            "{}{}{}",
+                            ty.name(),
+                            if packed { "p" } else { "" },
+                            if map.is_some() { "m" } else { "" }
+                        ),
                         format!("{n_out}x{k}"),
                         threads,
                         decode.as_secs_f64() * 1e6,
@@ -235,4 +250,17 @@ fn main() {
             }
         }
     }
+}
+
+/// `bytes` written to a new file in the temporary directory (removed again) and mapped, its
+/// pages read once so that the page cache holds them.
+fn map_copy(bytes: &[u8]) -> memmap2::Mmap {
+    let path = std::env::temp_dir().join(format!("matmul_bench_{}.bin", std::process::id()));
+    std::fs::write(&path, bytes).expect("write the mapped copy");
+    let file = std::fs::File::open(&path).expect("open the mapped copy");
+    // Safety: the file is this process's own and nothing writes it while mapped.
+    let map = unsafe { memmap2::Mmap::map(&file) }.expect("map the copy");
+    std::fs::remove_file(&path).expect("remove the mapped copy");
+    black_box(read_all(&map));
+    map
 }
