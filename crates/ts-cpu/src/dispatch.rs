@@ -415,10 +415,13 @@ mod x86 {
         ) -> [[f32; C]; R];
     }
 
-    /// Runs `K` over a tile. Small batches take one weight row at a time, so that weights are
-    /// read in one sequential stream (hardware prefetchers lose track of several interleaved
-    /// short rows, which halves DRAM bandwidth); larger ones two rows by up to 4 activation
-    /// rows.
+    /// Runs `K` over a tile. One activation row (decode) takes weight rows in adjacent pairs,
+    /// sharing the activation loads (with the weights prefetched into L2, on a Zen 4 EPYC:
+    /// Q8_0 25-30 -> 39-40 GB/s in cache, Qwen2.5-0.5B's decode +10-15%; each row's sum is the
+    /// one-row kernel's, bit for bit); two or three take one weight row at a time, so that
+    /// weights are read in one sequential stream (hardware prefetchers lose track of several
+    /// interleaved short rows, which halved DRAM bandwidth); larger ones two rows by up to 4
+    /// activation rows.
     ///
     /// # Safety
     /// As [`TileFn`].
@@ -429,8 +432,16 @@ mod x86 {
         unsafe {
             if let [out] = out {
                 let a = [x.arow(0)];
-                for (r, out) in out.iter_mut().enumerate() {
-                    *out = K::dot::<1, 1>(wp.add(r * row_bytes), row_bytes, &a, x.nb)[0][0];
+                let mut r = 0;
+                while r + 2 <= rows {
+                    let d = K::dot::<2, 1>(wp.add(r * row_bytes), row_bytes, &a, x.nb);
+                    out[r] = d[0][0];
+                    out[r + 1] = d[1][0];
+                    r += 2;
+                }
+                while r < rows {
+                    out[r] = K::dot::<1, 1>(wp.add(r * row_bytes), row_bytes, &a, x.nb)[0][0];
+                    r += 1;
                 }
                 return;
             }

@@ -233,6 +233,30 @@ fn rows_alone_match_one_row_calls_bit_for_bit() {
     }
 }
 
+/// A one-row product takes weight rows in pairs; each row's result must be the bits it gets
+/// multiplied alone (an odd row count leaves one row single, and where a thread's share ends
+/// depends on the thread count).
+#[test]
+fn paired_weight_rows_match_rows_alone_bit_for_bit() {
+    for ty in TYPES.into_iter().filter(|t| t.is_quantized()) {
+        let mut rng = Rng::new(700 + ty.id() as u64);
+        let k = (ty.block_size() as usize).max(32) * 9;
+        let n_out = 7;
+        let w = weights(&mut rng, ty, n_out, k, false);
+        let row_bytes = w.len() / n_out;
+        let xf = common::rows(&mut rng, k);
+        let mut x = QuantizedRows::new();
+        x.quantize(ty, &xf, k).unwrap();
+        for isa in isas() {
+            let all = run(isa, ty, &w, n_out, k, &x);
+            for r in 0..n_out {
+                let alone = run(isa, ty, &w[r * row_bytes..(r + 1) * row_bytes], 1, k, &x);
+                assert_eq!(all[r].to_bits(), alone[0].to_bits(), "{ty} {isa} row {r}: {} vs {}", all[r], alone[0]);
+            }
+        }
+    }
+}
+
 #[test]
 fn gathered_rows_multiply_like_the_batch_they_come_from() {
     for ty in TYPES {
