@@ -813,7 +813,7 @@ __device__ __forceinline__ void ts_attention_prompt_mma(const PromptAttn& p) {
         };
         // Every load of a tile's keys in flight before any is converted, then its values'
         // (issued one after another, each load waited on alone, they made the kernel 1.27 ms
-        // a layer at 2,048 positions of qwen3-30b-a3b on the H200, 12% of its time issuing).
+        // a layer at 2,048 positions of qwen3-30b-a3b on the H200).
         // Keys: four elements a thread, a warp's lanes along one position's row.
         constexpr int K_LOADS = FA_KEYS * HD / 4 / FA_THREADS;
         float4 kr[K_LOADS];
