@@ -125,15 +125,18 @@ synth8() {
 ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [[ $what == profile ]]; then
     # Time per kernel of a few decode steps (Nsight Compute, clocks left alone); PROFILE_BENCH
-    # gives other bench flags and PROFILE_NCU more of ncu's (several sequences at once, after
-    # the single-sequence runs' launches: PROFILE_BENCH="-p 0 -n 4 -r 1 --parallel 16"
-    # PROFILE_NCU="-s 8000").
+    # gives other bench flags, PROFILE_NCU more of ncu's and PROFILE_COUNT the launches
+    # (1500; several sequences at once, after the single-sequence runs' launches:
+    # PROFILE_BENCH="-p 0 -n 4 -r 1 --parallel 16" PROFILE_NCU="-s 8000"; decode attention
+    # after 2,048 positions: PROFILE_BENCH="-p 0 -n 4 -r 1 -d 2048" PROFILE_COUNT=96
+    # PROFILE_NCU="-k regex:^attention$"). BIN names another build (turbospark-before).
     for like in ${LIKES:-gpt-oss-20b qwen3-30b-a3b}; do
         f=/tmp/$like.gguf
         [[ -f $f ]] || "$B"/turbospark synth --like "$like" -o "$f" 2>&1 | tail -1
-        "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c 1500 ${PROFILE_NCU:-} \
+        "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel -c ${PROFILE_COUNT:-1500} \
+            ${PROFILE_NCU:-} \
             "$B"/${BIN:-turbospark} bench -m "$f" --device cuda ${PROFILE_BENCH:--p 0 -n 8 -r 1} > "$OUT/profile-$like.log" 2>&1
-        echo "== $like: time per kernel over the first 1500 launches of ${PROFILE_BENCH:-8 decode steps}"
+        echo "== $like, ${BIN:-turbospark}: time per kernel over the first ${PROFILE_COUNT:-1500} launches of ${PROFILE_BENCH:-8 decode steps}"
         python3 tools/ncu-summary.py "$OUT/profile-$like.log" | tee "$OUT/profile-$like.txt"
         rm -f "$OUT/profile-$like.log"
     done

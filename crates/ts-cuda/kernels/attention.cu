@@ -141,7 +141,10 @@ extern "C" __global__ void rope_store(const RopeStore p) {
 // Lanes that share one position's dot products in the scores' pass.
 #define ATTN_GROUP 8
 // Elements a thread of the combining block sums at once.
-#define ATTN_COMBINE 8
+#define ATTN_COMBINE 2
+// Query heads whose warps' sums are added in one round at the end (16 KiB of shared memory).
+#define ATTN_HEADS_AT_ONCE(max_head_dim) \
+    (4096 / (ATTN_WARPS * (max_head_dim)) > 0 ? 4096 / (ATTN_WARPS * (max_head_dim)) : 1)
 
 // A decode attention launch: grid (n_head, m, n_split), block 32 * ATTN_WARPS. Block b takes
 // query head b alone while its row sees fewer than group_from positions; from there on the
@@ -239,11 +242,12 @@ __device__ __forceinline__ float attn_group_sums(float (&d)[G], int in_group) {
 // (long contexts: more blocks at work, each a short chain of loads); blocks past the last run
 // leave at once. With one run its block writes the output; with more, each leaves its maxima,
 // sums and weighted values in `partial`, and the run that finishes last (`done`) combines
-// them and resets its counter. Heads of up to MAX_HEAD_DIM; `wacc` [ATTN_WARPS][MAX_HEAD_DIM]
-// is shared memory for the warps' sums.
+// them and resets its counter. Heads of up to MAX_HEAD_DIM; `wacc`
+// [ATTN_HEADS_AT_ONCE][ATTN_WARPS][MAX_HEAD_DIM] is shared memory for the warps' sums.
 template <int MAX_HEAD_DIM, int G>
 __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv ri, int seen_first, int tiles,
-                                                int h0, int g, int kvh, int in_kv, float (*wacc)[MAX_HEAD_DIM]) {
+                                                int h0, int g, int kvh, int in_kv,
+                                                float (*wacc)[ATTN_WARPS][MAX_HEAD_DIM]) {
     static_assert(G <= ATTN_GROUP && ATTN_WARPS * WARP >= ATTN_MAX_RUNS, "attention launch shape");
     const int n_head = p.n_head, n_head_kv = p.n_head_kv, hd = p.hd, hdv = p.hdv;
     const float scale = p.scale, softcap = p.softcap;
@@ -333,26 +337,70 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
     for (int j = 0; j < G; j++)
 #pragma unroll
         for (int u = 0; u < MAX_HEAD_DIM / 128; u++) acc[j][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The fast paths' loads: a position's key (value) row, or the fresh position's unrotated
+    // key (its value) where this launch makes it ready; every address a global one, read
+    // through the read-only path (the one cache row this launch writes, the fresh one, is not
+    // read), so that a pass's loads are all issued before the first is used.
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float* k_fresh = fused ? kh : K;
+    const float* v_fresh = fused ? v_new : V;
 
     for (int start = first; start <= last; start += ATTN_TILE) {
         const int n = min(ATTN_TILE, last + 1 - start);
-        // Whole warps go round together (the groups' shuffles name every lane).
-#pragma unroll 4
-        for (int base = 0; base < n; base += pgroups) {
-            const int t = base + pgroup;
-            float d[G];
+        if (vec) {
+            // Group pgroup scores positions pgroup, pgroup + PGROUPS, ... of the tile; the
+            // KC chunks a lane takes of AHEAD positions' keys are in flight together.
+            constexpr int PGROUPS = ATTN_WARPS * WARP / ATTN_GROUP;
+            constexpr int KC = MAX_HEAD_DIM / (4 * ATTN_GROUP);
+            constexpr int PER = (ATTN_TILE + PGROUPS - 1) / PGROUPS;
+            constexpr int AHEAD = KC >= 8 ? 1 : (PER < 8 / KC ? PER : 8 / KC);
 #pragma unroll
-            for (int j = 0; j < G; j++) d[j] = 0.0f;
-            if (t < n) {
-                const float* kp = start + t == fresh ? k_new : K + (long long)((start + t) % ri.slots) * kv_dim;
-                if (vec) {
-                    for (int i = 4 * in_group; i < hd; i += 4 * ATTN_GROUP) {
-                        const float4 k4 = *(const float4*)(kp + i);
+            for (int s0 = 0; s0 < PER; s0 += AHEAD) {
+                float4 k4[AHEAD][KC];
 #pragma unroll
-                        for (int j = 0; j < G; j++)
-                            if (j < g) d[j] += attn_dot4(*(const float4*)(&qs[j][i]), k4);
+                for (int a = 0; a < AHEAD; a++) {
+                    const int t = pgroup + PGROUPS * (s0 + a), at = start + min(t, n - 1);
+                    const float* kp = at == fresh ? k_fresh : K + (long long)(at % ri.slots) * kv_dim;
+#pragma unroll
+                    for (int c = 0; c < KC; c++) {
+                        const int i = 4 * in_group + 4 * ATTN_GROUP * c;
+                        k4[a][c] = t < n && i < hd ? __ldg((const float4*)(kp + i)) : zero4;
                     }
-                } else {
+                }
+#pragma unroll
+                for (int a = 0; a < AHEAD; a++) {
+                    const int t = pgroup + PGROUPS * (s0 + a);
+                    float d[G];
+#pragma unroll
+                    for (int j = 0; j < G; j++) d[j] = 0.0f;
+                    const bool own = start + t == fresh;
+#pragma unroll
+                    for (int c = 0; c < KC; c++) {
+                        const int i = 4 * in_group + 4 * ATTN_GROUP * c;
+                        if (i < hd) {
+                            const float4 k = own ? *(const float4*)(&k_new[i]) : k4[a][c];
+#pragma unroll
+                            for (int j = 0; j < G; j++)
+                                if (j < g) d[j] += attn_dot4(*(const float4*)(&qs[j][i]), k);
+                        }
+                    }
+                    const float dot = attn_group_sums<G>(d, in_group);
+                    if (t < n && in_group < g) {
+                        float s = dot * scale;
+                        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                        weight[in_group][t] = s;
+                    }
+                }
+            }
+        } else {
+            // Whole warps go round together (the groups' shuffles name every lane).
+            for (int base = 0; base < n; base += pgroups) {
+                const int t = base + pgroup;
+                float d[G];
+#pragma unroll
+                for (int j = 0; j < G; j++) d[j] = 0.0f;
+                if (t < n) {
+                    const float* kp = start + t == fresh ? k_new : K + (long long)((start + t) % ri.slots) * kv_dim;
                     for (int i = in_group; i < hd; i += ATTN_GROUP) {
                         const float k = kp[i];
 #pragma unroll
@@ -360,12 +408,12 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
                             if (j < g) d[j] += qs[j][i] * k;
                     }
                 }
-            }
-            const float dot = attn_group_sums<G>(d, in_group);
-            if (t < n && in_group < g) {
-                float s = dot * scale;
-                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                weight[in_group][t] = s;
+                const float dot = attn_group_sums<G>(d, in_group);
+                if (t < n && in_group < g) {
+                    float s = dot * scale;
+                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+                    weight[in_group][t] = s;
+                }
             }
         }
         __syncthreads();
@@ -395,22 +443,52 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
 #pragma unroll
             for (int u = 0; u < MAX_HEAD_DIM / 128; u++) acc[j][u] = attn_scaled(acc[j][u], corr);
         }
-        // Each warp adds every ATTN_WARPS-th position's values, four elements a lane a load,
-        // eight positions' loads in flight.
-#pragma unroll 8
-        for (int t = warp; t < n; t += ATTN_WARPS) {
-            float e[G];
+        if (vec_v) {
+            // Warp w adds positions w, w + ATTN_WARPS, ... of the tile, four elements a lane a
+            // load, the loads of VAHEAD positions in flight together.
+            constexpr int VU = MAX_HEAD_DIM / 128;
+            constexpr int VPER = (ATTN_TILE + ATTN_WARPS - 1) / ATTN_WARPS;
+            constexpr int VAHEAD = VU >= 8 ? 1 : (VPER < 8 / VU ? VPER : 8 / VU);
 #pragma unroll
-            for (int j = 0; j < G; j++) e[j] = j < g ? weight[j][t] : 0.0f;
-            const float* vp = start + t == fresh ? v_new : V + (long long)((start + t) % ri.slots) * v_dim;
+            for (int s0 = 0; s0 < VPER; s0 += VAHEAD) {
+                float4 v4[VAHEAD][VU];
 #pragma unroll
-            for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
-                const int i = 128 * u + 4 * lane;
-                if (i < hdv) {
-                    const float4 v4 = attn_load4(vp, i, hdv, vec_v);
+                for (int a = 0; a < VAHEAD; a++) {
+                    const int t = warp + ATTN_WARPS * (s0 + a), at = start + min(t, n - 1);
+                    const float* vp = at == fresh ? v_fresh : V + (long long)(at % ri.slots) * v_dim;
 #pragma unroll
-                    for (int j = 0; j < G; j++)
-                        if (j < g) acc[j][u] = attn_fma4(e[j], v4, acc[j][u]);
+                    for (int u = 0; u < VU; u++) {
+                        const int i = 128 * u + 4 * lane;
+                        v4[a][u] = t < n && i < hdv ? __ldg((const float4*)(vp + i)) : zero4;
+                    }
+                }
+#pragma unroll
+                for (int a = 0; a < VAHEAD; a++) {
+                    const int t = warp + ATTN_WARPS * (s0 + a);
+                    if (t >= n) break;
+#pragma unroll
+                    for (int j = 0; j < G; j++) {
+                        const float e = j < g ? weight[j][t] : 0.0f;
+#pragma unroll
+                        for (int u = 0; u < VU; u++) acc[j][u] = attn_fma4(e, v4[a][u], acc[j][u]);
+                    }
+                }
+            }
+        } else {
+            for (int t = warp; t < n; t += ATTN_WARPS) {
+                float e[G];
+#pragma unroll
+                for (int j = 0; j < G; j++) e[j] = j < g ? weight[j][t] : 0.0f;
+                const float* vp = start + t == fresh ? v_new : V + (long long)((start + t) % ri.slots) * v_dim;
+#pragma unroll
+                for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
+                    const int i = 128 * u + 4 * lane;
+                    if (i < hdv) {
+                        const float4 v4 = attn_load4(vp, i, hdv, false);
+#pragma unroll
+                        for (int j = 0; j < G; j++)
+                            if (j < g) acc[j][u] = attn_fma4(e[j], v4, acc[j][u]);
+                    }
                 }
             }
         }
@@ -418,7 +496,8 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
         __syncthreads();
     }
 
-    // Each head's warps' sums added, then its output (one run) or its part (several).
+    // Each head's warps' sums added, ATTN_HEADS_AT_ONCE heads a round, then its output (one
+    // run) or its part (several).
     __shared__ float head_max[G], head_sum[G];
 #pragma unroll
     for (int k = 0; k < OWN; k++) {
@@ -426,44 +505,50 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
         if (j < g && lane == 0) head_max[j] = mx[k], head_sum[j] = sum[k];
     }
     const long long head0 = (long long)r * n_head + h0;
+    constexpr int HB = ATTN_HEADS_AT_ONCE(MAX_HEAD_DIM);
 #pragma unroll
-    for (int j = 0; j < G; j++) {
-        if (j >= g) break;
-        // The previous head's readers are done with wacc (and the maxima are visible).
+    for (int j0 = 0; j0 < G; j0 += HB) {
+        if (j0 >= g) break;
+        const int hb = min(HB, g - j0);
+        // The previous round's readers are done with wacc (and the maxima are visible).
         __syncthreads();
 #pragma unroll
-        for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
-            const int i = 128 * u + 4 * lane;
-            const float a[4] = {acc[j][u].x, acc[j][u].y, acc[j][u].z, acc[j][u].w};
+        for (int b = 0; b < HB && j0 + b < G; b++) {
+            if (b >= hb) break;
 #pragma unroll
-            for (int c = 0; c < 4; c++)
-                if (i + c < hdv) wacc[warp][i + c] = a[c];
+            for (int u = 0; u < MAX_HEAD_DIM / 128; u++) {
+                const int i = 128 * u + 4 * lane;
+                const float4 x = acc[j0 + b][u];
+                const float a[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    if (i + c < hdv) wacc[b][warp][i + c] = a[c];
+            }
         }
         __syncthreads();
-        if (runs == 1) {
-            // With a sink the denominator gains exp(sink); all taken relative to the larger max.
-            const float sink = p.sinks ? p.sinks[h0 + j] : -INFINITY;
-            const float top = fmaxf(head_max[j], sink);
-            const float keep = expf(head_max[j] - top);
-            const float denom = head_sum[j] * keep + (p.sinks ? expf(sink - top) : 0.0f);
-            const long long o = (head0 + j) * hdv;
-            // With oq, hdv is a multiple of 32: whole warps take part in each 8-bit block.
-            for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
-                float v = 0.0f;
-                for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+        // Element f of the round: head j0 + f / hdv's dimension f % hdv. With oq, hdv is a
+        // multiple of 32: whole warps take part in each 8-bit block.
+        for (int f = threadIdx.x; f < hb * hdv; f += blockDim.x) {
+            const int b = f / hdv, i = f - b * hdv, j = j0 + b;
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; w++) v += wacc[b][w][i];
+            if (runs == 1) {
+                // With a sink the denominator gains exp(sink); all taken relative to the larger max.
+                const float sink = p.sinks ? p.sinks[h0 + j] : -INFINITY;
+                const float top = fmaxf(head_max[j], sink);
+                const float keep = expf(head_max[j] - top);
+                const float denom = head_sum[j] * keep + (p.sinks ? expf(sink - top) : 0.0f);
+                const long long o = (head0 + j) * hdv + i;
                 v = v * keep / denom;
-                p.out[o + i] = v;
-                if (p.oq) ts_q8_store_warp(v, o + i, p.oq, p.ods);
-            }
-        } else {
-            float* part = p.partial + ((head0 + j) * n_split + split) * (2 + hdv);
-            if (threadIdx.x == 0) {
-                part[0] = head_max[j];
-                part[1] = head_sum[j];
-            }
-            for (int i = threadIdx.x; i < hdv; i += blockDim.x) {
-                float v = 0.0f;
-                for (int w = 0; w < ATTN_WARPS; w++) v += wacc[w][i];
+                p.out[o] = v;
+                if (p.oq) ts_q8_store_warp(v, o, p.oq, p.ods);
+            } else {
+                float* part = p.partial + ((head0 + j) * n_split + split) * (2 + hdv);
+                if (i == 0) {
+                    part[0] = head_max[j];
+                    part[1] = head_sum[j];
+                }
                 part[2 + i] = v;
             }
         }
@@ -505,7 +590,8 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
     }
     __syncthreads();
     const long long o0 = head0 * hdv;
-    // Each thread sums up to ATTN_COMBINE elements at once (their loads in flight together).
+    // Each thread sums up to ATTN_COMBINE elements at once over eight runs at a time (their
+    // loads in flight together).
     // With oq, g * hdv is a multiple of 32: whole warps take part in each 8-bit block.
     for (int f0 = threadIdx.x; f0 < g * hdv; f0 += ATTN_COMBINE * blockDim.x) {
         float v[ATTN_COMBINE];
@@ -520,7 +606,7 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
             w[k] = run_w[j];
             v[k] = 0.0f;
         }
-#pragma unroll 2
+#pragma unroll 8
         for (int s = 0; s < runs; s++)
 #pragma unroll
             for (int k = 0; k < ATTN_COMBINE; k++)
@@ -544,7 +630,7 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
 // them, and none where it is not.
 template <int MAX_HEAD_DIM, int G>
 __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
-    __shared__ float wacc[ATTN_WARPS][MAX_HEAD_DIM];
+    __shared__ float wacc[ATTN_HEADS_AT_ONCE(MAX_HEAD_DIM)][ATTN_WARPS][MAX_HEAD_DIM];
     const RowKv ri = p.info[blockIdx.y];
     const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
     const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
@@ -560,19 +646,19 @@ __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
 }
 
 // Heads of up to 128 (most models), up to 8 query heads a block.
-extern "C" __global__ void attention(const DecodeAttn p) {
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attention(const DecodeAttn p) {
     ts_grid_begin();
     attention_blocks<128, 8>(p);
 }
 
 // Heads of up to 256, up to 4 query heads a block.
-extern "C" __global__ void attention_256(const DecodeAttn p) {
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attention_256(const DecodeAttn p) {
     ts_grid_begin();
     attention_blocks<256, 4>(p);
 }
 
 // Heads of up to 512 (gemma4's global layers), one query head a block.
-extern "C" __global__ void attention_wide(const DecodeAttn p) {
+extern "C" __global__ void __launch_bounds__(32 * ATTN_WARPS) attention_wide(const DecodeAttn p) {
     ts_grid_begin();
     attention_blocks<512, 1>(p);
 }
