@@ -233,12 +233,12 @@ fn rows_alone_match_one_row_calls_bit_for_bit() {
     }
 }
 
-/// A one-row product takes weight rows in pairs; each row's result must be the bits it gets
-/// multiplied alone (an odd row count leaves one row single, and where a thread's share ends
-/// depends on the thread count).
+/// A one-row product takes weight rows in pairs, quantized and float types alike; each row's
+/// result must be the bits it gets multiplied alone (an odd row count leaves one row single,
+/// and where a thread's share ends depends on the thread count).
 #[test]
 fn paired_weight_rows_match_rows_alone_bit_for_bit() {
-    for ty in TYPES.into_iter().filter(|t| t.is_quantized()) {
+    for ty in TYPES {
         let mut rng = Rng::new(700 + ty.id() as u64);
         let k = (ty.block_size() as usize).max(32) * 9;
         let n_out = 7;

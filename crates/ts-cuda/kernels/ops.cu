@@ -71,8 +71,6 @@ __device__ __forceinline__ float ts_norm_y(const RmsNorm& p, int i) {
 // first RMS_HELD elements in registers between the two passes (all of them when
 // blockDim.x >= width / RMS_HELD), so the second pass does not read x again.
 #define RMS_HELD 4
-// Experts whose rows an ADD 2 norm loads at once.
-#define RMS_EXPERTS 8
 template <int ADD>
 __device__ __forceinline__ void ts_rms_norm(const RmsNorm& p) {
     const int width = p.width;
@@ -82,35 +80,6 @@ __device__ __forceinline__ void ts_rms_norm(const RmsNorm& p) {
     float2* dp = p.q ? p.ds + (long long)blockIdx.x * (width / 32) : nullptr;
     const float* w = p.w;
     float held[RMS_HELD], wheld[RMS_HELD];
-    // ADD 2: the held elements' sums of the experts' rows, every load of a run of
-    // RMS_EXPERTS experts (their rows' places and weights, then the rows) issued before
-    // the first is used; the same sum in the same order as ts_norm_y's.
-    float added[RMS_HELD] = {};
-    if (ADD == 2) {
-        const int r = blockIdx.x, k = p.k;
-        for (int j0 = 0; j0 < k; j0 += RMS_EXPERTS) {
-            long long row[RMS_EXPERTS];
-            float pw[RMS_EXPERTS], yv[RMS_EXPERTS][RMS_HELD];
-#pragma unroll
-            for (int a = 0; a < RMS_EXPERTS; a++) {
-                const int j = min(j0 + a, k - 1);
-                row[a] = p.pair_index ? p.pair_index[r * k + j] : (long long)r * k + j;
-                pw[a] = p.pair_w[r * k + j];
-            }
-#pragma unroll
-            for (int a = 0; a < RMS_EXPERTS; a++)
-#pragma unroll
-                for (int h = 0; h < RMS_HELD; h++) {
-                    const int i = threadIdx.x + h * blockDim.x;
-                    yv[a][h] = j0 + a < k && i < width ? p.y[row[a] * width + i] : 0.0f;
-                }
-#pragma unroll
-            for (int a = 0; a < RMS_EXPERTS; a++)
-#pragma unroll
-                for (int h = 0; h < RMS_HELD; h++)
-                    if (j0 + a < k) added[h] += pw[a] * yv[a][h];
-        }
-    }
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < RMS_HELD; j++) {
@@ -119,7 +88,7 @@ __device__ __forceinline__ void ts_rms_norm(const RmsNorm& p) {
         wheld[j] = i < width && w ? w[i] : 1.0f;
         held[j] = i < width ? xp[i] : 0.0f;
         if (ADD && i < width) {
-            held[j] += ADD == 2 ? added[j] : ts_norm_y<ADD>(p, i);
+            held[j] += ts_norm_y<ADD>(p, i);
             xp[i] = held[j];
         }
         ss += held[j] * held[j];
@@ -151,7 +120,7 @@ __device__ __forceinline__ void ts_rms_norm(const RmsNorm& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) rms_norm(const RmsNorm p) {
+extern "C" __global__ void rms_norm(const RmsNorm p) {
     ts_grid_begin();
     if (!p.y) {
         ts_rms_norm<0>(p);
