@@ -6,6 +6,7 @@
 //   quantize_q8_1(x, q, ds, n)   x f32 [n] (n a multiple of 32) to TsQ8; any 1-D launch.
 //   matvec_q8_<t>(MatvecQ8)      y[r][o] = W[o] . x[r] (+ bias[o]) for r < m.
 //   matvec_q8_wide_<t>(MatvecQ8) the same for steps of three rows and more, up to eight a pass.
+//   matvec_q8_multi(MatvecQ8Multi) matvec_q8_<t> of up to four weights of any types, one input.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
 //       moe_gate_up_<t> of matmul.cu, the expert's bias rows added in the same kernel.
 //   moe_chunk_q8_<t>(MoeChunkQ8), moe_chunk_gate_up_q8_<t>(MoeChunkGateUpQ8): the same for
@@ -45,10 +46,12 @@ struct TsQ8Lane {
     int j;
 };
 
-__device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) {
-    const int o = (blockIdx.x * 4 + threadIdx.y) * (32 / lanes) + threadIdx.x / lanes;
+__device__ __forceinline__ TsQ8Lane ts_q8_lane_at(int block, int n_out, int lanes) {
+    const int o = (block * 4 + (int)threadIdx.y) * (32 / lanes) + (int)threadIdx.x / lanes;
     return TsQ8Lane{min(o, n_out - 1), o < n_out, (int)threadIdx.x & (lanes - 1)};
 }
+
+__device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) { return ts_q8_lane_at(blockIdx.x, n_out, lanes); }
 
 // A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_Q8_PREFETCH=1 for L2, 2 for L1): each lane
 // asks for its share of the row's 128-byte lines before the first unit's loads, so that a row's
@@ -161,16 +164,63 @@ __device__ __forceinline__ void ts_matvec_q8_rows(const MatvecQ8& p, const TsQ8L
     }
 }
 
-// m rows in passes of at most two, so that registers (and occupancy) suit m = 1.
+// m rows in passes of at most two, so that registers (and occupancy) suit m = 1; `block` is
+// the block's place among the launch's blocks for p.
 template <class V>
-__device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
-    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+__device__ __forceinline__ void ts_matvec_q8_at(const MatvecQ8& p, int block) {
+    const TsQ8Lane l = ts_q8_lane_at(block, p.n_out, p.lanes);
     for (int r0 = 0; r0 < p.m; r0 += 2) {
         if (p.m - r0 >= 2) {
             ts_matvec_q8_rows<V, 2>(p, l, r0);
         } else {
             ts_matvec_q8_rows<V, 1>(p, l, r0);
         }
+    }
+}
+
+template <class V>
+__device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
+    ts_matvec_q8_at<V>(p, blockIdx.x);
+}
+
+// Up to MULTI_PARTS matvecs of one input (a layer's q, k and v) in one launch, each of its own
+// type: blocks first_block .. of the next part's first_block - 1 take part i, as matvec_q8_<t>
+// would with the same lanes (the same sums, bit for bit). One launch instead of one a stream
+// joined by events keeps the chain of dependent launches (launch.cuh) unbroken.
+#define MULTI_PARTS 4
+#define TS_Q8_ID(t) TS_Q8_ID_##t,
+enum TsQ8Id { TS_Q8_TYPES(TS_Q8_ID) TS_Q8_ID_COUNT };
+
+struct MatvecQ8Part {
+    const ts_u8* w;
+    float* y;  // [m][n_out]
+    const float* bias;  // [n_out] or null
+    int n_out, type, lanes, first_block;  // type: a TsQ8Id
+};
+
+// Kernel parameters (crates/ts-cuda/src/matvec_q8.rs mirrors them).
+struct MatvecQ8Multi {
+    MatvecQ8Part part[MULTI_PARTS];
+    const signed char* xq;  // [m][k] and [m][k / 32]: the input's 8-bit copy
+    const float2* xds;
+    int parts, k, m;
+};
+
+extern "C" __global__ void __launch_bounds__(128) matvec_q8_multi(const MatvecQ8Multi p) {
+    // The block's part, chosen with constant indices (no copy of the parameters to memory).
+    MatvecQ8Part t = p.part[0];
+    TS_UNROLL
+    for (int i = 1; i < MULTI_PARTS; i++)
+        if (i < p.parts && (int)blockIdx.x >= p.part[i].first_block) t = p.part[i];
+    ts_grid_begin();
+    const MatvecQ8 mv{t.w, p.xq, p.xds, t.y, t.bias, t.n_out, p.k, p.m, t.lanes};
+    const int block = (int)blockIdx.x - t.first_block;
+    switch (t.type) {
+#define TS_Q8_MULTI_CASE(ty)                       \
+    case TS_Q8_ID_##ty:                            \
+        ts_matvec_q8_at<vdot_##ty>(mv, block);     \
+        break;
+        TS_Q8_TYPES(TS_Q8_MULTI_CASE)
     }
 }
 

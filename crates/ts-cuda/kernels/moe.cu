@@ -39,6 +39,28 @@ extern "C" __global__ void moe_combine(const float* y, const float* w, const int
 
 #define MAX_EXPERTS 1024
 
+// The warp's largest (value, index), ties to the lower index, left in every lane. From sm_80
+// two reductions: the largest value as an ordered key (-0 taken as +0, as the float compare
+// does), then the lowest index of the lanes holding it; before, five rounds of shuffles.
+__device__ __forceinline__ void ts_warp_argmax(float& best, int& bi) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned bits = __float_as_uint(best + 0.0f);
+    const unsigned key = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+    const unsigned top = __reduce_max_sync(0xffffffffu, key);
+    bi = __reduce_min_sync(0xffffffffu, key == top ? bi : 0x7fffffff);
+    best = __uint_as_float(top & 0x80000000u ? top & 0x7fffffffu : ~top);
+#else
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) {
+            best = ob;
+            bi = oi;
+        }
+    }
+#endif
+}
+
 // ts_route_row for at most 32 * PL experts and k <= 32, the logits in registers (PL per lane)
 // and selection j held by lane j: no shared memory, no lane-0 loops.
 template <int PL>
@@ -82,14 +104,7 @@ __device__ __forceinline__ void ts_route_regs(const float* l, int row, int n_exp
                 bi = lane + 32 * j;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) {
-                best = ob;
-                bi = oi;
-            }
-        }
+        ts_warp_argmax(best, bi);
         if (lane == sel) my_w = best, my_id = bi;
         TS_UNROLL
         for (int j = 0; j < PL; j++)

@@ -79,12 +79,22 @@ __device__ __forceinline__ ts_f2 ts_xds(const ts_f2* p) {
 // a multiple of 32) forming one block, whose (d, sum) lane 0 writes to ds[i / 32]. Every lane
 // of the warp must call it. The one definition of the format on the device.
 __device__ __forceinline__ void ts_q8_store_warp(float v, long long i, signed char* q, float2* ds) {
+#if __CUDA_ARCH__ >= 800
+    // The warp's max |v| as the largest bit pattern (non-negative floats order as their bits;
+    // fmaxf below would differ only for a NaN) and the sum of the quants: one reduction each.
+    const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#else
     float amax = fabsf(v);
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+#endif
     const float d = amax / 127.0f;
     const int qi = d == 0.0f ? 0 : (int)roundf(v / d);
+#if __CUDA_ARCH__ >= 800
+    const int sum = __reduce_add_sync(0xffffffffu, qi);
+#else
     int sum = qi;
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+#endif
     q[i] = (signed char)qi;
     if ((threadIdx.x & 31) == 0) ds[i >> 5] = make_float2(d, d * (float)sum);
 }

@@ -614,6 +614,27 @@ impl Backend for Cuda {
         }
         // Outputs allocated before the branches (an allocation is ordered on the main stream).
         let ys = ws.iter().map(|(w, _)| self.act(m * w.n_rows())).collect::<Result<Vec<_>, _>>()?;
+        if !s.exact {
+            let mms = ws
+                .iter()
+                .zip(&ys)
+                .map(|(&(w, bias), y)| {
+                    Ok(Matmul {
+                        ty: w.ty,
+                        w: self.wptr(w)?,
+                        n_out: w.n_rows(),
+                        k: w.row_len(),
+                        x: self.p(x),
+                        m,
+                        y: self.p(y),
+                        bias: bias.map_or(Ok(0), |b| self.vptr(b))?,
+                    })
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            if self.matvec_q8_multi(&mms)? {
+                return Ok(ys);
+            }
+        }
         self.branches(ws.len(), |i| self.linear_into(ws[i].0, ws[i].1, x, m, &ys[i], s.exact))?;
         Ok(ys)
     }

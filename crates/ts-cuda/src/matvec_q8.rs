@@ -67,6 +67,45 @@ struct MatvecQ8 {
     lanes: i32,
 }
 
+/// The types of [`q8_suffix`] in the order of vdot.cuh's `TS_Q8_TYPES` (matvec_q8.cu's
+/// `TsQ8Id` numbers them so).
+const Q8_TYPES: [&str; 9] = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "mxfp4"];
+
+/// Weights [`Cuda::matvec_q8_multi`] takes in one launch (matvec_q8.cu's `MULTI_PARTS`).
+const MULTI_PARTS: usize = 4;
+
+/// matvec_q8.cu's `MatvecQ8Part`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MatvecQ8Part {
+    w: u64,
+    y: u64,
+    bias: u64,
+    n_out: i32,
+    ty: i32,
+    lanes: i32,
+    first_block: i32,
+}
+
+/// matvec_q8.cu's `MatvecQ8Multi`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MatvecQ8Multi {
+    part: [MatvecQ8Part; MULTI_PARTS],
+    xq: u64,
+    xds: u64,
+    parts: i32,
+    k: i32,
+    m: i32,
+}
+
+/// Whether a layer's projections of one input go in one launch (`matvec_q8_multi`);
+/// `TURBOSPARK_NO_MULTI_MATVEC` (a measurement knob) spreads them over streams again.
+fn multi_matvec() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_NO_MULTI_MATVEC").is_none())
+}
+
 /// matvec_q8.cu's `MoeMatvecQ8`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -290,6 +329,52 @@ impl Cuda {
         Ok(())
     }
 
+    /// The matvecs `mms` of one input (same `x`, `k` and `m`) in one `matvec_q8_multi` launch,
+    /// each as [`Cuda::matmul_q8`] would compute it; false (nothing launched) where that kernel
+    /// does not apply: more than [`MULTI_PARTS`] of them, a type without integer dot products,
+    /// rows for the wide kernel, or the knob off.
+    pub(crate) fn matvec_q8_multi(&self, mms: &[Matmul]) -> Result<bool, ModelError> {
+        let Some(first) = mms.first() else { return Ok(false) };
+        let (x, k, m) = (first.x, first.k, first.m);
+        let ids: Option<Vec<i32>> = mms
+            .iter()
+            .map(|mm| {
+                let sfx = q8_suffix(mm.ty)?;
+                Q8_TYPES.iter().position(|t| *t == sfx).map(|i| i as i32)
+            })
+            .collect();
+        let Some(ids) = ids else { return Ok(false) };
+        let same_input = k.is_multiple_of(32) && mms.iter().all(|mm| mm.x == x && mm.k == k && mm.m == m);
+        if !multi_matvec()
+            || mms.len() > MULTI_PARTS
+            || !same_input
+            || m >= self.q8_wide_rows
+            || m > self.q8_launch_rows
+        {
+            return Ok(false);
+        }
+        let xq = self.quantized(x, m, k)?;
+        let mut part = [MatvecQ8Part::default(); MULTI_PARTS];
+        let mut blocks = 0;
+        for ((p, mm), ty) in part.iter_mut().zip(mms).zip(ids) {
+            let lanes = lanes_for(k, mm.n_out);
+            *p = MatvecQ8Part {
+                w: mm.w,
+                y: mm.y,
+                bias: mm.bias,
+                n_out: mm.n_out as i32,
+                ty,
+                lanes,
+                first_block: blocks as i32,
+            };
+            blocks += mm.n_out.div_ceil(rows_per_block(lanes));
+        }
+        let p = MatvecQ8Multi { part, xq: xq.q(0), xds: xq.ds(0), parts: mms.len() as i32, k: k as i32, m: m as i32 };
+        let outs: Vec<(u64, usize)> = mms.iter().map(|mm| (mm.y, 4 * m * mm.n_out)).collect();
+        self.keeping_quantized(&outs, || self.launch_with("matvec_q8_multi", (blocks as u32, 1, 1), (32, 4, 1), &p))?;
+        Ok(true)
+    }
+
     /// [`IndexedMatvec`] with `x` `[slots / x_group][k]` quantized to 8 bits.
     pub(crate) fn indexed_matvec_q8(&self, sfx: &str, mv: &IndexedMatvec, x: &Act) -> Result<(), ModelError> {
         let xq = self.quantized(x.ptr, mv.slots / mv.x_group, mv.k)?;
@@ -375,5 +460,19 @@ impl Cuda {
         let lanes = lanes_for(k, n_out * max_chunks);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, max_chunks as u32, 1);
         self.launch_with(name, grid, (32, 4, 1), &params(lanes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `Q8_TYPES` numbers the types as matvec_q8.cu's `TsQ8Id` does: in the order of
+    /// vdot.cuh's `TS_Q8_TYPES` list.
+    #[test]
+    fn q8_type_ids_follow_the_kernels_list() {
+        let src = include_str!("../kernels/vdot.cuh");
+        let list = &src[src.find("#define TS_Q8_TYPES(X)").expect("TS_Q8_TYPES in vdot.cuh")..];
+        let listed: Vec<&str> =
+            list.lines().skip(1).map_while(|l| l.trim().strip_prefix("X(").and_then(|r| r.split(')').next())).collect();
+        assert_eq!(listed, super::Q8_TYPES);
     }
 }
