@@ -380,8 +380,12 @@ impl Cuda {
         y: &Act,
         exact: bool,
     ) -> Result<(), ModelError> {
-        let bias = bias.map_or(Ok(0), |b| self.vptr(b))?;
-        let mm = Matmul {
+        self.matmul(&self.product(w, bias, x, m, y)?, exact)
+    }
+
+    /// The product `y = x · wᵀ (+ bias)` of `m` rows, as device addresses.
+    fn product(&self, w: &Weight, bias: Option<&[f32]>, x: &Act, m: usize, y: &Act) -> Result<Matmul, ModelError> {
+        Ok(Matmul {
             ty: w.ty,
             w: self.wptr(w)?,
             n_out: w.n_rows(),
@@ -389,9 +393,8 @@ impl Cuda {
             x: self.p(x),
             m,
             y: self.p(y),
-            bias,
-        };
-        self.matmul(&mm, exact)
+            bias: bias.map_or(Ok(0), |b| self.vptr(b))?,
+        })
     }
 }
 
@@ -618,19 +621,8 @@ impl Backend for Cuda {
             let mms = ws
                 .iter()
                 .zip(&ys)
-                .map(|(&(w, bias), y)| {
-                    Ok(Matmul {
-                        ty: w.ty,
-                        w: self.wptr(w)?,
-                        n_out: w.n_rows(),
-                        k: w.row_len(),
-                        x: self.p(x),
-                        m,
-                        y: self.p(y),
-                        bias: bias.map_or(Ok(0), |b| self.vptr(b))?,
-                    })
-                })
-                .collect::<Result<Vec<_>, ModelError>>()?;
+                .map(|(&(w, bias), y)| self.product(w, bias, x, m, y))
+                .collect::<Result<Vec<_>, _>>()?;
             if self.matvec_q8_multi(&mms)? {
                 return Ok(ys);
             }
