@@ -389,6 +389,21 @@ pub fn attention_warps() -> usize {
     *WARPS.get_or_init(|| defined("ATTN_WARPS").unwrap_or_else(|| knob("TURBOSPARK_ATTN_WARPS", &[2, 4, 8, 16], 16)))
 }
 
+/// Threads of a `norm_router_route` block (and of `router_route`'s): 128, or
+/// `TURBOSPARK_ROUTER_THREADS` (64, 128, 256 or 512), a measurement knob.
+pub fn router_threads() -> u32 {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| knob("TURBOSPARK_ROUTER_THREADS", &[64, 128, 256, 512], 128)) as u32
+}
+
+/// Elements an `rms_norm` thread takes (its block has `width / this` threads, 32 to 1,024): 4,
+/// or `TURBOSPARK_NORM_ELEMENTS` (1, 2 or 4), a measurement knob (ops.cu holds at most 4 in
+/// registers).
+pub fn norm_elements() -> usize {
+    static ELEMENTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 4))
+}
+
 /// Query heads of one KV head a decode attention block takes at most (each key and value read
 /// once for them): 8, or `TURBOSPARK_ATTN_HEADS` (1, 2, 4 or 8), a measurement knob.
 pub fn attention_heads() -> usize {

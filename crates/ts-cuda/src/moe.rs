@@ -269,7 +269,12 @@ impl Cuda {
         // Writes only the routes: the layer's normed input keeps its 8-bit copy for the experts.
         let writes = [(logits.ptr, 4 * m * n_expert), (ids.ptr, 4 * m * k), (wts.ptr, 4 * m * k), (p.done, 4 * m)];
         self.keeping_quantized(&writes, || {
-            self.launch_with("router_route", (n_expert as u32, m as u32, 1), (128, 1, 1), &p)
+            self.launch_with(
+                "router_route",
+                (n_expert as u32, m as u32, 1),
+                (crate::device::router_threads(), 1, 1),
+                &p,
+            )
         })?;
         Ok(Some(GpuRoutes::new(ids, wts, m, k)))
     }
@@ -309,7 +314,8 @@ impl Cuda {
             ds: q.ds(0),
             eps,
         };
-        self.launch_with("norm_router_route", (route.n_expert as u32, m as u32, 1), (128, 1, 1), &p)?;
+        let block = (crate::device::router_threads(), 1, 1);
+        self.launch_with("norm_router_route", (route.n_expert as u32, m as u32, 1), block, &p)?;
         self.remember_quantized(normed.ptr, q, q_buf);
         *x = x_out;
         Ok(Some((normed, GpuRoutes::new(ids, wts, m, route.k as usize))))

@@ -79,8 +79,8 @@ impl Cuda {
     }
 }
 
-/// Threads of an `rms_norm` block for pieces of `width`: enough that each
-/// holds its 4 elements in registers (ops.cu's RMS_HELD), 32 to 1024.
+/// Threads of an `rms_norm` block for pieces of `width`: enough that each holds its 4
+/// elements in registers (ops.cu's RMS_HELD; fewer with `device::norm_elements`), 32 to 1024.
 fn norm_threads(width: usize) -> u32 {
-    width.div_ceil(4).next_power_of_two().clamp(32, 1024) as u32
+    width.div_ceil(crate::device::norm_elements()).next_power_of_two().clamp(32, 1024) as u32
 }
