@@ -404,6 +404,13 @@ pub fn norm_elements() -> usize {
     *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 4))
 }
 
+/// Whether the experts' down projection of a step of few rows multiplies f32 activations
+/// (no `quantize_q8_1` launch before it): `TURBOSPARK_DOWN_F32`, a measurement knob.
+pub fn down_f32() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DOWN_F32").is_some())
+}
+
 /// Query heads of one KV head a decode attention block takes at most (each key and value read
 /// once for them): 8, or `TURBOSPARK_ATTN_HEADS` (1, 2, 4 or 8), a measurement knob.
 pub fn attention_heads() -> usize {
