@@ -155,6 +155,65 @@ fn matmul_every_type_matches_the_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// A step's projections of one input (`linears`: one `matvec_q8_multi` launch where every
+/// weight has an 8-bit kernel) give each output what its own launch gives (`linear`), bit for
+/// bit, and the product with the 8-bit activations within the same bound as a launch alone.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn projections_of_one_input_match_their_own_launches() {
+    let mut cuda = gpu();
+    let mut rng = Rng::new(11);
+    // (k, [(type, n_out, with a bias)]): qwen3's q, k, v; gpt-oss's; mixed 32-element types.
+    type Parts = &'static [(GgmlType, usize, bool)];
+    let cases: [(usize, Parts); 3] = [
+        (2048, &[(GgmlType::Q4_K, 4096, false), (GgmlType::Q4_K, 512, false), (GgmlType::Q6_K, 512, false)]),
+        (2880, &[(GgmlType::Q8_0, 4096, true), (GgmlType::Q8_0, 512, true), (GgmlType::Q8_0, 512, true)]),
+        (896, &[(GgmlType::Q5_0, 896, true), (GgmlType::MXFP4, 128, false), (GgmlType::Q4_0, 128, true)]),
+    ];
+    let mut failures = Vec::new();
+    let mut alive = Vec::new();
+    for (k, parts) in cases {
+        let ws: Vec<(Weight, Vec<f32>, Vec<f32>, bool)> = parts
+            .iter()
+            .map(|&(ty, n_out, with_bias)| {
+                let (w, wf) = random_weight(&mut rng, ty, n_out, k);
+                cuda.upload_weight(&w).unwrap();
+                let bias = rng.normals(n_out, 1.0, 0.0);
+                cuda.upload_vec(&bias).unwrap();
+                (w, wf, bias, with_bias)
+            })
+            .collect();
+        for m in [1, 2] {
+            let x = rng.normals(m * k, 1.0, 0.0);
+            let xd = cuda.act_from_host(&x).unwrap();
+            let list: Vec<(&Weight, Option<&[f32]>)> =
+                ws.iter().map(|(w, _, bias, with)| (w, with.then_some(bias.as_slice()))).collect();
+            let together = cuda.linears(&list, &xd, m, &mut cuda.scratch(false)).unwrap();
+            let (q, ds) = common::quantize_q8(&x);
+            let x_used = common::dequantize_q8(&q, &ds);
+            for (((w, wf, bias, with), &(ty, n_out, _)), got) in ws.iter().zip(parts).zip(&together) {
+                let got = cuda.to_host(got).unwrap();
+                let b = with.then_some(bias.as_slice());
+                let alone = cuda.to_host(&cuda.linear(w, b, &xd, m, &mut cuda.scratch(false)).unwrap()).unwrap();
+                if let Some(o) = (0..got.len()).find(|&o| got[o].to_bits() != alone[o].to_bits()) {
+                    failures.push(format!("{ty} {n_out}x{k} m={m}: output {o} {:e}, alone {:e}", got[o], alone[o]));
+                }
+                let (mut want, _) = common::reference_matmul(wf, &x_used, n_out, k, m);
+                if *with {
+                    want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % n_out]);
+                }
+                let err = rel_err(&got, &want);
+                println!("{ty} {n_out}x{k} m={m}: {err:.1e}");
+                if err.is_nan() || err > 2e-5 {
+                    failures.push(format!("{ty} {n_out}x{k} m={m}: {err:e} > 2e-5"));
+                }
+            }
+        }
+        alive.push(ws);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
 fn embedding_rows_match_the_cpu() {
