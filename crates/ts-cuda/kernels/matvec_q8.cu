@@ -189,7 +189,7 @@ __device__ __forceinline__ void ts_matvec_q8(const MatvecQ8& p) {
 // joined by events keeps the chain of dependent launches (launch.cuh) unbroken.
 #define MULTI_PARTS 4
 #define TS_Q8_ID(t) TS_Q8_ID_##t,
-enum TsQ8Id { TS_Q8_TYPES(TS_Q8_ID) TS_Q8_ID_COUNT };
+enum TsQ8Id { TS_Q8_TYPES(TS_Q8_ID) };
 
 struct MatvecQ8Part {
     const ts_u8* w;

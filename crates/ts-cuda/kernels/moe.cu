@@ -171,14 +171,7 @@ __device__ void ts_route_row(const float* l, int row, int n_expert, int k, int g
                 bi = i;
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) {
-                best = ob;
-                bi = oi;
-            }
-        }
+        ts_warp_argmax(best, bi);
         if (lane == 0) {
             ids[row * k + j] = bi;
             sel_w[j] = best;

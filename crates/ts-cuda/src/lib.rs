@@ -617,17 +617,12 @@ impl Backend for Cuda {
         }
         // Outputs allocated before the branches (an allocation is ordered on the main stream).
         let ys = ws.iter().map(|(w, _)| self.act(m * w.n_rows())).collect::<Result<Vec<_>, _>>()?;
-        if !s.exact {
-            let mms = ws
-                .iter()
-                .zip(&ys)
-                .map(|(&(w, bias), y)| self.product(w, bias, x, m, y))
-                .collect::<Result<Vec<_>, _>>()?;
-            if self.matvec_q8_multi(&mms)? {
-                return Ok(ys);
-            }
+        let mms =
+            ws.iter().zip(&ys).map(|(&(w, bias), y)| self.product(w, bias, x, m, y)).collect::<Result<Vec<_>, _>>()?;
+        if !s.exact && self.matvec_q8_multi(&mms)? {
+            return Ok(ys);
         }
-        self.branches(ws.len(), |i| self.linear_into(ws[i].0, ws[i].1, x, m, &ys[i], s.exact))?;
+        self.branches(mms.len(), |i| self.matmul(&mms[i], s.exact))?;
         Ok(ys)
     }
 

@@ -336,14 +336,6 @@ impl Cuda {
     pub(crate) fn matvec_q8_multi(&self, mms: &[Matmul]) -> Result<bool, ModelError> {
         let Some(first) = mms.first() else { return Ok(false) };
         let (x, k, m) = (first.x, first.k, first.m);
-        let ids: Option<Vec<i32>> = mms
-            .iter()
-            .map(|mm| {
-                let sfx = q8_suffix(mm.ty)?;
-                Q8_TYPES.iter().position(|t| *t == sfx).map(|i| i as i32)
-            })
-            .collect();
-        let Some(ids) = ids else { return Ok(false) };
         let same_input = k.is_multiple_of(32) && mms.iter().all(|mm| mm.x == x && mm.k == k && mm.m == m);
         if !multi_matvec()
             || mms.len() > MULTI_PARTS
@@ -353,6 +345,14 @@ impl Cuda {
         {
             return Ok(false);
         }
+        let ids: Option<Vec<i32>> = mms
+            .iter()
+            .map(|mm| {
+                let sfx = q8_suffix(mm.ty)?;
+                Q8_TYPES.iter().position(|t| *t == sfx).map(|i| i as i32)
+            })
+            .collect();
+        let Some(ids) = ids else { return Ok(false) };
         let xq = self.quantized(x, m, k)?;
         let mut part = [MatvecQ8Part::default(); MULTI_PARTS];
         let mut blocks = 0;
