@@ -243,7 +243,7 @@ __device__ __forceinline__ void ts_router_finish(const RouterRoute& p, int e, in
 
 // The router and the routing of few rows in one launch: block (e, r) writes logit e of row
 // r, x[r] . w[e] + bias[e]; the row's last block to finish routes the row as `route` does.
-// grid (n_expert, m), block 128 (device::router_threads; any multiple of 32 up to 1,024).
+// grid (n_expert, m), block 128 or 256 (device::router_threads; any multiple of 32 up to 1,024).
 extern "C" __global__ void router_route(const RouterRoute p) {
     ts_grid_begin();
     const int e = blockIdx.x, r = blockIdx.y;
@@ -276,7 +276,7 @@ struct NormRouterRoute {
 // of the row in the same order, so all agree on the scale) and takes logit e from the normed
 // row, elements normed as rms_norm does; blocks e, e + n_expert, ... also write 32-element
 // chunks e, e + n_expert, ... of x_out, normed and its 8-bit copy. n_embd a multiple of 32.
-// grid (n_expert, m), block 128 (device::router_threads; any multiple of 32 up to 1,024).
+// grid (n_expert, m), block 128 or 256 (device::router_threads; any multiple of 32 up to 1,024).
 extern "C" __global__ void norm_router_route(const NormRouterRoute p) {
     ts_grid_begin();
     const RouterRoute& rr = p.route;

@@ -289,7 +289,7 @@ impl Cuda {
         let n_split = match m * shape.n_head <= SPLIT_COUNTERS {
             true => slots
                 .div_ceil(crate::device::attention_tile())
-                .min(MAX_SPLIT)
+                .min(crate::device::attention_max_split(MAX_SPLIT))
                 .min(SPLIT_RUNS / (m * shape.n_head).max(1))
                 .max(1),
             false => 1,

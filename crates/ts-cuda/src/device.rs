@@ -389,19 +389,28 @@ pub fn attention_warps() -> usize {
     *WARPS.get_or_init(|| defined("ATTN_WARPS").unwrap_or_else(|| knob("TURBOSPARK_ATTN_WARPS", &[2, 4, 8, 16], 16)))
 }
 
-/// Threads of a `norm_router_route` block (and of `router_route`'s): 128, or
-/// `TURBOSPARK_ROUTER_THREADS` (64, 128, 256 or 512), a measurement knob.
-pub fn router_threads() -> u32 {
+/// Threads of a `norm_router_route` block (and of `router_route`'s) for a router of
+/// `n_expert` rows: 256 for at most 64 experts (each block a longer share of the row), else
+/// 128; or `TURBOSPARK_ROUTER_THREADS` (64, 128, 256 or 512), a measurement knob. (H100,
+/// 2026-12-06: gpt-oss-20b's 32 experts decoded 1.2% faster with 256, qwen3-30b-a3b's 128
+/// 2.4% slower; docs/BENCHMARKS.md.)
+pub fn router_threads(n_expert: usize) -> u32 {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| knob("TURBOSPARK_ROUTER_THREADS", &[64, 128, 256, 512], 128)) as u32
+    let set = *THREADS.get_or_init(|| knob("TURBOSPARK_ROUTER_THREADS", &[64, 128, 256, 512], 0));
+    match set {
+        0 if n_expert <= 64 => 256,
+        0 => 128,
+        n => n as u32,
+    }
 }
 
-/// Elements an `rms_norm` thread takes (its block has `width / this` threads, 32 to 1,024): 4,
+/// Elements an `rms_norm` thread takes (its block has `width / this` threads, 32 to 1,024): 2,
 /// or `TURBOSPARK_NORM_ELEMENTS` (1, 2 or 4), a measurement knob (ops.cu holds at most 4 in
-/// registers).
+/// registers). (H100, 2026-12-06: qwen3-30b-a3b decoded 1.1% faster with 2 than with 4,
+/// gpt-oss-20b level; docs/BENCHMARKS.md.)
 pub fn norm_elements() -> usize {
     static ELEMENTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 4))
+    *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 2))
 }
 
 /// Whether the experts' down projection of a step of few rows multiplies f32 activations
@@ -409,6 +418,13 @@ pub fn norm_elements() -> usize {
 pub fn down_f32() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DOWN_F32").is_some())
+}
+
+/// Runs a split decode attention takes at most: `most` (attention.rs's MAX_SPLIT), or fewer
+/// with `TURBOSPARK_ATTN_MAX_SPLIT` (1 to `most`), a measurement knob.
+pub fn attention_max_split(most: usize) -> usize {
+    static SPLIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    (*SPLIT.get_or_init(|| knob("TURBOSPARK_ATTN_MAX_SPLIT", &[], most))).clamp(1, most)
 }
 
 /// Query heads of one KV head a decode attention block takes at most (each key and value read

@@ -272,7 +272,7 @@ impl Cuda {
             self.launch_with(
                 "router_route",
                 (n_expert as u32, m as u32, 1),
-                (crate::device::router_threads(), 1, 1),
+                (crate::device::router_threads(n_expert), 1, 1),
                 &p,
             )
         })?;
@@ -314,7 +314,7 @@ impl Cuda {
             ds: q.ds(0),
             eps,
         };
-        let block = (crate::device::router_threads(), 1, 1);
+        let block = (crate::device::router_threads(route.n_expert as usize), 1, 1);
         self.launch_with("norm_router_route", (route.n_expert as u32, m as u32, 1), block, &p)?;
         self.remember_quantized(normed.ptr, q, q_buf);
         *x = x_out;

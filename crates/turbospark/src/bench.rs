@@ -26,6 +26,7 @@ pub struct BenchArgs {
     n_gen: usize,
     /// Tokens already in the sequence before each prompt and generation test, e.g. `0,4096`
     /// (llama-bench's `-d`): written untimed first, each test reported as `pp512 @ d4096`.
+    /// Each test's sequence holds its depth and its own tokens, as llama-bench's context.
     /// The --parallel and drafter tests hold only their prompts of -p tokens.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
     n_depth: Vec<usize>,
@@ -121,12 +122,9 @@ fn measure<B: ts_model::Backend>(
     threads: usize,
     args: &BenchArgs,
 ) -> Result<Measured> {
-    let deepest = args.n_depth.iter().copied().max().unwrap_or(0);
-    let n_ctx = deepest + args.n_prompt.max(args.n_gen).max(1);
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
     let mut tokens = |n: usize| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % n_vocab) as u32).collect() };
-    let mut seq = engine.new_sequence(n_ctx)?;
 
     let warm = usize::from(!args.no_warmup);
 
@@ -134,12 +132,15 @@ fn measure<B: ts_model::Backend>(
     let mut cache_lines = Vec::new();
     let snapshot = || engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats());
     // Each depth's prompt test (pp: the tokens in one prefill) and generation test (tg: one
-    // token a step), each after `depth` untimed tokens in a cleared sequence.
+    // token a step), each after `depth` untimed tokens in a cleared sequence of its own with
+    // room for `depth + n` positions, as llama-bench sizes each test's context (a longer cache
+    // is slower to attend to on some paths: GPU decode attention splits by the cache's size).
     for &depth in &args.n_depth {
         for (name, n, step) in [("pp", args.n_prompt, args.n_prompt), ("tg", args.n_gen, 1)] {
             if n == 0 {
                 continue;
             }
+            let mut seq = engine.new_sequence(depth + n)?;
             let test = if depth == 0 { format!("{name}{n}") } else { format!("{name}{n} @ d{depth}") };
             let mut tps = Vec::new();
             let mut before = snapshot();
