@@ -420,6 +420,13 @@ pub fn down_f32() -> bool {
     *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DOWN_F32").is_some())
 }
 
+/// Whether an expert matvec of f32 activations without an 8-bit copy (the down projection
+/// after gate/up) quantizes them in its own blocks instead of a `quantize_q8_1` launch before
+/// it: `TURBOSPARK_OWN_Q8`, a measurement knob (off: not yet measured).
+pub fn own_q8() -> bool {
+    std::env::var_os("TURBOSPARK_OWN_Q8").is_some()
+}
+
 /// Runs a split decode attention takes at most: `most` (attention.rs's MAX_SPLIT), or fewer
 /// with `TURBOSPARK_ATTN_MAX_SPLIT` (1 to `most`), a measurement knob.
 pub fn attention_max_split(most: usize) -> usize {

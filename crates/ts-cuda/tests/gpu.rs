@@ -826,6 +826,22 @@ fn routed_experts_match_the_reference() {
             let mut y = Backend::uninit(&cuda, m * k_used * e).unwrap();
             Backend::expert_down(&cuda, &w, &h, &routes, &at, &mut y, s).unwrap();
             let got = cuda.to_host(&Backend::combine(&cuda, &y, &routes, e).unwrap()).unwrap();
+            // Where the expert-indexed matvecs run, the down projection quantizing h in its own
+            // blocks (moe_matvec_q8_own_<t>) gives the same outputs bit for bit.
+            if m <= 8 {
+                cuda.set_own_q8(true);
+                let s = &mut Backend::scratch(&cuda, false);
+                let h = Backend::expert_gate_up(&cuda, &w, act, &xd, &routes, &at, s).unwrap();
+                let mut y = Backend::uninit(&cuda, m * k_used * e).unwrap();
+                Backend::expert_down(&cuda, &w, &h, &routes, &at, &mut y, s).unwrap();
+                let own = cuda.to_host(&Backend::combine(&cuda, &y, &routes, e).unwrap()).unwrap();
+                cuda.set_own_q8(false);
+                let same = own.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                println!("{gu_ty}/{down_ty} m={m}: own 8-bit copy {}", if same { "bit-equal" } else { "differs" });
+                if !same {
+                    failures.push(format!("{gu_ty}/{down_ty} m={m}: the own 8-bit copy differs"));
+                }
+            }
             let routes: Vec<_> =
                 (0..m).map(|r| ts_model::moe::route(&moe, &logits[r * n_expert..(r + 1) * n_expert], None)).collect();
             // Every projection with 8-bit kernels takes 8-bit activations (above 8 rows on the
