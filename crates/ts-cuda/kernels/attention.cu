@@ -244,12 +244,6 @@ __device__ __forceinline__ float attn_group_sums(float (&d)[G], int in_group) {
 // sums and weighted values in `partial`, and the run that finishes last (`done`) combines
 // them and resets its counter. Heads of up to MAX_HEAD_DIM; `wacc`
 // [ATTN_HEADS_AT_ONCE][ATTN_WARPS][MAX_HEAD_DIM] is shared memory for the warps' sums.
-// Whole tiles of a split decode attention's run: the tiles a row sees over the launch's runs.
-__device__ __forceinline__ int attn_tiles_per_run(int tiles) {
-    const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS);
-    return (tiles + n_split - 1) / n_split;
-}
-
 template <int MAX_HEAD_DIM, int G>
 __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv ri, int seen_first, int tiles,
                                                 int h0, int g, int kvh, int in_kv,
@@ -267,11 +261,12 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
     __shared__ __align__(16) float k_new[MAX_HEAD_DIM];
     __shared__ float weight[G][ATTN_TILE];
     __shared__ float head_corr[G];
-    // This block's run of whole tiles (runs past the last tile, a short sequence in a long
-    // cache, left in attention_blocks); the runs that have positions combine among themselves.
+    // This block's run of whole tiles; runs past the last tile (a short sequence in a long
+    // cache) leave at once, and the runs that have positions combine among themselves.
     const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS), split = blockIdx.z;
-    const int tiles_per_split = attn_tiles_per_run(tiles);
+    const int tiles_per_split = (tiles + n_split - 1) / n_split;
     const int runs = (tiles + tiles_per_split - 1) / tiles_per_split;
+    if (split >= runs) return;
     const int first = seen_first + split * tiles_per_split * ATTN_TILE;
     const int last = min((int)ri.pos, first + tiles_per_split * ATTN_TILE - 1);
 
@@ -629,41 +624,48 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
     if (threadIdx.x == 0) p.done[head0] = 0;
 }
 
-// Block blockIdx.x's heads: query head blockIdx.x alone (attention_heads<.., 1>: no work for
-// heads it does not have) while its row sees fewer than group_from positions, else with up to
-// heads_per_block - 1 after it in its KV head's group (at most G) where it is the first of
-// them, and none where it is not. A block without work (none of the heads, or a run past the
-// row's last tile: a short row in a long cache) leaves. A measurement knob
-// (TURBOSPARK_NVRTC_DEFINES=TS_ATTN_IDLE_EARLY=1) has it leave before waiting for the kernel
-// before it, so that it holds no SM's room while that one runs: with a cache of 512 and one
-// run at work (n_split 4), qwen3-30b-a3b decoded 3% slower on the H100 than with n_split 1.
-// The rows' RowKv are the host's, copied before the step's first kernel: complete before the
-// kernel two back (launch.cuh).
+// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_ATTN_IDLE_EARLY=1): a decode attention block
+// without work (none of the heads, or a run past the row's last tile: a short row in a long
+// cache) leaves before waiting for the kernel before it, so that it holds no SM's room while
+// that one runs (with a cache of 512 positions and one run at work, n_split 4, qwen3-30b-a3b
+// decoded 3% slower on the H100 than with n_split 1). It reads only the rows' RowKv, the
+// host's, copied before the step's first kernel (launch.cuh).
 #ifndef TS_ATTN_IDLE_EARLY
 #define TS_ATTN_IDLE_EARLY 0
 #endif
+
+// Block blockIdx.x's heads: query head blockIdx.x alone (attention_heads<.., 1>: no work for
+// heads it does not have) while its row sees fewer than group_from positions, else with up to
+// heads_per_block - 1 after it in its KV head's group (at most G) where it is the first of
+// them, and none where it is not.
 template <int MAX_HEAD_DIM, int G>
 __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
     __shared__ float wacc[ATTN_HEADS_AT_ONCE(MAX_HEAD_DIM)][ATTN_WARPS][MAX_HEAD_DIM];
+#if TS_ATTN_IDLE_EARLY
+    {
+        // attention_heads' runs and the grouped path's choice, as below.
+        const RowKv ri = p.info[blockIdx.y];
+        const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
+        const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+        const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS);
+        const int tiles_per_split = (tiles + n_split - 1) / n_split;
+        const int in_kv = (int)blockIdx.x % (p.n_head / p.n_head_kv);
+        const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
+        if ((int)blockIdx.z * tiles_per_split >= tiles || (G > 1 && per_block > 1 && in_kv % per_block != 0)) return;
+    }
+#endif
+    ts_grid_begin();
     const RowKv ri = p.info[blockIdx.y];
     const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
     const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
     const int group = p.n_head / p.n_head_kv, h0 = blockIdx.x, kvh = h0 / group, in_kv = h0 % group;
     const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
-    const int tiles_per_run = attn_tiles_per_run(tiles);
-    const bool idle = (int)blockIdx.z * tiles_per_run >= tiles || (G > 1 && per_block > 1 && in_kv % per_block != 0);
-#if TS_ATTN_IDLE_EARLY
-    if (idle) return;
-    ts_grid_begin();
-#else
-    ts_grid_begin();
-    if (idle) return;
-#endif
     if (G == 1 || per_block == 1) {
         attention_heads<MAX_HEAD_DIM, 1>(p, ri, seen_first, tiles, h0, 1, kvh, in_kv, wacc);
     } else if constexpr (G > 1) {
-        attention_heads<MAX_HEAD_DIM, G>(p, ri, seen_first, tiles, h0, min(per_block, group - in_kv), kvh, in_kv,
-                                         wacc);
+        if (in_kv % per_block == 0)
+            attention_heads<MAX_HEAD_DIM, G>(p, ri, seen_first, tiles, h0, min(per_block, group - in_kv), kvh,
+                                             in_kv, wacc);
     }
 }
 

@@ -132,10 +132,10 @@ struct MoeMatvecQ8 {
     float* y;  // [slots][n_out]
     const float* bias;  // [n_expert][n_out] or null
     const int* ids;  // [slots]: the routed expert (bias rows)
-    const float* x;  // moe_matvec_q8_own_<t>: the f32 activations [slots / x_group][k] (xq unused)
     long long expert_stride;  // bytes
     int x_group;  // slot s reads activation row s / x_group
     int n_out, k, lanes;
+    const float* x;  // moe_matvec_q8_own_<t>: the f32 activations [slots / x_group][k] (xq unused)
 };
 
 struct MoeGateUpQ8 {

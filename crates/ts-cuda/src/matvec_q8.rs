@@ -117,13 +117,13 @@ struct MoeMatvecQ8 {
     y: u64,
     bias: u64,
     ids: u64,
-    /// `moe_matvec_q8_own_<t>`'s f32 activations (xq and xds unused), else 0.
-    x: u64,
     expert_stride: i64,
     x_group: i32,
     n_out: i32,
     k: i32,
     lanes: i32,
+    /// `moe_matvec_q8_own_<t>`'s f32 activations (xq and xds unused), else 0.
+    x: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<MoeMatvecQ8>() == 88);
@@ -415,12 +415,12 @@ impl Cuda {
             y: mv.y,
             bias: mv.bias,
             ids: mv.ids,
-            x: xf,
             expert_stride: mv.expert_stride as i64,
             x_group: mv.x_group as i32,
             n_out: mv.n_out as i32,
             k: mv.k as i32,
             lanes,
+            x: xf,
         };
         let grid = (mv.n_out.div_ceil(rows_per_block(lanes)) as u32, mv.slots as u32, 1);
         let out = (mv.y, 4 * mv.slots * mv.n_out);

@@ -768,7 +768,7 @@ fn routed_experts_match_the_reference() {
     let (n_expert, k_used, e, f) = (16, 4, 512, 256);
     let clamped = GatedActivation::SwiGluClamped { alpha: 1.702, limit: 7.0 };
     // (gate and up type, down type, activation, biases): qwen3-30b-a3b's, gpt-oss's, and
-    // a down type without integer dot products (its experts one by one).
+    // two 32-element legacy types.
     let cases = [
         (GgmlType::Q4_K, GgmlType::Q6_K, GatedActivation::SwiGlu, false),
         (GgmlType::MXFP4, GgmlType::MXFP4, clamped, true),
@@ -827,7 +827,8 @@ fn routed_experts_match_the_reference() {
             Backend::expert_down(&cuda, &w, &h, &routes, &at, &mut y, s).unwrap();
             let got = cuda.to_host(&Backend::combine(&cuda, &y, &routes, e).unwrap()).unwrap();
             // Where the expert-indexed matvecs run, the down projection quantizing h in its own
-            // blocks (moe_matvec_q8_own_<t>) gives the same outputs bit for bit.
+            // blocks (moe_matvec_q8_own_<t>) gives the same outputs bit for bit (both sides
+            // are the f32 kernels, and this proves nothing, under TURBOSPARK_DOWN_F32).
             if m <= 8 {
                 cuda.set_own_q8(true);
                 let s = &mut Backend::scratch(&cuda, false);
