@@ -26,7 +26,8 @@ pub struct BenchArgs {
     n_gen: usize,
     /// Tokens already in the sequence before each prompt and generation test, e.g. `0,4096`
     /// (llama-bench's `-d`): written untimed first, each test reported as `pp512 @ d4096`.
-    /// Each test's sequence holds its depth and its own tokens, as llama-bench's context.
+    /// Each test's sequence holds its depth and its own tokens, as llama-bench's context, or
+    /// `-c` positions where given (the drafter and --parallel tests keep their own sizes).
     /// The --parallel and drafter tests hold only their prompts of -p tokens.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
     n_depth: Vec<usize>,
@@ -70,7 +71,10 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     first.threads = counts[..1].to_vec();
     let global = &first;
     let spec = args.spec.options()?;
-    let (mut engine, _, cuda) = load(global, &args.model)?;
+    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
+    // `-c`: every pp and tg test in a sequence of that many positions (a user's cache size);
+    // without it each test's sequence holds just its depth and tokens, as llama-bench's.
+    let ctx = args.model.ctx_given().then_some(n_ctx);
     args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(&args.model, &engine)?;
     let path = global.model(None)?;
@@ -80,6 +84,7 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
         spec.as_ref(),
         &counts,
         args,
+        ctx,
         &path
     ))
 }
@@ -91,6 +96,7 @@ fn run_counts<B: ts_model::Backend>(
     spec: Option<&SpecOptions>,
     counts: &[usize],
     args: &BenchArgs,
+    ctx: Option<usize>,
     path: &std::path::Path,
 ) -> Result<()> {
     let mut runs = Vec::with_capacity(counts.len());
@@ -101,7 +107,7 @@ fn run_counts<B: ts_model::Backend>(
                 d.share_threads(&engine);
             }
         }
-        runs.push(measure(&engine, draft.as_ref(), spec, threads, args)?);
+        runs.push(measure(&engine, draft.as_ref(), spec, threads, args, ctx)?);
     }
     report(&engine, &runs, args, path)
 }
@@ -121,6 +127,7 @@ fn measure<B: ts_model::Backend>(
     spec: Option<&SpecOptions>,
     threads: usize,
     args: &BenchArgs,
+    ctx: Option<usize>,
 ) -> Result<Measured> {
     let n_vocab = engine.model.cfg.n_vocab as u64;
     let mut rng = ts_synth::Rng::new(42);
@@ -133,15 +140,22 @@ fn measure<B: ts_model::Backend>(
     let snapshot = || engine.model.backend.expert_stats().or_else(|| engine.model.experts.stats());
     // Each depth's prompt test (pp: the tokens in one prefill) and generation test (tg: one
     // token a step), each after `depth` untimed tokens in a cleared sequence of its own with
-    // room for `depth + n` positions, as llama-bench sizes each test's context (a longer cache
-    // is slower to attend to on some paths: GPU decode attention splits by the cache's size).
+    // room for `depth + n` positions, as llama-bench sizes each test's context, or `ctx` (a
+    // longer cache is slower to attend to on some paths: GPU decode attention splits by it).
     for &depth in &args.n_depth {
         for (name, n, step) in [("pp", args.n_prompt, args.n_prompt), ("tg", args.n_gen, 1)] {
             if n == 0 {
                 continue;
             }
-            let mut seq = engine.new_sequence(depth + n)?;
             let test = if depth == 0 { format!("{name}{n}") } else { format!("{name}{n} @ d{depth}") };
+            let n_ctx = match ctx {
+                Some(c) if c < depth + n => {
+                    bail!("bench: {test} needs {} positions, more than --ctx-size {c}", depth + n)
+                }
+                Some(c) => c,
+                None => depth + n,
+            };
+            let mut seq = engine.new_sequence(n_ctx)?;
             let mut tps = Vec::new();
             let mut before = snapshot();
             for rep in 0..warm + args.repetitions {

@@ -151,6 +151,8 @@ fn bench_runs_each_thread_count_of_a_list() {
     refused(&["run", "-m", m, "-t", "1,2", "-p", "hi", "-n", "1"], "a list of thread counts is for `bench`");
     refused(&["tokenize", "-m", m, "-t", "2,4", "-p", "hi"], "a list of thread counts is for `bench`");
     refused(&["bench", "-m", m, "-t", "2,0"], "each count must be at least 1");
+    // -c sizes every test's sequence; a test that needs more positions is refused by name.
+    refused(&["bench", "-m", m, "-p", "16", "-n", "4", "-r", "1", "-c", "12"], "pp16 needs 16 positions");
 }
 
 /// `TURBOSPARK_CPU_TIMING=1` (a measurement knob) prints where decode steps' time goes every 64
