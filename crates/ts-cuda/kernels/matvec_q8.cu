@@ -55,6 +55,13 @@ __device__ __forceinline__ TsQ8Lane ts_q8_lane_at(int block, int n_out, int lane
 
 __device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) { return ts_q8_lane_at(blockIdx.x, n_out, lanes); }
 
+// Asks L2 for lines j, j + lanes, ... (128 bytes each) of a row of `bytes`: a hint that binds
+// no value.
+__device__ __forceinline__ void ts_prefetch_row_l2(const ts_u8* row, ts_u64 bytes, int j, int lanes) {
+    for (ts_u64 off = (ts_u64)j * 128; off < bytes; off += (ts_u64)lanes * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+}
+
 // A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_Q8_PREFETCH=1 for L2, 2 for L1): each lane
 // asks for its share of the row's 128-byte lines before the first unit's loads, so that a row's
 // bytes are all requested at once (a decode launch is bound by the loads in flight: Nsight
@@ -63,14 +70,11 @@ __device__ __forceinline__ TsQ8Lane ts_q8_lane(int n_out, int lanes) { return ts
 #define TS_Q8_PREFETCH 0
 #endif
 __device__ __forceinline__ void ts_q8_prefetch_row(const ts_u8* row, ts_u64 bytes, int j, int lanes) {
-#if TS_Q8_PREFETCH
-    for (ts_u64 off = (ts_u64)j * 128; off < bytes; off += (ts_u64)lanes * 128) {
 #if TS_Q8_PREFETCH == 2
+    for (ts_u64 off = (ts_u64)j * 128; off < bytes; off += (ts_u64)lanes * 128)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(row + off));
-#else
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-#endif
-    }
+#elif TS_Q8_PREFETCH
+    ts_prefetch_row_l2(row, bytes, j, lanes);
 #endif
 }
 
@@ -90,9 +94,7 @@ __device__ __forceinline__ void ts_q8_early(const ts_u8* w, int n_out, int k, in
     if (w == nullptr) return;
     const TsQ8Lane l = ts_q8_lane(n_out, lanes);
     const ts_u64 bytes = V::row_bytes(k);
-    const ts_u8* row = w + l.row * bytes;
-    for (ts_u64 off = (ts_u64)l.j * 128; off < bytes; off += (ts_u64)lanes * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    ts_prefetch_row_l2(w + l.row * bytes, bytes, l.j, lanes);
 #endif
 }
 
@@ -271,6 +273,12 @@ __device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
 // memory: matvec_q8.rs's OWN_Q8_MAX_K).
 #define TS_OWN_Q8_MAX_K 4096
 
+// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_OWN_Q8_PREFETCH=1): moe_matvec_q8_own's
+// lanes ask L2 for their weight rows before quantizing, so that the fetch overlaps it.
+#ifndef TS_OWN_Q8_PREFETCH
+#define TS_OWN_Q8_PREFETCH 0
+#endif
+
 // moe_matvec_q8 where the activations are f32 (an expert's gate/up output before its down
 // projection): each block quantizes its slot's row into shared memory first, as quantize_q8_1
 // would (the same 8-bit values, so the same sums), instead of a launch of its own before it.
@@ -282,6 +290,11 @@ __device__ __forceinline__ void ts_moe_matvec_q8_own(const MoeMatvecQ8& p) {
     const int s = blockIdx.y;
     const int e = p.index[s];
     if (e < 0) return;
+    if (TS_OWN_Q8_PREFETCH) {
+        const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
+        const ts_u64 bytes = V::row_bytes(p.k);
+        ts_prefetch_row_l2(p.w + e * p.expert_stride + l.row * bytes, bytes, l.j, p.lanes);
+    }
     const float* x = p.x + (ts_u64)(s / p.x_group) * p.k;
     // Warp w takes elements 32w + 128j .. + 31: whole 8-bit blocks, every lane of the warp.
     for (int i = threadIdx.y * 32 + threadIdx.x; i < p.k; i += 128) ts_q8_store_warp(x[i], i, xq, xds);
