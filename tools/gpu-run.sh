@@ -224,6 +224,8 @@ if [[ $what == peer-build ]]; then
         sub=ik_llama.cpp extra=""
         [[ $peer == llama ]] && sub=llama.cpp extra="-DLLAMA_BUILD_APP=OFF"
         [[ -f $src ]] || continue
+        # A peer `peer-unpack` already put in place (prebuilt here, tools/peer-prebuild.md) stays.
+        grep -qs "^built 0" $dir.log && echo "$peer: already built ($dir)" && continue
         rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
         : > $dir.log
         # llama.cpp also builds llama-batched-bench, the peer of `batched`, and llama-speculative,
