@@ -634,6 +634,19 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
 #define TS_ATTN_IDLE_EARLY 0
 #endif
 
+// Where a decode attention block's row looks: the first position it sees (its window's start),
+// the tiles from there to its own position, and the query heads a block takes (`G` at most).
+struct AttnRow {
+    int seen_first, tiles, per_block;
+};
+
+template <int G>
+__device__ __forceinline__ AttnRow attn_row(const DecodeAttn& p, const RowKv& ri) {
+    const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
+    const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
+    return AttnRow{seen_first, ((int)ri.pos - seen_first) / ATTN_TILE + 1, per_block};
+}
+
 // Block blockIdx.x's heads: query head blockIdx.x alone (attention_heads<.., 1>: no work for
 // heads it does not have) while its row sees fewer than group_from positions, else with up to
 // heads_per_block - 1 after it in its KV head's group (at most G) where it is the first of
@@ -644,22 +657,19 @@ __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
 #if TS_ATTN_IDLE_EARLY
     {
         // attention_heads' runs and the grouped path's choice, as below.
-        const RowKv ri = p.info[blockIdx.y];
-        const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
-        const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+        const AttnRow a = attn_row<G>(p, p.info[blockIdx.y]);
         const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS);
-        const int tiles_per_split = (tiles + n_split - 1) / n_split;
         const int in_kv = (int)blockIdx.x % (p.n_head / p.n_head_kv);
-        const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
-        if ((int)blockIdx.z * tiles_per_split >= tiles || (G > 1 && per_block > 1 && in_kv % per_block != 0)) return;
+        if ((int)blockIdx.z * ((a.tiles + n_split - 1) / n_split) >= a.tiles ||
+            (G > 1 && a.per_block > 1 && in_kv % a.per_block != 0))
+            return;
     }
 #endif
     ts_grid_begin();
     const RowKv ri = p.info[blockIdx.y];
-    const int seen_first = p.window > 0 ? max(0, (int)ri.pos + 1 - p.window) : 0;
-    const int tiles = ((int)ri.pos - seen_first) / ATTN_TILE + 1;
+    const AttnRow a = attn_row<G>(p, ri);
+    const int seen_first = a.seen_first, tiles = a.tiles, per_block = a.per_block;
     const int group = p.n_head / p.n_head_kv, h0 = blockIdx.x, kvh = h0 / group, in_kv = h0 % group;
-    const int per_block = (int)ri.pos - seen_first + 1 >= p.group_from ? min(G, p.heads_per_block) : 1;
     if (G == 1 || per_block == 1) {
         attention_heads<MAX_HEAD_DIM, 1>(p, ri, seen_first, tiles, h0, 1, kvh, in_kv, wacc);
     } else if constexpr (G > 1) {

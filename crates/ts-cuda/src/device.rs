@@ -413,13 +413,6 @@ pub fn norm_elements() -> usize {
     *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 2))
 }
 
-/// Whether the experts' down projection of a step of few rows multiplies f32 activations
-/// (no `quantize_q8_1` launch before it): `TURBOSPARK_DOWN_F32`, a measurement knob.
-pub fn down_f32() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DOWN_F32").is_some())
-}
-
 /// Whether an expert matvec of f32 activations without an 8-bit copy (the down projection
 /// after gate/up) quantizes them in its own blocks instead of a `quantize_q8_1` launch before
 /// it: `TURBOSPARK_OWN_Q8`, a measurement knob (off: not yet measured).

@@ -683,7 +683,7 @@ impl Cuda {
             k: f,
             slots: pairs,
         };
-        self.indexed_matvec(&mv, h, exact || crate::device::down_f32())
+        self.indexed_matvec(&mv, h, exact)
     }
 
     /// Device address of each (row, slot) pair's row of the experts' outputs `y`, `[m * k]`

@@ -27,8 +27,8 @@ pub struct BenchArgs {
     /// Tokens already in the sequence before each prompt and generation test, e.g. `0,4096`
     /// (llama-bench's `-d`): written untimed first, each test reported as `pp512 @ d4096`.
     /// Each test's sequence holds its depth and its own tokens, as llama-bench's context, or
-    /// `-c` positions where given (the drafter and --parallel tests keep their own sizes).
-    /// The --parallel and drafter tests hold only their prompts of -p tokens.
+    /// `-c` positions where given; the --parallel and drafter tests hold only their prompts
+    /// of -p tokens.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
     n_depth: Vec<usize>,
     /// Repetitions of each test.
