@@ -624,16 +624,6 @@ __device__ __forceinline__ void attention_heads(const DecodeAttn& p, const RowKv
     if (threadIdx.x == 0) p.done[head0] = 0;
 }
 
-// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_ATTN_IDLE_EARLY=1): a decode attention block
-// without work (none of the heads, or a run past the row's last tile: a short row in a long
-// cache) leaves before waiting for the kernel before it, so that it holds no SM's room while
-// that one runs (with a cache of 512 positions and one run at work, n_split 4, qwen3-30b-a3b
-// decoded 3% slower on the H100 than with n_split 1). It reads only the rows' RowKv, the
-// host's, copied before the step's first kernel (launch.cuh).
-#ifndef TS_ATTN_IDLE_EARLY
-#define TS_ATTN_IDLE_EARLY 0
-#endif
-
 // Where a decode attention block's row looks: the first position it sees (its window's start),
 // the tiles from there to its own position, and the query heads a block takes (`G` at most).
 struct AttnRow {
@@ -654,28 +644,24 @@ __device__ __forceinline__ AttnRow attn_row(const DecodeAttn& p, const RowKv& ri
 template <int MAX_HEAD_DIM, int G>
 __device__ __forceinline__ void attention_blocks(const DecodeAttn& p) {
     __shared__ float wacc[ATTN_HEADS_AT_ONCE(MAX_HEAD_DIM)][ATTN_WARPS][MAX_HEAD_DIM];
-#if TS_ATTN_IDLE_EARLY
-    {
-        // attention_heads' runs and the grouped path's choice, as below.
-        const AttnRow a = attn_row<G>(p, p.info[blockIdx.y]);
-        const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS);
-        const int in_kv = (int)blockIdx.x % (p.n_head / p.n_head_kv);
-        if ((int)blockIdx.z * ((a.tiles + n_split - 1) / n_split) >= a.tiles ||
-            (G > 1 && a.per_block > 1 && in_kv % a.per_block != 0))
-            return;
-    }
-#endif
-    ts_grid_begin();
     const RowKv ri = p.info[blockIdx.y];
     const AttnRow a = attn_row<G>(p, ri);
     const int seen_first = a.seen_first, tiles = a.tiles, per_block = a.per_block;
     const int group = p.n_head / p.n_head_kv, h0 = blockIdx.x, kvh = h0 / group, in_kv = h0 % group;
+    // A block without work (none of the heads, or a run past the row's last tile: a short row in
+    // a long cache; the runs are attention_heads') leaves before waiting for the kernel before
+    // it, so that it holds no SM's room while that one runs: qwen3-30b-a3b tg128 in a cache of
+    // 4,096 positions 381-384 tok/s against 367-369 (H100). Before the wait it reads only the
+    // rows' RowKv, which the host copied before the step's first kernel (launch.cuh).
+    const int n_split = min((int)gridDim.z, ATTN_MAX_RUNS);
+    if ((int)blockIdx.z * ((tiles + n_split - 1) / n_split) >= tiles || (G > 1 && per_block > 1 && in_kv % per_block != 0))
+        return;
+    ts_grid_begin();
     if (G == 1 || per_block == 1) {
         attention_heads<MAX_HEAD_DIM, 1>(p, ri, seen_first, tiles, h0, 1, kvh, in_kv, wacc);
     } else if constexpr (G > 1) {
-        if (in_kv % per_block == 0)
-            attention_heads<MAX_HEAD_DIM, G>(p, ri, seen_first, tiles, h0, min(per_block, group - in_kv), kvh,
-                                             in_kv, wacc);
+        attention_heads<MAX_HEAD_DIM, G>(p, ri, seen_first, tiles, h0, min(per_block, group - in_kv), kvh, in_kv,
+                                         wacc);
     }
 }
 

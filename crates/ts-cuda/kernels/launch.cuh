@@ -6,7 +6,7 @@
 // a hint that binds nothing, may come first: matvec_q8.cu's TS_Q8_EARLY, whose variant 2 also
 // reads what the kernel two before wrote, complete before this one can be scheduled; so may a
 // read of what the host copied before the step, as decode attention's blocks without work do
-// before leaving under TS_ATTN_IDLE_EARLY).
+// before leaving).
 __device__ __forceinline__ void ts_grid_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

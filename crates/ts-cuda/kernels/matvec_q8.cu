@@ -9,8 +9,6 @@
 //   matvec_q8_multi(MatvecQ8Multi) matvec_q8_<t> of up to four weights of any types, one input.
 //   moe_matvec_q8_<t>(MoeMatvecQ8), moe_gate_up_q8_<t>(MoeGateUpQ8): as moe_matvec_<t> and
 //       moe_gate_up_<t> of matmul.cu, the expert's bias rows added in the same kernel.
-//   moe_matvec_q8_own_<t>(MoeMatvecQ8)  moe_matvec_q8_<t> of f32 activations, each block
-//       quantizing its slot's row itself (no quantize_q8_1 launch before it).
 //   moe_chunk_q8_<t>(MoeChunkQ8), moe_chunk_gate_up_q8_<t>(MoeChunkGateUpQ8): the same for
 //       chunks of one expert's rows (moe_group_pairs), each expert's weights read once.
 // Layout: a group of `lanes` (4, 8, 16 or 32) lanes of a warp shares a weight row, each lane
@@ -100,8 +98,8 @@ __device__ __forceinline__ void ts_q8_early(const ts_u8* w, int n_out, int k, in
 
 // acc[r] = the lane's row (at w + row * row_bytes) . activation row r of x, summed over the
 // group's lanes.
-template <class V, int M, class X>
-__device__ __forceinline__ void ts_q8_row(const ts_u8* __restrict__ w, const TsQ8Lane& l, const X& x, int lanes,
+template <class V, int M>
+__device__ __forceinline__ void ts_q8_row(const ts_u8* __restrict__ w, const TsQ8Lane& l, const TsQ8& x, int lanes,
                                           float (&acc)[M]) {
     const ts_u8* row = w + l.row * V::row_bytes(x.k);
     ts_q8_prefetch_row(row, V::row_bytes(x.k), l.j, lanes);
@@ -137,7 +135,6 @@ struct MoeMatvecQ8 {
     long long expert_stride;  // bytes
     int x_group;  // slot s reads activation row s / x_group
     int n_out, k, lanes;
-    const float* x;  // moe_matvec_q8_own_<t>: the f32 activations [slots / x_group][k] (xq unused)
 };
 
 struct MoeGateUpQ8 {
@@ -249,57 +246,18 @@ __device__ __forceinline__ void ts_matvec_q8_wide(const MatvecQ8& p) {
     if (r0 < p.m) ts_matvec_q8_rows<V, 1>(p, l, r0);
 }
 
-// Slot blockIdx.y's outputs of this block from activations x (global or shared).
-template <class V, class X>
-__device__ __forceinline__ void ts_moe_matvec_q8_slot(const MoeMatvecQ8& p, int e, const X& x) {
-    const int s = blockIdx.y;
-    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
-    float acc[1];
-    ts_q8_row<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
-    if (l.live && l.j == 0)
-        p.y[(ts_u64)s * p.n_out + l.row] = p.bias ? acc[0] + p.bias[(ts_u64)p.ids[s] * p.n_out + l.row] : acc[0];
-}
-
 template <class V>
 __device__ __forceinline__ void ts_moe_matvec_q8(const MoeMatvecQ8& p) {
     const int s = blockIdx.y;
     const int e = p.index[s];
     if (e < 0) return;  // a slot of another group of experts
+    const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
     const int xr = s / p.x_group;
-    ts_moe_matvec_q8_slot<V>(p, e, TsQ8{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k});
-}
-
-// Activations a block of moe_matvec_q8_own_<t> quantizes for itself at most (5 KiB of shared
-// memory: matvec_q8.rs's OWN_Q8_MAX_K).
-#define TS_OWN_Q8_MAX_K 4096
-
-// A measurement knob (TURBOSPARK_NVRTC_DEFINES=TS_OWN_Q8_PREFETCH=1): moe_matvec_q8_own's
-// lanes ask L2 for their weight rows before quantizing, so that the fetch overlaps it.
-#ifndef TS_OWN_Q8_PREFETCH
-#define TS_OWN_Q8_PREFETCH 0
-#endif
-
-// moe_matvec_q8 where the activations are f32 (an expert's gate/up output before its down
-// projection): each block quantizes its slot's row into shared memory first, as quantize_q8_1
-// would (the same 8-bit values, so the same sums), instead of a launch of its own before it.
-// k a multiple of 32, at most TS_OWN_Q8_MAX_K; block (32, 4).
-template <class V>
-__device__ __forceinline__ void ts_moe_matvec_q8_own(const MoeMatvecQ8& p) {
-    __shared__ __align__(16) signed char xq[TS_OWN_Q8_MAX_K];
-    __shared__ float2 xds[TS_OWN_Q8_MAX_K / 32];
-    const int s = blockIdx.y;
-    const int e = p.index[s];
-    if (e < 0) return;
-    if (TS_OWN_Q8_PREFETCH) {
-        const TsQ8Lane l = ts_q8_lane(p.n_out, p.lanes);
-        const ts_u64 bytes = V::row_bytes(p.k);
-        ts_prefetch_row_l2(p.w + e * p.expert_stride + l.row * bytes, bytes, l.j, p.lanes);
-    }
-    const float* x = p.x + (ts_u64)(s / p.x_group) * p.k;
-    // Warp w takes elements 32w + 128j .. + 31: whole 8-bit blocks, every lane of the warp.
-    for (int i = threadIdx.y * 32 + threadIdx.x; i < p.k; i += 128) ts_q8_store_warp(x[i], i, xq, xds);
-    __syncthreads();
-    ts_moe_matvec_q8_slot<V>(p, e, TsQ8Shared{xq, xds, p.k});
+    const TsQ8 x{p.xq + (ts_u64)xr * p.k, p.xds + (ts_u64)xr * (p.k >> 5), p.k};
+    float acc[1];
+    ts_q8_row<V, 1>(p.w + e * p.expert_stride, l, x, p.lanes, acc);
+    if (l.live && l.j == 0)
+        p.y[(ts_u64)s * p.n_out + l.row] = p.bias ? acc[0] + p.bias[(ts_u64)p.ids[s] * p.n_out + l.row] : acc[0];
 }
 
 template <class V>
@@ -439,10 +397,6 @@ __device__ __forceinline__ void ts_moe_chunk_gate_up_q8(const MoeChunkGateUpQ8& 
         }                                                                                                             \
         ts_grid_begin();                                                                                              \
         ts_moe_matvec_q8<vdot_##t>(p);                                                                                \
-    }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128) moe_matvec_q8_own_##t(const MoeMatvecQ8 p) {                   \
-        ts_grid_begin();                                                                                              \
-        ts_moe_matvec_q8_own<vdot_##t>(p);                                                                            \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) moe_gate_up_q8_##t(const MoeGateUpQ8 p) {                      \
         ts_grid_begin();                                                                                              \

@@ -31,17 +31,11 @@ struct ts_f2 {
 typedef float2 ts_f2;
 #endif
 
-// 8-bit activations in global memory (TsQ8, read through the read-only path), or in the
-// block's shared memory (TsQ8Shared: a kernel that quantized them itself).
-template <bool SHARED>
-struct TsQ8In {
-    static constexpr bool shared = SHARED;
+struct TsQ8 {
     const signed char* q;
     const ts_f2* ds;
     int k;
 };
-typedef TsQ8In<false> TsQ8;
-typedef TsQ8In<true> TsQ8Shared;
 
 // Signed 8-bit dot product of the four bytes of a and b, plus c.
 __device__ __forceinline__ int ts_dp4a(int a, int b, int c) {
@@ -56,30 +50,27 @@ __device__ __forceinline__ int ts_dp4a(int a, int b, int c) {
 // Sum of the four signed bytes of b, plus c.
 __device__ __forceinline__ int ts_sum4(int b, int c) { return ts_dp4a(0x01010101, b, c); }
 
-// N int8 activations (N = 8 or 16) at p: aligned to N bytes; in shared memory where SHARED.
-template <int N, bool SHARED>
+// N int8 activations (N = 8 or 16) at p: aligned to N bytes.
+template <int N>
 __device__ __forceinline__ void ts_xq(const signed char* p, int* v) {
 #ifdef TS_HOST
     memcpy(v, p, N);
 #else
     if (N == 16) {
-        const int4* a = reinterpret_cast<const int4*>(p);
-        const int4 t = SHARED ? *a : __ldg(a);
+        const int4 t = __ldg(reinterpret_cast<const int4*>(p));
         v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
     } else {
-        const int2* a = reinterpret_cast<const int2*>(p);
-        const int2 t = SHARED ? *a : __ldg(a);
+        const int2 t = __ldg(reinterpret_cast<const int2*>(p));
         v[0] = t.x, v[1] = t.y;
     }
 #endif
 }
 
-template <bool SHARED>
 __device__ __forceinline__ ts_f2 ts_xds(const ts_f2* p) {
 #ifdef TS_HOST
     return *p;
 #else
-    return SHARED ? *p : __ldg(p);
+    return __ldg(p);
 #endif
 }
 
@@ -129,14 +120,8 @@ __device__ __forceinline__ TsFrag ts_frag(ts_u32 q0, ts_u32 q1, float d0, float 
 }
 
 // Activation row r of x: its quants and its blocks' (d, sum).
-template <class X>
-__device__ __forceinline__ const signed char* ts_xrow(const X& x, int r) {
-    return x.q + (ts_u64)r * x.k;
-}
-template <class X>
-__device__ __forceinline__ const ts_f2* ts_xds_row(const X& x, int r) {
-    return x.ds + (ts_u64)r * (x.k >> 5);
-}
+__device__ __forceinline__ const signed char* ts_xrow(const TsQ8& x, int r) { return x.q + (ts_u64)r * x.k; }
+__device__ __forceinline__ const ts_f2* ts_xds_row(const TsQ8& x, int r) { return x.ds + (ts_u64)r * (x.k >> 5); }
 
 // ---- 32-element blocks: unit u is block u ----
 
@@ -152,15 +137,15 @@ __device__ __forceinline__ int ts_dot_halves(const ts_u32* lo, const ts_u32* hi,
 // Block u of a 32-element type whose quants are lo (elements 0..15) and hi (16..31), with
 // x = d * q + c: acc[r] += d * dx * sum(q * xq) + c * dx * sum(xq) (the second factor is the
 // activations' block sum, ds.y).
-template <int M, class X>
-__device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi, int u, const X& x, float d,
+template <int M>
+__device__ __forceinline__ void ts_dot_block(const ts_u32* lo, const ts_u32* hi, int u, const TsQ8& x, float d,
                                              float c, float (&acc)[M]) {
     TS_UNROLL
     for (int r = 0; r < M; r++) {
         int xv[8];
-        ts_xq<16, X::shared>(ts_xrow(x, r) + 32 * u, xv);
-        ts_xq<16, X::shared>(ts_xrow(x, r) + 32 * u + 16, xv + 4);
-        const ts_f2 ds = ts_xds<X::shared>(ts_xds_row(x, r) + u);
+        ts_xq<16>(ts_xrow(x, r) + 32 * u, xv);
+        ts_xq<16>(ts_xrow(x, r) + 32 * u + 16, xv + 4);
+        const ts_f2 ds = ts_xds(ts_xds_row(x, r) + u);
         acc[r] += d * ds.x * (float)ts_dot_halves(lo, hi, xv) + c * ds.y;
     }
 }
@@ -187,8 +172,8 @@ struct vdot_q8_0 {
         const float d = ts_h2f(ts_ld16(b));
         return ts_frag(ts_ldu32(b + 2 + 4 * s), ts_ldu32(b + 18 + 4 * s), d, d, 0.0f);
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         ts_u32 q[8];
         const float d = ts_q8_0_block(row + (ts_u64)u * 34, q);
         ts_dot_block<M>(q, q + 4, u, x, d, 0.0f, acc);
@@ -205,8 +190,8 @@ struct vdot_q4_0 {
         const ts_u32 q = ts_ldu32(b + 2 + 4 * s);
         return ts_frag(ts_minus(q & 0x0f0f0f0fu, 8), ts_minus((q >> 4) & 0x0f0f0f0fu, 8), d, d, 0.0f);
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 18;
         const float d = ts_h2f(ts_ld16(b));
         ts_u32 q[4], lo[4], hi[4];
@@ -227,8 +212,8 @@ struct vdot_q4_1 {
         const float d = ts_h2f(dm & 0xffff);
         return ts_frag(q & 0x0f0f0f0fu, (q >> 4) & 0x0f0f0f0fu, d, d, ts_h2f(dm >> 16));
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 20;
         const ts_u32 dm = ts_ldu32(b);
         const float d = ts_h2f(dm & 0xffff), m = ts_h2f(dm >> 16);
@@ -251,8 +236,8 @@ struct vdot_q5_0 {
         return ts_frag(ts_minus((q & 0x0f0f0f0fu) | ts_spread4(qh >> (4 * s)), 16),
                        ts_minus(((q >> 4) & 0x0f0f0f0fu) | ts_spread4(qh >> (16 + 4 * s)), 16), d, d, 0.0f);
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 22;
         const float d = ts_h2f(ts_ld16(b));
         const ts_u32 qh = ts_ldu32(b + 2);
@@ -280,8 +265,8 @@ struct vdot_q5_1 {
         return ts_frag((q & 0x0f0f0f0fu) | ts_spread4(h[1] >> (4 * s)),
                        ((q >> 4) & 0x0f0f0f0fu) | ts_spread4(h[1] >> (16 + 4 * s)), d, d, ts_h2f(h[0] >> 16));
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const ts_u8* b = row + (ts_u64)u * 24;
         ts_u32 h[2];
         ts_ld_8(b, h);
@@ -325,8 +310,8 @@ struct vdot_mxfp4 {
         ts_mxfp4_word(ts_ldu32(b + 1 + 4 * s), lo, hi);
         return ts_frag(lo, hi, d, d, 0.0f);
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         ts_u32 q[4], lo[4], hi[4];
         const float d = scale(ts_mxfp4_block(row + (ts_u64)u * 17, q));
         TS_UNROLL
@@ -340,9 +325,9 @@ struct vdot_mxfp4 {
 // Q4_K and Q5_K: part v = 2i + h holds elements 16h..16h+15 of chunks 2i (low nibbles of
 // qs[32i + 16h + l]) and 2i + 1 (high nibbles). x = scale * q - min per chunk, so a half
 // chunk's sum is dx * (scale * sum(q * xq) - min * sum(xq)).
-template <int M, class X>
+template <int M>
 __device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* lo, const ts_u32* hi, int sb, int v,
-                                               const X& x, float (&acc)[M]) {
+                                               const TsQ8& x, float (&acc)[M]) {
     const int i = v >> 1, h = v & 1;
     float sc0, mn0, sc1, mn1;
     ts_k4_scale_min(hd, 2 * i, &sc0, &mn0);
@@ -351,8 +336,8 @@ __device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* l
     TS_UNROLL
     for (int r = 0; r < M; r++) {
         int xa[4], xb[4];
-        ts_xq<16, X::shared>(ts_xrow(x, r) + 32 * c0 + 16 * h, xa);
-        ts_xq<16, X::shared>(ts_xrow(x, r) + 32 * c0 + 32 + 16 * h, xb);
+        ts_xq<16>(ts_xrow(x, r) + 32 * c0 + 16 * h, xa);
+        ts_xq<16>(ts_xrow(x, r) + 32 * c0 + 32 + 16 * h, xb);
         int sa = 0, sb_ = 0, na = 0, nb = 0;
         TS_UNROLL
         for (int n = 0; n < 4; n++) {
@@ -361,7 +346,7 @@ __device__ __forceinline__ void ts_dot_k4_part(const ts_u32* hd, const ts_u32* l
             na = ts_sum4(xa[n], na);
             nb = ts_sum4(xb[n], nb);
         }
-        const ts_f2 da = ts_xds<X::shared>(ts_xds_row(x, r) + c0), db = ts_xds<X::shared>(ts_xds_row(x, r) + c0 + 1);
+        const ts_f2 da = ts_xds(ts_xds_row(x, r) + c0), db = ts_xds(ts_xds_row(x, r) + c0 + 1);
         acc[r] += da.x * (sc0 * (float)sa - mn0 * (float)na) + db.x * (sc1 * (float)sb_ - mn1 * (float)nb);
     }
 }
@@ -383,8 +368,8 @@ struct vdot_q4_k {
     static __device__ __forceinline__ ts_u64 row_bytes(int k) { return ts_row_bytes_q4_k(k); }
     static const bool split = false;
     static __device__ __forceinline__ TsFrag frag(const ts_u8* row, int c, int s) { return ts_k4_frag(row, c, s, 144, 16); }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7;
         const ts_u8* b = row + (ts_u64)sb * 144;
         ts_u32 hd[4], q[4], lo[4], hi[4];
@@ -408,8 +393,8 @@ struct vdot_q5_k {
         f.q[1] |= ((ts_ldu32(b + 32 + 4 * s) >> j) & 0x01010101u) << 4;
         return f;
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7, i = v >> 1, h = v & 1;
         const ts_u8* b = row + (ts_u64)sb * 176;
         ts_u32 hd[4], qh[4], q[4], lo[4], hi[4];
@@ -443,8 +428,8 @@ struct vdot_q6_k {
         return ts_frag(ts_minus(u0, 32), ts_minus(u1, 32), ts_mul(d, (float)(signed char)(sc & 0xff)),
                        ts_mul(d, (float)(signed char)(sc >> 8)), 0.0f);
     }
-    template <int M, class X>
-    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const X& x, float (&acc)[M]) {
+    template <int M>
+    static __device__ __forceinline__ void dot(const ts_u8* row, int u, const TsQ8& x, float (&acc)[M]) {
         const int sb = u >> 3, v = u & 7, n = v >> 2, l0 = 8 * (v & 3), g = (v & 3) >> 1;
         const ts_u8* b = row + (ts_u64)sb * 210;
         ts_u32 qa[2], qb[2], qh[2], sc[2];
@@ -471,10 +456,10 @@ struct vdot_q6_k {
             TS_UNROLL
             for (int c = 0; c < 4; c++) {
                 int xv[2];
-                ts_xq<8, X::shared>(ts_xrow(x, r) + 32 * (c0 + c) + l0, xv);
+                ts_xq<8>(ts_xrow(x, r) + 32 * (c0 + c) + l0, xv);
                 const int qx = ts_dp4a((int)w[c][0], xv[0], ts_dp4a((int)w[c][1], xv[1], 0));
                 const int sx = ts_sum4(xv[0], ts_sum4(xv[1], 0));
-                s += scale[c] * ts_xds<X::shared>(ts_xds_row(x, r) + c0 + c).x * (float)(qx - 32 * sx);
+                s += scale[c] * ts_xds(ts_xds_row(x, r) + c0 + c).x * (float)(qx - 32 * sx);
             }
             acc[r] += s;
         }

@@ -413,13 +413,6 @@ pub fn norm_elements() -> usize {
     *ELEMENTS.get_or_init(|| knob("TURBOSPARK_NORM_ELEMENTS", &[1, 2, 4], 2))
 }
 
-/// Whether an expert matvec of f32 activations without an 8-bit copy (the down projection
-/// after gate/up) quantizes them in its own blocks instead of a `quantize_q8_1` launch before
-/// it: `TURBOSPARK_OWN_Q8`, a measurement knob (off: not yet measured).
-pub fn own_q8() -> bool {
-    std::env::var_os("TURBOSPARK_OWN_Q8").is_some()
-}
-
 /// Runs a split decode attention takes at most: `most` (attention.rs's MAX_SPLIT), or fewer
 /// with `TURBOSPARK_ATTN_MAX_SPLIT` (1 to `most`), a measurement knob.
 pub fn attention_max_split(most: usize) -> usize {

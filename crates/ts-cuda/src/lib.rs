@@ -168,10 +168,6 @@ pub struct Cuda {
     /// Positions a row sees from which a decode attention block takes several query heads
     /// (`device::attention_group_from`; tests set it).
     attn_group_from: usize,
-    /// Whether expert matvecs of f32 activations without an 8-bit copy quantize them in their
-    /// own blocks (`moe_matvec_q8_own_<t>`) instead of a `quantize_q8_1` launch before them
-    /// (`device::own_q8`; tests set it).
-    own_q8: bool,
     /// `TURBOSPARK_HOST_TIMING`: the host's time per step by what it was doing.
     host_timing: host_timing::HostTiming,
     /// Rows of the step being run (decode steps may leave cache misses to the CPU).
@@ -237,7 +233,6 @@ impl Cuda {
             route_done: gpu.zeros(moe::DEVICE_MOE_ROWS).map_err(err)?,
             attn_done: gpu.zeros(attention::SPLIT_COUNTERS).map_err(err)?,
             attn_group_from: device::attention_group_from(),
-            own_q8: device::own_q8(),
             gpu,
             weights: BTreeMap::new(),
             vectors: HashMap::new(),

@@ -122,14 +122,7 @@ struct MoeMatvecQ8 {
     n_out: i32,
     k: i32,
     lanes: i32,
-    /// `moe_matvec_q8_own_<t>`'s f32 activations (xq and xds unused), else 0.
-    x: u64,
 }
-
-const _: () = assert!(std::mem::size_of::<MoeMatvecQ8>() == 88);
-
-/// matvec_q8.cu's `TS_OWN_Q8_MAX_K`: the longest rows `moe_matvec_q8_own_<t>` quantizes itself.
-const OWN_Q8_MAX_K: usize = 4096;
 
 /// matvec_q8.cu's `MoeGateUpQ8`: [`Cuda::gate_up_q8`] fills the activations and lanes.
 #[repr(C)]
@@ -246,12 +239,6 @@ pub(crate) fn rows_per_block(lanes: i32) -> usize {
 }
 
 impl Cuda {
-    /// Sets whether expert matvecs of f32 activations without an 8-bit copy quantize them in
-    /// their own blocks (`moe_matvec_q8_own_<t>`), so that tests cover both.
-    pub fn set_own_q8(&mut self, on: bool) {
-        self.own_q8 = on;
-    }
-
     /// A buffer for `m` rows of `k` activations quantized to 8 bits.
     pub(crate) fn q8_buffer(&self, m: usize, k: usize) -> Result<(Q8Act, Act), ModelError> {
         let buf = self.act((m * k + 8 * m * (k / 32)).div_ceil(4))?;
@@ -269,21 +256,19 @@ impl Cuda {
     /// matvec, or by the norm that wrote x) when it is of the same activations and nothing
     /// has written to the device since (q, k and v of one input), else quantized anew.
     pub(crate) fn quantized(&self, x: u64, m: usize, k: usize) -> Result<Q8Act, ModelError> {
-        if let Some(q) = self.cached_quantized(x, m, k) {
-            return Ok(q);
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(c) = self.q8_last.lock().expect("q8 lock").as_ref()
+            && c.src == x
+            && c.q.m == m
+            && c.q.k == k
+            && c.writes == self.writes.load(Relaxed)
+        {
+            return Ok(c.q);
         }
         let (q, buf) = self.q8_buffer(m, k)?;
         self.quantize_rows(x, q, m)?;
         self.remember_quantized(x, q, buf);
         Ok(q)
-    }
-
-    /// The 8-bit copy of the `m` rows of `k` activations at `x` where one is valid.
-    fn cached_quantized(&self, x: u64, m: usize, k: usize) -> Option<Q8Act> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let last = self.q8_last.lock().expect("q8 lock");
-        let c = last.as_ref()?;
-        (c.src == x && c.q.m == m && c.q.k == k && c.writes == self.writes.load(Relaxed)).then_some(c.q)
     }
 
     /// Quantizes the first `rows` rows of `q.k` activations at `x` into `q` (`quantize_q8_1`).
@@ -392,26 +377,13 @@ impl Cuda {
 
     /// [`IndexedMatvec`] with `x` `[slots / x_group][k]` quantized to 8 bits.
     pub(crate) fn indexed_matvec_q8(&self, sfx: &str, mv: &IndexedMatvec, x: &Act) -> Result<(), ModelError> {
-        let rows = mv.slots / mv.x_group;
-        // Activations without an 8-bit copy (an expert's down projection of gate/up's output)
-        // may be quantized by the matvec's own blocks (`Cuda::own_q8`).
-        let own = self.own_q8
-            && mv.k <= OWN_Q8_MAX_K
-            && mv.k.is_multiple_of(32)
-            && self.cached_quantized(x.ptr, rows, mv.k).is_none();
-        let (kernel, xq, xds, xf) = match own {
-            true => ("moe_matvec_q8_own", 0, 0, x.ptr),
-            false => {
-                let xq = self.quantized(x.ptr, rows, mv.k)?;
-                ("moe_matvec_q8", xq.q(0), xq.ds(0), 0)
-            }
-        };
+        let xq = self.quantized(x.ptr, mv.slots / mv.x_group, mv.k)?;
         let lanes = lanes_for(mv.k, mv.n_out * mv.slots);
         let p = MoeMatvecQ8 {
             w: mv.w,
             index: mv.index,
-            xq,
-            xds,
+            xq: xq.q(0),
+            xds: xq.ds(0),
             y: mv.y,
             bias: mv.bias,
             ids: mv.ids,
@@ -420,11 +392,10 @@ impl Cuda {
             n_out: mv.n_out as i32,
             k: mv.k as i32,
             lanes,
-            x: xf,
         };
         let grid = (mv.n_out.div_ceil(rows_per_block(lanes)) as u32, mv.slots as u32, 1);
         let out = (mv.y, 4 * mv.slots * mv.n_out);
-        self.keeping_quantized(&[out], || self.launch_with(&format!("{kernel}_{sfx}"), grid, (32, 4, 1), &p))
+        self.keeping_quantized(&[out], || self.launch_with(&format!("moe_matvec_q8_{sfx}"), grid, (32, 4, 1), &p))
     }
 
     /// Gate and up of `slots` slots, their biases and the activation in one

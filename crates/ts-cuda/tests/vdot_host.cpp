@@ -48,10 +48,10 @@ int main(int argc, char** argv) {
     ts_u64 (*row_bytes)(int) = nullptr;
 #define TS_PICK(t)                        \
     if (strcmp(type, #t) == 0) {          \
-        dot1 = vdot_##t::dot<1, TsQ8>;    \
-        dot2 = vdot_##t::dot<2, TsQ8>;    \
-        dot4 = vdot_##t::dot<4, TsQ8>;    \
-        dot8 = vdot_##t::dot<8, TsQ8>;    \
+        dot1 = vdot_##t::dot<1>;          \
+        dot2 = vdot_##t::dot<2>;          \
+        dot4 = vdot_##t::dot<4>;          \
+        dot8 = vdot_##t::dot<8>;          \
         frag = vdot_##t::frag;            \
         row_bytes = vdot_##t::row_bytes;  \
     }
