@@ -10,13 +10,16 @@ use rayon::prelude::*;
 use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{
+    AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::SeqCst,
+};
 
 /// Pools of this many threads and more run one-row steps as a team unless told otherwise. On
-/// the device machine's 16 Xeon cores (2026-12-03, docs/BENCHMARKS.md) a team decoded qwen3 at
-/// 1.08x / 1.11x and gpt-oss at 0.92x / 1.23x rayon's regions with 8 / 16 threads; on a shared
-/// 2-vCPU machine spinning threads gained nothing steady.
-pub const DEFAULT_MIN_THREADS: usize = 8;
+/// a 2-vCPU AMD EPYC (2026-12-06, docs/BENCHMARKS.md) a team with contiguous shares decoded
+/// SmolLM2 at 1.06x rayon's regions and Qwen2.5-0.5B level (medians of six interleaved runs);
+/// on the device machine's 16 Xeon cores (2026-12-03) the team's first form, handing out one
+/// item at a time, gave qwen3 1.08x / 1.11x and gpt-oss 0.92x / 1.23x at 8 / 16 threads.
+pub const DEFAULT_MIN_THREADS: usize = 2;
 
 /// Whether a pool of `threads` threads runs one-row steps as a team: `TURBOSPARK_CPU_TEAM`
 /// (`0`, `false`, `off` or `no`: off; anything else on), else from [`DEFAULT_MIN_THREADS`]
@@ -31,14 +34,56 @@ pub fn enabled(threads: usize) -> bool {
     knob.unwrap_or(threads >= DEFAULT_MIN_THREADS && threads <= cores)
 }
 
-/// One region's work: items `0..n`, taken one at a time.
+/// One region's work: items `0..n`, each seat's share in the team's [`Share`]s.
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
-    n: usize,
-    next: AtomicUsize,
-    done: AtomicUsize,
+    /// Items run, counted once by each thread when it finds none left.
+    done: Padded<AtomicUsize>,
     /// An item's panic, raised again on the leader once the region is over.
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+/// A value alone in its cache lines (two, for the adjacent-line prefetcher), so that a
+/// thread's writes to it do not take lines another thread reads.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// A seat's items of the region in progress, `front..back` packed as two u32s: its thread
+/// takes them from the front, one at a time, and threads with none left take them from the
+/// back. Contiguous shares keep each thread on its own stretch of a matrix's rows and its
+/// atomics in its own cache line; stealing at the end evens out a late or slow thread.
+type Share = Padded<AtomicU64>;
+
+fn pack(front: usize, back: usize) -> u64 {
+    front as u64 | (back as u64) << 32
+}
+
+fn take_front(share: &Share) -> Option<usize> {
+    let mut v = share.0.load(Relaxed);
+    loop {
+        let (front, back) = (v as u32, (v >> 32) as u32);
+        if front >= back {
+            return None;
+        }
+        match share.0.compare_exchange_weak(v, pack(front as usize + 1, back as usize), Acquire, Relaxed) {
+            Ok(_) => return Some(front as usize),
+            Err(now) => v = now,
+        }
+    }
+}
+
+fn take_back(share: &Share) -> Option<usize> {
+    let mut v = share.0.load(Relaxed);
+    loop {
+        let (front, back) = (v as u32, (v >> 32) as u32);
+        if front >= back {
+            return None;
+        }
+        match share.0.compare_exchange_weak(v, pack(front as usize, back as usize - 1), Acquire, Relaxed) {
+            Ok(_) => return Some(back as usize - 1),
+            Err(now) => v = now,
+        }
+    }
 }
 
 /// What the scope's threads share.
@@ -51,6 +96,11 @@ struct Team {
     /// before its `Job` goes out of scope.
     active: AtomicUsize,
     stop: AtomicBool,
+    /// Each seat's share of the region in progress, set by the leader before it publishes
+    /// the region (seats are the threads' indices in the scope's broadcast).
+    shares: Vec<Share>,
+    /// The leader's seat.
+    leader: AtomicUsize,
 }
 
 thread_local! {
@@ -79,21 +129,24 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
         generation: AtomicU64::new(0),
         active: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
+        shares: (0..rayon::current_num_threads()).map(|_| Padded(AtomicU64::new(0))).collect(),
+        leader: AtomicUsize::new(0),
     };
     let body = Mutex::new(Some(body));
     let out = Mutex::new(None);
     let leader_taken = AtomicBool::new(false);
-    rayon::broadcast(|_| {
+    rayon::broadcast(|ctx| {
         IN_SCOPE.with(|s| s.set(true));
         if !leader_taken.swap(true, SeqCst) {
             let body = body.lock().expect("team body").take().expect("one leader");
+            team.leader.store(ctx.index(), SeqCst);
             LEADS.with(|l| l.set(&team));
             let result = std::panic::catch_unwind(AssertUnwindSafe(body));
             LEADS.with(|l| l.set(std::ptr::null()));
             team.stop.store(true, SeqCst);
             *out.lock().expect("team result") = Some(result);
         } else {
-            follow(&team);
+            follow(&team, ctx.index());
         }
         IN_SCOPE.with(|s| s.set(false));
     });
@@ -101,15 +154,16 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
     result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
-/// A thread that is not the leader: runs each region's items until the scope ends.
-fn follow(team: &Team) {
+/// A thread that is not the leader (at `seat`): runs each region's items until the scope ends.
+fn follow(team: &Team, seat: usize) {
     let mut seen = 0u64;
     let mut idle = 0u32;
     while !team.stop.load(SeqCst) {
         let g = team.generation.load(SeqCst);
         if g == seen {
-            // The leader's plain rayon work (a `join` inside the step) is taken here too.
-            if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            // The leader's plain rayon work (a `join` inside the step) is taken here too, looked
+            // for every few turns: a look reads the other threads' deques.
+            if idle.is_multiple_of(16) && rayon::yield_now() == Some(rayon::Yield::Executed) {
                 idle = 0;
                 continue;
             }
@@ -128,23 +182,31 @@ fn follow(team: &Team) {
         if !job.is_null() {
             // SAFETY: the leader keeps the job alive until `active` is back to zero after
             // clearing `job`; this thread counted itself in before reading the pointer.
-            take_items(unsafe { &*job });
+            take_items(unsafe { &*job }, &team.shares, seat);
         }
         team.active.fetch_sub(1, SeqCst);
     }
 }
 
-fn take_items(job: &Job<'_>) {
-    loop {
-        let i = job.next.fetch_add(1, SeqCst);
-        if i >= job.n {
-            return;
-        }
+/// Runs items of `job` from `seat`'s share, then from the others' (from their backs), until
+/// none is left; counts them in `job.done` once.
+fn take_items(job: &Job<'_>, shares: &[Share], seat: usize) {
+    let mut ran = 0;
+    let mut run = |i: usize| {
         if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))) {
             job.panic.lock().expect("team panic").get_or_insert(panic);
         }
-        job.done.fetch_add(1, SeqCst);
+        ran += 1;
+    };
+    while let Some(i) = take_front(&shares[seat]) {
+        run(i);
     }
+    for other in (1..shares.len()).map(|d| (seat + d) % shares.len()) {
+        while let Some(i) = take_back(&shares[other]) {
+            run(i);
+        }
+    }
+    job.done.0.fetch_add(ran, SeqCst);
 }
 
 /// Runs `f(i)` for every `i` in `0..n` over the threads: the scope's spinning threads where
@@ -161,16 +223,21 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     // SAFETY: the scope that set `LEADS` is still running its body on this thread.
     let team = unsafe { &*team };
-    let job = Job { f, n, next: AtomicUsize::new(0), done: AtomicUsize::new(0), panic: Mutex::new(None) };
+    let job = Job { f, done: Padded(AtomicUsize::new(0)), panic: Mutex::new(None) };
+    let seats = team.shares.len();
+    assert!(n < u32::MAX as usize, "a region of {n} items");
+    for (seat, share) in team.shares.iter().enumerate() {
+        share.0.store(pack(seat * n / seats, (seat + 1) * n / seats), SeqCst);
+    }
     // SAFETY: only the lifetime is erased; `job` outlives every use (see `follow`).
     let ptr = unsafe { std::mem::transmute::<*const Job<'_>, *mut Job<'static>>(&job) };
     team.job.store(ptr, SeqCst);
     team.generation.fetch_add(1, SeqCst);
     // Nested regions inside an item run on the item's thread.
     LEADS.with(|l| l.set(std::ptr::null()));
-    take_items(&job);
+    take_items(&job, &team.shares, team.leader.load(Relaxed));
     LEADS.with(|l| l.set(team));
-    while job.done.load(SeqCst) < n {
+    while job.done.0.load(SeqCst) < n {
         std::hint::spin_loop();
     }
     team.job.store(std::ptr::null_mut(), SeqCst);
@@ -252,6 +319,27 @@ mod tests {
         let again = AtomicUsize::new(0);
         pool.install(|| lead(|| for_each(8, &|_| _ = again.fetch_add(1, SeqCst))));
         assert_eq!(again.load(SeqCst), 8);
+    }
+
+    /// A thread held up in its first item has the rest of its share run by the others.
+    #[test]
+    fn a_held_up_threads_share_is_run_by_the_others() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let counts: Vec<AtomicUsize> = (0..60).map(|_| AtomicUsize::new(0)).collect();
+        let by_leader = AtomicUsize::new(0);
+        pool.install(|| {
+            lead(|| {
+                let leader = std::thread::current().id();
+                for_each(60, &|i| {
+                    counts[i].fetch_add(1, SeqCst);
+                    if std::thread::current().id() == leader && by_leader.fetch_add(1, SeqCst) == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(200));
+                    }
+                })
+            })
+        });
+        assert!(counts.iter().all(|c| c.load(SeqCst) == 1), "every item once");
+        assert_eq!(by_leader.load(SeqCst), 1, "the leader's other 19 items went to the two others");
     }
 
     /// Each item gets its own chunk, the last one shorter, in a scope and out.
