@@ -58,29 +58,18 @@ fn pack(front: usize, back: usize) -> u64 {
     front as u64 | (back as u64) << 32
 }
 
-fn take_front(share: &Share) -> Option<usize> {
+/// One item of `share`: its first (its own thread) or its last (another thread, its own
+/// share done), or none where it is empty.
+fn take(share: &Share, from_back: bool) -> Option<usize> {
     let mut v = share.0.load(Relaxed);
     loop {
-        let (front, back) = (v as u32, (v >> 32) as u32);
+        let (front, back) = (v as u32 as usize, (v >> 32) as usize);
         if front >= back {
             return None;
         }
-        match share.0.compare_exchange_weak(v, pack(front as usize + 1, back as usize), Acquire, Relaxed) {
-            Ok(_) => return Some(front as usize),
-            Err(now) => v = now,
-        }
-    }
-}
-
-fn take_back(share: &Share) -> Option<usize> {
-    let mut v = share.0.load(Relaxed);
-    loop {
-        let (front, back) = (v as u32, (v >> 32) as u32);
-        if front >= back {
-            return None;
-        }
-        match share.0.compare_exchange_weak(v, pack(front as usize, back as usize - 1), Acquire, Relaxed) {
-            Ok(_) => return Some(back as usize - 1),
+        let (item, left) = if from_back { (back - 1, pack(front, back - 1)) } else { (front, pack(front + 1, back)) };
+        match share.0.compare_exchange_weak(v, left, Acquire, Relaxed) {
+            Ok(_) => return Some(item),
             Err(now) => v = now,
         }
     }
@@ -198,11 +187,11 @@ fn take_items(job: &Job<'_>, shares: &[Share], seat: usize) {
         }
         ran += 1;
     };
-    while let Some(i) = take_front(&shares[seat]) {
+    while let Some(i) = take(&shares[seat], false) {
         run(i);
     }
     for other in (1..shares.len()).map(|d| (seat + d) % shares.len()) {
-        while let Some(i) = take_back(&shares[other]) {
+        while let Some(i) = take(&shares[other], true) {
             run(i);
         }
     }
