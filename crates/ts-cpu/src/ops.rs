@@ -347,11 +347,20 @@ mod x86 {
     /// Needs AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        unsafe { dot_inline(a, b) }
+    }
+
+    /// [`dot`]'s body, compiled into (and with the features of) its caller.
+    ///
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[inline(always)]
+    unsafe fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
-        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
         // SAFETY: every load reads 8 floats below `n`.
         unsafe {
+            let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             while i + 16 <= n {
                 s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
                 s1 =
@@ -409,7 +418,7 @@ mod x86 {
             }
         }
         for k in &four[..held] {
-            scores.push(super::capped(unsafe { dot(q, k) }, p));
+            scores.push(super::capped(unsafe { dot_inline(q, k) }, p));
         }
         let inv = super::softmax_weights(scores, p);
         out.iter_mut().for_each(|o| *o = 0.0);
@@ -429,7 +438,107 @@ mod x86 {
             }
         }
         for (v, &w) in four[..held].iter().zip(&w4) {
-            unsafe { axpy(out, w, v) };
+            unsafe { axpy_inline(out, w, v) };
+        }
+    }
+
+    /// [`super::attend_group`] for heads of whole vectors of 8: each key and value is read once
+    /// for every query head of its group (a KV head's keys at depth overflow L2, so a head at a
+    /// time read them from memory once a head); scores take four keys at a time (each query's
+    /// vector loaded once for the four, their sums reduced together) and values four positions
+    /// at a time (each output vector loaded and stored once for the four). A SmolLM2 prompt
+    /// spent 23% of its time in attention a position at a time (docs/BENCHMARKS.md).
+    ///
+    /// # Safety
+    /// Needs AVX2 and FMA; `q` holds `heads.len()` heads and `out` as many outputs, each a
+    /// multiple of 8 floats; every key is one head of `q` long, every value one head of `out`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attend_group<'a>(
+        q: &[f32],
+        keys: impl Iterator<Item = &'a [f32]>,
+        values: impl Iterator<Item = &'a [f32]>,
+        heads: &[super::AttentionParams],
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let g_n = heads.len();
+        let (hd, hdv) = (q.len() / g_n, out.len() / g_n);
+        // Scores position by position (all heads of a position together), then turned head by
+        // head into `weights` for each head's softmax.
+        scores.clear();
+        scores.reserve(2 * g_n * keys.size_hint().0);
+        let mut four: [&[f32]; 4] = [&[]; 4];
+        let mut held = 0;
+        let take = |four: &[&[f32]], scores: &mut Vec<f32>| {
+            let at = scores.len();
+            scores.resize(at + four.len() * g_n, 0.0);
+            for g in 0..g_n {
+                let qg = &q[g * hd..(g + 1) * hd];
+                let sums = if four.len() == 4 {
+                    // SAFETY: four keys of hd floats, a multiple of 8.
+                    unsafe { dot4(qg, &[four[0], four[1], four[2], four[3]]) }
+                } else {
+                    let mut one = [0f32; 4];
+                    for (j, k) in four.iter().enumerate() {
+                        one[j] = unsafe { dot_inline(qg, k) };
+                    }
+                    one
+                };
+                for j in 0..four.len() {
+                    scores[at + j * g_n + g] = super::capped(sums[j], &heads[g]);
+                }
+            }
+        };
+        for k in keys {
+            assert_eq!(k.len(), hd, "a key as long as a query head");
+            four[held] = k;
+            held += 1;
+            if held == 4 {
+                take(&four, scores);
+                held = 0;
+            }
+        }
+        take(&four[..held], scores);
+        let n = scores.len() / g_n;
+        // One head's scores are already its own row; a group's are copied head by head.
+        let weights: &mut [f32] = if g_n == 1 {
+            scores
+        } else {
+            scores.resize(2 * n * g_n, 0.0);
+            let (by_position, weights) = scores.split_at_mut(n * g_n);
+            for g in 0..g_n {
+                for (p, w) in weights[g * n..(g + 1) * n].iter_mut().enumerate() {
+                    *w = by_position[p * g_n + g];
+                }
+            }
+            weights
+        };
+        let mut inv = [0f32; super::MAX_GROUP];
+        for g in 0..g_n {
+            inv[g] = super::softmax_weights(&mut weights[g * n..(g + 1) * n], &heads[g]);
+        }
+        out.iter_mut().for_each(|o| *o = 0.0);
+        held = 0;
+        let mut at = 0;
+        for v in values.take(n) {
+            assert_eq!(v.len(), hdv, "a value as long as an output head");
+            four[held] = v;
+            held += 1;
+            if held == 4 {
+                for g in 0..g_n {
+                    let w = &weights[g * n + at..g * n + at + 4];
+                    let w4 = [w[0] * inv[g], w[1] * inv[g], w[2] * inv[g], w[3] * inv[g]];
+                    // SAFETY: four values of hdv floats, a multiple of 8.
+                    unsafe { axpy4(&mut out[g * hdv..(g + 1) * hdv], &w4, &four) };
+                }
+                at += 4;
+                held = 0;
+            }
+        }
+        for (j, v) in four[..held].iter().enumerate() {
+            for g in 0..g_n {
+                unsafe { axpy_inline(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + at + j] * inv[g], v) };
+            }
         }
     }
 
@@ -479,11 +588,20 @@ mod x86 {
     /// Needs AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        unsafe { axpy_inline(y, a, x) }
+    }
+
+    /// [`axpy`]'s body, compiled into (and with the features of) its caller.
+    ///
+    /// # Safety
+    /// Needs AVX2 and FMA.
+    #[inline(always)]
+    unsafe fn axpy_inline(y: &mut [f32], a: f32, x: &[f32]) {
         let n = y.len().min(x.len());
-        let av = _mm256_set1_ps(a);
         let mut i = 0;
         // SAFETY: every load and store touches 8 floats below `n`.
         unsafe {
+            let av = _mm256_set1_ps(a);
             while i + 8 <= n {
                 let p = y.as_mut_ptr().add(i);
                 _mm256_storeu_ps(p, _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
@@ -517,20 +635,48 @@ pub fn attend<'a>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_group(q, keys, values, std::slice::from_ref(p), scores, out)
+}
+
+/// The most query heads [`attend_group`] takes at once.
+pub const MAX_GROUP: usize = 64;
+
+/// [`attend`] for the query heads that share one KV head (`q`: `heads.len()` heads, `out` as
+/// many outputs, head after head; `heads[g]` head g's scale, cap and sink), every key and value
+/// read once for all of them. Each head's output is [`attend`]'s for that head alone.
+pub fn attend_group<'a>(
+    q: &[f32],
+    keys: impl Iterator<Item = &'a [f32]>,
+    values: impl Iterator<Item = &'a [f32]>,
+    heads: &[AttentionParams],
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let g_n = heads.len();
+    assert!((1..=MAX_GROUP).contains(&g_n), "{g_n} query heads in one group");
+    let (hd, hdv) = (q.len() / g_n, out.len() / g_n);
     #[cfg(target_arch = "x86_64")]
-    if crate::Isa::detect() != crate::Isa::Scalar && q.len().is_multiple_of(8) && out.len().is_multiple_of(8) {
+    if crate::Isa::detect() != crate::Isa::Scalar && hd.is_multiple_of(8) && hdv.is_multiple_of(8) {
         // SAFETY: AVX2 and FMA are available (checked by `Isa::detect`); the heads are whole
         // vectors of 8.
-        return unsafe { x86::attend(q, keys, values, p, scores, out) };
+        return unsafe {
+            match heads {
+                [one] => x86::attend(q, keys, values, one, scores, out),
+                _ => x86::attend_group(q, keys, values, heads, scores, out),
+            }
+        };
     }
-    scores.clear();
-    for k in keys {
-        scores.push(capped(dot(q, k), p));
-    }
-    let inv = softmax_weights(scores, p);
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (w, v) in scores.iter().zip(values) {
-        axpy(out, w * inv, v);
+    let (keys, values): (Vec<&[f32]>, Vec<&[f32]>) = (keys.collect(), values.collect());
+    for (g, p) in heads.iter().enumerate() {
+        let qg = &q[g * hd..(g + 1) * hd];
+        scores.clear();
+        scores.extend(keys.iter().map(|k| capped(dot(qg, k), p)));
+        let inv = softmax_weights(scores, p);
+        let o = &mut out[g * hdv..(g + 1) * hdv];
+        o.iter_mut().for_each(|o| *o = 0.0);
+        for (w, v) in scores.iter().zip(&values) {
+            axpy(o, w * inv, v);
+        }
     }
 }
 
@@ -687,6 +833,36 @@ mod tests {
                     "hd {hd}, {n} positions, element {i}: {} against {want}",
                     out[i]
                 );
+            }
+        }
+    }
+
+    /// A group's heads each get what [`attend`] gives that head alone, bit for bit (so a row's
+    /// attention does not depend on whether its step groups heads), on the vector path (64)
+    /// and the plain one (40).
+    #[test]
+    fn attend_group_gives_each_head_its_own_attention() {
+        for (hd, n) in [(64, 11), (64, 4), (40, 5)] {
+            let x = |i: usize, f: f32| (i as f32 * f).sin() * 2.0;
+            let g_n = 3;
+            let q: Vec<f32> = (0..g_n * hd).map(|i| x(i, 0.29)).collect();
+            let ks: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 53 * p, 0.13)).collect()).collect();
+            let vs: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 17 * p, 0.31)).collect()).collect();
+            let heads: Vec<AttentionParams> = (0..g_n)
+                .map(|g| AttentionParams {
+                    scale: 0.125,
+                    softcap: Some(20.0),
+                    sink: (g != 1).then_some(g as f32 * 0.3),
+                })
+                .collect();
+            let mut together = vec![0f32; g_n * hd];
+            let (keys, values) = (ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]));
+            attend_group(&q, keys, values, &heads, &mut Vec::new(), &mut together);
+            for (g, p) in heads.iter().enumerate() {
+                let mut alone = vec![0f32; hd];
+                let (keys, values) = (ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]));
+                attend(&q[g * hd..(g + 1) * hd], keys, values, p, &mut Vec::new(), &mut alone);
+                assert_eq!(&together[g * hd..(g + 1) * hd], &alone[..], "hd {hd}, {n} positions, head {g}");
             }
         }
     }

@@ -198,22 +198,32 @@ impl Backend for Cpu {
             let group = shape.n_head / shape.n_head_kv;
             let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
             let seqs: &[&mut SeqState<CpuState>] = seqs;
-            // One item a (row, head), as `ts_cpu::team` regions (a rayon loop outside a step's
-            // team); each writes its own `hdv` floats of `out`.
-            ts_cpu::team::for_each_chunk(&mut out, hdv, &|idx, o| {
-                let (i, h) = (idx / shape.n_head, idx % shape.n_head);
+            // One item a (row, KV head) with the query heads it serves, each key and value read
+            // once for them (a KV head's keys at depth overflow L2), where that leaves no thread
+            // without an item; else one a (row, head). Items are `ts_cpu::team` regions (a rayon
+            // loop outside a step's team); each writes its own heads' floats of `out`.
+            let grouped = group <= ops::MAX_GROUP && rows.len() * shape.n_head_kv >= 2 * rayon::current_num_threads();
+            let per_item = if grouped { group } else { 1 };
+            ts_cpu::team::for_each_chunk(&mut out, per_item * hdv, &|idx, o| {
+                let items_per_row = shape.n_head / per_item;
+                let (i, h0) = (idx / items_per_row, (idx % items_per_row) * per_item);
                 let r = rows[i];
                 let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
-                let kvh = h / group;
-                let params =
-                    AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
+                let kvh = h0 / group;
+                let heads: Vec<AttentionParams> = (h0..h0 + per_item)
+                    .map(|h| AttentionParams {
+                        scale: shape.scale,
+                        softcap: shape.softcap,
+                        sink: shape.sinks.map(|s| s[h]),
+                    })
+                    .collect();
                 let visible = cache.visible(r.pos);
                 SCORES.with_borrow_mut(|scores| {
-                    ops::attend(
-                        &q[i * q_dim + h * hd..i * q_dim + (h + 1) * hd],
+                    ops::attend_group(
+                        &q[i * q_dim + h0 * hd..i * q_dim + (h0 + per_item) * hd],
                         visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
                         visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                        &params,
+                        &heads,
                         scores,
                         o,
                     )
