@@ -308,17 +308,8 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
         })
         .collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let ahead = run_prefetch();
     let work = || {
-        loop {
-            let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some((i, tasks)) = runs.get(j) else { break };
-            // The run this thread likely takes next: its first bytes, which the kernels'
-            // prefetch-ahead (running within its current run) does not reach.
-            if ahead && let Some((n, next_tasks)) = runs.get(j + threads) {
-                let p = &plans[*n];
-                prefetch_start(&p.w[next_tasks.start * p.rows_per_task * p.row_bytes..]);
-            }
+        while let Some((i, tasks)) = runs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
             let plan = &plans[*i];
             for task in tasks.clone() {
                 let start = task * plan.rows_per_task;
@@ -332,25 +323,6 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
     };
     crate::team::for_each(threads.min(runs.len()), &|_| crate::work_time::task(work));
     Ok(())
-}
-
-/// Whether a one-row region's threads ask L2 for the start of the run each takes next
-/// (`TURBOSPARK_CPU_RUN_PREFETCH`, a measurement knob: decode's expert matrices are short
-/// streams, each begun cold).
-fn run_prefetch() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_CPU_RUN_PREFETCH").is_some())
-}
-
-/// Asks L2 for the first bytes of `w`, as far as the kernels prefetch ahead of their reads.
-fn prefetch_start(w: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in (0..w.len().min(crate::simd::PREFETCH_AHEAD)).step_by(64) {
-        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and `line` is inside `w`.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(w.as_ptr().add(line).cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = w;
 }
 
 /// Rows per task for the direct kernels: about 32 KiB of weights (a multiple of 4 rows), but

@@ -500,23 +500,8 @@ mod x86 {
         }
         take(&four[..held], scores);
         let n = scores.len() / g_n;
-        // One head's scores are already its own row; a group's are copied head by head.
-        let weights: &mut [f32] = if g_n == 1 {
-            scores
-        } else {
-            scores.resize(2 * n * g_n, 0.0);
-            let (by_position, weights) = scores.split_at_mut(n * g_n);
-            for g in 0..g_n {
-                for (p, w) in weights[g * n..(g + 1) * n].iter_mut().enumerate() {
-                    *w = by_position[p * g_n + g];
-                }
-            }
-            weights
-        };
-        let mut inv = [0f32; super::MAX_GROUP];
-        for g in 0..g_n {
-            inv[g] = super::softmax_weights(&mut weights[g * n..(g + 1) * n], &heads[g]);
-        }
+        let (first, inv) = super::head_weights(scores, heads);
+        let weights = &scores[first..];
         out.iter_mut().for_each(|o| *o = 0.0);
         held = 0;
         let mut at = 0;
@@ -621,6 +606,7 @@ mod x86 {
 /// in position order; `scores` is scratch of length `n`. `sink` is an extra
 /// logit that joins the softmax denominator only (gpt-oss). `softcap` caps
 /// scores as `c * tanh(s / c)`.
+#[derive(Clone, Copy)]
 pub struct AttentionParams {
     pub scale: f32,
     pub softcap: Option<f32>,
@@ -639,7 +625,7 @@ pub fn attend<'a>(
 }
 
 /// The most query heads [`attend_group`] takes at once.
-pub const MAX_GROUP: usize = 64;
+pub const MAX_GROUP: usize = 16;
 
 /// [`attend`] for the query heads that share one KV head (`q`: `heads.len()` heads, `out` as
 /// many outputs, head after head; `heads[g]` head g's scale, cap and sink), every key and value
@@ -666,18 +652,43 @@ pub fn attend_group<'a>(
             }
         };
     }
-    let (keys, values): (Vec<&[f32]>, Vec<&[f32]>) = (keys.collect(), values.collect());
-    for (g, p) in heads.iter().enumerate() {
-        let qg = &q[g * hd..(g + 1) * hd];
-        scores.clear();
-        scores.extend(keys.iter().map(|k| capped(dot(qg, k), p)));
-        let inv = softmax_weights(scores, p);
-        let o = &mut out[g * hdv..(g + 1) * hdv];
-        o.iter_mut().for_each(|o| *o = 0.0);
-        for (w, v) in scores.iter().zip(&values) {
-            axpy(o, w * inv, v);
+    scores.clear();
+    for k in keys {
+        scores.extend(heads.iter().enumerate().map(|(g, p)| capped(dot(&q[g * hd..(g + 1) * hd], k), p)));
+    }
+    let n = scores.len() / g_n;
+    let (first, inv) = head_weights(scores, heads);
+    let weights = &scores[first..];
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (p, v) in values.take(n).enumerate() {
+        for g in 0..g_n {
+            axpy(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + p] * inv[g], v);
         }
     }
+}
+
+/// A group's scores, held position by position (`scores[p * heads.len() + g]`), made into
+/// each head's softmax weights, head after head (a lone head's where they are, a group's
+/// after them): returns where the weights start and each head's factor that makes its
+/// weights (with its sink) sum to 1.
+fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f32; MAX_GROUP]) {
+    let g_n = heads.len();
+    let n = scores.len() / g_n;
+    let first = if g_n == 1 { 0 } else { n * g_n };
+    if g_n > 1 {
+        scores.resize(2 * n * g_n, 0.0);
+        let (by_position, weights) = scores.split_at_mut(n * g_n);
+        for g in 0..g_n {
+            for (p, w) in weights[g * n..(g + 1) * n].iter_mut().enumerate() {
+                *w = by_position[p * g_n + g];
+            }
+        }
+    }
+    let mut inv = [0f32; MAX_GROUP];
+    for (g, p) in heads.iter().enumerate() {
+        inv[g] = softmax_weights(&mut scores[first + g * n..first + (g + 1) * n], p);
+    }
+    (first, inv)
 }
 
 /// A score as attention takes it: scaled, then capped where the model caps.

@@ -210,20 +210,18 @@ impl Backend for Cpu {
                 let r = rows[i];
                 let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
                 let kvh = h0 / group;
-                let heads: Vec<AttentionParams> = (h0..h0 + per_item)
-                    .map(|h| AttentionParams {
-                        scale: shape.scale,
-                        softcap: shape.softcap,
-                        sink: shape.sinks.map(|s| s[h]),
-                    })
-                    .collect();
+                let mut heads =
+                    [AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: None }; ops::MAX_GROUP];
+                for (g, head) in heads[..per_item].iter_mut().enumerate() {
+                    head.sink = shape.sinks.map(|s| s[h0 + g]);
+                }
                 let visible = cache.visible(r.pos);
                 SCORES.with_borrow_mut(|scores| {
                     ops::attend_group(
                         &q[i * q_dim + h0 * hd..i * q_dim + (h0 + per_item) * hd],
                         visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
                         visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                        &heads,
+                        &heads[..per_item],
                         scores,
                         o,
                     )
