@@ -352,8 +352,9 @@ d=json.load(sys.stdin); print(max(int(t["name"].split(".")[1]) for t in d["tenso
         echo "== $like, turbospark: every expert in VRAM"
         "$B"/turbospark bench -m "$f" --device cuda -p 512 -n 128 -r 2 2>&1 | tee -a "$OUT/side-$like.log" | grep -E "^\||tok/s|error|RSS"
         if ((q > 0)); then
-            # SIDE_MISSES="copy cpu": the quarter tier with each --expert-misses (default copy).
-            for misses in ${SIDE_MISSES:-copy}; do
+            # SIDE_MISSES="copy cpu": the quarter tier with each --expert-misses (default: auto,
+            # the engine's default).
+            for misses in ${SIDE_MISSES:-auto}; do
                 [[ $misses != copy ]] && wait_peer_builds
                 echo "== $like, turbospark: a quarter of the expert bytes in VRAM, --expert-misses $misses"
                 "$B"/turbospark bench -m "$f" --device cuda --expert-cache "$q" --expert-misses "$misses" -p 512 -n 64 -r 2 \

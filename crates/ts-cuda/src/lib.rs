@@ -195,7 +195,7 @@ impl Default for CudaOptions {
             expert_cache: None,
             policy: ts_experts::EvictionPolicy::DecayedFrequency { half_life: 256.0 },
             pinned_host: true,
-            misses: MissPath::Copy,
+            misses: MissPath::Auto,
         }
     }
 }

@@ -24,7 +24,6 @@ const ALIGN: usize = 256;
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum MissPath {
     /// Copied into a VRAM slot, then computed on the GPU.
-    #[default]
     Copy,
     /// Computed by the host's CPU from the pinned host copy while the GPU computes the cached
     /// experts (host_experts.rs); the fraction `share` of the next layer's uncached guesses
@@ -32,7 +31,16 @@ pub enum MissPath {
     /// the experts not in VRAM. None: [`DEFAULT_SHARE`] (or `TURBOSPARK_PREFETCH_SHARE`, a
     /// measurement knob).
     Cpu { share: Option<f32> },
+    /// [`MissPath::Cpu`] where the pinned host copy exists and an expert takes at least
+    /// [`CPU_MISS_MIN_BYTES`], else [`MissPath::Copy`]; resolved when the tier is made.
+    #[default]
+    Auto,
 }
+
+/// [`MissPath::Auto`] computes misses on the CPU from experts of this size: gpt-oss-20b's
+/// (12.6 MiB) decode 1.4x faster so, qwen3-30b-a3b's (2.9 MiB) 0.6x, where a copy takes less
+/// than the CPU's round trip (download, products, upload) a layer (docs/BENCHMARKS.md).
+pub const CPU_MISS_MIN_BYTES: usize = 8 << 20;
 
 /// The share of guesses copied ahead with [`MissPath::Cpu`]: the best of 0.25, 0.5 and 0.75
 /// on gpt-oss-20b's shape with a quarter of its experts in VRAM (docs/BENCHMARKS.md).
@@ -141,6 +149,11 @@ impl ExpertTier {
                 n_used * slot_bytes
             )));
         }
+        let misses = match misses {
+            MissPath::Auto if pinned_ok && slot_bytes >= CPU_MISS_MIN_BYTES => MissPath::Cpu { share: None },
+            MissPath::Auto => MissPath::Copy,
+            chosen => chosen,
+        };
         let arena = gpu.alloc::<u8>(n_slots * slot_bytes).map_err(err)?;
         let host = if pinned_ok {
             // Each expert laid out as in a slot, so that one copy moves it.

@@ -30,6 +30,9 @@ pub enum ExpertMisses {
     /// Compute them on the CPU from the pinned host copy while the GPU computes the cached
     /// ones; about half of the next layer's guesses are still copied ahead.
     Cpu,
+    /// `cpu` where experts are large (8 MiB and more, e.g. gpt-oss's) and the pinned copy
+    /// exists, else `copy`.
+    Auto,
 }
 
 /// Options of every command that loads a model.
@@ -64,8 +67,9 @@ pub struct ModelArgs {
     #[arg(long, value_name = "WHEN", value_enum, num_args = 0..=1, default_value = "auto", default_missing_value = "on")]
     expert_prefetch: Prefetch,
     /// Where a decode step computes experts missing from the GPU's --expert-cache: `copy` them
-    /// into VRAM, or compute them on the `cpu` (threads: -t) beside the GPU
-    #[arg(long, value_name = "WHERE", value_enum, default_value = "copy")]
+    /// into VRAM, compute them on the `cpu` (threads: -t) beside the GPU, or `auto`: on the
+    /// CPU where experts are large (8 MiB and more) and host RAM holds a pinned copy of them
+    #[arg(long, value_name = "WHERE", value_enum, default_value = "auto")]
     expert_misses: ExpertMisses,
     /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
@@ -421,9 +425,11 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
         opts.expert_cache = Some(bytes);
         opts.pinned_host = available_memory().is_some_and(|a| experts + dense < a);
         // Without the pinned copy the expert tier refuses `cpu` by name.
-        if args.expert_misses == ExpertMisses::Cpu {
-            opts.misses = ts_cuda::tier::MissPath::Cpu { share: None };
-        }
+        opts.misses = match args.expert_misses {
+            ExpertMisses::Cpu => ts_cuda::tier::MissPath::Cpu { share: None },
+            ExpertMisses::Copy => ts_cuda::tier::MissPath::Copy,
+            ExpertMisses::Auto => ts_cuda::tier::MissPath::Auto,
+        };
         eprintln!(
             "experts: {:.1} GiB of VRAM cache over {}",
             bytes as f64 / (1u64 << 30) as f64,
@@ -433,7 +439,7 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
                 "the CPU's expert store (host RAM is short: streamed from disk into a RAM cache)"
             }
         );
-    } else if args.expert_misses != ExpertMisses::Copy {
+    } else if args.expert_misses != ExpertMisses::Auto {
         bail!("--expert-misses applies to a GPU --expert-cache");
     }
     Ok(opts)
@@ -447,7 +453,7 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     }
     let cuda = match global.device()? {
         crate::Device::Cuda(_) => cuda_options(args, &model)?,
-        crate::Device::Cpu if args.expert_misses != ExpertMisses::Copy => {
+        crate::Device::Cpu if args.expert_misses != ExpertMisses::Auto => {
             bail!("--expert-misses applies to a GPU --expert-cache, not --device cpu")
         }
         crate::Device::Cpu => ts_cuda::CudaOptions::default(),
