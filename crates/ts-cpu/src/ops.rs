@@ -249,6 +249,63 @@ impl Rope {
     }
 }
 
+/// An element of a key or value cache: f32, or IEEE half (half the bytes a position reads;
+/// llama.cpp's and ik_llama.cpp's default cache type).
+pub trait KvElement: Copy + Send + Sync + 'static {
+    /// Whether the element is an f16 (else an f32).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// The slice itself where its elements are f32.
+    fn as_f32s(s: &[Self]) -> Option<&[f32]>;
+}
+
+impl KvElement for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    fn as_f32s(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+}
+
+impl KvElement for half::f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> half::f16 {
+        half::f16::from_f32(x)
+    }
+    fn as_f32s(_: &[half::f16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+/// `Σ a[i] b[i]` for a row `b` of a cache.
+fn dot_kv<K: KvElement>(a: &[f32], b: &[K]) -> f32 {
+    match K::as_f32s(b) {
+        Some(b) => dot(a, b),
+        None => a.iter().zip(b).map(|(x, y)| x * y.to_f32()).sum(),
+    }
+}
+
+/// `y += a x` for a row `x` of a cache.
+fn axpy_kv<V: KvElement>(y: &mut [f32], a: f32, x: &[V]) {
+    match V::as_f32s(x) {
+        Some(x) => axpy(y, a, x),
+        None => y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x.to_f32()),
+    }
+}
+
 /// `Σ a[i] b[i]`, vectorised where the CPU allows (8 partial sums, so the
 /// result may differ from a sequential sum in the last bits).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -281,7 +338,17 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::KvElement;
     use std::arch::x86_64::*;
+
+    /// Eight elements of a cache row at `p` as floats.
+    ///
+    /// # Safety
+    /// Needs AVX and, for f16, F16C; eight elements readable at `p`.
+    #[inline(always)]
+    unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
+        unsafe { if T::HALF { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) } else { _mm256_loadu_ps(p.cast()) } }
+    }
 
     /// The plain loop compiled for AVX2, which it vectorises.
     ///
@@ -350,25 +417,25 @@ mod x86 {
         unsafe { dot_inline(a, b) }
     }
 
-    /// [`dot`]'s body, compiled into (and with the features of) its caller.
+    /// [`dot`]'s body, compiled into (and with the features of) its caller; `b` a row of a
+    /// cache of any element type.
     ///
     /// # Safety
-    /// Needs AVX2 and FMA.
+    /// Needs AVX2 and FMA, and F16C for f16.
     #[inline(always)]
-    unsafe fn dot_inline(a: &[f32], b: &[f32]) -> f32 {
+    unsafe fn dot_inline<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
         let n = a.len().min(b.len());
         let mut i = 0;
-        // SAFETY: every load reads 8 floats below `n`.
+        // SAFETY: every load reads 8 elements below `n`.
         unsafe {
             let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             while i + 16 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
-                s1 =
-                    _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), _mm256_loadu_ps(b.as_ptr().add(i + 8)), s1);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), load8(b.as_ptr().add(i)), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i + 8)), load8(b.as_ptr().add(i + 8)), s1);
                 i += 16;
             }
             if i + 8 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_loadu_ps(b.as_ptr().add(i)), s0);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(i)), load8(b.as_ptr().add(i)), s0);
                 i += 8;
             }
             let s = _mm256_add_ps(s0, s1);
@@ -377,7 +444,7 @@ mod x86 {
             let h = _mm_add_ss(h, _mm_movehdup_ps(h));
             let mut total = _mm_cvtss_f32(h);
             while i < n {
-                total += a[i] * b[i];
+                total += a[i] * b[i].to_f32();
                 i += 1;
             }
             total
@@ -391,20 +458,20 @@ mod x86 {
     /// in attention a position at a time (docs/BENCHMARKS.md, fourteenth session).
     ///
     /// # Safety
-    /// Needs AVX2 and FMA; `q.len()` and `out.len()` are multiples of 8, and every key is as
-    /// long as `q`, every value as `out`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn attend<'a>(
+    /// Needs AVX2, FMA and F16C; `q.len()` and `out.len()` are multiples of 8, and every key
+    /// is as long as `q`, every value as `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend<'a, K: KvElement, V: KvElement>(
         q: &[f32],
-        keys: impl Iterator<Item = &'a [f32]>,
-        values: impl Iterator<Item = &'a [f32]>,
+        keys: impl Iterator<Item = &'a [K]>,
+        values: impl Iterator<Item = &'a [V]>,
         p: &super::AttentionParams,
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) {
         let (hd, hdv) = (q.len(), out.len());
         scores.clear();
-        let mut four: [&[f32]; 4] = [&[]; 4];
+        let mut four: [&[K]; 4] = [&[]; 4];
         let mut held = 0;
         for k in keys {
             assert_eq!(k.len(), hd, "a key as long as the query");
@@ -423,6 +490,7 @@ mod x86 {
         let inv = super::softmax_weights(scores, p);
         out.iter_mut().for_each(|o| *o = 0.0);
         let mut weights = scores.iter();
+        let mut four: [&[V]; 4] = [&[]; 4];
         held = 0;
         let mut w4 = [0f32; 4];
         for v in values {
@@ -450,13 +518,14 @@ mod x86 {
     /// spent 23% of its time in attention a position at a time (docs/BENCHMARKS.md).
     ///
     /// # Safety
-    /// Needs AVX2 and FMA; `q` holds `heads.len()` heads and `out` as many outputs, each a
-    /// multiple of 8 floats; every key is one head of `q` long, every value one head of `out`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn attend_group<'a>(
+    /// Needs AVX2, FMA and F16C; `q` holds `heads.len()` heads and `out` as many outputs,
+    /// each a multiple of 8 floats; every key is one head of `q` long, every value one head of
+    /// `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend_group<'a, K: KvElement, V: KvElement>(
         q: &[f32],
-        keys: impl Iterator<Item = &'a [f32]>,
-        values: impl Iterator<Item = &'a [f32]>,
+        keys: impl Iterator<Item = &'a [K]>,
+        values: impl Iterator<Item = &'a [V]>,
         heads: &[super::AttentionParams],
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -467,9 +536,9 @@ mod x86 {
         // head into `weights` for each head's softmax.
         scores.clear();
         scores.reserve(2 * g_n * keys.size_hint().0);
-        let mut four: [&[f32]; 4] = [&[]; 4];
+        let mut four: [&[K]; 4] = [&[]; 4];
         let mut held = 0;
-        let take = |four: &[&[f32]], scores: &mut Vec<f32>| {
+        let take = |four: &[&[K]], scores: &mut Vec<f32>| {
             let at = scores.len();
             scores.resize(at + four.len() * g_n, 0.0);
             for g in 0..g_n {
@@ -503,6 +572,7 @@ mod x86 {
         let (first, inv) = super::head_weights(scores, heads);
         let weights = &scores[first..];
         out.iter_mut().for_each(|o| *o = 0.0);
+        let mut four: [&[V]; 4] = [&[]; 4];
         held = 0;
         let mut at = 0;
         for v in values.take(n) {
@@ -530,15 +600,16 @@ mod x86 {
     /// The dot products of `q` with four keys.
     ///
     /// # Safety
-    /// Needs AVX2 and FMA; `q` and every key hold the same multiple of 8 floats.
+    /// Needs AVX2 and FMA (and F16C for f16); `q` and every key hold the same multiple of 8
+    /// elements.
     #[inline(always)]
-    unsafe fn dot4(q: &[f32], k: &[&[f32]; 4]) -> [f32; 4] {
+    unsafe fn dot4<K: KvElement>(q: &[f32], k: &[&[K]; 4]) -> [f32; 4] {
         unsafe {
             let mut acc = [_mm256_setzero_ps(); 4];
             for i in (0..q.len()).step_by(8) {
                 let qv = _mm256_loadu_ps(q.as_ptr().add(i));
                 for j in 0..4 {
-                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j].as_ptr().add(i)), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(qv, load8(k[j].as_ptr().add(i)), acc[j]);
                 }
             }
             // Pairwise sums of the four, then the two halves: lanes 0-3 are the four totals.
@@ -553,16 +624,17 @@ mod x86 {
     /// `y += w[0] v[0] + ... + w[3] v[3]`.
     ///
     /// # Safety
-    /// Needs AVX2 and FMA; `y` and every `v` hold the same multiple of 8 floats.
+    /// Needs AVX2 and FMA (and F16C for f16); `y` and every `v` hold the same multiple of 8
+    /// elements.
     #[inline(always)]
-    unsafe fn axpy4(y: &mut [f32], w: &[f32; 4], v: &[&[f32]; 4]) {
+    unsafe fn axpy4<V: KvElement>(y: &mut [f32], w: &[f32; 4], v: &[&[V]; 4]) {
         unsafe {
             let wv = w.map(|w| _mm256_set1_ps(w));
             for i in (0..y.len()).step_by(8) {
                 let p = y.as_mut_ptr().add(i);
                 let mut acc = _mm256_loadu_ps(p);
                 for j in 0..4 {
-                    acc = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(v[j].as_ptr().add(i)), acc);
+                    acc = _mm256_fmadd_ps(wv[j], load8(v[j].as_ptr().add(i)), acc);
                 }
                 _mm256_storeu_ps(p, acc);
             }
@@ -576,25 +648,26 @@ mod x86 {
         unsafe { axpy_inline(y, a, x) }
     }
 
-    /// [`axpy`]'s body, compiled into (and with the features of) its caller.
+    /// [`axpy`]'s body, compiled into (and with the features of) its caller; `x` a row of a
+    /// cache of any element type.
     ///
     /// # Safety
-    /// Needs AVX2 and FMA.
+    /// Needs AVX2 and FMA, and F16C for f16.
     #[inline(always)]
-    unsafe fn axpy_inline(y: &mut [f32], a: f32, x: &[f32]) {
+    unsafe fn axpy_inline<T: KvElement>(y: &mut [f32], a: f32, x: &[T]) {
         let n = y.len().min(x.len());
         let mut i = 0;
-        // SAFETY: every load and store touches 8 floats below `n`.
+        // SAFETY: every load and store touches 8 elements below `n`.
         unsafe {
             let av = _mm256_set1_ps(a);
             while i + 8 <= n {
                 let p = y.as_mut_ptr().add(i);
-                _mm256_storeu_ps(p, _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(av, load8(x.as_ptr().add(i)), _mm256_loadu_ps(p)));
                 i += 8;
             }
         }
         while i < n {
-            y[i] += a * x[i];
+            y[i] += a * x[i].to_f32();
             i += 1;
         }
     }
@@ -613,10 +686,10 @@ pub struct AttentionParams {
     pub sink: Option<f32>,
 }
 
-pub fn attend<'a>(
+pub fn attend<'a, K: KvElement, V: KvElement>(
     q: &[f32],
-    keys: impl Iterator<Item = &'a [f32]>,
-    values: impl Iterator<Item = &'a [f32]>,
+    keys: impl Iterator<Item = &'a [K]>,
+    values: impl Iterator<Item = &'a [V]>,
     p: &AttentionParams,
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -629,11 +702,12 @@ pub const MAX_GROUP: usize = 16;
 
 /// [`attend`] for the query heads that share one KV head (`q`: `heads.len()` heads, `out` as
 /// many outputs, head after head; `heads[g]` head g's scale, cap and sink), every key and value
-/// read once for all of them. Each head's output is [`attend`]'s for that head alone.
-pub fn attend_group<'a>(
+/// read once for all of them. Each head's output is [`attend`]'s for that head alone. Keys
+/// and values are rows of a cache of f32 or f16 ([`KvElement`]).
+pub fn attend_group<'a, K: KvElement, V: KvElement>(
     q: &[f32],
-    keys: impl Iterator<Item = &'a [f32]>,
-    values: impl Iterator<Item = &'a [f32]>,
+    keys: impl Iterator<Item = &'a [K]>,
+    values: impl Iterator<Item = &'a [V]>,
     heads: &[AttentionParams],
     scores: &mut Vec<f32>,
     out: &mut [f32],
@@ -654,7 +728,7 @@ pub fn attend_group<'a>(
     }
     scores.clear();
     for k in keys {
-        scores.extend(heads.iter().enumerate().map(|(g, p)| capped(dot(&q[g * hd..(g + 1) * hd], k), p)));
+        scores.extend(heads.iter().enumerate().map(|(g, p)| capped(dot_kv(&q[g * hd..(g + 1) * hd], k), p)));
     }
     let n = scores.len() / g_n;
     let (first, inv) = head_weights(scores, heads);
@@ -662,7 +736,7 @@ pub fn attend_group<'a>(
     out.iter_mut().for_each(|o| *o = 0.0);
     for (p, v) in values.take(n).enumerate() {
         for g in 0..g_n {
-            axpy(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + p] * inv[g], v);
+            axpy_kv(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + p] * inv[g], v);
         }
     }
 }
@@ -820,14 +894,25 @@ mod tests {
     /// (64, 128; positions not a multiple of 4) and one it leaves to the plain loops (40).
     #[test]
     fn attend_matches_a_plain_softmax() {
-        for (hd, n, softcap) in [(64, 1, None), (64, 7, None), (128, 13, Some(30.0)), (40, 6, None)] {
+        let cases = [(64, 1, None), (64, 7, None), (128, 13, Some(30.0)), (40, 6, None)];
+        for ((hd, n, softcap), half) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
             let x = |i: usize, f: f32| (i as f32 * f).sin() * 2.0;
+            // An f16 cache holds the rows rounded: the reference takes the rounded values.
+            let kv = |v: f32| if half { half::f16::from_f32(v).to_f32() } else { v };
             let q: Vec<f32> = (0..hd).map(|i| x(i, 0.37)).collect();
-            let ks: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 97 * p, 0.11)).collect()).collect();
-            let vs: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 31 * p, 0.23)).collect()).collect();
+            let ks: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| kv(x(i + 97 * p, 0.11))).collect()).collect();
+            let vs: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| kv(x(i + 31 * p, 0.23))).collect()).collect();
             let p = AttentionParams { scale: 0.125, softcap, sink: Some(0.5) };
             let mut out = vec![0f32; hd];
-            attend(&q, ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]), &p, &mut Vec::new(), &mut out);
+            if half {
+                let f16s = |rows: &[Vec<f32>]| -> Vec<Vec<half::f16>> {
+                    rows.iter().map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect()).collect()
+                };
+                let (ks, vs) = (f16s(&ks), f16s(&vs));
+                attend(&q, ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]), &p, &mut Vec::new(), &mut out);
+            } else {
+                attend(&q, ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]), &p, &mut Vec::new(), &mut out);
+            }
             let logits: Vec<f64> = ks
                 .iter()
                 .map(|k| {
@@ -841,7 +926,7 @@ mod tests {
                 let want: f64 = logits.iter().zip(&vs).map(|(l, v)| (l - max).exp() / denom * v[i] as f64).sum();
                 assert!(
                     (out[i] as f64 - want).abs() < 1e-5,
-                    "hd {hd}, {n} positions, element {i}: {} against {want}",
+                    "hd {hd}, {n} positions, f16 {half}, element {i}: {} against {want}",
                     out[i]
                 );
             }

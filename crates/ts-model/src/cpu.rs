@@ -6,7 +6,7 @@ use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt, StepStart};
 use crate::config::{GatedActivation, MoeConfig};
 use crate::cpu_timing::{Phase, timing};
 use crate::forward::{Model, Row, Scratch, linear, linear_bytes};
-use crate::state::{CpuState, LayerState, RecurrentState, SeqState, sequence_runs};
+use crate::state::{CpuState, KvRows, KvView, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
 use rayon::prelude::*;
@@ -56,7 +56,7 @@ impl Backend for Cpu {
     }
 
     fn new_state(&self, model: &Model<Self>, n_ctx: usize, max_chunk: usize) -> Result<CpuState, ModelError> {
-        Ok(CpuState::new(&model.cfg, n_ctx, max_chunk))
+        Ok(CpuState::new(&model.cfg, n_ctx, max_chunk, model.kv_type))
     }
 
     fn save_recurrent(&self, state: &CpuState) -> Result<Vec<RecurrentState>, ModelError> {
@@ -74,7 +74,7 @@ impl Backend for Cpu {
     }
 
     fn new_mtp_state(&self, model: &Model<Self>, n_ctx: usize) -> Result<CpuState, ModelError> {
-        CpuState::for_mtp(&model.cfg, n_ctx)
+        CpuState::for_mtp(&model.cfg, n_ctx, model.kv_type)
     }
 
     fn upload(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
@@ -215,17 +215,12 @@ impl Backend for Cpu {
                 for (g, head) in heads[..per_item].iter_mut().enumerate() {
                     head.sink = shape.sinks.map(|s| s[h0 + g]);
                 }
-                let visible = cache.visible(r.pos);
-                SCORES.with_borrow_mut(|scores| {
-                    ops::attend_group(
-                        &q[i * q_dim + h0 * hd..i * q_dim + (h0 + per_item) * hd],
-                        visible.clone().map(|p| cache.key(p, kvh * hd, hd)),
-                        visible.map(|p| cache.value(p, kvh * hdv, hdv)),
-                        &heads[..per_item],
-                        scores,
-                        o,
-                    )
-                });
+                let qs = &q[i * q_dim + h0 * hd..i * q_dim + (h0 + per_item) * hd];
+                let item = Item { q: qs, heads: &heads[..per_item], visible: cache.visible(r.pos), kvh, hd, hdv };
+                match cache.rows() {
+                    KvRows::F32 { k, v } => item.attend(cache.view(k, v), o),
+                    KvRows::F16 { k, v } => item.attend(cache.view(k, v), o),
+                }
             });
             Ok(out)
         })
@@ -526,6 +521,34 @@ const PARALLEL_EXPERT_ROWS: usize = 16;
 thread_local! {
     /// A thread's attention scores, reused from head to head.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One attention item of a step: the query heads `q` `[heads][hd]` of one row that share KV
+/// head `kvh`, over the positions `visible`.
+struct Item<'a> {
+    q: &'a [f32],
+    heads: &'a [AttentionParams],
+    visible: std::ops::RangeInclusive<usize>,
+    kvh: usize,
+    hd: usize,
+    hdv: usize,
+}
+
+impl Item<'_> {
+    /// The heads' outputs `[heads][hdv]` into `out`, from a cache of f32 or f16 rows.
+    fn attend<T: ops::KvElement>(&self, kv: KvView<'_, T>, out: &mut [f32]) {
+        let (kvh, hd, hdv) = (self.kvh, self.hd, self.hdv);
+        SCORES.with_borrow_mut(|scores| {
+            ops::attend_group(
+                self.q,
+                self.visible.clone().map(|p| kv.key(p, kvh * hd, hd)),
+                self.visible.clone().map(|p| kv.value(p, kvh * hdv, hdv)),
+                self.heads,
+                scores,
+                out,
+            )
+        })
+    }
 }
 
 /// The kind of op a product with `w` is, for `TURBOSPARK_CPU_TIMING`: the output head, a

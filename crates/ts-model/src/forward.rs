@@ -211,6 +211,8 @@ pub struct Model<B: Backend = Cpu> {
     pub experts: Box<dyn ExpertStore>,
     /// Guess the next MoE layer's experts from this layer's input and start reading them.
     pub prefetch_experts: bool,
+    /// The element type of the CPU's key and value caches (f32 unless set; the GPU keeps its own).
+    pub kv_type: crate::state::KvType,
     /// Per layer, for attention layers.
     pub ropes: Vec<Option<Rope>>,
     pub backend: B,
@@ -256,7 +258,16 @@ impl Model {
                     .map(|a| build_rope(&a.rope, weights.rope_freqs.as_deref().filter(|_| a.rope_freq_factors)))
             })
             .collect();
-        Model { cfg, weights, experts, prefetch_experts: false, ropes, backend: Cpu, packed_experts: 0 }
+        Model {
+            cfg,
+            weights,
+            experts,
+            prefetch_experts: false,
+            kv_type: Default::default(),
+            ropes,
+            backend: Cpu,
+            packed_experts: 0,
+        }
     }
 
     /// Repacks the routed experts the store holds in memory into the CPU's packed layout where
@@ -291,8 +302,8 @@ impl Model {
             )));
         }
         let backend = make(&self)?;
-        let Model { cfg, weights, experts, prefetch_experts, ropes, .. } = self;
-        Ok(Model { cfg, weights, experts, prefetch_experts, ropes, backend, packed_experts: 0 })
+        let Model { cfg, weights, experts, prefetch_experts, kv_type, ropes, .. } = self;
+        Ok(Model { cfg, weights, experts, prefetch_experts, kv_type, ropes, backend, packed_experts: 0 })
     }
 }
 

@@ -7,8 +7,9 @@
 //! Two modes, bounds as max |Δ| / max |ref| over every row:
 //! - exact activations (activations kept in f32 for every weight type): every
 //!   variant within 1e-4 (float32 summation order), argmax agreement >= 99%.
-//! - default (activations quantized to Q8_0/Q8_1/Q8_K for quantized weights, as
-//!   llama.cpp does): each matmul input carries a rounding error of up to 1/254
+//! - default (activations quantized to Q8_0/Q8_1/Q8_K for quantized weights, and keys
+//!   and values cached as f16, as llama.cpp does; f16 adds a relative 2^-11 to each cached
+//!   element, far below the 8-bit activations' error): each matmul input carries a rounding error of up to 1/254
 //!   of its block's largest value (8-bit symmetric rounding, half a step of
 //!   max/127), about 0.2% rms. Over a 2-6 layer model's ~4 matmuls per layer
 //!   this compounds to ~1% rms of the logits, and the extreme of 64 x 512
@@ -25,13 +26,17 @@
 //! - hybrids: one token at a time (the delta rule's recurrence) equals the
 //!   whole prompt in one step (its chunked form) within f32 rounding.
 
-use ts_model::{ExpertPlacement, Model, Row, Scratch, SeqState};
+use ts_model::state::KvType;
+use ts_model::{ExpertPlacement, Model, Row, Scratch};
 use ts_testkit::Golden;
 
+/// The fixture's logits, f32 activations and caches with `exact`, else the CLI's defaults
+/// (8-bit activations, f16 caches).
 fn run_fixture(path: &std::path::Path, golden: &Golden, chunk: usize, exact: bool) -> Vec<Vec<f32>> {
-    let model = Model::open(path, ExpertPlacement::Mapped).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut model = Model::open(path, ExpertPlacement::Mapped).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    model.kv_type = if exact { KvType::F32 } else { KvType::F16 };
     let n = golden.tokens.len();
-    let mut seq = SeqState::new(&model.cfg, n, chunk);
+    let mut seq = model.new_sequence(n, chunk).unwrap();
     let mut scratch = if exact { Scratch::exact() } else { Scratch::default() };
     let mut rows_out = Vec::new();
     for (c, toks) in golden.tokens.chunks(chunk).enumerate() {

@@ -11,6 +11,7 @@ use ts_engine::reuse::{CachedSequence, conversation_end};
 use ts_engine::sampler::{SamplerConfig, random_seed};
 use ts_engine::session::{Engine, GenerationStats, LoadOptions, peak_rss_bytes};
 use ts_engine::speculative::{DEFAULT_P_MIN, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, SpecOptions};
+use ts_model::state::KvType;
 use ts_model::{Backend, EvictionPolicy, ExpertPlacement, StreamOptions};
 
 /// When to guess and fetch the next layer's experts early (`--expert-prefetch`).
@@ -33,6 +34,13 @@ pub enum ExpertMisses {
     /// `cpu` where experts are large (8 MiB and more, e.g. gpt-oss's) and the pinned copy
     /// exists, else `copy`.
     Auto,
+}
+
+/// The element type of the CPU's key or value cache (`-ctk`, `-ctv`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheType {
+    F32,
+    F16,
 }
 
 /// Options of every command that loads a model.
@@ -71,6 +79,13 @@ pub struct ModelArgs {
     /// CPU where experts are large (8 MiB and more) and host RAM holds a pinned copy of them
     #[arg(long, value_name = "WHERE", value_enum, default_value = "auto")]
     expert_misses: ExpertMisses,
+    /// Element type of the CPU's key cache, `f16` or `f32` (default: f16, as llama.cpp's; f32
+    /// with --exact-activations). Keys and values take one type. Also `-ctk`.
+    #[arg(long = "cache-type-k", visible_alias = "ctk", value_name = "TYPE", value_enum)]
+    cache_type_k: Option<CacheType>,
+    /// Element type of the CPU's value cache (as --cache-type-k). Also `-ctv`.
+    #[arg(long = "cache-type-v", visible_alias = "ctv", value_name = "TYPE", value_enum)]
+    cache_type_v: Option<CacheType>,
     /// Keep activations in f32 for quantized weights instead of quantizing them to 8 bits
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
@@ -211,6 +226,7 @@ impl SpecArgs {
         let mut draft = Engine::load_beside(path, ExpertPlacement::Mapped, target).context("--draft-model")?;
         draft.n_batch = args.batch;
         draft.exact_activations = args.exact_activations;
+        draft.model.kv_type = args.kv_type()?;
         Ok(Some(draft))
     }
 }
@@ -381,7 +397,7 @@ fn placement(args: &ModelArgs, model: &std::path::Path, n_ctx: Option<usize>) ->
         return Ok(ExpertPlacement::Stream(StreamOptions { cache_bytes: bytes, ..base }));
     }
     let available = available_memory().context("cannot tell how much memory is available; pass --expert-cache")?;
-    let kv = kv_bytes_estimate(model, n_ctx)?;
+    let kv = kv_bytes_estimate(model, n_ctx, args.kv_type()?)?;
     let (choice, why) = auto_placement(experts, dense, kv, available, &base);
     let choice = match (args.experts.as_str(), choice) {
         ("stream", ExpertPlacement::Resident) => {
@@ -399,15 +415,32 @@ fn placement(args: &ModelArgs, model: &std::path::Path, n_ctx: Option<usize>) ->
 }
 
 /// The KV cache a context of `n_ctx` (or the default) takes, for sizing the expert cache.
-fn kv_bytes_estimate(model: &std::path::Path, n_ctx: Option<usize>) -> Result<u64> {
+fn kv_bytes_estimate(model: &std::path::Path, n_ctx: Option<usize>, kv: KvType) -> Result<u64> {
     let file = ts_gguf::GgufFile::open(model)?;
     let n_vocab = file.tensor("token_embd.weight")?.dims.get(1).copied().unwrap_or(0) as usize;
     let cfg = ts_model::ArchConfig::from_metadata(file.metadata(), n_vocab)?;
     let n_ctx = n_ctx.unwrap_or(if cfg.n_ctx_train == 0 { 4096 } else { cfg.n_ctx_train.min(4096) });
-    Ok(ts_model::SeqState::bytes_for(&cfg, n_ctx, 512) as u64)
+    Ok(ts_model::SeqState::bytes_for(&cfg, n_ctx, 512, kv) as u64)
 }
 
 impl ModelArgs {
+    /// The CPU's cache type from `-ctk`/`-ctv`: f16 unless `--exact-activations` (f32); keys
+    /// and values of two types are refused (one cache type a model here).
+    pub fn kv_type(&self) -> Result<KvType> {
+        let chosen = match (self.cache_type_k, self.cache_type_v) {
+            (Some(k), Some(v)) if k != v => {
+                bail!("--cache-type-k {k:?} with --cache-type-v {v:?}: keys and values take one type here")
+            }
+            (k, v) => k.or(v),
+        };
+        Ok(match chosen {
+            Some(CacheType::F32) => KvType::F32,
+            Some(CacheType::F16) => KvType::F16,
+            None if self.exact_activations => KvType::F32,
+            None => KvType::F16,
+        })
+    }
+
     /// Whether `-c` was given.
     pub fn ctx_given(&self) -> bool {
         self.ctx.is_some()
@@ -489,6 +522,10 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     let mut engine = Engine::load(&model, &opts).with_context(|| format!("loading {}", model.display()))?;
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
+    engine.model.kv_type = args.kv_type()?;
+    if (args.cache_type_k.is_some() || args.cache_type_v.is_some()) && global.device()? != crate::Device::Cpu {
+        bail!("--cache-type-k/--cache-type-v set the CPU's cache; the GPU keeps keys and values in its own");
+    }
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
         let n = engine.model.pack_experts();
         if n > 0 {

@@ -184,6 +184,16 @@ fn keep_freed_memory() {
     }
 }
 
+/// llama.cpp's one-dash flags of several letters that clap cannot take as short ones, as
+/// their long forms here (`-ctk f16` is `--ctk f16`).
+fn llama_spelling(arg: std::ffi::OsString) -> std::ffi::OsString {
+    match arg.to_str() {
+        Some("-ctk") => "--ctk".into(),
+        Some("-ctv") => "--ctv".into(),
+        _ => arg,
+    }
+}
+
 fn main() -> ExitCode {
     // CUDA loads every kernel when the module loads, not each at its first launch (its lazy
     // default): where lazily loaded code lands depends on which path ran first, and on the
@@ -194,7 +204,7 @@ fn main() -> ExitCode {
         unsafe { std::env::set_var("CUDA_MODULE_LOADING", "EAGER") };
     }
     keep_freed_memory();
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(std::env::args_os().map(llama_spelling)) {
         Ok(cli) => cli,
         Err(e) if e.use_stderr() && e.kind() != ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             eprintln!("error: {}", usage_error(&e.to_string()));

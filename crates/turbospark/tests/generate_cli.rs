@@ -33,6 +33,35 @@ fn run_streams_a_greedy_continuation_and_reports_speed() {
     assert!(stderr.contains("tok/s") && stderr.contains("peak RSS"), "{stderr}");
 }
 
+/// `-ctk`/`-ctv` as llama.cpp spells them: f16 caches (the default) and f32 ones both give
+/// llama.cpp's greedy start; keys and values of two types, and a type this engine does not
+/// have, are refused by name.
+#[test]
+fn cache_types_take_llama_cpp_flags() {
+    let _alone = alone();
+    let model = model("smollm2-135m-instruct-q4_1.gguf");
+    let run = |flags: &[&str]| {
+        let mut args = vec!["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "4"];
+        args.extend_from_slice(&["--temp", "0"]);
+        args.extend_from_slice(flags);
+        Command::new(env!("CARGO_BIN_EXE_turbospark")).args(&args).output().unwrap()
+    };
+    for flags in [&[][..], &["-ctk", "f32", "-ctv", "f32"][..], &["--cache-type-k", "f16"][..]] {
+        let out = run(flags);
+        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.starts_with(" Paris"), "{flags:?}: {text:?}");
+    }
+    for (flags, expected) in [
+        (&["-ctk", "f16", "-ctv", "f32"][..], "keys and values take one type here"),
+        (&["-ctk", "q8_0"][..], "invalid value 'q8_0'"),
+    ] {
+        let out = run(flags);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+}
+
 #[test]
 fn chat_answers_two_turns_through_the_template() {
     let model = model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
