@@ -765,6 +765,15 @@ fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f3
     (first, inv)
 }
 
+/// One query's attention weights in place: `scores`, its dot products with the positions it
+/// sees, scaled and capped as [`attend`] takes them, then each `e^(s - max)` over their sum
+/// (with the sink in the denominator), the weights [`attend`] gives the values.
+pub fn attention_weights(scores: &mut [f32], p: &AttentionParams) {
+    scores.iter_mut().for_each(|s| *s = capped(*s, p));
+    let inv = softmax_weights(scores, p);
+    scale_inplace(scores, inv);
+}
+
 /// A score as attention takes it: scaled, then capped where the model caps.
 #[inline(always)]
 fn capped(dot: f32, p: &AttentionParams) -> f32 {

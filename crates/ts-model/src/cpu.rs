@@ -195,6 +195,19 @@ impl Backend for Cpu {
             if let Some(r) = rows.iter().find(|r| read_kv(&seqs[r.seq].state, il).is_none()) {
                 return Err(ModelError::Compute(format!("layer {il} of sequence {} keeps no keys and values", r.seq)));
             }
+            let one_run = rows.windows(2).all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
+            let cache = read_kv(&seqs[rows[0].seq].state, il).expect("checked above");
+            let seen = rows.last().map_or(0, |r| cache.visible(r.pos).count());
+            if rows.len() >= PROMPT_ATTENTION_ROWS
+                && seen >= PROMPT_ATTENTION_POSITIONS
+                && one_run
+                && prompt_attention()
+            {
+                return match cache.rows() {
+                    KvRows::F32 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
+                    KvRows::F16 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
+                };
+            }
             let group = shape.n_head / shape.n_head_kv;
             let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
             let seqs: &[&mut SeqState<CpuState>] = seqs;
@@ -521,6 +534,140 @@ const PARALLEL_EXPERT_ROWS: usize = 16;
 thread_local! {
     /// A thread's attention scores, reused from head to head.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Rows from which a step of one sequence's consecutive rows (a prompt) takes its attention
+/// as two matmuls a KV head on the CPU's batch kernels ([`run_attention`]) instead of dot
+/// products a position and head, where its last row sees [`PROMPT_ATTENTION_POSITIONS`] or
+/// more: attention took 43% of a SmolLM2 512-token prompt so (`perf`). Two threads, SmolLM2,
+/// with every step of 32 rows or more so: pp2048 +27-32%, pp1024 +8-9%, pp512 level, pp128
+/// 5-8% slower (fifteenth session).
+const PROMPT_ATTENTION_ROWS: usize = 32;
+
+/// Positions the last row of a prompt step sees from which [`run_attention`] is taken (where
+/// it measured faster: not at 512).
+const PROMPT_ATTENTION_POSITIONS: usize = 1024;
+
+/// Whether prompts take [`run_attention`] (`TURBOSPARK_PROMPT_ATTENTION=0`, a measurement
+/// knob, keeps them on the items of one row each).
+fn prompt_attention() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TURBOSPARK_PROMPT_ATTENTION").as_deref() != Ok("0"))
+}
+
+/// The element type of a cache as a weight type of the CPU's matmuls, and its bytes.
+trait KvWeight: ops::KvElement {
+    const TYPE: ts_gguf::GgmlType;
+    fn bytes(rows: &[Self]) -> &[u8];
+}
+
+impl KvWeight for f32 {
+    const TYPE: ts_gguf::GgmlType = ts_gguf::GgmlType::F32;
+    fn bytes(rows: &[f32]) -> &[u8] {
+        bytemuck::cast_slice(rows)
+    }
+}
+
+impl KvWeight for half::f16 {
+    const TYPE: ts_gguf::GgmlType = ts_gguf::GgmlType::F16;
+    fn bytes(rows: &[half::f16]) -> &[u8] {
+        // SAFETY: f16 is a plain 16-bit value without padding; the bytes live as long as `rows`.
+        unsafe { std::slice::from_raw_parts(rows.as_ptr().cast(), std::mem::size_of_val(rows)) }
+    }
+}
+
+/// Attention of `rows`, consecutive positions of one sequence whose keys and values `kv` (in
+/// `cache`) hold, per KV head as llama.cpp's graph has it without flash attention: the scores
+/// `S = Q Kᵀ` of the head's query heads (`[rows × group][positions]`, the keys as weight
+/// rows), each row's weights over the positions it sees ([`ops::attention_weights`]; others
+/// 0), then `O = P V` (V transposed into weight rows of positions, padded to 32). Output
+/// `[rows][n_head × head_dim_v]`, each head's floats those of [`ops::attend`] in another
+/// order of sums.
+fn run_attention<T: KvWeight>(
+    shape: &AttnShape,
+    q: &[f32],
+    rows: &[Row],
+    kv: KvView<'_, T>,
+    cache: &crate::state::LayerCache,
+) -> Result<Vec<f32>, ModelError> {
+    let (n_head, hdv) = (shape.n_head, shape.head_dim_v);
+    let mut out = vec![0f32; rows.len() * n_head * hdv];
+    // Blocks of rows, each over the positions its last row sees: the masked corner of the
+    // scores is not computed (a quarter of them at 512 rows in blocks of 64, against half).
+    let block = PROMPT_ATTENTION_BLOCK;
+    for (b, rs) in rows.chunks(block).enumerate() {
+        let q_dim = n_head * shape.head_dim;
+        let o_dim = n_head * hdv;
+        let qb = &q[b * block * q_dim..(b * block + rs.len()) * q_dim];
+        let ob = &mut out[b * block * o_dim..(b * block + rs.len()) * o_dim];
+        attention_block(shape, qb, rs, kv, cache, ob)?;
+    }
+    Ok(out)
+}
+
+/// Rows a matmul of [`run_attention`] takes at once.
+const PROMPT_ATTENTION_BLOCK: usize = 64;
+
+/// [`run_attention`] of one block of rows into `out` `[rows][n_head × head_dim_v]`.
+fn attention_block<T: KvWeight>(
+    shape: &AttnShape,
+    q: &[f32],
+    rows: &[Row],
+    kv: KvView<'_, T>,
+    cache: &crate::state::LayerCache,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let (hd, hdv, n_head) = (shape.head_dim, shape.head_dim_v, shape.n_head);
+    let group = n_head / shape.n_head_kv;
+    let m = rows.len();
+    let first = *cache.visible(rows[0].pos).start();
+    let last = rows[m - 1].pos;
+    let n_pos = last + 1 - first;
+    let n_pad = n_pos.next_multiple_of(32);
+    let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("prompt attention: {e}"));
+    let mut keys = Vec::with_capacity(n_pos * hd);
+    let mut values_t = vec![T::from_f32(0.0); hdv * n_pad];
+    let mut queries = vec![0f32; m * group * hd];
+    let mut x = ts_cpu::QuantizedRows::new();
+    for kvh in 0..shape.n_head_kv {
+        keys.clear();
+        for p in first..=last {
+            keys.extend_from_slice(kv.key(p, kvh * hd, hd));
+            for (d, &v) in kv.value(p, kvh * hdv, hdv).iter().enumerate() {
+                values_t[d * n_pad + (p - first)] = v;
+            }
+        }
+        // Query rows (row i, head j of the group), i major.
+        for (i, qs) in queries.chunks_exact_mut(group * hd).enumerate() {
+            let at = i * n_head * hd + kvh * group * hd;
+            qs.copy_from_slice(&q[at..at + group * hd]);
+        }
+        x.quantize(T::TYPE, &queries, hd).map_err(cerr)?;
+        let mut scores = vec![0f32; m * group * n_pad];
+        ts_cpu::matmul_strided(T::TYPE, T::bytes(&keys), n_pos, hd, &x, &mut scores, n_pad).map_err(cerr)?;
+        scores.par_chunks_mut(group * n_pad).enumerate().for_each(|(i, row)| {
+            let seen = cache.visible(rows[i].pos);
+            let (from, to) = (seen.start() - first, seen.end() + 1 - first);
+            for (j, s) in row.chunks_exact_mut(n_pad).enumerate() {
+                let p = AttentionParams {
+                    scale: shape.scale,
+                    softcap: shape.softcap,
+                    sink: shape.sinks.map(|s| s[kvh * group + j]),
+                };
+                ops::attention_weights(&mut s[from..to], &p);
+                s[..from].fill(0.0);
+                s[to..].fill(0.0);
+            }
+        });
+        x.quantize(T::TYPE, &scores, n_pad).map_err(cerr)?;
+        let mut o = vec![0f32; m * group * hdv];
+        ts_cpu::matmul(T::TYPE, T::bytes(&values_t), hdv, n_pad, &x, &mut o).map_err(cerr)?;
+        for (i, oi) in o.chunks_exact(group * hdv).enumerate() {
+            let at = i * n_head * hdv + kvh * group * hdv;
+            out[at..at + group * hdv].copy_from_slice(oi);
+        }
+    }
+    Ok(())
 }
 
 /// One attention item of a step: the query heads `q` `[heads][hd]` of one row that share KV
@@ -884,4 +1031,86 @@ fn delta_net(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{KvType, LayerCache};
+
+    /// A prompt's attention as two matmuls a KV head ([`run_attention`]) gives each row and
+    /// head what [`ops::attend`] gives it over the positions it sees, within f32 summation
+    /// order: f32 and f16 caches, a sliding window's ring, sinks and a soft cap.
+    #[test]
+    fn prompt_attention_by_matmuls_matches_attend() {
+        let (n_head, n_head_kv, hd) = (6, 2, 64);
+        let sinks: Vec<f32> = (0..n_head).map(|h| 0.3 * h as f32 - 0.5).collect();
+        let x = |i: usize, f: f32| (i as f32 * f).sin();
+        for (kv_type, window, softcap, sunk) in [
+            (KvType::F32, None, None, false),
+            (KvType::F16, None, Some(20.0), true),
+            (KvType::F32, Some(300), None, true),
+        ] {
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim: hd,
+                head_dim_v: hd,
+                scale: 0.125,
+                softcap,
+                sinks: sunk.then_some(&sinks[..]),
+            };
+            // Positions 0..700; the step's rows 140..700 in blocks of [`PROMPT_ATTENTION_BLOCK`],
+            // or with the window the last 64 of them, in a ring of 363 slots (wrapped).
+            let (first_row, end) = (if window.is_some() { 636 } else { 140 }, 700);
+            let slots = crate::state::ring_slots(window, 4096, end - first_row);
+            assert!(window.is_none() || slots < end);
+            let mut cache = LayerCache::new(kv_type, slots, n_head_kv * hd, n_head_kv * hd, window);
+            for pos in 0..end {
+                let k: Vec<f32> = (0..n_head_kv * hd).map(|i| 2.0 * x(i + 131 * pos, 0.07)).collect();
+                let v: Vec<f32> = (0..n_head_kv * hd).map(|i| x(i + 37 * pos, 0.13)).collect();
+                cache.store(pos, &k, &v);
+            }
+            let rows: Vec<Row> = (first_row..end).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
+            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * x(i, 0.011)).collect();
+            let got = match cache.rows() {
+                KvRows::F32 { k, v } => run_attention(&shape, &q, &rows, cache.view(k, v), &cache),
+                KvRows::F16 { k, v } => run_attention(&shape, &q, &rows, cache.view(k, v), &cache),
+            }
+            .unwrap();
+            let mut worst = 0f32;
+            for (i, r) in rows.iter().enumerate() {
+                for h in 0..n_head {
+                    let kvh = h / (n_head / n_head_kv);
+                    let p = AttentionParams { scale: 0.125, softcap, sink: shape.sinks.map(|s| s[h]) };
+                    let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
+                    let mut want = vec![0f32; hd];
+                    let seen = cache.visible(r.pos);
+                    match cache.rows() {
+                        KvRows::F32 { k, v } => {
+                            let view = cache.view(k, v);
+                            let (keys, values) = (
+                                seen.clone().map(|p| view.key(p, kvh * hd, hd)),
+                                seen.map(|p| view.value(p, kvh * hd, hd)),
+                            );
+                            ops::attend(qh, keys, values, &p, &mut Vec::new(), &mut want);
+                        }
+                        KvRows::F16 { k, v } => {
+                            let view = cache.view(k, v);
+                            let (keys, values) = (
+                                seen.clone().map(|p| view.key(p, kvh * hd, hd)),
+                                seen.map(|p| view.value(p, kvh * hd, hd)),
+                            );
+                            ops::attend(qh, keys, values, &p, &mut Vec::new(), &mut want);
+                        }
+                    }
+                    let at = (i * n_head + h) * hd;
+                    for (g, w) in got[at..at + hd].iter().zip(&want) {
+                        worst = worst.max((g - w).abs());
+                    }
+                }
+            }
+            assert!(worst < 2e-5, "{kv_type:?}, window {window:?}: largest difference {worst:e}");
+        }
+    }
 }

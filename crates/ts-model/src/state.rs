@@ -67,7 +67,7 @@ impl<'a, T> KvView<'a, T> {
 }
 
 impl LayerCache {
-    fn new(kv: KvType, slots: usize, kv_dim: usize, v_dim: usize, window: Option<usize>) -> LayerCache {
+    pub(crate) fn new(kv: KvType, slots: usize, kv_dim: usize, v_dim: usize, window: Option<usize>) -> LayerCache {
         let rows = match kv {
             KvType::F32 => KvRows::F32 { k: vec![0.0; slots * kv_dim], v: vec![0.0; slots * v_dim] },
             KvType::F16 => {

@@ -3,8 +3,8 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-/// Held by the tests whose processes run several threads of model work: run side by side on a
-/// 2-core machine, the others' threads distorted the step timer's figures against bench's.
+/// Held by every test here (each process runs two threads of model work): run side by side on
+/// a 2-core machine, the others' threads distorted the step timer's figures against bench's.
 static BUSY: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The lock of [`BUSY`], also after another holder's test failed.
@@ -21,6 +21,7 @@ fn model(file: &str) -> std::path::PathBuf {
 
 #[test]
 fn run_streams_a_greedy_continuation_and_reports_speed() {
+    let _alone = alone();
     let model = model("smollm2-135m-instruct-q4_1.gguf");
     let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "8", "--temp", "0"])
@@ -64,6 +65,7 @@ fn cache_types_take_llama_cpp_flags() {
 
 #[test]
 fn chat_answers_two_turns_through_the_template() {
+    let _alone = alone();
     let model = model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let mut child = Command::new(env!("CARGO_BIN_EXE_turbospark"))
         .args(["chat", "-m", model.to_str().unwrap(), "--temp", "0", "-n", "48", "-c", "1024"])
