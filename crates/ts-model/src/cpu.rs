@@ -592,6 +592,7 @@ fn run_attention<T: KvWeight>(
 ) -> Result<Vec<f32>, ModelError> {
     let (n_head, hdv) = (shape.n_head, shape.head_dim_v);
     let mut out = vec![0f32; rows.len() * n_head * hdv];
+    let layer = LayerKv { shape, kv, cache };
     // Blocks of rows, each over the positions its last row sees: the masked corner of the
     // scores is not computed (a quarter of them at 512 rows in blocks of 64, against half).
     let block = PROMPT_ATTENTION_BLOCK;
@@ -600,7 +601,7 @@ fn run_attention<T: KvWeight>(
         let o_dim = n_head * hdv;
         let qb = &q[b * block * q_dim..(b * block + rs.len()) * q_dim];
         let ob = &mut out[b * block * o_dim..(b * block + rs.len()) * o_dim];
-        attention_block(shape, qb, rs, kv, cache, ob)?;
+        attention_block(&layer, qb, rs, ob)?;
     }
     Ok(out)
 }
@@ -608,15 +609,22 @@ fn run_attention<T: KvWeight>(
 /// Rows a matmul of [`run_attention`] takes at once.
 const PROMPT_ATTENTION_BLOCK: usize = 64;
 
-/// [`run_attention`] of one block of rows into `out` `[rows][n_head × head_dim_v]`.
+/// A layer's attention shape and its cache, read as `T`.
+struct LayerKv<'a, T> {
+    shape: &'a AttnShape<'a>,
+    kv: KvView<'a, T>,
+    cache: &'a crate::state::LayerCache,
+}
+
+/// [`run_attention`] of one block of rows (queries `q` `[rows][n_head × head_dim]`) into
+/// `out` `[rows][n_head × head_dim_v]`.
 fn attention_block<T: KvWeight>(
-    shape: &AttnShape,
+    layer: &LayerKv<'_, T>,
     q: &[f32],
     rows: &[Row],
-    kv: KvView<'_, T>,
-    cache: &crate::state::LayerCache,
     out: &mut [f32],
 ) -> Result<(), ModelError> {
+    let LayerKv { shape, kv, cache } = *layer;
     let (hd, hdv, n_head) = (shape.head_dim, shape.head_dim_v, shape.n_head);
     let group = n_head / shape.n_head_kv;
     let m = rows.len();
@@ -1039,8 +1047,8 @@ mod tests {
     use crate::state::{KvType, LayerCache};
 
     /// A prompt's attention as two matmuls a KV head ([`run_attention`]) gives each row and
-    /// head what [`ops::attend`] gives it over the positions it sees, within f32 summation
-    /// order: f32 and f16 caches, a sliding window's ring, sinks and a soft cap.
+    /// head what an item of one head ([`ops::attend_group`]) gives it over the positions it
+    /// sees, within f32 summation order: f32 and f16 caches, a sliding window's ring, sinks and a soft cap.
     #[test]
     fn prompt_attention_by_matmuls_matches_attend() {
         let (n_head, n_head_kv, hd) = (6, 2, 64);
@@ -1084,25 +1092,11 @@ mod tests {
                     let kvh = h / (n_head / n_head_kv);
                     let p = AttentionParams { scale: 0.125, softcap, sink: shape.sinks.map(|s| s[h]) };
                     let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
+                    let item = Item { q: qh, heads: &[p], visible: cache.visible(r.pos), kvh, hd, hdv: hd };
                     let mut want = vec![0f32; hd];
-                    let seen = cache.visible(r.pos);
                     match cache.rows() {
-                        KvRows::F32 { k, v } => {
-                            let view = cache.view(k, v);
-                            let (keys, values) = (
-                                seen.clone().map(|p| view.key(p, kvh * hd, hd)),
-                                seen.map(|p| view.value(p, kvh * hd, hd)),
-                            );
-                            ops::attend(qh, keys, values, &p, &mut Vec::new(), &mut want);
-                        }
-                        KvRows::F16 { k, v } => {
-                            let view = cache.view(k, v);
-                            let (keys, values) = (
-                                seen.clone().map(|p| view.key(p, kvh * hd, hd)),
-                                seen.map(|p| view.value(p, kvh * hd, hd)),
-                            );
-                            ops::attend(qh, keys, values, &p, &mut Vec::new(), &mut want);
-                        }
+                        KvRows::F32 { k, v } => item.attend(cache.view(k, v), &mut want),
+                        KvRows::F16 { k, v } => item.attend(cache.view(k, v), &mut want),
                     }
                     let at = (i * n_head + h) * hd;
                     for (g, w) in got[at..at + hd].iter().zip(&want) {
