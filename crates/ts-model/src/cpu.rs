@@ -196,17 +196,18 @@ impl Backend for Cpu {
                 return Err(ModelError::Compute(format!("layer {il} of sequence {} keeps no keys and values", r.seq)));
             }
             let one_run = rows.windows(2).all(|w| w[1].seq == w[0].seq && w[1].pos == w[0].pos + 1);
-            let cache = read_kv(&seqs[rows[0].seq].state, il).expect("checked above");
-            let seen = rows.last().map_or(0, |r| cache.visible(r.pos).count());
-            if rows.len() >= PROMPT_ATTENTION_ROWS
-                && seen >= PROMPT_ATTENTION_POSITIONS
+            if let (Some(first), Some(last)) = (rows.first(), rows.last())
+                && rows.len() >= PROMPT_ATTENTION_ROWS
                 && one_run
                 && prompt_attention()
             {
-                return match cache.rows() {
-                    KvRows::F32 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
-                    KvRows::F16 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
-                };
+                let cache = read_kv(&seqs[first.seq].state, il).expect("checked above");
+                if cache.visible(last.pos).count() >= PROMPT_ATTENTION_POSITIONS {
+                    return match cache.rows() {
+                        KvRows::F32 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
+                        KvRows::F16 { k, v } => run_attention(shape, q, rows, cache.view(k, v), cache),
+                    };
+                }
             }
             let group = shape.n_head / shape.n_head_kv;
             let mut out = vec![0f32; rows.len() * shape.n_head * hdv];
