@@ -485,6 +485,9 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
         bail!("--batch-size must be at least 1");
     }
     let cuda = match global.device()? {
+        crate::Device::Cuda(_) if args.cache_type_k.is_some() || args.cache_type_v.is_some() => {
+            bail!("--cache-type-k/--cache-type-v set the CPU's cache; the GPU keeps keys and values in its own")
+        }
         crate::Device::Cuda(_) => cuda_options(args, &model)?,
         crate::Device::Cpu if args.expert_misses != ExpertMisses::Auto => {
             bail!("--expert-misses applies to a GPU --expert-cache, not --device cpu")
@@ -523,9 +526,6 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
     engine.model.kv_type = args.kv_type()?;
-    if (args.cache_type_k.is_some() || args.cache_type_v.is_some()) && global.device()? != crate::Device::Cpu {
-        bail!("--cache-type-k/--cache-type-v set the CPU's cache; the GPU keeps keys and values in its own");
-    }
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
         let n = engine.model.pack_experts();
         if n > 0 {

@@ -35,8 +35,8 @@ fn run_streams_a_greedy_continuation_and_reports_speed() {
 }
 
 /// `-ctk`/`-ctv` as llama.cpp spells them: f16 caches (the default) and f32 ones both give
-/// llama.cpp's greedy start; keys and values of two types, and a type this engine does not
-/// have, are refused by name.
+/// llama.cpp's greedy start; keys and values of two types, a type this engine does not have,
+/// and either flag on the GPU (before anything loads) are refused by name.
 #[test]
 fn cache_types_take_llama_cpp_flags() {
     let _alone = alone();
@@ -56,6 +56,7 @@ fn cache_types_take_llama_cpp_flags() {
     for (flags, expected) in [
         (&["-ctk", "f16", "-ctv", "f32"][..], "keys and values take one type here"),
         (&["-ctk", "q8_0"][..], "invalid value 'q8_0'"),
+        (&["--device", "cuda", "-ctk", "f32"][..], "the GPU keeps keys and values in its own"),
     ] {
         let out = run(flags);
         let stderr = String::from_utf8_lossy(&out.stderr);
