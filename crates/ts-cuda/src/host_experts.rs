@@ -5,6 +5,7 @@
 //! PCIe and the CPU's memory then share the bytes not in VRAM, as llama.cpp and
 //! ik_llama.cpp share a layer's experts between GPU and CPU (`-ncmoe`), but chosen per token.
 
+use crate::host_timing::Phase;
 use crate::moe::{GpuExpertGroup, GpuRoutes};
 use crate::{Act, Cuda, err};
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, sys};
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 use std::sync::Arc;
 use ts_model::backend::ExpertsAt;
 use ts_model::config::GatedActivation;
-use ts_model::cpu::{expert_hidden, expert_output};
+use ts_model::cpu::{expert_hidden, expert_output, experts_of_one_row};
 use ts_model::tensors::MoeWeights;
 use ts_model::{ModelError, Scratch};
 
@@ -72,28 +73,43 @@ impl Cuda {
         }
         let h = guard.as_mut().expect("host expert buffers");
         let cerr = |e: cudarc::driver::DriverError| ModelError::Compute(format!("cuda: {e}"));
-        h.stream.wait(x_ready).map_err(cerr)?;
-        let xs = &mut h.x.as_mut_slice().map_err(cerr)?[..m * e];
-        // SAFETY: `xs` is page-locked and holds `m * e` floats; the stream is synchronised below.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(xs, x.ptr, h.stream.cu_stream()) }.map_err(cerr)?;
-        h.stream.synchronize().map_err(cerr)?;
-        if let Some(done) = h.uploaded.take() {
-            done.synchronize().map_err(cerr)?;
-        }
+        self.host_timing.time(Phase::HostInput, || {
+            h.stream.wait(x_ready).map_err(cerr)?;
+            let xs = &mut h.x.as_mut_slice().map_err(cerr)?[..m * e];
+            // SAFETY: `xs` is page-locked and holds `m * e` floats; the stream is synchronised below.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(xs, x.ptr, h.stream.cu_stream()) }.map_err(cerr)?;
+            h.stream.synchronize().map_err(cerr)?;
+            if let Some(done) = h.uploaded.take() {
+                done.synchronize().map_err(cerr)?;
+            }
+            Ok::<(), ModelError>(())
+        })?;
         let xs = &h.x.as_slice().map_err(cerr)?[..m * e];
-        // Each expert on its own task (its products split further over idle threads).
-        let outputs = host
-            .par_iter()
-            .map(|&ex| {
-                let pairs: Vec<usize> = (0..routes.len()).filter(|&p| routes[p] == ex).collect();
-                let input: Vec<f32> = pairs.iter().flat_map(|&p| &xs[p / k * e..(p / k + 1) * e]).copied().collect();
-                let bytes = tier.host_expert(group.il, ex)?;
-                let mut s = if exact { Scratch::exact() } else { Scratch::default() };
-                let hidden = expert_hidden(w, act, ex, &bytes, &input, pairs.len(), &mut s)?;
-                let out = expert_output(w, ex, &bytes, &hidden, pairs.len(), &mut s)?;
-                Ok((pairs, out))
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
+        let pairs_of = |ex: usize| (0..routes.len()).filter(|&p| routes[p] == ex).collect::<Vec<usize>>();
+        let outputs = if m == 1 && !exact {
+            // One row: every expert's gate and up products in one parallel region, their down
+            // products in another (the CPU backend's decode products).
+            let experts = host
+                .iter()
+                .map(|&ex| Ok((ex, tier.host_expert(group.il, ex)?)))
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            let y = experts_of_one_row(w, act, xs, &experts)?;
+            host.iter().zip(y.chunks(e)).map(|(&ex, out)| (pairs_of(ex), out.to_vec())).collect()
+        } else {
+            // Each expert on its own task (its products split further over idle threads).
+            host.par_iter()
+                .map(|&ex| {
+                    let pairs = pairs_of(ex);
+                    let input: Vec<f32> =
+                        pairs.iter().flat_map(|&p| &xs[p / k * e..(p / k + 1) * e]).copied().collect();
+                    let bytes = tier.host_expert(group.il, ex)?;
+                    let mut s = if exact { Scratch::exact() } else { Scratch::default() };
+                    let hidden = expert_hidden(w, act, ex, &bytes, &input, pairs.len(), &mut s)?;
+                    let out = expert_output(w, ex, &bytes, &hidden, pairs.len(), &mut s)?;
+                    Ok((pairs, out))
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?
+        };
         let ys = h.y.as_mut_slice().map_err(cerr)?;
         let mut rows = Vec::new();
         for (pairs, out) in outputs {

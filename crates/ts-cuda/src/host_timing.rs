@@ -16,13 +16,16 @@ pub(crate) enum Phase {
     Prefetch,
     /// Experts the CPU computes (`--expert-misses cpu`): the input's download to the uploads.
     HostExperts,
+    /// Of [`Phase::HostExperts`], the wait for the layer's input, its download and the wait
+    /// for the last uploads.
+    HostInput,
 }
 
 #[derive(Default)]
 struct Totals {
     /// Time and count per [`Phase`], in its order.
-    time: [Duration; 5],
-    count: [u64; 5],
+    time: [Duration; 6],
+    count: [u64; 6],
     steps: u64,
     wall: Duration,
     started: Option<Instant>,
@@ -58,11 +61,12 @@ impl HostTiming {
             if t.steps.is_multiple_of(64) {
                 let n = t.steps as f64;
                 let per = |d: Duration| d.as_secs_f64() * 1e3 / n;
-                let other = t.wall.saturating_sub(t.time.iter().sum());
+                // HostInput is inside HostExperts.
+                let other = t.wall.saturating_sub(t.time[..Phase::HostInput as usize].iter().sum());
                 eprintln!(
                     "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
                      expert cache {:.3} ms ensuring + {:.3} ms prefetching, {:.1} layers of experts on the CPU \
-                     {:.3} ms, other {:.3} ms",
+                     {:.3} ms (input {:.3} ms), other {:.3} ms",
                     t.steps,
                     per(t.wall),
                     t.count[Phase::Launch as usize] as f64 / n,
@@ -73,6 +77,7 @@ impl HostTiming {
                     per(t.time[Phase::Prefetch as usize]),
                     t.count[Phase::HostExperts as usize] as f64 / n,
                     per(t.time[Phase::HostExperts as usize]),
+                    per(t.time[Phase::HostInput as usize]),
                     per(other),
                 );
             }

@@ -415,6 +415,18 @@ impl Backend for Cuda {
         self.tier.as_ref().is_some_and(|t| t.lock().expect("expert tier lock").misses().on_cpu())
     }
 
+    /// A one-row step whose misses the CPU computes keeps the pool's threads spinning between
+    /// its host experts' parallel regions (`ts_cpu::team`, as the CPU backend's one-row steps),
+    /// so that a region between two layers' GPU work finds them awake.
+    fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
+        if rows != 1 || !self.uses_thread_pool() {
+            return step();
+        }
+        // The step runs on one of the pool's threads, as it does without the team
+        // (`uses_thread_pool`: the engine installs the pool around it).
+        ts_cpu::team::scope(step)
+    }
+
     fn scratch(&self, exact_activations: bool) -> GpuScratch {
         GpuScratch { exact: exact_activations }
     }

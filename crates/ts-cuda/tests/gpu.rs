@@ -1250,6 +1250,7 @@ fn cpu_computed_misses_match_transformers() {
             .iter()
             .sum();
         drop(cpu_model);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
         for prefetch in [false, true] {
             let opts = ts_cuda::CudaOptions {
                 expert_cache: Some(((moe.n_expert_used + 1) * slot_bytes) as u64),
@@ -1267,7 +1268,10 @@ fn cpu_computed_misses_match_transformers() {
                 let mut rows_out = Vec::new();
                 for (pos, &t) in golden.tokens.iter().enumerate() {
                     let row = Row { token: t, pos, seq: 0, logits: true };
-                    rows_out.extend(model.forward(&[row], &mut [&mut seq], &mut scratch).unwrap());
+                    // As the engine runs a step: in its pool, through the backend's `run_step`
+                    // (a team of spinning threads for the host's experts).
+                    let step = || model.backend.run_step(1, || model.forward(&[row], &mut [&mut seq], &mut scratch));
+                    rows_out.extend(pool.install(step).unwrap());
                 }
                 let cmp = golden.compare(&rows_out);
                 let name = format!("{family}/{variant} prefetch {prefetch}{}", if exact { " exact" } else { "" });

@@ -148,7 +148,7 @@ pub trait Backend: Sized + Send + Sync {
 
     /// Runs a step of `rows` rows (`step`: the model's forward pass) as the backend's threads
     /// want it run: the CPU keeps its threads spinning between a one-row step's parallel
-    /// regions with 8 threads and more (`ts_cpu::team`; `TURBOSPARK_CPU_TEAM=0|1` forces it).
+    /// regions (`ts_cpu::team`; `TURBOSPARK_CPU_TEAM=0|1` forces it).
     fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
         let _ = rows;
         step()

@@ -889,6 +889,23 @@ fn flat_down(w: &MoeWeights, h: &[f32], experts: &[(usize, ExpertBytes<'_>)], y:
     Ok(())
 }
 
+/// Experts `experts` (each with its bytes) applied to the one row `x` `[n_embd]` with 8-bit
+/// activations, as a one-row step's flat products run them: every gate and up product in one
+/// parallel region, every down product in another. Returns `[experts][n_embd]`, for each expert
+/// the floats of [`expert_hidden`] then [`expert_output`]. The GPU's misses computed on the
+/// host take this path.
+pub fn experts_of_one_row(
+    w: &MoeWeights,
+    act: GatedActivation,
+    x: &[f32],
+    experts: &[(usize, ExpertBytes<'_>)],
+) -> Result<Vec<f32>, ModelError> {
+    let h = flat_gate_up(w, act, x, experts)?;
+    let mut y = vec![0f32; experts.len() * w.down_exps.n_rows()];
+    flat_down(w, &h, experts, &mut y)?;
+    Ok(y)
+}
+
 /// Calls `f(expert, its bytes, its pairs, scratch)` for each expert `at` that some pair of
 /// `routes` goes to and hands each result to `sink` with the expert's pairs: the experts
 /// already in memory first (so that reads of the others overlap with their work), in
