@@ -159,7 +159,10 @@ impl ExpertTier {
             // Each expert laid out as in a slot, so that one copy moves it.
             let span = |il: usize| proj_offset[2] + proj_bytes[il][2];
             let total: usize = layers.iter().map(|(il, m)| m.gate_exps.dims[2] * round_up(span(*il))).sum();
-            let mut buf = unsafe { gpu.ctx.alloc_pinned::<u8>(total) }.map_err(|e| err(e.into()))?;
+            // Write-combined memory is uncached for the CPU's reads: only a tier whose misses
+            // the CPU computes reads it there, so only that one takes cached memory.
+            let flags = if misses.on_cpu() { 0 } else { sys::CU_MEMHOSTALLOC_WRITECOMBINED };
+            let mut buf = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, flags) }.map_err(|e| err(e.into()))?;
             let dst = buf.as_mut_slice().map_err(|e| err(e.into()))?;
             let mut offset = HashMap::new();
             let mut at = 0;
