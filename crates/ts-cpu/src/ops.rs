@@ -142,12 +142,9 @@ fn exp_shifted_plain(x: &mut [f32], max: f32) -> f64 {
     x.iter().map(|&v| v as f64).sum()
 }
 
-/// The first index of the largest element of `x` and that element; `(0, -inf)` for an empty
-/// slice or one of NaNs only (a NaN is never the largest). A pass for the largest in lanes of 8,
-/// then one for where it first is, 64 elements compared at once before any is looked at one
-/// by one: a vocabulary of 151,936 logits in 10-26 µs wherever the largest is (element by
-/// element, the second pass took 1.5 ns an element up to the largest: 120 µs on average).
-pub fn argmax(x: &[f32]) -> (usize, f32) {
+/// The largest element of `x` (-inf for an empty slice; NaNs are passed over), in lanes of 8
+/// that loops vectorise, where `fold(f32::max)` is a chain of dependent compares.
+pub fn max_of(x: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let mut it = x.chunks_exact(8);
     for c in &mut it {
@@ -155,7 +152,16 @@ pub fn argmax(x: &[f32]) -> (usize, f32) {
             lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
         }
     }
-    let max = it.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    it.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// The first index of the largest element of `x` and that element; `(0, -inf)` for an empty
+/// slice or one of NaNs only (a NaN is never the largest). A pass for the largest in lanes of 8,
+/// then one for where it first is, 64 elements compared at once before any is looked at one
+/// by one: a vocabulary of 151,936 logits in 10-26 µs wherever the largest is (element by
+/// element, the second pass took 1.5 ns an element up to the largest: 120 µs on average).
+pub fn argmax(x: &[f32]) -> (usize, f32) {
+    let max = max_of(x);
     let first = |c: &[f32]| c.iter().position(|&v| v == max);
     let mut runs = x.chunks_exact(64);
     let mut start = 0;
@@ -794,7 +800,11 @@ fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f3
 /// sees, scaled and capped as [`attend`] takes them, then each `e^(s - max)` over their sum
 /// (with the sink in the denominator), the weights [`attend`] gives the values.
 pub fn attention_weights(scores: &mut [f32], p: &AttentionParams) {
-    scores.iter_mut().for_each(|s| *s = capped(*s, p));
+    // The cap's test outside the loop, so that the common case is a plain scaling loop.
+    match p.softcap {
+        None => scale_inplace(scores, p.scale),
+        Some(_) => scores.iter_mut().for_each(|s| *s = capped(*s, p)),
+    }
     let inv = softmax_weights(scores, p);
     scale_inplace(scores, inv);
 }
@@ -809,7 +819,7 @@ fn capped(dot: f32, p: &AttentionParams) -> f32 {
 /// Turns `scores` into `e^(s - max)` in place; returns the factor that makes them (with the
 /// sink, where there is one) sum to 1.
 fn softmax_weights(scores: &mut [f32], p: &AttentionParams) -> f32 {
-    let mut max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut max = max_of(scores);
     if let Some(sink) = p.sink {
         max = max.max(sink);
     }

@@ -639,6 +639,10 @@ fn attention_block<T: KvWeight>(
     let mut values_t = vec![T::from_f32(0.0); hdv * n_pad];
     let mut queries = vec![0f32; m * group * hd];
     let mut x = ts_cpu::QuantizedRows::new();
+    // Every float of both is written for each KV head (the scores' padding too: the weights
+    // past a row's last position are set to 0).
+    let mut scores = vec![0f32; m * group * n_pad];
+    let mut o = vec![0f32; m * group * hdv];
     for kvh in 0..shape.n_head_kv {
         keys.clear();
         for p in first..=last {
@@ -653,7 +657,6 @@ fn attention_block<T: KvWeight>(
             qs.copy_from_slice(&q[at..at + group * hd]);
         }
         x.quantize(T::TYPE, &queries, hd).map_err(cerr)?;
-        let mut scores = vec![0f32; m * group * n_pad];
         ts_cpu::matmul_strided(T::TYPE, T::bytes(&keys), n_pos, hd, &x, &mut scores, n_pad).map_err(cerr)?;
         scores.par_chunks_mut(group * n_pad).enumerate().for_each(|(i, row)| {
             let seen = cache.visible(rows[i].pos);
@@ -670,7 +673,6 @@ fn attention_block<T: KvWeight>(
             }
         });
         x.quantize(T::TYPE, &scores, n_pad).map_err(cerr)?;
-        let mut o = vec![0f32; m * group * hdv];
         ts_cpu::matmul(T::TYPE, T::bytes(&values_t), hdv, n_pad, &x, &mut o).map_err(cerr)?;
         for (i, oi) in o.chunks_exact(group * hdv).enumerate() {
             let at = i * n_head * hdv + kvh * group * hdv;
