@@ -369,30 +369,44 @@ mod x86 {
     /// Needs AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_shifted(x: &mut [f32], max: f32) -> f64 {
-        // As sum_exp_shifted: the terms summed in lanes of 8 over runs of 1,024, the runs in
-        // f64 (an f64 sum term by term is a chain of dependent adds: it took most of a long
-        // prompt's softmax time).
         let whole = x.len() / 8 * 8;
         let m = _mm256_set1_ps(max);
-        let mut total = 0f64;
-        for run in x[..whole].chunks_mut(1024) {
-            let mut acc = _mm256_setzero_ps();
-            for c in run.chunks_exact_mut(8) {
-                // SAFETY: `c` holds 8 floats.
-                unsafe {
-                    let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
-                    _mm256_storeu_ps(c.as_mut_ptr(), e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-            }
-            let mut lanes = [0f32; 8];
-            // SAFETY: `lanes` holds 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-            total += lanes.iter().map(|&v| v as f64).sum::<f64>();
-        }
+        let at = x.as_mut_ptr();
+        // SAFETY: every i < whole starts 8 floats of `x`.
+        let mut total = unsafe {
+            lane_sums(whole, |i| {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(at.add(i)), m));
+                _mm256_storeu_ps(at.add(i), e);
+                e
+            })
+        };
         for v in &mut x[whole..] {
             *v = super::exp(*v - max);
             total += *v as f64;
+        }
+        total
+    }
+
+    /// `Σ term(i)` for i = 0, 8, .. below `whole` (each term 8 lanes), summed in lanes over runs
+    /// of 1,024 elements and the runs in f64: a sum of many terms without a chain of dependent
+    /// f64 adds (term by term, that took most of a long prompt's softmax time).
+    ///
+    /// # Safety
+    /// Needs AVX2.
+    #[inline(always)]
+    unsafe fn lane_sums(whole: usize, mut term: impl FnMut(usize) -> __m256) -> f64 {
+        let mut total = 0f64;
+        for run in (0..whole).step_by(1024) {
+            let mut lanes = [0f32; 8];
+            // SAFETY: AVX2 is available (the caller's promise); `lanes` holds 8 floats.
+            unsafe {
+                let mut acc = _mm256_setzero_ps();
+                for i in (run..(run + 1024).min(whole)).step_by(8) {
+                    acc = _mm256_add_ps(acc, term(i));
+                }
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+            }
+            total += lanes.iter().map(|&v| v as f64).sum::<f64>();
         }
         total
     }
@@ -426,18 +440,8 @@ mod x86 {
     pub unsafe fn sum_exp_shifted(x: &[f32], max: f32) -> f64 {
         let whole = x.len() / 8 * 8;
         let m = _mm256_set1_ps(max);
-        let mut total = 0f64;
-        for run in x[..whole].chunks(1024) {
-            let mut acc = _mm256_setzero_ps();
-            for c in run.chunks_exact(8) {
-                // SAFETY: `c` holds 8 floats.
-                acc = _mm256_add_ps(acc, unsafe { exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m)) });
-            }
-            let mut lanes = [0f32; 8];
-            // SAFETY: `lanes` holds 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-            total += lanes.iter().map(|&v| v as f64).sum::<f64>();
-        }
+        // SAFETY: every i < whole starts 8 floats of `x`.
+        let total = unsafe { lane_sums(whole, |i| exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(i)), m))) };
         total + x[whole..].iter().map(|&v| super::exp(v - max) as f64).sum::<f64>()
     }
 
