@@ -545,9 +545,10 @@ thread_local! {
 /// 5-8% slower (fifteenth session).
 const PROMPT_ATTENTION_ROWS: usize = 32;
 
-/// Positions the last row of a prompt step sees from which [`run_attention`] is taken (where
-/// it measured faster: not at 512).
-const PROMPT_ATTENTION_POSITIONS: usize = 1024;
+/// Positions the last row of a prompt step sees from which [`run_attention`] is taken, where
+/// it measured faster (two threads, one step a prompt, sixteenth session: pp512 +1-8% on the
+/// three real models; pp128 and pp256 2-10% slower).
+const PROMPT_ATTENTION_POSITIONS: usize = 512;
 
 /// Whether prompts take [`run_attention`] (`TURBOSPARK_PROMPT_ATTENTION=0`, a measurement
 /// knob, keeps them on the items of one row each).
