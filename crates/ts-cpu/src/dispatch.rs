@@ -3,7 +3,6 @@
 
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
 use ts_gguf::GgmlType;
 
 use crate::CpuError;
@@ -249,10 +248,12 @@ pub(crate) fn matmul(
                 pieces[task].push(piece);
             }
         }
-        pieces
-            .into_par_iter()
-            .enumerate()
-            .for_each(|(task, mut outs)| crate::work_time::task(|| plan.run(task, &mut outs)));
+        // Each task takes its own pieces (the lock is never contended: one task a lock).
+        let pieces: Vec<std::sync::Mutex<Vec<&mut [f32]>>> = pieces.into_iter().map(std::sync::Mutex::new).collect();
+        crate::team::for_each(pieces.len(), &|task| {
+            let mut outs = pieces[task].lock().expect("a task's pieces");
+            crate::work_time::task(|| plan.run(task, &mut outs))
+        });
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! A step's threads kept spinning between parallel regions (pools of [`DEFAULT_MIN_THREADS`]
 //! threads and more; `TURBOSPARK_CPU_TEAM=1` or `0` forces it on or off): [`scope`] enlists
-//! every thread of the current rayon pool for the length of a one-row step; inside it,
+//! every thread of the current rayon pool for the length of a step; inside it,
 //! [`for_each`] hands items to threads that are already awake, as ggml's threadpool does
 //! between ops, where a rayon region may find its threads asleep. Outside a scope (or off)
 //! [`for_each`] is a rayon parallel loop. Which thread runs which item never changes an item's
@@ -14,14 +14,14 @@ use std::sync::atomic::{
     AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::SeqCst,
 };
 
-/// Pools of this many threads and more run one-row steps as a team unless told otherwise. On
+/// Pools of this many threads and more run steps as a team unless told otherwise. On
 /// a 2-vCPU AMD EPYC (2026-12-06, docs/BENCHMARKS.md) a team with contiguous shares decoded
 /// SmolLM2 at 1.06x rayon's regions and Qwen2.5-0.5B level (medians of six interleaved runs);
 /// on the device machine's 16 Xeon cores (2026-12-03) the team's first form, handing out one
 /// item at a time, gave qwen3 1.08x / 1.11x and gpt-oss 0.92x / 1.23x at 8 / 16 threads.
 pub const DEFAULT_MIN_THREADS: usize = 2;
 
-/// Whether a pool of `threads` threads runs one-row steps as a team: `TURBOSPARK_CPU_TEAM`
+/// Whether a pool of `threads` threads runs steps as a team: `TURBOSPARK_CPU_TEAM`
 /// (`0`, `false`, `off` or `no`: off; anything else on), else from [`DEFAULT_MIN_THREADS`]
 /// threads where the machine has a core for each (spinning threads sharing cores stall).
 pub fn enabled(threads: usize) -> bool {

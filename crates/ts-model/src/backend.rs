@@ -147,8 +147,8 @@ pub trait Backend: Sized + Send + Sync {
     fn copy_state(&self, src: &Self::State, dst: &mut Self::State, n_past: usize) -> Result<(), ModelError>;
 
     /// Runs a step of `rows` rows (`step`: the model's forward pass) as the backend's threads
-    /// want it run: the CPU keeps its threads spinning between a one-row step's parallel
-    /// regions (`ts_cpu::team`; `TURBOSPARK_CPU_TEAM=0|1` forces it).
+    /// want it run: the CPU keeps its threads spinning between a step's parallel regions
+    /// (`ts_cpu::team`; `TURBOSPARK_CPU_TEAM=0|1` forces it).
     fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
         let _ = rows;
         step()
