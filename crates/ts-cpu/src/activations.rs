@@ -86,6 +86,11 @@ impl QuantizedRows {
         }
         let bytes = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.data)[..m * row_bytes];
         if ty == GgmlType::F32 {
+            // Little-endian floats are their own bytes: one copy (element by element, this was
+            // a serial part of a long prompt's attention).
+            #[cfg(target_endian = "little")]
+            bytes.copy_from_slice(bytemuck::cast_slice(x));
+            #[cfg(not(target_endian = "little"))]
             for (out, v) in bytes.chunks_exact_mut(4).zip(x) {
                 out.copy_from_slice(&v.to_le_bytes());
             }

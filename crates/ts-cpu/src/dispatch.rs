@@ -241,17 +241,18 @@ pub(crate) fn matmul(
             crate::work_time::task(|| plan.run(task, &mut [out]))
         });
     } else {
-        // Each task's piece of every output row, split up front so tasks own them.
-        let mut pieces: Vec<Vec<&mut [f32]>> = (0..plan.tasks()).map(|_| Vec::with_capacity(x.m())).collect();
-        for row in out.chunks_mut(out_stride).take(x.m()) {
-            for (task, piece) in row[..n_out].chunks_mut(rows_per_task).enumerate() {
-                pieces[task].push(piece);
-            }
-        }
-        // Each task takes its own pieces (the lock is never contended: one task a lock).
-        let pieces: Vec<std::sync::Mutex<Vec<&mut [f32]>>> = pieces.into_iter().map(std::sync::Mutex::new).collect();
-        crate::team::for_each(pieces.len(), &|task| {
-            let mut outs = pieces[task].lock().expect("a task's pieces");
+        // Each task makes its own pieces of the output rows (columns `start..start + rows` of
+        // each), so that no thread lays them all out first.
+        let (m, base) = (x.m(), OutPtr(out.as_mut_ptr()));
+        let base = &base;
+        crate::team::for_each(plan.tasks(), &|task| {
+            let start = task * rows_per_task;
+            let rows = rows_per_task.min(n_out - start);
+            // SAFETY: `out` holds `(m - 1) * out_stride + n_out` floats (checked by `plan`) and
+            // is borrowed mutably for this call; task `task` alone takes these columns of each row.
+            let mut outs: Vec<&mut [f32]> = (0..m)
+                .map(|c| unsafe { std::slice::from_raw_parts_mut(base.0.add(c * out_stride + start), rows) })
+                .collect();
             crate::work_time::task(|| plan.run(task, &mut outs))
         });
     }
@@ -273,9 +274,9 @@ pub struct Matvec<'a> {
     pub out: &'a mut [f32],
 }
 
-/// A task's output rows, handed across threads: tasks of one product write disjoint runs.
+/// A product's output, handed across threads: its tasks write disjoint runs of it.
 struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own run of rows (see `matvecs`).
+// SAFETY: each task writes only its own runs (see `matvecs` and `matmul`).
 unsafe impl Sync for OutPtr {}
 
 /// Several one-row products in one parallel region instead of one region each: each product's
