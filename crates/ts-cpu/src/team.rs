@@ -238,13 +238,13 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-/// [`for_each`] over `out` in chunks of `chunk` floats (the last may be shorter): item `i`
+/// [`for_each`] over `out` in chunks of `chunk` elements (the last may be shorter): item `i`
 /// writes chunk `i` and nothing else.
-pub fn for_each_chunk(out: &mut [f32], chunk: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
+pub fn for_each_chunk<T: Send>(out: &mut [T], chunk: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
     /// The output, handed across threads: each item takes only its own chunk.
-    struct Chunks(*mut f32, usize);
-    // SAFETY: items write disjoint chunks (below).
-    unsafe impl Sync for Chunks {}
+    struct Chunks<T>(*mut T, usize);
+    // SAFETY: items write disjoint chunks (below), and `T: Send` lets them move to other threads.
+    unsafe impl<T: Send> Sync for Chunks<T> {}
     let (len, chunk) = (out.len(), chunk.max(1));
     let base = Chunks(out.as_mut_ptr(), len);
     let base = &base;

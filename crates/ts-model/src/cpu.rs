@@ -635,7 +635,7 @@ fn attention_block<T: KvWeight>(
     let n_pos = last + 1 - first;
     let n_pad = n_pos.next_multiple_of(32);
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("prompt attention: {e}"));
-    let mut keys = Vec::with_capacity(n_pos * hd);
+    let mut keys = Vec::new();
     let mut values_t = vec![T::from_f32(0.0); hdv * n_pad];
     let mut queries = vec![0f32; m * group * hd];
     let mut x = ts_cpu::QuantizedRows::new();
@@ -643,14 +643,21 @@ fn attention_block<T: KvWeight>(
     // past a row's last position are set to 0).
     let mut scores = vec![0f32; m * group * n_pad];
     let mut o = vec![0f32; m * group * hdv];
+    keys.resize(n_pos * hd, T::from_f32(0.0));
     for kvh in 0..shape.n_head_kv {
-        keys.clear();
-        for p in first..=last {
-            keys.extend_from_slice(kv.key(p, kvh * hd, hd));
-            for (d, &v) in kv.value(p, kvh * hdv, hdv).iter().enumerate() {
-                values_t[d * n_pad + (p - first)] = v;
+        // The head's keys gathered and its values transposed, spread over the threads (on one,
+        // they were a serial part of a long prompt).
+        const POSITIONS: usize = 64;
+        ts_cpu::team::for_each_chunk(&mut keys, POSITIONS * hd, &|i, ks| {
+            for (j, k) in ks.chunks_exact_mut(hd).enumerate() {
+                k.copy_from_slice(kv.key(first + i * POSITIONS + j, kvh * hd, hd));
             }
-        }
+        });
+        ts_cpu::team::for_each_chunk(&mut values_t, n_pad, &|d, row| {
+            for (p, v) in row[..n_pos].iter_mut().enumerate() {
+                *v = kv.value(first + p, kvh * hdv, hdv)[d];
+            }
+        });
         // Query rows (row i, head j of the group), i major.
         for (i, qs) in queries.chunks_exact_mut(group * hd).enumerate() {
             let at = i * n_head * hd + kvh * group * hd;
