@@ -86,10 +86,17 @@ impl QuantizedRows {
         }
         let bytes = &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.data)[..m * row_bytes];
         if ty == GgmlType::F32 {
-            // Little-endian floats are their own bytes: one copy (element by element, this was
-            // a serial part of a long prompt's attention).
+            // Little-endian floats are their own bytes: copied in pieces of 64 KiB spread over
+            // the threads (element by element on one, this was a serial part of a long
+            // prompt's attention, whose scores come here).
             #[cfg(target_endian = "little")]
-            bytes.copy_from_slice(bytemuck::cast_slice(x));
+            {
+                const PIECE: usize = 64 << 10;
+                let src: &[u8] = bytemuck::cast_slice(x);
+                crate::team::for_each_chunk(bytes, PIECE, &|i, out| {
+                    out.copy_from_slice(&src[i * PIECE..i * PIECE + out.len()])
+                });
+            }
             #[cfg(not(target_endian = "little"))]
             for (out, v) in bytes.chunks_exact_mut(4).zip(x) {
                 out.copy_from_slice(&v.to_le_bytes());

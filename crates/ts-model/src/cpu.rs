@@ -594,6 +594,7 @@ fn run_attention<T: KvWeight>(
     let (n_head, hdv) = (shape.n_head, shape.head_dim_v);
     let mut out = vec![0f32; rows.len() * n_head * hdv];
     let layer = LayerKv { shape, kv, cache };
+    let mut buffers = BlockBuffers::default();
     // Blocks of rows, each over the positions its last row sees: scores past a block's last
     // row (masked for all of it) are not computed.
     let block = PROMPT_ATTENTION_BLOCK;
@@ -602,9 +603,35 @@ fn run_attention<T: KvWeight>(
         let o_dim = n_head * hdv;
         let qb = &q[b * block * q_dim..(b * block + rs.len()) * q_dim];
         let ob = &mut out[b * block * o_dim..(b * block + rs.len()) * o_dim];
-        attention_block(&layer, qb, rs, ob)?;
+        attention_block(&layer, qb, rs, ob, &mut buffers)?;
     }
     Ok(out)
+}
+
+/// [`attention_block`]'s working buffers, kept from block to block (each grows to the largest
+/// block's size once, instead of being zeroed for every block): a KV head's keys `[n_pos][hd]`
+/// and values transposed `[hdv][n_pad]`, the block's queries `[rows × group][hd]`, scores `[rows
+/// × group][n_pad]` and outputs `[rows × group][hdv]`, and the activation rows made of them.
+struct BlockBuffers<T> {
+    keys: Vec<T>,
+    values_t: Vec<T>,
+    queries: Vec<f32>,
+    scores: Vec<f32>,
+    o: Vec<f32>,
+    x: ts_cpu::QuantizedRows,
+}
+
+impl<T> Default for BlockBuffers<T> {
+    fn default() -> Self {
+        BlockBuffers {
+            keys: Vec::new(),
+            values_t: Vec::new(),
+            queries: Vec::new(),
+            scores: Vec::new(),
+            o: Vec::new(),
+            x: ts_cpu::QuantizedRows::new(),
+        }
+    }
 }
 
 /// Rows a matmul of [`run_attention`] takes at once (SmolLM2 pp2048, 2 threads: 16 rows 733-741
@@ -625,6 +652,7 @@ fn attention_block<T: KvWeight>(
     q: &[f32],
     rows: &[Row],
     out: &mut [f32],
+    buffers: &mut BlockBuffers<T>,
 ) -> Result<(), ModelError> {
     let LayerKv { shape, kv, cache } = *layer;
     let (hd, hdv, n_head) = (shape.head_dim, shape.head_dim_v, shape.n_head);
@@ -635,37 +663,38 @@ fn attention_block<T: KvWeight>(
     let n_pos = last + 1 - first;
     let n_pad = n_pos.next_multiple_of(32);
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("prompt attention: {e}"));
-    let mut keys = Vec::new();
-    let mut values_t = vec![T::from_f32(0.0); hdv * n_pad];
-    let mut queries = vec![0f32; m * group * hd];
-    let mut x = ts_cpu::QuantizedRows::new();
-    // Every float of both is written for each KV head (the scores' padding too: the weights
-    // past a row's last position are set to 0).
-    let mut scores = vec![0f32; m * group * n_pad];
-    let mut o = vec![0f32; m * group * hdv];
+    // Every element of each is written for each KV head before it is read (the values' and
+    // the scores' padding too: the weights past a row's last position are set to 0).
+    let BlockBuffers { keys, values_t, queries, scores, o, x } = buffers;
     keys.resize(n_pos * hd, T::from_f32(0.0));
+    values_t.resize(hdv * n_pad, T::from_f32(0.0));
+    queries.resize(m * group * hd, 0.0);
+    scores.resize(m * group * n_pad, 0.0);
+    o.resize(m * group * hdv, 0.0);
     for kvh in 0..shape.n_head_kv {
         // The head's keys gathered and its values transposed, spread over the threads (on one,
         // they were a serial part of a long prompt).
         const POSITIONS: usize = 64;
-        ts_cpu::team::for_each_chunk(&mut keys, POSITIONS * hd, &|i, ks| {
+        ts_cpu::team::for_each_chunk(keys, POSITIONS * hd, &|i, ks| {
             for (j, k) in ks.chunks_exact_mut(hd).enumerate() {
                 k.copy_from_slice(kv.key(first + i * POSITIONS + j, kvh * hd, hd));
             }
         });
-        ts_cpu::team::for_each_chunk(&mut values_t, n_pad, &|d, row| {
-            for (p, v) in row[..n_pos].iter_mut().enumerate() {
+        ts_cpu::team::for_each_chunk(values_t, n_pad, &|d, row| {
+            let (seen, pad) = row.split_at_mut(n_pos);
+            for (p, v) in seen.iter_mut().enumerate() {
                 *v = kv.value(first + p, kvh * hdv, hdv)[d];
             }
+            pad.fill(T::from_f32(0.0));
         });
         // Query rows (row i, head j of the group), i major.
         for (i, qs) in queries.chunks_exact_mut(group * hd).enumerate() {
             let at = i * n_head * hd + kvh * group * hd;
             qs.copy_from_slice(&q[at..at + group * hd]);
         }
-        x.quantize(T::TYPE, &queries, hd).map_err(cerr)?;
-        ts_cpu::matmul_strided(T::TYPE, T::bytes(&keys), n_pos, hd, &x, &mut scores, n_pad).map_err(cerr)?;
-        scores.par_chunks_mut(group * n_pad).enumerate().for_each(|(i, row)| {
+        x.quantize(T::TYPE, queries, hd).map_err(cerr)?;
+        ts_cpu::matmul_strided(T::TYPE, T::bytes(keys), n_pos, hd, x, scores, n_pad).map_err(cerr)?;
+        ts_cpu::team::for_each_chunk(scores, group * n_pad, &|i, row| {
             let seen = cache.visible(rows[i].pos);
             let (from, to) = (seen.start() - first, seen.end() + 1 - first);
             for (j, s) in row.chunks_exact_mut(n_pad).enumerate() {
@@ -679,8 +708,8 @@ fn attention_block<T: KvWeight>(
                 s[to..].fill(0.0);
             }
         });
-        x.quantize(T::TYPE, &scores, n_pad).map_err(cerr)?;
-        ts_cpu::matmul(T::TYPE, T::bytes(&values_t), hdv, n_pad, &x, &mut o).map_err(cerr)?;
+        x.quantize(T::TYPE, scores, n_pad).map_err(cerr)?;
+        ts_cpu::matmul(T::TYPE, T::bytes(values_t), hdv, n_pad, x, o).map_err(cerr)?;
         for (i, oi) in o.chunks_exact(group * hdv).enumerate() {
             let at = i * n_head * hdv + kvh * group * hdv;
             out[at..at + group * hdv].copy_from_slice(oi);
