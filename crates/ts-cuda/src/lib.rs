@@ -416,7 +416,7 @@ impl Backend for Cuda {
     }
 
     /// A one-row step whose misses the CPU computes keeps the pool's threads spinning between
-    /// its host experts' parallel regions (`ts_cpu::team`, as the CPU backend's one-row steps),
+    /// its host experts' parallel regions (`ts_cpu::team`, as the CPU backend's steps do),
     /// so that a region between two layers' GPU work finds them awake.
     fn run_step<R: Send>(&self, rows: usize, step: impl FnOnce() -> R + Send) -> R {
         if rows != 1 || !self.uses_thread_pool() {
