@@ -572,8 +572,7 @@ impl KvWeight for f32 {
 impl KvWeight for half::f16 {
     const TYPE: ts_gguf::GgmlType = ts_gguf::GgmlType::F16;
     fn bytes(rows: &[half::f16]) -> &[u8] {
-        // SAFETY: f16 is a plain 16-bit value without padding; the bytes live as long as `rows`.
-        unsafe { std::slice::from_raw_parts(rows.as_ptr().cast(), std::mem::size_of_val(rows)) }
+        bytemuck::cast_slice(rows)
     }
 }
 
@@ -680,12 +679,19 @@ fn attention_block<T: KvWeight>(
                 k.copy_from_slice(kv.key(first + i * POSITIONS + j, kvh * hd, hd));
             }
         });
-        ts_cpu::team::for_each_chunk(values_t, n_pad, &|d, row| {
-            let (seen, pad) = row.split_at_mut(n_pos);
-            for (p, v) in seen.iter_mut().enumerate() {
-                *v = kv.value(first + p, kvh * hdv, hdv)[d];
+        // Eight rows of the transpose an item: each position's slot found once for them.
+        const DIMS: usize = 8;
+        ts_cpu::team::for_each_chunk(values_t, DIMS * n_pad, &|i, rows| {
+            let n_dims = rows.len() / n_pad;
+            for p in 0..n_pos {
+                let v = kv.value(first + p, kvh * hdv + i * DIMS, n_dims);
+                for (d, &x) in v.iter().enumerate() {
+                    rows[d * n_pad + p] = x;
+                }
             }
-            pad.fill(T::from_f32(0.0));
+            for row in rows.chunks_exact_mut(n_pad) {
+                row[n_pos..].fill(T::from_f32(0.0));
+            }
         });
         // Query rows (row i, head j of the group), i major.
         for (i, qs) in queries.chunks_exact_mut(group * hd).enumerate() {
