@@ -225,6 +225,8 @@ pub(crate) struct ARow {
 
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl ActView<'_> {
+    /// Row `i`'s pointers (inlined: the panel kernels ask for each row on every pass).
+    #[inline(always)]
     pub fn arow(&self, i: usize) -> ARow {
         let side = if self.ty == GgmlType::F32 { 0 } else { i * self.nb };
         ARow {
