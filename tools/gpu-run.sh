@@ -296,8 +296,9 @@ fi
 if [[ $what == misses ]]; then
     # `misses [LIKE...]`: a quarter of the expert bytes in VRAM, decode (tg64) and pp512 with the
     # misses copied in, then computed on the CPU beside the GPU for each share of the next
-    # layer's guesses copied ahead (MISS_SHARES: `default`, or fractions set by the knob
-    # TURBOSPARK_PREFETCH_SHARE), with the cache's counters.
+    # layer's guesses copied ahead (MISS_SHARES: `default`, fractions set by the knob
+    # TURBOSPARK_PREFETCH_SHARE, or a knob's NAME=VALUE with the default share, e.g.
+    # TURBOSPARK_WARM_HOST_EXPERTS=1), with the cache's counters.
     shift
     for like in $(likes_or_default "$@"); do
         f=$(synth "$like")
@@ -306,6 +307,7 @@ if [[ $what == misses ]]; then
             case $setting in
                 copy) misses=copy envs=(X=1) ;;
                 default) misses=cpu envs=(X=1) ;;
+                *=*) misses=cpu envs=("$setting") ;;
                 *) misses=cpu envs=(TURBOSPARK_PREFETCH_SHARE=$setting) ;;
             esac
             echo "== $like, --expert-misses $misses ($setting)"
