@@ -5,12 +5,25 @@
 
 /// `out = x / rms(x) * w` for one row; `w = None` scales by 1.
 pub fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    let mean_sq = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64;
+    let mean_sq = sum_of_squares(x) / x.len() as f64;
     let scale = (1.0 / (mean_sq + eps as f64).sqrt()) as f32;
     match w {
         Some(w) => out.iter_mut().zip(x).zip(w).for_each(|((o, &v), &g)| *o = v * scale * g),
         None => out.iter_mut().zip(x).for_each(|(o, &v)| *o = v * scale),
     }
+}
+
+/// `Σ x²` in f64, in 8 lanes that loops vectorise (term by term, a chain of dependent f64
+/// adds: 2.6% of a SmolLM2 prompt).
+fn sum_of_squares(x: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let mut it = x.chunks_exact(8);
+    for c in &mut it {
+        for j in 0..8 {
+            lanes[j] += c[j] as f64 * c[j] as f64;
+        }
+    }
+    it.remainder().iter().map(|&v| v as f64 * v as f64).sum::<f64>() + lanes.iter().sum::<f64>()
 }
 
 /// In-place [`rms_norm`] of each `dim`-wide piece of `x` (per-head q/k norms).

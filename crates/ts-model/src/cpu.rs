@@ -123,8 +123,14 @@ impl Backend for Cpu {
         timing().time(Phase::Products, || flat_linears(ws, x))
     }
 
+    /// Pieces normed 64 at a time over the threads (per-head q/k norms of a prompt's rows).
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
-        ops::rms_norm_pieces(x, piece, w, eps);
+        const PIECES: usize = 64;
+        if piece == 0 {
+            return Ok(());
+        }
+        let whole = x.len() / piece * piece;
+        ts_cpu::team::for_each_chunk(&mut x[..whole], PIECES * piece, &|_, xs| ops::rms_norm_pieces(xs, piece, w, eps));
         Ok(())
     }
 
@@ -155,11 +161,20 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    /// Rows rotated 8 at a time over the threads (one by one on the step's thread, this was a
+    /// serial part of a prompt).
     fn rope(&self, _il: usize, rope: &Rope, x: &mut Vec<f32>, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
+        const ROWS: usize = 8;
         let width = x.len() / rows.len().max(1);
-        for (r, xr) in rows.iter().zip(x.chunks_exact_mut(width)) {
-            rope.apply(xr, head_dim, r.pos as u32);
+        if width == 0 {
+            return Ok(());
         }
+        let x = &mut x[..rows.len() * width];
+        ts_cpu::team::for_each_chunk(x, ROWS * width, &|i, xs| {
+            for (r, xr) in rows[i * ROWS..].iter().zip(xs.chunks_exact_mut(width)) {
+                rope.apply(xr, head_dim, r.pos as u32);
+            }
+        });
         Ok(())
     }
 
