@@ -85,7 +85,7 @@ pub fn linear_bytes(
     out: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     let k = w.row_len();
-    out.resize(m * n_out, 0.0);
+    resize_zeroed(out, m * n_out);
     let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
     if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
         if packed {
@@ -99,6 +99,26 @@ pub fn linear_bytes(
         false => scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out),
     };
     result.map_err(|e| err(e.to_string()))
+}
+
+/// `v` made `n` long, new elements 0: past [`ZERO_OVER_THREADS`] floats the zeros are written
+/// over the threads (a prompt's fresh product outputs, zeroed on the step's thread, held the
+/// others waiting).
+fn resize_zeroed(v: &mut Vec<f32>, n: usize) {
+    /// Floats from which zeroing is spread over the threads (256 KiB), and an item's share.
+    const ZERO_OVER_THREADS: usize = 64 << 10;
+    if n <= v.len() || n - v.len() < ZERO_OVER_THREADS {
+        v.resize(n, 0.0);
+        return;
+    }
+    let len = v.len();
+    v.reserve(n - len);
+    let fresh = &mut v.spare_capacity_mut()[..n - len];
+    ts_cpu::team::for_each_chunk(fresh, ZERO_OVER_THREADS, &|_, part| {
+        part.iter_mut().for_each(|x| _ = x.write(0.0));
+    });
+    // SAFETY: elements `len..n` were each written just above.
+    unsafe { v.set_len(n) };
 }
 
 /// Floats of dequantized weight per tile of [`linear_dequantized`]: 128 KiB, in cache.
