@@ -275,15 +275,6 @@ unsafe fn store_q6k_steps(out: *mut u8, n: usize, block: impl Fn(usize) -> *cons
     }
 }
 
-/// Stores the first `n` lanes of `v` to `out[c][r0..]` for each column.
-///
-/// # Safety
-/// Needs AVX-512 F; every `out[c0 + c]` holds `r0 + n` elements, `n <= ROWS`.
-#[inline(always)]
-unsafe fn store_rows<const C: usize>(acc: &[__m512; C], out: &mut [&mut [f32]], c0: usize, r0: usize, n: usize) {
-    unsafe { store_rows_of(acc, &mut out[c0..c0 + C], r0, n) }
-}
-
 /// Stores the first `n` lanes of `acc[c]` to `out[c][r0..]` for each column `c`, one masked
 /// store each: a copy of a variable length was a call to memmove each (3.5% of a SmolLM2
 /// prompt).
@@ -292,7 +283,7 @@ unsafe fn store_rows<const C: usize>(acc: &[__m512; C], out: &mut [&mut [f32]], 
 /// Needs AVX-512 F; every `out[c]` holds `r0 + n` elements, `n <= ROWS`, and `acc` has a
 /// vector for each column.
 #[inline(always)]
-unsafe fn store_rows_of(acc: &[__m512], out: &mut [&mut [f32]], r0: usize, n: usize) {
+unsafe fn store_rows(acc: &[__m512], out: &mut [&mut [f32]], r0: usize, n: usize) {
     let mask: __mmask16 = if n >= ROWS { !0 } else { (1u16 << n) - 1 };
     for (acc, out) in acc.iter().zip(out.iter_mut()) {
         let dst = &mut out[r0..r0 + n];
@@ -349,7 +340,7 @@ unsafe fn legacy_tile<F: Format>(w: &[u8], row_bytes: usize, x: &ActView, out: &
             each_cols!(m, COLS, |c, C| {
                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                 let acc = legacy_pass::<F, C>(p, nb, &a);
-                store_rows(&acc, out, c, r0, n);
+                store_rows(&acc, &mut out[c..c + C], r0, n);
             });
         }
     }
@@ -446,7 +437,7 @@ unsafe fn kquant_tile<F: KFormat>(w: &[u8], row_bytes: usize, x: &ActView, out: 
             each_cols!(m, COLS, |c, C| {
                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                 let acc = kquant_pass::<F, C>(p, nb, &a);
-                store_rows(&acc, out, c, r0, n);
+                store_rows(&acc, &mut out[c..c + C], r0, n);
             });
         }
     }
@@ -591,7 +582,7 @@ unsafe fn float_tile<F: FloatFormat>(w: &[u8], row_bytes: usize, x: &ActView, ou
                 });
             }
         }
-        unsafe { store_rows_of(&acc, out, r0, n) };
+        unsafe { store_rows(&acc, out, r0, n) };
     }
 }
 
@@ -702,7 +693,7 @@ macro_rules! packed_tile {
                     each_cols!(m, COLS, |c, C| {
                         let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                         let acc = $pass::<C>(p, x.nb, &a);
-                        store_rows(&acc, out, c, r0, ROWS);
+                        store_rows(&acc, &mut out[c..c + C], r0, ROWS);
                     });
                 }
             }
