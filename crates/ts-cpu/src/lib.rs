@@ -107,18 +107,21 @@ pub fn matmul_strided(
 }
 
 /// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (whole multiples of 16
-/// rows: MXFP4, Q4_K and Q6_K on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
+/// rows: MXFP4, Q4_K, Q6_K, Q5_0 and Q8_0 on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
 pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }
 
-/// Whether matrices streamed from disk are worth repacking as they are read, for their one-row
-/// products: MXFP4 on AVX-512 VNNI (`matmul_bench --packed`, one thread: 222 -> 66-87 us). Q4_K's
-/// and Q6_K's one-row kernels are as fast on their blocks (memory-bound), so repacking them pays
-/// only for batches; on AVX2 the readers' repacking cost more than MXFP4's faster decode gained
-/// (gpt-oss 6 layers streamed under 2 GiB, 2 cores: 8.0 / 9.8 tok/s repacked, 10.6 / 10.3 not).
+/// Whether a matrix's one-row products are faster repacked: worth repacking streamed experts
+/// as they are read, and dense matrices at load. MXFP4, Q5_0 and Q8_0 on AVX-512 VNNI
+/// (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache Q5_0
+/// 118 -> 44, Q8_0 85 -> 52; a 151936x896 head from memory Q5_0 24 -> 33-36 GB/s, Q8_0 28-31
+/// -> 35-36, at or above a plain read). Q4_K's and Q6_K's one-row kernels are as fast on their
+/// blocks (memory-bound), so repacking them pays only for batches; on AVX2 the readers'
+/// repacking cost more than MXFP4's faster decode gained (gpt-oss 6 layers streamed under 2
+/// GiB, 2 cores: 8.0 / 9.8 tok/s repacked, 10.6 / 10.3 not).
 pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
-    weight_ty == GgmlType::MXFP4 && Isa::detect() == Isa::Avx512
+    matches!(weight_ty, GgmlType::MXFP4 | GgmlType::Q5_0 | GgmlType::Q8_0) && Isa::detect() == Isa::Avx512
 }
 
 /// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the

@@ -62,6 +62,8 @@ pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
     use GgmlType as T;
     Some(match ty {
         T::MXFP4 => (pack_mxfp4 as PackFn, mxfp4_packed_tile as TileFn),
+        T::Q5_0 => (pack_q5_0, q5_0_packed_tile),
+        T::Q8_0 => (pack_q8_0, q8_0_packed_tile),
         T::Q4_K => (pack_q4k, q4k_packed_tile),
         T::Q6_K => (pack_q6k, q6k_packed_tile),
         _ => return None,
@@ -660,6 +662,70 @@ pub(crate) unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
     });
 }
 
+/// Bytes of one 32-element block of a packed Q5_0 panel (16 rows, the same as their GGUF
+/// blocks): the rows' 16 code bytes transposed by dwords ([`transpose_dwords`], four 64-byte
+/// vectors; vector `t`'s low nibbles are elements `4 t..4 t + 4` of each row, its high nibbles
+/// elements `16 + 4 t..`), then the fifth bits as eight 64-bit masks `[t][low, high]` whose bit
+/// `4 r + i` is row `r`'s bit of element `16 h + 4 t + i` (one masked byte add each), then the
+/// rows' f16 scales.
+pub(crate) const Q5_0_PACKED_BLOCK: usize = 16 * 22;
+
+/// Repacks Q5_0 rows in place, panel by panel, into the layout [`q5_0_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 22).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q5_0(w: &mut [u8], row_bytes: usize) {
+    repack_panels(w, row_bytes, Q5_0_PACKED_BLOCK, |panel, b, out| {
+        let row = |r: usize| r * row_bytes + b * 22;
+        // SAFETY: the caller's AVX-512; each row holds block `b`'s 22 bytes.
+        let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + 6)) };
+        for (t, d) in d.iter().enumerate() {
+            unsafe { _mm512_storeu_si512(out[64 * t..].as_mut_ptr().cast(), *d) };
+        }
+        for t in 0..4 {
+            for h in 0..2 {
+                let mask = (0..ROWS).fold(0u64, |mask, r| {
+                    let qh = u32::from_le_bytes(panel[row(r) + 2..][..4].try_into().expect("4 bytes"));
+                    mask | (((qh >> (16 * h + 4 * t)) & 0xf) as u64) << (4 * r)
+                });
+                out[256 + 8 * (2 * t + h)..][..8].copy_from_slice(&mask.to_le_bytes());
+            }
+        }
+        for r in 0..ROWS {
+            out[320 + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
+        }
+    });
+}
+
+/// Bytes of one 32-element block of a packed Q8_0 panel (16 rows, the same as their GGUF
+/// blocks): the rows' 32 quants transposed by dwords (eight 64-byte vectors, vector `s` holding
+/// elements `4 s..4 s + 4` of each row), then the rows' f16 scales.
+pub(crate) const Q8_0_PACKED_BLOCK: usize = 16 * 34;
+
+/// Repacks Q8_0 rows in place, panel by panel, into the layout [`q8_0_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 34).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q8_0(w: &mut [u8], row_bytes: usize) {
+    repack_panels(w, row_bytes, Q8_0_PACKED_BLOCK, |panel, b, out| {
+        let row = |r: usize| r * row_bytes + b * 34;
+        for half in 0..2 {
+            // SAFETY: the caller's AVX-512; each row holds block `b`'s 34 bytes.
+            let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + 2 + 16 * half)) };
+            for (t, d) in d.iter().enumerate() {
+                unsafe { _mm512_storeu_si512(out[256 * half + 64 * t..].as_mut_ptr().cast(), *d) };
+            }
+        }
+        for r in 0..ROWS {
+            out[512 + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
+        }
+    });
+}
+
 /// Repacks whole panels of `row_bytes` rows in place: `block(panel, b, out)` writes block `b`
 /// of the 16 rows at `panel` into `out` (`block_bytes`, the size of the rows' blocks).
 fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, block: impl Fn(&[u8], usize, &mut [u8])) {
@@ -718,6 +784,185 @@ packed_tile!(
     q6k_packed_tile,
     q6k_packed_pass
 );
+
+/// Defines `$name`, the kernel on Q5_0 or Q8_0 rows packed as `$pass` reads them: decode and
+/// small batches read the packed blocks (`$pass`); larger batches unpack each panel once into
+/// [`legacy_tile`]'s panel (`$unpack`, a few stores a block) and run [`legacy_pass`] over it,
+/// which unpacks nothing per activation row. Both give the same sums, bit for bit.
+macro_rules! packed_legacy_tile {
+    ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident, $unpack:ident) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// As [`TileFn`], with `w` packed and the rows a whole number of panels; needs AVX2,
+        /// FMA, F16C and AVX-512 F, BW, VL and VNNI.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(crate) unsafe fn $name(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
+            let rows = out.first().map_or(0, |o| o.len());
+            let m = out.len();
+            let nb = x.nb;
+            let mut panel = (m >= PACKED_UNPACK_MIN).then(|| Panel::new(nb * LEGACY_BLOCK));
+            for r0 in (0..rows).step_by(ROWS) {
+                let p = w[r0 * row_bytes..].as_ptr();
+                unsafe {
+                    match panel.as_mut() {
+                        Some(panel) => {
+                            let built = panel.ptr();
+                            $unpack(p, nb, built);
+                            each_cols!(m, COLS, |c, C| {
+                                let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                                let acc = legacy_pass::<$format, C>(built, nb, &a);
+                                store_rows(&acc, &mut out[c..c + C], r0, ROWS);
+                            });
+                        }
+                        None => each_cols!(m, COLS, |c, C| {
+                            let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
+                            let acc = $pass::<C>(p, nb, &a);
+                            store_rows(&acc, &mut out[c..c + C], r0, ROWS);
+                        }),
+                    }
+                }
+            }
+        }
+    };
+}
+
+/// The smallest batch for which a packed Q5_0 or Q8_0 tile unpacks its panels once rather than
+/// reading the packed blocks on every pass.
+const PACKED_UNPACK_MIN: usize = 32;
+
+packed_legacy_tile!(
+    /// Q5_0 packed by [`pack_q5_0`].
+    q5_0_packed_tile,
+    Q5_0,
+    q5_0_packed_pass,
+    unpack_q5_0
+);
+
+packed_legacy_tile!(
+    /// Q8_0 packed by [`pack_q8_0`].
+    q8_0_packed_tile,
+    Q8_0,
+    q8_0_packed_pass,
+    unpack_q8_0
+);
+
+/// A packed Q5_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel: step `t` of a block
+/// is vector `t`'s low nibbles, step `4 + t` its high ones, each with its fifth bits added.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `packed` holds `nb` packed blocks, `panel` room for `nb` legacy
+/// blocks, 64-byte aligned.
+#[inline(always)]
+unsafe fn unpack_q5_0(packed: *const u8, nb: usize, panel: *mut u8) {
+    unsafe {
+        let fifth = _mm512_set1_epi8(0x10);
+        for b in 0..nb {
+            let (block, out) = (packed.add(b * Q5_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
+            let masks = block.add(256).cast::<u64>();
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(block.add(64 * t).cast());
+                let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
+                let lo = _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth);
+                let hi = _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth);
+                _mm512_store_si512(out.add(64 * t).cast(), lo);
+                _mm512_store_si512(out.add(64 * (4 + t)).cast(), hi);
+            }
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(320).cast()));
+            _mm512_store_ps(out.add(32 * ROWS).cast(), scales);
+        }
+    }
+}
+
+/// A packed Q8_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel (the quants made
+/// unsigned).
+///
+/// # Safety
+/// As [`unpack_q5_0`], for Q8_0 blocks.
+#[inline(always)]
+unsafe fn unpack_q8_0(packed: *const u8, nb: usize, panel: *mut u8) {
+    unsafe {
+        let flip = _mm512_set1_epi8(-128);
+        for b in 0..nb {
+            let (block, out) = (packed.add(b * Q8_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
+            for s in 0..8 {
+                let v = _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), flip);
+                _mm512_store_si512(out.add(64 * s).cast(), v);
+            }
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(512).cast()));
+            _mm512_store_ps(out.add(32 * ROWS).cast(), scales);
+        }
+    }
+}
+
+/// One pass of `C` activation rows over a packed Q5_0 panel of `nb` blocks: per lane (weight
+/// row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
+#[inline(always)]
+unsafe fn q5_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+    unsafe {
+        let fifth = _mm512_set1_epi8(0x10);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * Q5_0_PACKED_BLOCK);
+            crate::simd::prefetch_ahead(block, Q5_0_PACKED_BLOCK);
+            // Unsigned values are the signed ones plus 16: taken back through the block sums.
+            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 4));
+            let masks = block.add(256).cast::<u64>();
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(block.add(64 * t).cast());
+                let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
+                let lo = _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth);
+                let hi = _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth);
+                for c in 0..C {
+                    let q = a[c].q.add(b * 34 + 2);
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], lo, _mm512_set1_epi32(read_u32(q.add(4 * t)) as i32));
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], hi, _mm512_set1_epi32(read_u32(q.add(16 + 4 * t)) as i32));
+                }
+            }
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(320).cast()));
+            for c in 0..C {
+                let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+        }
+        acc
+    }
+}
+
+/// One pass of `C` activation rows over a packed Q8_0 panel of `nb` blocks: per lane (weight
+/// row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
+///
+/// # Safety
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
+#[inline(always)]
+unsafe fn q8_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+    unsafe {
+        let flip = _mm512_set1_epi8(-128);
+        let mut acc = [_mm512_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * Q8_0_PACKED_BLOCK);
+            crate::simd::prefetch_ahead(block, Q8_0_PACKED_BLOCK);
+            // Quants made unsigned by adding 128: taken back through the block sums.
+            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 7));
+            for s in 0..8 {
+                let v = _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), flip);
+                for c in 0..C {
+                    let q = a[c].q.add(b * 34 + 2 + 4 * s);
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], v, _mm512_set1_epi32(read_u32(q) as i32));
+                }
+            }
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(512).cast()));
+            for c in 0..C {
+                let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+        }
+        acc
+    }
+}
 
 /// One pass of `C` activation rows over a packed MXFP4 panel of `nb` blocks: per lane (weight
 /// row), the dot product, with the codes unpacked (a lookup of each nibble) as they are read.

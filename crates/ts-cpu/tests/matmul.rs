@@ -361,7 +361,7 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// Rows repacked in place (MXFP4, Q4_K and Q6_K on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
+/// Rows repacked in place (MXFP4, Q4_K, Q6_K, Q5_0 and Q8_0 on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
 /// products as the GGUF rows, against both references (`check`) and bit for bit against the
 /// batch (panel) kernel; every row as a one-row call computes it; shapes the packing does not
 /// take are refused by name.
@@ -383,13 +383,21 @@ fn packed_rows_match_the_gguf_rows() {
         (GgmlType::Q6_K, 16, 256),
         (GgmlType::Q6_K, 48, 768),
         (GgmlType::Q6_K, 32, 2048),
+        (GgmlType::Q5_0, 16, 32),
+        (GgmlType::Q5_0, 64, 128),
+        (GgmlType::Q8_0, 64, 128),
+        (GgmlType::Q5_0, 48, 896),
+        (GgmlType::Q5_0, 32, 4864),
+        (GgmlType::Q8_0, 16, 32),
+        (GgmlType::Q8_0, 48, 896),
+        (GgmlType::Q8_0, 32, 4864),
     ];
     for (ty, n_out, k) in shapes.into_iter().filter(|&(ty, n_out, _)| ts_cpu::packs(ty, n_out)) {
         let w = weights(&mut rng, ty, n_out, k, true);
         let mut packed = w.clone();
         assert!(ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap());
         assert_ne!(packed, w, "packing changed nothing");
-        for m in [1, 3, 4, 5, 8, 12, 16, 33] {
+        for m in [1, 3, 4, 5, 8, 12, 16, 33, 40] {
             let xf = common::rows(&mut rng, m * k);
             let mut x = QuantizedRows::new();
             x.quantize(ty, &xf, k).unwrap();

@@ -226,6 +226,19 @@ impl GgufFile {
         &self.map
     }
 
+    /// Drops the process's pages of the whole pages within `range` of the map (bytes copied
+    /// elsewhere and not read here again soon), so that they stop counting in its resident
+    /// memory; a later read brings them back from the file.
+    pub fn release(&self, range: Range<usize>) {
+        const PAGE: usize = 4096;
+        let (start, end) = (range.start.next_multiple_of(PAGE), range.end.min(self.map.len()) / PAGE * PAGE);
+        if start < end {
+            // SAFETY: the map is private and read-only, so no data is lost: the pages are
+            // read from the file again when next touched. A failure only leaves them resident.
+            let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+        }
+    }
+
     /// Reads `range` (relative to the tensor's start) into `buf` with
     /// positioned reads, without touching the map.
     pub fn read_tensor_range(&self, t: &TensorInfo, range: Range<u64>, buf: &mut [u8]) -> Result<(), GgufError> {

@@ -848,7 +848,7 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             w: w.bytes(),
             n_out: w.n_rows(),
             k,
-            packed: false,
+            packed: w.is_packed(),
             x: &quantized.iter().find(|(ty, _)| *ty == w.ty).expect("quantized for every type").1,
             out,
         })

@@ -8,7 +8,7 @@ use crate::ModelError;
 use crate::backend::{AttnShape, Backend, HeadNorm, StepStart};
 use crate::config::{ArchConfig, GatedActivation, LayerConfig, QkNorm, RopeLayout, RopeScaling};
 use crate::state::{SeqState, Snapshot};
-use crate::tensors::{AttnWeights, Ffn, MixerWeights, ModelWeights, MoeWeights};
+use crate::tensors::{AttnWeights, Ffn, LayerWeights, MixerWeights, ModelWeights, MoeWeights};
 use crate::weights::Weight;
 use std::ops::Range;
 use ts_cpu::QuantizedRows;
@@ -67,7 +67,7 @@ type CpuMatmul = fn(ts_gguf::GgmlType, &[u8], usize, usize, &QuantizedRows, &mut
 
 /// `out[m][n_out] = x[m][k] · Wᵀ`, with `W` of shape `[k, n_out]` in ggml order.
 pub fn linear(w: &Weight, x: &[f32], m: usize, scratch: &mut Scratch, out: &mut Vec<f32>) -> Result<(), ModelError> {
-    linear_bytes(w, w.bytes(), false, w.n_rows(), x, m, scratch, out)
+    linear_bytes(w, w.bytes(), w.is_packed(), w.n_rows(), x, m, scratch, out)
 }
 
 /// [`linear`] over explicit bytes of `n_out` rows of `w`'s type (one expert of a stacked
@@ -238,6 +238,8 @@ pub struct Model<B: Backend = Cpu> {
     pub backend: B,
     /// Expert matrices repacked for the CPU's kernels ([`Model::pack_experts`]).
     packed_experts: usize,
+    /// Dense matrices repacked for the CPU's kernels ([`Model::pack_dense`]).
+    packed_dense: usize,
 }
 
 /// The CPU's packed layout ([`ts_cpu::pack_rows`]) for each MoE layer's expert matrices:
@@ -287,6 +289,7 @@ impl Model {
             ropes,
             backend: Cpu,
             packed_experts: 0,
+            packed_dense: 0,
         }
     }
 
@@ -310,20 +313,73 @@ impl Model {
         self.packed_experts
     }
 
+    /// Repacks the dense matrices whose one-row products the CPU's packed kernels run faster
+    /// ([`Weight::packed_for_cpu`]: Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI) into memory the
+    /// process owns: the mixers' projections, dense and shared-expert FFNs, the output head (a
+    /// copy where it is the embedding table, which lookups keep reading), and the MTP head's.
+    /// Returns how many. As after [`Model::pack_experts`], the model stays on the CPU and
+    /// needs 8-bit activations.
+    pub fn pack_dense(&mut self) -> Result<usize, ModelError> {
+        fn layer_matrices(l: &mut LayerWeights) -> Vec<&mut Weight> {
+            let mut out: Vec<&mut Weight> = match &mut l.mixer {
+                MixerWeights::Attention(a) => {
+                    [Some(&mut a.wq), a.wk.as_mut(), a.wv.as_mut(), Some(&mut a.wo)].into_iter().flatten().collect()
+                }
+                MixerWeights::DeltaNet(d) => vec![&mut d.qkv, &mut d.gate, &mut d.beta, &mut d.alpha, &mut d.out],
+            };
+            match &mut l.ffn {
+                Ffn::Dense { gate, up, down } => out.extend([gate, up, down]),
+                Ffn::Moe(m) => {
+                    out.extend(m.shared.as_mut().into_iter().flat_map(|s| [&mut s.gate, &mut s.up, &mut s.down]))
+                }
+            }
+            out
+        }
+        let w = &mut self.weights;
+        let mut matrices: Vec<&mut Weight> = vec![&mut w.output];
+        for l in &mut w.layers {
+            matrices.extend(layer_matrices(l));
+        }
+        if let Some(mtp) = &mut w.mtp {
+            matrices.extend([&mut mtp.eh_proj_embd, &mut mtp.eh_proj_hidden]);
+            matrices.extend(mtp.head.as_mut());
+            matrices.extend(layer_matrices(&mut mtp.layer));
+        }
+        let mut n = 0;
+        for m in matrices {
+            if let Some(packed) = m.packed_for_cpu().map_err(ModelError::Compute)? {
+                *m = packed;
+                n += 1;
+            }
+        }
+        self.packed_dense += n;
+        Ok(n)
+    }
+
     /// The same model on another backend, built by `make` from this one.
     pub fn into_backend<B: Backend>(
         self,
         make: impl FnOnce(&Model) -> Result<B, ModelError>,
     ) -> Result<Model<B>, ModelError> {
-        if self.packed_experts > 0 {
+        if self.packed_experts + self.packed_dense > 0 {
             return Err(ModelError::Compute(format!(
-                "{} expert matrices are packed for the CPU; open the model again for another backend",
-                self.packed_experts
+                "{} matrices are packed for the CPU; open the model again for another backend",
+                self.packed_experts + self.packed_dense
             )));
         }
         let backend = make(&self)?;
         let Model { cfg, weights, experts, prefetch_experts, kv_type, ropes, .. } = self;
-        Ok(Model { cfg, weights, experts, prefetch_experts, kv_type, ropes, backend, packed_experts: 0 })
+        Ok(Model {
+            cfg,
+            weights,
+            experts,
+            prefetch_experts,
+            kv_type,
+            ropes,
+            backend,
+            packed_experts: 0,
+            packed_dense: 0,
+        })
     }
 }
 

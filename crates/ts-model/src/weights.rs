@@ -15,6 +15,9 @@ pub struct Weight {
     /// Bytes from one matrix of a stacked tensor to the next, where they are not
     /// packed (gate and up as halves of one fused expert tensor).
     stride: Option<usize>,
+    /// The bytes are in the CPU's packed layout ([`Weight::packed_for_cpu`]), which only
+    /// ts-cpu's packed kernels read.
+    packed: bool,
 }
 
 #[derive(Clone)]
@@ -37,18 +40,26 @@ impl Weight {
                 len: info.n_bytes as usize,
             },
             stride: None,
+            packed: false,
         }
     }
 
     /// An f32 tensor built in memory.
     pub fn from_f32(name: &str, dims: Vec<usize>, values: &[f32]) -> Weight {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Weight { name: name.into(), ty: GgmlType::F32, dims, data: WeightData::Owned(bytes.into()), stride: None }
+        Weight {
+            name: name.into(),
+            ty: GgmlType::F32,
+            dims,
+            data: WeightData::Owned(bytes.into()),
+            stride: None,
+            packed: false,
+        }
     }
 
     /// A tensor of any type from bytes in memory (tests, converted tables).
     pub fn from_bytes(name: &str, ty: GgmlType, dims: Vec<usize>, bytes: Vec<u8>) -> Weight {
-        Weight { name: name.into(), ty, dims, data: WeightData::Owned(bytes.into()), stride: None }
+        Weight { name: name.into(), ty, dims, data: WeightData::Owned(bytes.into()), stride: None, packed: false }
     }
 
     /// Absolute file offset of the first byte, for a tensor read from the file.
@@ -64,6 +75,50 @@ impl Weight {
             WeightData::Mapped { file, start, len } => &file.mapped()[*start..*start + *len],
             WeightData::Owned(b) => b,
         }
+    }
+
+    /// Whether the bytes are in the CPU's packed layout ([`Weight::packed_for_cpu`]).
+    pub fn is_packed(&self) -> bool {
+        self.packed
+    }
+
+    /// This matrix repacked in memory the process owns into the layout of the CPU's packed
+    /// kernels ([`ts_cpu::pack_rows`]), where that makes its one-row products faster
+    /// ([`ts_cpu::packed_row_is_faster`]: decode reads it at the memory's speed, not the
+    /// kernel's) and its rows fill whole panels; None otherwise. The mapped bytes it was
+    /// copied from are released ([`ts_gguf::GgufFile::release`]): the copy replaces them.
+    pub fn packed_for_cpu(&self) -> Result<Option<Weight>, String> {
+        let (ty, n_rows) = (self.ty, self.n_rows());
+        if self.packed || self.dims.len() != 2 || !ts_cpu::packed_row_is_faster(ty) || !ts_cpu::packs(ty, n_rows) {
+            return Ok(None);
+        }
+        // One allocation (a Vec turned into an Arc would be a second copy), filled a piece at a
+        // time with each piece's mapped pages released once copied: the bytes are never
+        // resident twice over (a Gemma 3 head is 170 MiB).
+        const PIECE: usize = 8 << 20;
+        let src = self.bytes();
+        let mut owned: Arc<[u8]> = std::iter::repeat_n(0u8, src.len()).collect();
+        let bytes = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
+        let mut at = 0;
+        while at < src.len() {
+            let end = match &self.data {
+                // Pieces end on the map's PIECE boundaries, so that every page is released.
+                WeightData::Mapped { start, .. } => ((start + at) / PIECE + 1) * PIECE - start,
+                WeightData::Owned(_) => at + PIECE,
+            }
+            .min(src.len());
+            bytes[at..end].copy_from_slice(&src[at..end]);
+            if let WeightData::Mapped { file, start, .. } = &self.data {
+                file.release(start + at..start + end);
+            }
+            at = end;
+        }
+        match ts_cpu::pack_rows(ty, bytes, n_rows, self.row_len()) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(e) => return Err(format!("{}: {e}", self.name)),
+        }
+        Ok(Some(Weight { data: WeightData::Owned(owned), packed: true, ..self.clone() }))
     }
 
     /// Elements per row (`dims[0]`).
@@ -104,7 +159,14 @@ impl Weight {
             }
             WeightData::Owned(b) => WeightData::Owned(b[first * rb..first * rb + span].into()),
         };
-        Weight { name: name.into(), ty: self.ty, dims: vec![self.row_len(), n, count], data, stride: Some(stride) }
+        Weight {
+            name: name.into(),
+            ty: self.ty,
+            dims: vec![self.row_len(), n, count],
+            data,
+            stride: Some(stride),
+            packed: self.packed,
+        }
     }
 
     /// The bytes from the start of `self` to the end of `other` where both lie

@@ -97,14 +97,7 @@ fn fixtures_match_transformers() {
                 ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe", "qwen3_next", "gemma4_moe"]
                     .contains(&family.as_str());
             let needs_argmax = (variant == "f32" || variant == "q8_0") && !moe;
-            // The 8-layer hybrids carry 8-bit rounding through their recurrent state: llama.cpp
-            // itself lands at median 1.16e-1 (qwen3_5_moe) and 1.83e-1 (qwen3_next) on their Q8_0
-            // files (tests/fixtures/README.md); the bound is 1.25 times that.
-            let bound = match (family.as_str(), variant.as_str()) {
-                ("qwen3_5_moe", "q8_0") => 1.45e-1,
-                ("qwen3_next", "q8_0") => 2.3e-1,
-                _ => 6e-2,
-            };
+            let bound = f.default_mode_bound();
             if median > bound || (needs_argmax && decisive < 0.99) {
                 failures
                     .push(format!("{name}: median {median:.3e} (bound {bound:.1e}), decisive argmax {decisive:.3}"));

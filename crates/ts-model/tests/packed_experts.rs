@@ -38,22 +38,23 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
         assert_eq!(packed.pack_experts(), matrices, "{}/{}", f.family, f.variant);
         let plain = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
         let name = format!("{}/{}", f.family, f.variant);
+        // How far the GGUF layout's own one-row kernels are from its batch kernels: the scale
+        // of a change of summation order after the layers compound it.
+        let order =
+            ts_testkit::worst_row_rel_diff(&run(&plain, &f.golden.tokens, 1), &run(&plain, &f.golden.tokens, 16));
         for chunk in [16, 1] {
             let (got, want) = (run(&packed, &f.golden.tokens, chunk), run(&plain, &f.golden.tokens, chunk));
             let c = f.golden.compare(&got);
             println!("{name} packed ({matrices} matrices), chunk {chunk}: {c}, median {:.3e}", c.median_rel_err());
-            assert!(c.median_rel_err() <= 6e-2, "{name} chunk {chunk}: {c}");
+            assert!(c.median_rel_err() <= f.default_mode_bound(), "{name} chunk {chunk}: {c}");
             // Against the GGUF layout: the batch kernels give the same floats; the one-row
-            // kernels sum in another order (Q4_K's in floats per sub-block), a few 1e-3 of the
-            // largest logit after the layers compound it.
-            let mut worst = 0f32;
-            for (p, (g, w)) in got.iter().zip(&want).enumerate() {
-                let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                worst = worst.max(diff / scale);
-                assert!(diff <= 1e-2 * scale, "{name} chunk {chunk} row {p}: max |Δ| {diff} of {scale}");
-            }
+            // kernels sum in another order (Q4_K's in floats per sub-block), which the layers
+            // compound: within twice what the GGUF layout's own two kernels differ by, or 1e-2
+            // of the largest logit (a near tie of the router can flip an expert).
+            let bound = (2.0 * order).max(1e-2);
+            let worst = ts_testkit::worst_row_rel_diff(&got, &want);
             println!("{name} chunk {chunk}: packed vs GGUF layout, worst row {worst:.2e} of its largest logit");
+            assert!(worst <= bound, "{name} chunk {chunk}: {worst:.2e} (bound {bound:.2e})");
             // Streamed through a cache of a token's experts and one more: most asks miss, and
             // each matrix read is repacked by its reader where one row gains from it (MXFP4).
             let moe = plain.cfg.moe.clone().unwrap();
@@ -72,11 +73,8 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
                 } else {
                     // Some types stay in the GGUF layout when streamed: within the bound above.
                     assert!(n < matrices, "{name}: streamed packs {n} of {matrices}");
-                    for (g, w) in got_streamed.iter().zip(&want) {
-                        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-                        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                        assert!(diff <= 1e-2 * scale, "{name} chunk {chunk} streamed ({n} packed)");
-                    }
+                    let worst = ts_testkit::worst_row_rel_diff(&got_streamed, &want);
+                    assert!(worst <= bound, "{name} chunk {chunk} streamed ({n} packed): {worst:.2e}");
                 }
                 let stats = streamed.experts.stats().unwrap().total();
                 assert!(stats.misses > stats.hits / 4, "{name}: the cache should miss often: {stats:?}");

@@ -90,10 +90,11 @@ pub struct ModelArgs {
     /// (as llama.cpp does): slower, and equal to a float32 run on the dequantized weights.
     #[arg(long)]
     exact_activations: bool,
-    /// Keep experts held in memory in their GGUF layout on the CPU, rather than repacked (at
-    /// load, or streamed MXFP4 ones as they are read) into the layout the CPU's kernels read
-    /// directly (MXFP4, Q4_K, Q6_K on AVX-512 VNNI; MXFP4 and Q4_K on AVX2; as
-    /// llama.cpp's and ik_llama.cpp's repacking, which llama.cpp's `--no-repack` turns off).
+    /// Keep weights in their GGUF layout on the CPU, rather than repacked into the layout the
+    /// CPU's kernels read directly (as llama.cpp's and ik_llama.cpp's repacking, which
+    /// llama.cpp's `--no-repack` turns off): experts held in memory (at load, or streamed MXFP4
+    /// ones as they are read; MXFP4, Q4_K, Q6_K on AVX-512 VNNI, MXFP4 and Q4_K on AVX2), and
+    /// dense Q5_0, Q8_0 and MXFP4 matrices on AVX-512 VNNI (copied into memory the process owns).
     #[arg(long)]
     no_repack: bool,
 }
@@ -531,6 +532,10 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
         if n > 0 {
             let when = if engine.model.experts.kind() == "stream" { " as they are read" } else { "" };
             eprintln!("experts: {n} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)");
+        }
+        let n = engine.model.pack_dense()?;
+        if n > 0 {
+            eprintln!("dense: {n} matrices repacked for the CPU's one-row kernels (--no-repack keeps the GGUF layout)");
         }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
         bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");

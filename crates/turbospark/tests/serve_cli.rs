@@ -21,7 +21,8 @@ fn serve_starts_prints_its_address_and_answers() {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let line = lines.next().unwrap().unwrap();
+    // Load-time notes (weights repacked for the CPU) may come first.
+    let line = lines.by_ref().map(|l| l.unwrap()).find(|l| l.starts_with("serving")).expect("a serving line");
     // "serving smollm2-135m-instruct-q4_1 on http://127.0.0.1:PORT (2 slots x 512 tokens of context)"
     assert!(line.contains("2 slots x 512 tokens"), "{line}");
     let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
