@@ -132,6 +132,54 @@ pub fn pack_rows(weight_ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> R
     dispatch::pack(Isa::detect(), weight_ty, w, n_out, k)
 }
 
+/// Row `r` of `n_out` rows of `k` elements of `weight_ty` repacked by [`pack_rows`], back in
+/// its GGUF blocks, into `out` (resized): for reading single rows of a packed matrix (an
+/// embedding table that is also the packed output head). Q5_0, Q8_0 and MXFP4, the types
+/// whose dense matrices are packed.
+pub fn packed_row(
+    weight_ty: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    k: usize,
+    r: usize,
+    out: &mut Vec<u8>,
+) -> Result<(), CpuError> {
+    let block = weight_ty.block_size() as usize;
+    if k == 0 || !k.is_multiple_of(block) {
+        return Err(CpuError::PartialBlock { ty: weight_ty, k, block_size: block });
+    }
+    let (block_bytes, nb) = (weight_ty.type_size() as usize, k / block);
+    let row_bytes = nb * block_bytes;
+    if w.len() != n_out.saturating_mul(row_bytes) {
+        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w.len() });
+    }
+    if r >= n_out {
+        return Err(CpuError::RowOutOfRange { row: r, m: n_out });
+    }
+    let not_packed = CpuError::NotPacked { ty: weight_ty, n_out, isa: Isa::detect() };
+    // The 16-row layouts of AVX-512 VNNI (AVX2's own are not read back).
+    if !packs(weight_ty, n_out) || Isa::detect() != Isa::Avx512 {
+        return Err(not_packed);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (rows, panel_block) = (panel::ROWS, panel::ROWS * block_bytes);
+        let panel = &w[r / rows * rows * row_bytes..][..rows * row_bytes];
+        out.resize(row_bytes, 0);
+        for (b, dst) in out.chunks_exact_mut(block_bytes).enumerate() {
+            if !panel::gguf_block_of_packed(weight_ty, &panel[b * panel_block..][..panel_block], r % rows, dst) {
+                return Err(not_packed);
+            }
+        }
+        Ok(())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = out;
+        Err(not_packed)
+    }
+}
+
 /// [`matmul_strided`] for rows repacked by [`pack_rows`]: the same products, for any number
 /// of activation rows (every row as a one-row call would compute it, bit for bit).
 pub fn matmul_packed(

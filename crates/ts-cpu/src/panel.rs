@@ -726,6 +726,41 @@ pub(crate) unsafe fn pack_q8_0(w: &mut [u8], row_bytes: usize) {
     });
 }
 
+/// Row `r` (< 16) of a packed panel's block `packed` (Q5_0, Q8_0 or MXFP4, as
+/// [`pack_q5_0`], [`pack_q8_0`] and [`pack_mxfp4`] lay it out) back as its GGUF block, into
+/// `out`; false for another type. For reading single rows (an embedding table that is also the
+/// packed output head).
+pub(crate) fn gguf_block_of_packed(ty: GgmlType, packed: &[u8], r: usize, out: &mut [u8]) -> bool {
+    match ty {
+        GgmlType::Q5_0 => {
+            out[..2].copy_from_slice(&packed[320 + 2 * r..][..2]);
+            let mut qh = 0u32;
+            for t in 0..4 {
+                out[6 + 4 * t..][..4].copy_from_slice(&packed[64 * t + 4 * r..][..4]);
+                for h in 0..2 {
+                    let mask = u64::from_le_bytes(packed[256 + 8 * (2 * t + h)..][..8].try_into().expect("8 bytes"));
+                    qh |= (((mask >> (4 * r)) & 0xf) as u32) << (16 * h + 4 * t);
+                }
+            }
+            out[2..6].copy_from_slice(&qh.to_le_bytes());
+        }
+        GgmlType::Q8_0 => {
+            out[..2].copy_from_slice(&packed[512 + 2 * r..][..2]);
+            for s in 0..8 {
+                out[2 + 4 * s..][..4].copy_from_slice(&packed[64 * s + 4 * r..][..4]);
+            }
+        }
+        GgmlType::MXFP4 => {
+            out[0] = packed[256 + r];
+            for t in 0..4 {
+                out[1 + 4 * t..][..4].copy_from_slice(&packed[64 * t + 4 * r..][..4]);
+            }
+        }
+        _ => return false,
+    }
+    true
+}
+
 /// Repacks whole panels of `row_bytes` rows in place: `block(panel, b, out)` writes block `b`
 /// of the 16 rows at `panel` into `out` (`block_bytes`, the size of the rows' blocks).
 fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, block: impl Fn(&[u8], usize, &mut [u8])) {

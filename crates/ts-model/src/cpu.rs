@@ -84,10 +84,20 @@ impl Backend for Cpu {
         let e = table.row_len();
         let row_bytes = table.row_bytes();
         let mut x = vec![0f32; tokens.len() * e];
+        let err = |err: String| ModelError::Compute(format!("{}: {err}", table.name));
+        // A table that is also the packed output head: each row read back in its GGUF blocks.
+        let mut row = Vec::new();
         for (&t, out) in tokens.iter().zip(x.chunks_exact_mut(e)) {
             let t = t as usize;
-            ts_quant::dequantize(table.ty, &table.bytes()[t * row_bytes..(t + 1) * row_bytes], out)
-                .map_err(|err| ModelError::Compute(format!("{}: {err}", table.name)))?;
+            let bytes = match table.is_packed() {
+                true => {
+                    ts_cpu::packed_row(table.ty, table.bytes(), table.n_rows(), e, t, &mut row)
+                        .map_err(|e| err(e.to_string()))?;
+                    &row[..]
+                }
+                false => &table.bytes()[t * row_bytes..(t + 1) * row_bytes],
+            };
+            ts_quant::dequantize(table.ty, bytes, out).map_err(|e| err(e.to_string()))?;
         }
         Ok(x)
     }

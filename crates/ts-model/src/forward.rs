@@ -336,6 +336,9 @@ impl Model {
             out
         }
         let w = &mut self.weights;
+        // A tied head is the embedding table: the lookups then read the packed copy too
+        // (`ts_cpu::packed_row`), so that the mapped table is not brought back page by page.
+        let tied = w.output.file_offset().is_some() && w.output.file_offset() == w.token_embd.file_offset();
         let mut matrices: Vec<&mut Weight> = vec![&mut w.output];
         for l in &mut w.layers {
             matrices.extend(layer_matrices(l));
@@ -351,6 +354,9 @@ impl Model {
                 *m = packed;
                 n += 1;
             }
+        }
+        if tied && w.output.is_packed() {
+            w.token_embd = w.output.clone();
         }
         self.packed_dense += n;
         Ok(n)

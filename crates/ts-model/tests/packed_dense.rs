@@ -24,7 +24,7 @@ fn packed_dense_matrices_match_transformers_and_the_gguf_layout() {
         println!("skipped: dense matrices are packed on AVX-512 VNNI only, which this machine lacks");
         return;
     }
-    let mut packed_fixtures = 0;
+    let (mut packed_fixtures, mut tied_packed) = (0, 0);
     for f in ts_testkit::fixtures() {
         let mut packed = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
         let matrices = packed.pack_dense().unwrap();
@@ -32,6 +32,9 @@ fn packed_dense_matrices_match_transformers_and_the_gguf_layout() {
             continue;
         }
         let name = format!("{}/{}", f.family, f.variant);
+        // A tied head's embedding lookups read the packed copy (`ts_cpu::packed_row`): the
+        // prompt's floats below, equal to the GGUF layout's, check them.
+        tied_packed += usize::from(packed.weights.token_embd.is_packed());
         // A second call finds them packed and leaves them be.
         assert_eq!(packed.pack_dense().unwrap(), 0, "{name}");
         let plain = Model::open(&f.model, ExpertPlacement::Resident).unwrap();
@@ -73,4 +76,6 @@ fn packed_dense_matrices_match_transformers_and_the_gguf_layout() {
         packed_fixtures += 1;
     }
     assert!(packed_fixtures >= 1, "no fixture has Q5_0, Q8_0 or MXFP4 dense matrices");
+    println!("{packed_fixtures} fixtures packed, {tied_packed} with a tied head");
+    assert!(tied_packed >= 1, "no fixture's packed head is its embedding table");
 }
