@@ -298,7 +298,7 @@ if [[ $what == misses ]]; then
     # misses copied in, then computed on the CPU beside the GPU for each share of the next
     # layer's guesses copied ahead (MISS_SHARES: `default`, fractions set by the knob
     # TURBOSPARK_PREFETCH_SHARE, or a knob's NAME=VALUE with the default share, e.g.
-    # TURBOSPARK_WARM_HOST_EXPERTS=1), with the cache's counters.
+    # TURBOSPARK_CPU_TEAM=0), with the cache's counters.
     shift
     for like in $(likes_or_default "$@"); do
         f=$(synth "$like")

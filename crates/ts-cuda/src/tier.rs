@@ -57,12 +57,7 @@ enum HostTier {
     /// Every expert in page-locked memory: copies run at full PCIe speed, and the CPU reads
     /// the experts it computes in their GGUF layout (a mirror repacked for its AVX-512 kernels
     /// showed no gain: docs/BENCHMARKS.md).
-    Pinned {
-        buf: Arc<PinnedHostSlice<u8>>,
-        /// `buf`'s address, for [`warm`]'s jobs (taken once: reading it synchronises an event).
-        base: usize,
-        offset: HashMap<(usize, usize), usize>,
-    },
+    Pinned { buf: PinnedHostSlice<u8>, offset: HashMap<(usize, usize), usize> },
     /// The model's expert store (streamed from disk or mapped), asked per miss.
     Store,
 }
@@ -93,36 +88,6 @@ pub struct ExpertTier {
     /// The fraction of an expert the last guesses' share left over (carried to the next, so
     /// that a share of few experts a guess holds on average).
     share_carry: f32,
-}
-
-/// `TURBOSPARK_WARM_HOST_EXPERTS`, a measurement knob: with [`MissPath::Cpu`], the guessed
-/// experts a prefetch leaves to the CPU are read ahead by the pool's idle threads (the team's
-/// followers run rayon jobs while they wait for a region), so that the host's products of the
-/// next layer find them in the caches rather than in DRAM, which held them to about 49 GB/s
-/// on an H100 host (docs/BENCHMARKS.md). Not yet measured on a GPU.
-fn warm_host_experts() -> bool {
-    static KNOB: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *KNOB.get_or_init(|| std::env::var_os("TURBOSPARK_WARM_HOST_EXPERTS").is_some_and(|v| v != "0"))
-}
-
-/// Bytes one of [`warm`]'s jobs reads.
-const WARM_PIECE: usize = 1 << 20;
-
-/// Reads bytes `at..at + len` of the pinned copy at address `base` (one byte a 64-byte line)
-/// in jobs of [`WARM_PIECE`] spawned on the current rayon pool; each job holds `buf` alive.
-fn warm(buf: &Arc<PinnedHostSlice<u8>>, base: usize, at: usize, len: usize) {
-    for start in (at..at + len).step_by(WARM_PIECE) {
-        let end = (start + WARM_PIECE).min(at + len);
-        let keep = Arc::clone(buf);
-        rayon::spawn(move || {
-            let mut sum = 0u8;
-            for line in (start..end).step_by(64) {
-                // SAFETY: `keep` holds the allocation at `base`, which spans `at + len` bytes.
-                sum = sum.wrapping_add(unsafe { std::ptr::read_volatile((base + line) as *const u8) });
-            }
-            std::hint::black_box((sum, keep));
-        });
-    }
 }
 
 fn round_up(n: usize) -> usize {
@@ -211,8 +176,7 @@ impl ExpertTier {
                     at += round_up(span(*il));
                 }
             }
-            let base = buf.as_ptr().map_err(|e| err(e.into()))? as usize;
-            HostTier::Pinned { buf: Arc::new(buf), base, offset }
+            HostTier::Pinned { buf, offset }
         } else {
             HostTier::Store
         };
@@ -256,7 +220,7 @@ impl ExpertTier {
 
     /// Expert `e` of layer `il` in the pinned host copy (GGUF layout), for the CPU to compute.
     pub fn host_expert(&self, il: usize, e: usize) -> Result<ExpertBytes<'_>, ModelError> {
-        let HostTier::Pinned { buf, offset, .. } = &self.host else {
+        let HostTier::Pinned { buf, offset } = &self.host else {
             return Err(ModelError::Compute("cuda: experts computed on the CPU need the pinned host copy".into()));
         };
         let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
@@ -373,14 +337,6 @@ impl ExpertTier {
             let due = wanted.len() as f32 * self.share + self.share_carry;
             let n = (due.floor() as usize).min(wanted.len());
             self.share_carry = (due - n as f32).min(1.0);
-            if warm_host_experts()
-                && let HostTier::Pinned { buf, base, offset } = &self.host
-            {
-                let span = self.proj_offset[2] + self.proj_bytes[il][2];
-                for e in &wanted[n..] {
-                    warm(buf, *base, offset[&(il, *e)], span);
-                }
-            }
             wanted.truncate(n);
         }
         if wanted.is_empty() {
@@ -466,7 +422,7 @@ impl ExpertTier {
         let base = |s: usize, p: usize| gpu.ptr(&self.arena) + (s * self.slot_bytes + self.proj_offset[p]) as u64;
         let mut bytes = 0;
         match &self.host {
-            HostTier::Pinned { buf, offset, .. } => {
+            HostTier::Pinned { buf, offset } => {
                 let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
                 let span = self.proj_offset[2] + self.proj_bytes[il][2];
                 for &(e, s) in misses {
