@@ -61,13 +61,18 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
     let x = x.clamp(-87.3, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // n as an integer from t's bits (t lies in [2^23, 2^24), where the bits count in ones):
+    // `n as i32`, a saturating cast, kept loops from vectorising (a compare and two moves a
+    // lane; `gated` took 5.8% of a SmolLM2 prompt).
+    let n = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    p * f32::from_bits((n.wrapping_add(127) as u32) << 23)
 }
 
 #[inline(always)]
