@@ -669,6 +669,9 @@ pub(crate) unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
 /// `4 r + i` is row `r`'s bit of element `16 h + 4 t + i` (one masked byte add each), then the
 /// rows' f16 scales.
 pub(crate) const Q5_0_PACKED_BLOCK: usize = 16 * 22;
+/// Where a packed Q5_0 block keeps its fifth bits' masks and its scales.
+const Q5_0_MASKS: usize = 256;
+const Q5_0_SCALES: usize = 320;
 
 /// Repacks Q5_0 rows in place, panel by panel, into the layout [`q5_0_packed_tile`] reads.
 ///
@@ -690,11 +693,11 @@ pub(crate) unsafe fn pack_q5_0(w: &mut [u8], row_bytes: usize) {
                     let qh = u32::from_le_bytes(panel[row(r) + 2..][..4].try_into().expect("4 bytes"));
                     mask | (((qh >> (16 * h + 4 * t)) & 0xf) as u64) << (4 * r)
                 });
-                out[256 + 8 * (2 * t + h)..][..8].copy_from_slice(&mask.to_le_bytes());
+                out[Q5_0_MASKS + 8 * (2 * t + h)..][..8].copy_from_slice(&mask.to_le_bytes());
             }
         }
         for r in 0..ROWS {
-            out[320 + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
+            out[Q5_0_SCALES + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
         }
     });
 }
@@ -703,6 +706,8 @@ pub(crate) unsafe fn pack_q5_0(w: &mut [u8], row_bytes: usize) {
 /// blocks): the rows' 32 quants transposed by dwords (eight 64-byte vectors, vector `s` holding
 /// elements `4 s..4 s + 4` of each row), then the rows' f16 scales.
 pub(crate) const Q8_0_PACKED_BLOCK: usize = 16 * 34;
+/// Where a packed Q8_0 block keeps its scales.
+const Q8_0_SCALES: usize = 512;
 
 /// Repacks Q8_0 rows in place, panel by panel, into the layout [`q8_0_packed_tile`] reads.
 ///
@@ -721,7 +726,7 @@ pub(crate) unsafe fn pack_q8_0(w: &mut [u8], row_bytes: usize) {
             }
         }
         for r in 0..ROWS {
-            out[512 + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
+            out[Q8_0_SCALES + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
         }
     });
 }
@@ -733,19 +738,20 @@ pub(crate) unsafe fn pack_q8_0(w: &mut [u8], row_bytes: usize) {
 pub(crate) fn gguf_block_of_packed(ty: GgmlType, packed: &[u8], r: usize, out: &mut [u8]) -> bool {
     match ty {
         GgmlType::Q5_0 => {
-            out[..2].copy_from_slice(&packed[320 + 2 * r..][..2]);
+            out[..2].copy_from_slice(&packed[Q5_0_SCALES + 2 * r..][..2]);
             let mut qh = 0u32;
             for t in 0..4 {
                 out[6 + 4 * t..][..4].copy_from_slice(&packed[64 * t + 4 * r..][..4]);
                 for h in 0..2 {
-                    let mask = u64::from_le_bytes(packed[256 + 8 * (2 * t + h)..][..8].try_into().expect("8 bytes"));
+                    let mask =
+                        u64::from_le_bytes(packed[Q5_0_MASKS + 8 * (2 * t + h)..][..8].try_into().expect("8 bytes"));
                     qh |= (((mask >> (4 * r)) & 0xf) as u32) << (16 * h + 4 * t);
                 }
             }
             out[2..6].copy_from_slice(&qh.to_le_bytes());
         }
         GgmlType::Q8_0 => {
-            out[..2].copy_from_slice(&packed[512 + 2 * r..][..2]);
+            out[..2].copy_from_slice(&packed[Q8_0_SCALES + 2 * r..][..2]);
             for s in 0..8 {
                 out[2 + 4 * s..][..4].copy_from_slice(&packed[64 * s + 4 * r..][..4]);
             }
@@ -882,6 +888,44 @@ packed_legacy_tile!(
     unpack_q8_0
 );
 
+/// Vector `t` of a packed Q5_0 block as unsigned 5-bit values: its low nibbles (elements
+/// `4 t..4 t + 4` of each row) and high nibbles (`16 + 4 t..`), each with its fifth bits added.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `block` points at a whole packed Q5_0 block.
+#[inline(always)]
+unsafe fn q5_0_values(block: *const u8, t: usize) -> (__m512i, __m512i) {
+    unsafe {
+        let fifth = _mm512_set1_epi8(0x10);
+        let masks = block.add(Q5_0_MASKS).cast::<u64>();
+        let v = _mm512_loadu_si512(block.add(64 * t).cast());
+        let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
+        (
+            _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth),
+            _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth),
+        )
+    }
+}
+
+/// Vector `s` of a packed Q8_0 block (elements `4 s..4 s + 4` of each row) made unsigned (plus
+/// 128).
+///
+/// # Safety
+/// Needs AVX-512 F; `block` points at a whole packed Q8_0 block.
+#[inline(always)]
+unsafe fn q8_0_values(block: *const u8, s: usize) -> __m512i {
+    unsafe { _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), _mm512_set1_epi8(-128)) }
+}
+
+/// The 16 rows' scales of a packed Q5_0 or Q8_0 block, whose f16 scales start at `at`.
+///
+/// # Safety
+/// Needs AVX-512 F; `block + at` points at 32 readable bytes.
+#[inline(always)]
+unsafe fn packed_scales(block: *const u8, at: usize) -> __m512 {
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(block.add(at).cast())) }
+}
+
 /// A packed Q5_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel: step `t` of a block
 /// is vector `t`'s low nibbles, step `4 + t` its high ones, each with its fifth bits added.
 ///
@@ -891,20 +935,14 @@ packed_legacy_tile!(
 #[inline(always)]
 unsafe fn unpack_q5_0(packed: *const u8, nb: usize, panel: *mut u8) {
     unsafe {
-        let fifth = _mm512_set1_epi8(0x10);
         for b in 0..nb {
             let (block, out) = (packed.add(b * Q5_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
-            let masks = block.add(256).cast::<u64>();
             for t in 0..4 {
-                let v = _mm512_loadu_si512(block.add(64 * t).cast());
-                let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
-                let lo = _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth);
-                let hi = _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth);
+                let (lo, hi) = q5_0_values(block, t);
                 _mm512_store_si512(out.add(64 * t).cast(), lo);
                 _mm512_store_si512(out.add(64 * (4 + t)).cast(), hi);
             }
-            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(320).cast()));
-            _mm512_store_ps(out.add(32 * ROWS).cast(), scales);
+            _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales(block, Q5_0_SCALES));
         }
     }
 }
@@ -917,15 +955,12 @@ unsafe fn unpack_q5_0(packed: *const u8, nb: usize, panel: *mut u8) {
 #[inline(always)]
 unsafe fn unpack_q8_0(packed: *const u8, nb: usize, panel: *mut u8) {
     unsafe {
-        let flip = _mm512_set1_epi8(-128);
         for b in 0..nb {
             let (block, out) = (packed.add(b * Q8_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
             for s in 0..8 {
-                let v = _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), flip);
-                _mm512_store_si512(out.add(64 * s).cast(), v);
+                _mm512_store_si512(out.add(64 * s).cast(), q8_0_values(block, s));
             }
-            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(512).cast()));
-            _mm512_store_ps(out.add(32 * ROWS).cast(), scales);
+            _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales(block, Q8_0_SCALES));
         }
     }
 }
@@ -938,26 +973,21 @@ unsafe fn unpack_q8_0(packed: *const u8, nb: usize, panel: *mut u8) {
 #[inline(always)]
 unsafe fn q5_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     unsafe {
-        let fifth = _mm512_set1_epi8(0x10);
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * Q5_0_PACKED_BLOCK);
             crate::simd::prefetch_ahead(block, Q5_0_PACKED_BLOCK);
             // Unsigned values are the signed ones plus 16: taken back through the block sums.
             let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 4));
-            let masks = block.add(256).cast::<u64>();
             for t in 0..4 {
-                let v = _mm512_loadu_si512(block.add(64 * t).cast());
-                let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
-                let lo = _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth);
-                let hi = _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth);
+                let (lo, hi) = q5_0_values(block, t);
                 for c in 0..C {
                     let q = a[c].q.add(b * 34 + 2);
                     sums[c] = _mm512_dpbusd_epi32(sums[c], lo, _mm512_set1_epi32(read_u32(q.add(4 * t)) as i32));
                     sums[c] = _mm512_dpbusd_epi32(sums[c], hi, _mm512_set1_epi32(read_u32(q.add(16 + 4 * t)) as i32));
                 }
             }
-            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(320).cast()));
+            let scales = packed_scales(block, Q5_0_SCALES);
             for c in 0..C {
                 let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
@@ -975,7 +1005,6 @@ unsafe fn q5_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARo
 #[inline(always)]
 unsafe fn q8_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
     unsafe {
-        let flip = _mm512_set1_epi8(-128);
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * Q8_0_PACKED_BLOCK);
@@ -983,13 +1012,13 @@ unsafe fn q8_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARo
             // Quants made unsigned by adding 128: taken back through the block sums.
             let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 7));
             for s in 0..8 {
-                let v = _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), flip);
+                let v = q8_0_values(block, s);
                 for c in 0..C {
                     let q = a[c].q.add(b * 34 + 2 + 4 * s);
                     sums[c] = _mm512_dpbusd_epi32(sums[c], v, _mm512_set1_epi32(read_u32(q) as i32));
                 }
             }
-            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(512).cast()));
+            let scales = packed_scales(block, Q8_0_SCALES);
             for c in 0..C {
                 let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);

@@ -233,8 +233,10 @@ impl GgufFile {
         const PAGE: usize = 4096;
         let (start, end) = (range.start.next_multiple_of(PAGE), range.end.min(self.map.len()) / PAGE * PAGE);
         if start < end {
-            // SAFETY: the map is private and read-only, so no data is lost: the pages are
-            // read from the file again when next touched. A failure only leaves them resident.
+            // SAFETY: the map is read-only (no page of it was ever written), so no data is
+            // lost: the pages are read from the file again when next touched. A failure only
+            // leaves them resident. (On kernels with pages larger than PAGE the start is rounded
+            // down: a neighbour's page is released too, and faulted back in when read.)
             let _ = unsafe { self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
         }
     }

@@ -89,7 +89,7 @@ pub fn linear_bytes(
     let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
     if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
         if packed {
-            return Err(err("experts packed for the CPU take 8-bit activations, not exact ones".into()));
+            return Err(err("matrices packed for the CPU take 8-bit activations, not exact ones".into()));
         }
         return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
     }
@@ -294,9 +294,10 @@ impl Model {
     }
 
     /// Repacks the routed experts the store holds in memory into the CPU's packed layout where
-    /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K), so that no batch builds
-    /// their panels again and decode reads them through the packed kernel: resident ones now,
-    /// streamed MXFP4 ones as their slots fill. Returns how many matrices are (or will be)
+    /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K, Q5_0, Q8_0), so that no
+    /// batch builds their panels again and decode reads them through the packed kernel:
+    /// resident ones now, streamed ones as their slots fill where one row gains
+    /// ([`ts_cpu::packed_row_is_faster`]: MXFP4, Q5_0, Q8_0). Returns how many matrices are (or will be)
     /// repacked. The model then stays on the CPU (`into_backend` refuses it) and needs 8-bit
     /// activations (not `--exact-activations`).
     pub fn pack_experts(&mut self) -> usize {
