@@ -820,18 +820,16 @@ packed_tile!(
     q4k_packed_pass
 );
 
-packed_tile!(
-    /// Q6_K packed by [`pack_q6k`].
-    q6k_packed_tile,
-    q6k_packed_pass
-);
-
-/// Defines `$name`, the kernel on Q5_0 or Q8_0 rows packed as `$pass` reads them: decode and
-/// small batches read the packed blocks (`$pass`); larger batches unpack each panel once into
-/// [`legacy_tile`]'s panel (`$unpack`, a few stores a block) and run [`legacy_pass`] over it,
-/// which unpacks nothing per activation row. Both give the same sums, bit for bit.
+/// Defines `$name`, the kernel on Q5_0, Q8_0 or Q6_K rows packed as `$pass` reads them: decode
+/// and small batches read the packed blocks (`$pass`); larger batches unpack each panel once
+/// into the batch kernel's panel (`$unpack`: [`legacy_tile`]'s, or [`kquant_tile`]'s for Q6_K)
+/// and run its pass over it, which unpacks nothing per activation row. Both give the same sums,
+/// bit for bit.
 macro_rules! packed_legacy_tile {
     ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident, $unpack:ident) => {
+        packed_legacy_tile!($(#[$doc])* $name, $format, $pass, $unpack, legacy_pass, LEGACY_BLOCK, PACKED_UNPACK_MIN);
+    };
+    ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident, $unpack:ident, $built_pass:ident, $built_block:expr, $from:expr) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -842,7 +840,7 @@ macro_rules! packed_legacy_tile {
             let rows = out.first().map_or(0, |o| o.len());
             let m = out.len();
             let nb = x.nb;
-            let mut panel = (m >= PACKED_UNPACK_MIN).then(|| Panel::new(nb * LEGACY_BLOCK));
+            let mut panel = (m >= $from).then(|| Panel::new(nb * $built_block));
             for r0 in (0..rows).step_by(ROWS) {
                 let p = w[r0 * row_bytes..].as_ptr();
                 unsafe {
@@ -852,7 +850,7 @@ macro_rules! packed_legacy_tile {
                             $unpack(p, nb, built);
                             each_cols!(m, COLS, |c, C| {
                                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
-                                let acc = legacy_pass::<$format, C>(built, nb, &a);
+                                let acc = $built_pass::<$format, C>(built, nb, &a);
                                 store_rows(&acc, &mut out[c..c + C], r0, ROWS);
                             });
                         }
@@ -872,12 +870,27 @@ macro_rules! packed_legacy_tile {
 /// reading the packed blocks on every pass.
 const PACKED_UNPACK_MIN: usize = 32;
 
+/// The same for Q6_K, whose codes cost more to unpack on every pass.
+const Q6K_UNPACK_MIN: usize = 2;
+
 packed_legacy_tile!(
     /// Q5_0 packed by [`pack_q5_0`].
     q5_0_packed_tile,
     Q5_0,
     q5_0_packed_pass,
     unpack_q5_0
+);
+
+packed_legacy_tile!(
+    /// Q6_K packed by [`pack_q6k`]: its packed pass unpacks the codes on every pass, so larger
+    /// batches unpack each panel once into [`kquant_tile`]'s panel instead.
+    q6k_packed_tile,
+    Q6K,
+    q6k_packed_pass,
+    unpack_q6k,
+    kquant_pass,
+    K_BLOCK,
+    Q6K_UNPACK_MIN
 );
 
 packed_legacy_tile!(
@@ -961,6 +974,55 @@ unsafe fn unpack_q8_0(packed: *const u8, nb: usize, panel: *mut u8) {
                 _mm512_store_si512(out.add(64 * s).cast(), q8_0_values(block, s));
             }
             _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales(block, Q8_0_SCALES));
+        }
+    }
+}
+
+/// A packed Q6_K panel of `nb` super-blocks unpacked into [`kquant_tile`]'s panel: the codes'
+/// steps as [`store_q6k_steps`] lays them out, the group scales as i32 `[16][row]`, the offset's
+/// correction pairs (32 times each pair of scales, as `Q6K::prepare`'s) and `d`; the same
+/// values [`build_kquant`] makes from the GGUF blocks.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `packed` holds `nb` packed super-blocks, `panel` room for `nb`
+/// k-quant blocks, 64-byte aligned.
+#[inline(always)]
+unsafe fn unpack_q6k(packed: *const u8, nb: usize, panel: *mut u8) {
+    unsafe {
+        let three = _mm512_set1_epi8(3);
+        for b in 0..nb {
+            let (block, out) = (packed.add(b * Q6K_PACKED_BLOCK), panel.add(b * K_BLOCK));
+            let load = |at: usize| _mm512_loadu_si512(block.add(at).cast());
+            for half in 0..2 {
+                for part in 0..2 {
+                    let base = 256 * 3 * (2 * half + part);
+                    for t in 0..4 {
+                        let (lo, hi, bits) =
+                            (load(base + 64 * t), load(base + 256 + 64 * t), load(base + 512 + 64 * t));
+                        for k in 0..4 {
+                            let low = nibbles512(if k % 2 == 0 { lo } else { hi }, k >= 2);
+                            let high = _mm512_srlv_epi32(bits, _mm512_set1_epi32(2 * k as i32));
+                            let q = _mm512_or_si512(low, _mm512_slli_epi32::<4>(_mm512_and_si512(high, three)));
+                            _mm512_store_si512(out.add(512 * (4 * half + k) + 64 * (4 * part + t)).cast(), q);
+                        }
+                    }
+                }
+            }
+            let scales: [__m512i; 4] = std::array::from_fn(|j| load(3072 + 64 * j));
+            let scale = |g: usize| {
+                _mm512_srai_epi32::<24>(_mm512_sllv_epi32(scales[g / 4], _mm512_set1_epi32(24 - 8 * (g % 4) as i32)))
+            };
+            for g in 0..16 {
+                _mm512_store_si512(out.add(K_SCALES + 64 * g).cast(), scale(g));
+            }
+            for p in 0..8 {
+                let (s0, s1) = (_mm512_slli_epi32::<5>(scale(2 * p)), _mm512_slli_epi32::<5>(scale(2 * p + 1)));
+                let pair =
+                    _mm512_or_si512(_mm512_and_si512(s0, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32::<16>(s1));
+                _mm512_store_si512(out.add(K_CORR + 64 * p).cast(), pair);
+            }
+            _mm512_store_ps(out.add(K_D).cast(), _mm512_cvtph_ps(_mm256_loadu_si256(block.add(3328).cast())));
+            _mm512_store_ps(out.add(K_DMIN).cast(), _mm512_setzero_ps());
         }
     }
 }
