@@ -318,9 +318,11 @@ impl Model {
     /// ([`Weight::packed_for_cpu`]: Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI) into memory the
     /// process owns: the mixers' projections, dense and shared-expert FFNs, the output head (a
     /// copy where it is the embedding table, which lookups keep reading), and the MTP head's.
-    /// Returns how many. As after [`Model::pack_experts`], the model stays on the CPU and
-    /// needs 8-bit activations.
-    pub fn pack_dense(&mut self) -> Result<usize, ModelError> {
+    /// At most `budget` bytes are copied (the memory the process may still take: a dense model
+    /// larger than memory keeps paging through its mapping instead); a matrix that would pass it
+    /// stays mapped. Returns how many matrices were packed and how many left for the budget.
+    /// As after [`Model::pack_experts`], the model stays on the CPU and needs 8-bit activations.
+    pub fn pack_dense(&mut self, budget: u64) -> Result<(usize, usize), ModelError> {
         fn layer_matrices(l: &mut LayerWeights) -> Vec<&mut Weight> {
             let mut out: Vec<&mut Weight> = match &mut l.mixer {
                 MixerWeights::Attention(a) => {
@@ -349,18 +351,24 @@ impl Model {
             matrices.extend(mtp.head.as_mut());
             matrices.extend(layer_matrices(&mut mtp.layer));
         }
-        let mut n = 0;
-        for m in matrices {
+        let (mut n, mut left, mut copied) = (0, 0, 0u64);
+        for m in matrices.into_iter().filter(|m| m.packs_for_cpu()) {
+            let size = m.bytes().len() as u64;
+            if copied + size > budget {
+                left += 1;
+                continue;
+            }
             if let Some(packed) = m.packed_for_cpu().map_err(ModelError::Compute)? {
                 *m = packed;
                 n += 1;
+                copied += size;
             }
         }
         if tied && w.output.is_packed() {
             w.token_embd = w.output.clone();
         }
         self.packed_dense += n;
-        Ok(n)
+        Ok((n, left))
     }
 
     /// The same model on another backend, built by `make` from this one.

@@ -82,6 +82,12 @@ impl Weight {
         self.packed
     }
 
+    /// Whether [`Weight::packed_for_cpu`] would pack this matrix.
+    pub fn packs_for_cpu(&self) -> bool {
+        let (ty, n_rows) = (self.ty, self.n_rows());
+        !self.packed && self.dims.len() == 2 && ts_cpu::packed_row_is_faster(ty) && ts_cpu::packs(ty, n_rows)
+    }
+
     /// This matrix repacked in memory the process owns into the layout of the CPU's packed
     /// kernels ([`ts_cpu::pack_rows`]), where that makes its one-row products faster
     /// ([`ts_cpu::packed_row_is_faster`]: decode reads it at the memory's speed, not the
@@ -89,7 +95,7 @@ impl Weight {
     /// copied from are released ([`ts_gguf::GgufFile::release`]): the copy replaces them.
     pub fn packed_for_cpu(&self) -> Result<Option<Weight>, String> {
         let (ty, n_rows) = (self.ty, self.n_rows());
-        if self.packed || self.dims.len() != 2 || !ts_cpu::packed_row_is_faster(ty) || !ts_cpu::packs(ty, n_rows) {
+        if !self.packs_for_cpu() {
             return Ok(None);
         }
         // One allocation (a Vec turned into an Arc would be a second copy), filled a piece at a

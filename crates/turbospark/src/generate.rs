@@ -534,9 +534,14 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
             let when = if engine.model.experts.kind() == "stream" { " as they are read" } else { "" };
             eprintln!("experts: {n} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)");
         }
-        let n = engine.model.pack_dense()?;
+        // Within the memory the process may still take: the copies replace mapped pages.
+        let budget = available_memory().map_or(u64::MAX, |a| a.saturating_sub(ts_engine::memory::OVERHEAD_BYTES));
+        let (n, left) = engine.model.pack_dense(budget)?;
         if n > 0 {
             eprintln!("dense: {n} matrices repacked for the CPU's one-row kernels (--no-repack keeps the GGUF layout)");
+        }
+        if left > 0 {
+            eprintln!("dense: {left} matrices left in the file's layout: not enough memory to copy them");
         }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
         bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");
