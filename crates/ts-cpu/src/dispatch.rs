@@ -108,19 +108,26 @@ fn packer(isa: Isa, ty: GgmlType, n_out: usize) -> Option<PackFn> {
 /// Repacks `w` (`n_out` rows of `ty`, `k` elements each) in place for the `Packed` layout, if
 /// [`packs`] says so; returns whether it did.
 pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> Result<bool, CpuError> {
-    let block = ty.block_size() as usize;
-    if k == 0 || !k.is_multiple_of(block) {
-        return Err(CpuError::PartialBlock { ty, k, block_size: block });
-    }
-    let row_bytes = k / block * ty.type_size() as usize;
-    if w.len() != n_out.saturating_mul(row_bytes) {
-        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w.len() });
-    }
+    let row_bytes = checked_row_bytes(ty, w.len(), n_out, k)?;
     let Some(pack) = packer(isa, ty, n_out) else { return Ok(false) };
     // SAFETY: `packer` checked that the instruction set is available and the rows are whole
     // panels of `ty`, whose blocks `row_bytes` holds.
     unsafe { pack(w, row_bytes) };
     Ok(true)
+}
+
+/// Bytes of a row of `k` elements of `ty`, where `k` is whole blocks and `w_len` bytes hold
+/// exactly `n_out` such rows.
+pub(crate) fn checked_row_bytes(ty: GgmlType, w_len: usize, n_out: usize, k: usize) -> Result<usize, CpuError> {
+    let block = ty.block_size() as usize;
+    if k == 0 || !k.is_multiple_of(block) {
+        return Err(CpuError::PartialBlock { ty, k, block_size: block });
+    }
+    let row_bytes = k / block * ty.type_size() as usize;
+    if w_len != n_out.saturating_mul(row_bytes) {
+        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w_len });
+    }
+    Ok(row_bytes)
 }
 
 /// Rows per panel-kernel tile; tiles hold whole panels.

@@ -144,15 +144,8 @@ pub fn packed_row(
     r: usize,
     out: &mut Vec<u8>,
 ) -> Result<(), CpuError> {
-    let block = weight_ty.block_size() as usize;
-    if k == 0 || !k.is_multiple_of(block) {
-        return Err(CpuError::PartialBlock { ty: weight_ty, k, block_size: block });
-    }
-    let (block_bytes, nb) = (weight_ty.type_size() as usize, k / block);
-    let row_bytes = nb * block_bytes;
-    if w.len() != n_out.saturating_mul(row_bytes) {
-        return Err(CpuError::WrongLength { what: "weights (bytes)", expected: n_out * row_bytes, actual: w.len() });
-    }
+    let row_bytes = dispatch::checked_row_bytes(weight_ty, w.len(), n_out, k)?;
+    let block_bytes = weight_ty.type_size() as usize;
     if r >= n_out {
         return Err(CpuError::RowOutOfRange { row: r, m: n_out });
     }

@@ -826,10 +826,12 @@ packed_tile!(
 /// and run its pass over it, which unpacks nothing per activation row. Both give the same sums,
 /// bit for bit.
 macro_rules! packed_legacy_tile {
-    ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident, $unpack:ident) => {
-        packed_legacy_tile!($(#[$doc])* $name, $format, $pass, $unpack, legacy_pass, LEGACY_BLOCK, PACKED_UNPACK_MIN);
+    ($(#[$doc:meta])* $name:ident, $format:ty) => {
+        packed_legacy_tile!($(#[$doc])* $name, $format, packed_legacy_pass[$format], unpack_legacy[$format],
+            legacy_pass, LEGACY_BLOCK, PACKED_UNPACK_MIN);
     };
-    ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident, $unpack:ident, $built_pass:ident, $built_block:expr, $from:expr) => {
+    ($(#[$doc:meta])* $name:ident, $format:ty, $pass:ident[$($pg:ty)?], $unpack:ident[$($ug:ty)?],
+        $built_pass:ident, $built_block:expr, $from:expr) => {
         $(#[$doc])*
         ///
         /// # Safety
@@ -847,7 +849,7 @@ macro_rules! packed_legacy_tile {
                     match panel.as_mut() {
                         Some(panel) => {
                             let built = panel.ptr();
-                            $unpack(p, nb, built);
+                            $unpack::<$($ug)?>(p, nb, built);
                             each_cols!(m, COLS, |c, C| {
                                 let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
                                 let acc = $built_pass::<$format, C>(built, nb, &a);
@@ -856,7 +858,7 @@ macro_rules! packed_legacy_tile {
                         }
                         None => each_cols!(m, COLS, |c, C| {
                             let a: [ARow; C] = std::array::from_fn(|i| x.arow(c + i));
-                            let acc = $pass::<C>(p, nb, &a);
+                            let acc = $pass::<$($pg,)? C>(p, nb, &a);
                             store_rows(&acc, &mut out[c..c + C], r0, ROWS);
                         }),
                     }
@@ -876,9 +878,7 @@ const Q6K_UNPACK_MIN: usize = 2;
 packed_legacy_tile!(
     /// Q5_0 packed by [`pack_q5_0`].
     q5_0_packed_tile,
-    Q5_0,
-    q5_0_packed_pass,
-    unpack_q5_0
+    Q5_0
 );
 
 packed_legacy_tile!(
@@ -886,8 +886,8 @@ packed_legacy_tile!(
     /// batches unpack each panel once into [`kquant_tile`]'s panel instead.
     q6k_packed_tile,
     Q6K,
-    q6k_packed_pass,
-    unpack_q6k,
+    q6k_packed_pass[],
+    unpack_q6k[],
     kquant_pass,
     K_BLOCK,
     Q6K_UNPACK_MIN
@@ -896,84 +896,78 @@ packed_legacy_tile!(
 packed_legacy_tile!(
     /// Q8_0 packed by [`pack_q8_0`].
     q8_0_packed_tile,
-    Q8_0,
-    q8_0_packed_pass,
-    unpack_q8_0
+    Q8_0
 );
 
-/// Vector `t` of a packed Q5_0 block as unsigned 5-bit values: its low nibbles (elements
-/// `4 t..4 t + 4` of each row) and high nibbles (`16 + 4 t..`), each with its fifth bits added.
-///
-/// # Safety
-/// Needs AVX-512 F and BW; `block` points at a whole packed Q5_0 block.
-#[inline(always)]
-unsafe fn q5_0_values(block: *const u8, t: usize) -> (__m512i, __m512i) {
-    unsafe {
-        let fifth = _mm512_set1_epi8(0x10);
-        let masks = block.add(Q5_0_MASKS).cast::<u64>();
-        let v = _mm512_loadu_si512(block.add(64 * t).cast());
-        let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
-        (
-            _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth),
-            _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth),
-        )
+/// A legacy format's packed block ([`pack_q5_0`], [`pack_q8_0`]): its size, where its f16
+/// scales are, and its eight steps as unsigned values (plus the format's offset), step `s`
+/// holding elements `4 s..4 s + 4` of each row, as [`legacy_tile`]'s panel does.
+trait PackedLegacy: Format {
+    const PACKED_BLOCK: usize;
+    const PACKED_SCALES: usize;
+    /// # Safety
+    /// Needs AVX-512 F and BW; `block` points at a whole packed block.
+    unsafe fn steps(block: *const u8) -> [__m512i; 8];
+}
+
+impl PackedLegacy for Q5_0 {
+    const PACKED_BLOCK: usize = Q5_0_PACKED_BLOCK;
+    const PACKED_SCALES: usize = Q5_0_SCALES;
+    /// Vector `t`'s low nibbles are step `t`, its high ones step `4 + t`, each with its fifth
+    /// bits added (one masked byte add).
+    #[inline(always)]
+    unsafe fn steps(block: *const u8) -> [__m512i; 8] {
+        unsafe {
+            let fifth = _mm512_set1_epi8(0x10);
+            let masks = block.add(Q5_0_MASKS).cast::<u64>();
+            let mut steps = [_mm512_setzero_si512(); 8];
+            for t in 0..4 {
+                let v = _mm512_loadu_si512(block.add(64 * t).cast());
+                let (lo, hi) = (nibbles512(v, false), nibbles512(v, true));
+                steps[t] = _mm512_mask_add_epi8(lo, masks.add(2 * t).read_unaligned(), lo, fifth);
+                steps[4 + t] = _mm512_mask_add_epi8(hi, masks.add(2 * t + 1).read_unaligned(), hi, fifth);
+            }
+            steps
+        }
     }
 }
 
-/// Vector `s` of a packed Q8_0 block (elements `4 s..4 s + 4` of each row) made unsigned (plus
-/// 128).
-///
-/// # Safety
-/// Needs AVX-512 F; `block` points at a whole packed Q8_0 block.
-#[inline(always)]
-unsafe fn q8_0_values(block: *const u8, s: usize) -> __m512i {
-    unsafe { _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), _mm512_set1_epi8(-128)) }
+impl PackedLegacy for Q8_0 {
+    const PACKED_BLOCK: usize = Q8_0_PACKED_BLOCK;
+    const PACKED_SCALES: usize = Q8_0_SCALES;
+    /// Vector `s` made unsigned (plus 128).
+    #[inline(always)]
+    unsafe fn steps(block: *const u8) -> [__m512i; 8] {
+        unsafe {
+            let flip = _mm512_set1_epi8(-128);
+            std::array::from_fn(|s| _mm512_xor_si512(_mm512_loadu_si512(block.add(64 * s).cast()), flip))
+        }
+    }
 }
 
-/// The 16 rows' scales of a packed Q5_0 or Q8_0 block, whose f16 scales start at `at`.
+/// The 16 rows' scales of a packed legacy block.
 ///
 /// # Safety
-/// Needs AVX-512 F; `block + at` points at 32 readable bytes.
+/// Needs AVX-512 F; `block` points at a whole packed block of `F`.
 #[inline(always)]
-unsafe fn packed_scales(block: *const u8, at: usize) -> __m512 {
-    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(block.add(at).cast())) }
+unsafe fn packed_scales<F: PackedLegacy>(block: *const u8) -> __m512 {
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(block.add(F::PACKED_SCALES).cast())) }
 }
 
-/// A packed Q5_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel: step `t` of a block
-/// is vector `t`'s low nibbles, step `4 + t` its high ones, each with its fifth bits added.
+/// A packed Q5_0 or Q8_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel.
 ///
 /// # Safety
 /// Needs AVX-512 F and BW; `packed` holds `nb` packed blocks, `panel` room for `nb` legacy
 /// blocks, 64-byte aligned.
 #[inline(always)]
-unsafe fn unpack_q5_0(packed: *const u8, nb: usize, panel: *mut u8) {
+unsafe fn unpack_legacy<F: PackedLegacy>(packed: *const u8, nb: usize, panel: *mut u8) {
     unsafe {
         for b in 0..nb {
-            let (block, out) = (packed.add(b * Q5_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
-            for t in 0..4 {
-                let (lo, hi) = q5_0_values(block, t);
-                _mm512_store_si512(out.add(64 * t).cast(), lo);
-                _mm512_store_si512(out.add(64 * (4 + t)).cast(), hi);
+            let (block, out) = (packed.add(b * F::PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
+            for (s, step) in F::steps(block).iter().enumerate() {
+                _mm512_store_si512(out.add(64 * s).cast(), *step);
             }
-            _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales(block, Q5_0_SCALES));
-        }
-    }
-}
-
-/// A packed Q8_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel (the quants made
-/// unsigned).
-///
-/// # Safety
-/// As [`unpack_q5_0`], for Q8_0 blocks.
-#[inline(always)]
-unsafe fn unpack_q8_0(packed: *const u8, nb: usize, panel: *mut u8) {
-    unsafe {
-        for b in 0..nb {
-            let (block, out) = (packed.add(b * Q8_0_PACKED_BLOCK), panel.add(b * LEGACY_BLOCK));
-            for s in 0..8 {
-                _mm512_store_si512(out.add(64 * s).cast(), q8_0_values(block, s));
-            }
-            _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales(block, Q8_0_SCALES));
+            _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales::<F>(block));
         }
     }
 }
@@ -1027,60 +1021,32 @@ unsafe fn unpack_q6k(packed: *const u8, nb: usize, panel: *mut u8) {
     }
 }
 
-/// One pass of `C` activation rows over a packed Q5_0 panel of `nb` blocks: per lane (weight
-/// row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
+/// One pass of `C` activation rows over a packed Q5_0 or Q8_0 panel of `nb` blocks: per lane
+/// (weight row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
 ///
 /// # Safety
 /// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
 #[inline(always)]
-unsafe fn q5_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
+unsafe fn packed_legacy_pass<F: PackedLegacy, const C: usize>(
+    panel: *const u8,
+    nb: usize,
+    a: &[ARow; C],
+) -> [__m512; C] {
+    let log2 = F::OFFSET_LOG2.expect("packed legacy formats are signed, with an offset");
     unsafe {
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
-            let block = panel.add(b * Q5_0_PACKED_BLOCK);
-            crate::simd::prefetch_ahead(block, Q5_0_PACKED_BLOCK);
-            // Unsigned values are the signed ones plus 16: taken back through the block sums.
-            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 4));
-            for t in 0..4 {
-                let (lo, hi) = q5_0_values(block, t);
-                for c in 0..C {
-                    let q = a[c].q.add(b * 34 + 2);
-                    sums[c] = _mm512_dpbusd_epi32(sums[c], lo, _mm512_set1_epi32(read_u32(q.add(4 * t)) as i32));
-                    sums[c] = _mm512_dpbusd_epi32(sums[c], hi, _mm512_set1_epi32(read_u32(q.add(16 + 4 * t)) as i32));
-                }
-            }
-            let scales = packed_scales(block, Q5_0_SCALES);
-            for c in 0..C {
-                let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
-                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
-            }
-        }
-        acc
-    }
-}
-
-/// One pass of `C` activation rows over a packed Q8_0 panel of `nb` blocks: per lane (weight
-/// row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
-///
-/// # Safety
-/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
-#[inline(always)]
-unsafe fn q8_0_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
-    unsafe {
-        let mut acc = [_mm512_setzero_ps(); C];
-        for b in 0..nb {
-            let block = panel.add(b * Q8_0_PACKED_BLOCK);
-            crate::simd::prefetch_ahead(block, Q8_0_PACKED_BLOCK);
-            // Quants made unsigned by adding 128: taken back through the block sums.
-            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << 7));
-            for s in 0..8 {
-                let v = q8_0_values(block, s);
+            let block = panel.add(b * F::PACKED_BLOCK);
+            crate::simd::prefetch_ahead(block, F::PACKED_BLOCK);
+            // The unsigned values' offset is taken back through the block sums.
+            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << log2));
+            for (s, step) in F::steps(block).iter().enumerate() {
                 for c in 0..C {
                     let q = a[c].q.add(b * 34 + 2 + 4 * s);
-                    sums[c] = _mm512_dpbusd_epi32(sums[c], v, _mm512_set1_epi32(read_u32(q) as i32));
+                    sums[c] = _mm512_dpbusd_epi32(sums[c], *step, _mm512_set1_epi32(read_u32(q) as i32));
                 }
             }
-            let scales = packed_scales(block, Q8_0_SCALES);
+            let scales = packed_scales::<F>(block);
             for c in 0..C {
                 let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);

@@ -544,7 +544,7 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
             eprintln!("dense: {left} matrices left in the file's layout: not enough memory to copy them");
         }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
-        bail!("--no-repack applies to experts the CPU computes with, not to --device cuda");
+        bail!("--no-repack applies to weights the CPU computes with, not to --device cuda");
     }
     // On the GPU the VRAM expert cache prefetches (from pinned RAM, or through the store).
     let gpu_cache = cuda.expert_cache.is_some();
