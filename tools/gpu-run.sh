@@ -446,7 +446,8 @@ if [[ $what == cpu-sweep ]]; then
     # each running every thread count (`bench -t 4,8,16`; CPU_BENCH gives other bench flags),
     # then the peers `peer-build` built (CUDA builds, the GPU hidden) with the same flags,
     # ik_llama.cpp with its run-time repack, as issue 16 measures it. A setting of
-    # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 steps).
+    # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 decode steps and
+    # every 8 prompt batches: CPU_BENCH="-p 128 -n 0 -r 8" for a prompt's).
     shift
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')

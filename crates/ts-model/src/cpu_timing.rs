@@ -3,9 +3,9 @@
 //! rest is norms, rotations, cache stores, small ops and the host's work), and how long threads were idle during the phases that run
 //! products (their wall time times the thread count, less the threads' time in the products'
 //! tasks, `ts_cpu::work_time`: waits at a region's start and end, and the phase's serial work
-//! such as quantizing the input or choosing experts). One-row steps (decode) only, each from its
-//! start to the next step's; printed as means per step every 64 of them (issue 16's decode
-//! profile).
+//! such as quantizing the input or choosing experts). Each step from its start to the next
+//! step's; one-row steps (decode) and batches (prompts) counted apart, printed as means per
+//! step every 64 decode steps and every 8 batches (issue 16's profiles).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,18 +29,28 @@ const PHASES: usize = 6;
 /// The phases that run products in parallel regions.
 const REGIONS: [Phase; 5] = [Phase::Products, Phase::Head, Phase::Route, Phase::ExpertGateUp, Phase::ExpertDown];
 
+/// The counted steps of one kind (decode or batches).
+#[derive(Default)]
+struct Counts {
+    time: [Duration; PHASES],
+    steps: u64,
+    /// Rows of all the steps.
+    rows: u64,
+    wall: Duration,
+    /// Threads' time in products' tasks during the steps.
+    busy: Duration,
+}
+
 #[derive(Default)]
 struct Totals {
-    time: [Duration; PHASES],
-    /// The step in progress's phases, added to `time` when it ends if it was a one-row step.
+    /// One-row steps, and steps of several rows.
+    decode: Counts,
+    batches: Counts,
+    /// The step in progress's phases, added to its kind's counts when it ends.
     pending: [Duration; PHASES],
     /// Rows of the step in progress.
     rows: usize,
-    steps: u64,
-    wall: Duration,
-    /// Threads' time in products' tasks during the counted steps, and the counter at the
-    /// step in progress's start.
-    busy: Duration,
+    /// The threads' busy counter at the step in progress's start.
     busy_at_step: Duration,
     started: Option<Instant>,
     /// The pool's threads the counts are for (`bench -t 4,8,16` changes pools: counts restart).
@@ -72,8 +82,8 @@ impl CpuTiming {
         out
     }
 
-    /// Marks the start of a step of `rows` rows (the end of the one before); only one-row
-    /// steps (decode) are counted; prints the means every 64 of them.
+    /// Marks the start of a step of `rows` rows (the end of the one before, counted with its
+    /// kind); prints a kind's means every 64 decode steps or 8 batches.
     pub(crate) fn step_begins(&self, rows: usize) {
         let Some(totals) = &self.0 else { return };
         let mut guard = totals.lock().expect("cpu timing lock");
@@ -84,15 +94,17 @@ impl CpuTiming {
             *t = Totals { threads, ..Totals::default() };
         }
         let busy_now = ts_cpu::work_time::busy();
-        if let Some(s) = t.started.filter(|_| t.rows == 1) {
-            t.wall += now - s;
-            t.busy += busy_now.saturating_sub(t.busy_at_step);
-            t.steps += 1;
+        if let Some(s) = t.started.filter(|_| t.rows > 0) {
+            let (counts, every) = if t.rows == 1 { (&mut t.decode, 64) } else { (&mut t.batches, 8) };
+            counts.wall += now - s;
+            counts.busy += busy_now.saturating_sub(t.busy_at_step);
+            counts.steps += 1;
+            counts.rows += t.rows as u64;
             for p in 0..PHASES {
-                t.time[p] += t.pending[p];
+                counts.time[p] += t.pending[p];
             }
-            if t.steps.is_multiple_of(64) {
-                eprintln!("{}", t.report());
+            if counts.steps.is_multiple_of(every) {
+                eprintln!("{}", counts.report(t.threads));
             }
         }
         t.pending = Default::default();
@@ -102,18 +114,22 @@ impl CpuTiming {
     }
 }
 
-impl Totals {
-    fn report(&self) -> String {
+impl Counts {
+    fn report(&self, threads: usize) -> String {
         let n = self.steps as f64;
         let per = |d: Duration| d.as_secs_f64() * 1e3 / n;
         let phase = |p: Phase| per(self.time[p as usize]);
         let other = self.wall.saturating_sub(self.time.iter().sum());
-        let threads = self.threads as f64;
+        let kind = match self.rows / self.steps.max(1) {
+            1 => String::new(),
+            rows => format!(" of {rows} rows"),
+        };
+        let threads = threads as f64;
         let regions: Duration = REGIONS.iter().map(|&p| self.time[p as usize]).sum();
         let busy = self.busy;
         let waited = (per(regions) * threads - per(busy)).max(0.0);
         format!(
-            "cpu timing: {} steps, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
+            "cpu timing: {} steps{kind}, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, the rest (norms, small ops, host) {:.3}; during the products \
              {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%)",
             self.steps,
