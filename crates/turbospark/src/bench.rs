@@ -71,11 +71,10 @@ pub fn run(global: &GlobalOptions, args: &BenchArgs) -> Result<()> {
     first.threads = counts[..1].to_vec();
     let global = &first;
     let spec = args.spec.options()?;
-    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, args.spec.mtp())?;
     // `-c`: every pp and tg test in a sequence of that many positions (a user's cache size);
     // without it each test's sequence holds just its depth and tokens, as llama-bench's.
     let ctx = args.model.ctx_given().then_some(n_ctx);
-    args.spec.prepare(&mut engine)?;
     let draft = args.spec.load_draft(&args.model, &engine)?;
     let path = global.model(None)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_counts(

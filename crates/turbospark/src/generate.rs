@@ -211,15 +211,10 @@ impl SpecArgs {
         self.draft_p_min.unwrap_or(DEFAULT_P_MIN)
     }
 
-    /// Checks `--spec-mtp` against the model (refused by name without a nextn layer), and
-    /// leaves the MTP head out of the model when it is not asked for (no backend then holds it).
-    pub fn prepare(&self, engine: &mut Engine) -> Result<()> {
-        if self.spec_mtp {
-            ts_engine::speculative::check_mtp(engine)?;
-        } else {
-            engine.model.weights.mtp = None;
-        }
-        Ok(())
+    /// What [`load`] keeps of the model's MTP head: all of it with `--spec-mtp` (refused by
+    /// name where the model has no nextn layer), else nothing.
+    pub fn mtp(&self) -> MtpHead {
+        if self.spec_mtp { MtpHead::Keep } else { MtpHead::Drop }
     }
 
     /// The draft model, loaded for the CPU on `target`'s threads (every weight resident).
@@ -480,8 +475,16 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
     Ok(opts)
 }
 
+/// Whether [`load`] keeps the model's multi-token-prediction head (`--spec-mtp`) or leaves it
+/// out before anything is packed or placed, so that no backend holds it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum MtpHead {
+    Keep,
+    Drop,
+}
+
 /// The engine on the CPU, its context size, and how to place it on a GPU if `--device` asks.
-pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, ts_cuda::CudaOptions)> {
+pub fn load(global: &GlobalOptions, args: &ModelArgs, mtp: MtpHead) -> Result<(Engine, usize, ts_cuda::CudaOptions)> {
     let model = global.model(None)?;
     if args.batch == 0 {
         bail!("--batch-size must be at least 1");
@@ -528,6 +531,10 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs) -> Result<(Engine, usize, 
     engine.n_batch = args.batch;
     engine.exact_activations = args.exact_activations;
     engine.model.kv_type = args.kv_type()?;
+    match mtp {
+        MtpHead::Keep => ts_engine::speculative::check_mtp(&engine)?,
+        MtpHead::Drop => engine.model.weights.mtp = None,
+    }
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
         let n = engine.model.pack_experts();
         if n > 0 {
@@ -585,8 +592,7 @@ pub fn run(global: &GlobalOptions, args: &RunArgs) -> Result<()> {
         (None, None) => bail!("no prompt given: pass -p TEXT or -f FILE"),
     };
     let spec = args.spec.options()?;
-    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
-    args.spec.prepare(&mut engine)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, args.spec.mtp())?;
     let draft = args.spec.load_draft(&args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| run_on(
         &engine,
@@ -634,8 +640,7 @@ fn run_on<B: Backend>(
 
 pub fn chat(global: &GlobalOptions, args: &ChatArgs) -> Result<()> {
     let spec = args.spec.options()?;
-    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
-    args.spec.prepare(&mut engine)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, args.spec.mtp())?;
     let draft = args.spec.load_draft(&args.model, &engine)?;
     crate::on_device!(global, engine, draft, cuda, |engine, draft| chat_on(
         &engine,
@@ -757,7 +762,7 @@ fn chat_on<B: Backend>(
 }
 
 pub fn logits(global: &GlobalOptions, args: &LogitsArgs) -> Result<()> {
-    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, MtpHead::Drop)?;
     crate::on_device!(global, engine, cuda, |engine| logits_on(&engine, n_ctx, args))
 }
 
@@ -773,7 +778,7 @@ fn logits_on<B: Backend>(engine: &Engine<B>, n_ctx: usize, args: &LogitsArgs) ->
 }
 
 pub fn perplexity(global: &GlobalOptions, args: &PerplexityArgs) -> Result<()> {
-    let (engine, n_ctx, cuda) = load(global, &args.model)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, MtpHead::Drop)?;
     crate::on_device!(global, engine, cuda, |engine| perplexity_on(&engine, n_ctx, args))
 }
 

@@ -49,8 +49,7 @@ pub fn run(global: &GlobalOptions, args: &ServeArgs) -> Result<()> {
     let model_id = args.alias.clone().unwrap_or_else(|| {
         path.file_name().map(|f| f.to_string_lossy().trim_end_matches(".gguf").to_string()).unwrap_or_default()
     });
-    let (mut engine, n_ctx, cuda) = load(global, &args.model)?;
-    args.spec.prepare(&mut engine)?;
+    let (engine, n_ctx, cuda) = load(global, &args.model, args.spec.mtp())?;
     let draft = args.spec.load_draft(&args.model, &engine)?;
     // -c is the total, split between the slots; without it each slot gets the model's default.
     let slot_ctx = if args.model.ctx_given() { n_ctx / args.parallel } else { n_ctx };

@@ -14,6 +14,13 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// How many dense matrices the run said it packed for the CPU ("dense: N matrices ..."), if any.
+fn dense_packed(o: &Output) -> Option<usize> {
+    let text = stderr(o);
+    let line = text.lines().find_map(|l| l.strip_prefix("dense: "))?;
+    line.split_whitespace().next()?.parse().ok()
+}
+
 const MTP_FIXTURES: [&str; 4] = [
     "qwen3_5_moe/model-f32.gguf",
     "qwen3_5_moe/model-q8_0.gguf",
@@ -36,6 +43,16 @@ fn run_and_chat_keep_greedy_output_with_the_mtp_head() {
         let (plain, mtp) = (run(&[]), run(&["--spec-mtp", "--draft-max", "3"]));
         assert_eq!(mtp.stdout, plain.stdout, "{file}: run --spec-mtp changed the text");
         assert!(stderr(&mtp).contains("speculative:") && stderr(&mtp).contains("guesses kept"), "{}", stderr(&mtp));
+        // The head is held, and packed with the dense matrices, only with --spec-mtp.
+        match (dense_packed(&plain), dense_packed(&mtp)) {
+            (Some(without), Some(with)) => {
+                assert!(without < with, "{file}: packed {without} without the head, {with} with")
+            }
+            (None, None) => println!(
+                "{file}: no dense matrix packed (float weights, or no AVX-512 VNNI); the head's packing not checked"
+            ),
+            other => panic!("{file}: dense matrices packed without / with --spec-mtp: {other:?}"),
+        }
         // Two chat turns (the second reuses the first's cached prompt, which the head saw).
         let chat = |extra: &[&str]| {
             let mut args = vec!["chat", "-m", m, "--temp", "0", "-n", "16", "-c", "512"];
