@@ -406,11 +406,9 @@ impl Backend for Cpu {
                 let xs = gather_rows(x, e, pairs.iter().map(|&p| p / routes.k));
                 expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
             };
-            map_experts(w, routes, at, s, gate_up, |pairs, g| {
-                for (j, &p) in pairs.iter().enumerate() {
-                    h[p * f..(p + 1) * f].copy_from_slice(&g[j * f..(j + 1) * f]);
-                }
-            })?;
+            let mut done = Vec::new();
+            map_experts(w, routes, at, s, gate_up, |pairs, g| done.push((pairs.to_vec(), g)))?;
+            scatter_rows(&mut h, f, &done);
             Ok(h)
         })
     }
@@ -434,20 +432,26 @@ impl Backend for Cpu {
                 let hs = gather_rows(h, f, pairs.iter().copied());
                 expert_output(w, ex, &bytes, &hs, pairs.len(), s)
             };
-            map_experts(w, routes, at, s, down, |pairs, d| {
-                for (j, &p) in pairs.iter().enumerate() {
-                    y[p * e..(p + 1) * e].copy_from_slice(&d[j * e..(j + 1) * e]);
-                }
-            })
+            let mut done = Vec::new();
+            map_experts(w, routes, at, s, down, |pairs, d| done.push((pairs.to_vec(), d)))?;
+            scatter_rows(y, e, &done);
+            Ok(())
         })
     }
 
     fn combine(&self, y: &Vec<f32>, routes: &CpuRoutes, width: usize) -> Result<Vec<f32>, ModelError> {
-        let mut out = vec![0f32; routes.ids.len() / routes.k.max(1) * width];
-        for (p, &wt) in routes.weights.iter().enumerate() {
-            let row = p / routes.k;
-            let o = &mut out[row * width..(row + 1) * width];
-            o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+        let k = routes.k.max(1);
+        let mut out = vec![0f32; routes.ids.len() / k * width];
+        // Row r's sum of its k pairs' outputs, slot by slot (the same order for any split).
+        let row_sum = |(r, o): (usize, &mut [f32])| {
+            for (p, &wt) in routes.weights.iter().enumerate().skip(r * k).take(k) {
+                o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+            }
+        };
+        if y.len() >= PARALLEL_COPY_FLOATS {
+            out.par_chunks_mut(width).enumerate().for_each(row_sum);
+        } else {
+            out.chunks_mut(width).enumerate().for_each(row_sum);
         }
         Ok(out)
     }
@@ -555,6 +559,33 @@ pub struct CpuRoutes {
 /// expert, the threads met at every one of its matmuls). Fewer rows (decode) split each
 /// expert's matmuls over the threads instead (measured faster there, third session).
 const PARALLEL_EXPERT_ROWS: usize = 16;
+
+/// Row copies and sums over at least this many floats are split over the threads (a prompt's
+/// expert outputs, `[pairs][n_embd]`: 8 MiB a layer for 128 rows of qwen3-30b-a3b); one thread
+/// copying them was serial time that grew with the thread count's share of the rest.
+const PARALLEL_COPY_FLOATS: usize = 1 << 16;
+
+/// Copies row j of each expert's result `(pairs, rows [pairs.len()][width])` into row
+/// `pairs[j]` of `dst` `[n][width]` (every pair belongs to one expert); rows no result names
+/// are left as they are.
+fn scatter_rows(dst: &mut [f32], width: usize, results: &[(Vec<usize>, Vec<f32>)]) {
+    let mut from: Vec<Option<&[f32]>> = vec![None; dst.len() / width.max(1)];
+    for (pairs, rows) in results {
+        for (&p, row) in pairs.iter().zip(rows.chunks_exact(width)) {
+            from[p] = Some(row);
+        }
+    }
+    let copy = |(row, src): (&mut [f32], &Option<&[f32]>)| {
+        if let Some(src) = src {
+            row.copy_from_slice(src);
+        }
+    };
+    if dst.len() >= PARALLEL_COPY_FLOATS {
+        dst.par_chunks_mut(width).zip(&from).for_each(copy);
+    } else {
+        dst.chunks_mut(width).zip(&from).for_each(copy);
+    }
+}
 
 thread_local! {
     /// A thread's attention scores, reused from head to head.
