@@ -37,8 +37,8 @@ struct Counts {
     /// Rows of all the steps.
     rows: u64,
     wall: Duration,
-    /// Threads' time in products' tasks during the steps.
-    busy: Duration,
+    /// Threads' time in products' tasks during each phase of the steps.
+    busy: [Duration; PHASES],
 }
 
 #[derive(Default)]
@@ -46,12 +46,12 @@ struct Totals {
     /// One-row steps, and steps of several rows.
     decode: Counts,
     batches: Counts,
-    /// The step in progress's phases, added to its kind's counts when it ends.
+    /// The step in progress's phases and the threads' time in tasks during them, added to
+    /// its kind's counts when it ends.
     pending: [Duration; PHASES],
+    pending_busy: [Duration; PHASES],
     /// Rows of the step in progress.
     rows: usize,
-    /// The threads' busy counter at the step in progress's start.
-    busy_at_step: Duration,
     started: Option<Instant>,
     /// The pool's threads the counts are for (`bench -t 4,8,16` changes pools: counts restart).
     threads: usize,
@@ -73,12 +73,14 @@ pub(crate) fn timing() -> &'static CpuTiming {
 }
 
 impl CpuTiming {
-    /// Runs `f`, its wall time counted under `phase`.
+    /// Runs `f`, its wall time and the threads' time in tasks meanwhile counted under `phase`.
     pub(crate) fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
         let Some(totals) = &self.0 else { return f() };
-        let start = Instant::now();
+        let (start, busy) = (Instant::now(), ts_cpu::work_time::busy());
         let out = f();
-        totals.lock().expect("cpu timing lock").pending[phase as usize] += start.elapsed();
+        let mut t = totals.lock().expect("cpu timing lock");
+        t.pending[phase as usize] += start.elapsed();
+        t.pending_busy[phase as usize] += ts_cpu::work_time::busy().saturating_sub(busy);
         out
     }
 
@@ -93,22 +95,21 @@ impl CpuTiming {
         if t.threads != threads {
             *t = Totals { threads, ..Totals::default() };
         }
-        let busy_now = ts_cpu::work_time::busy();
         if let Some(s) = t.started.filter(|_| t.rows > 0) {
             let (counts, every) = if t.rows == 1 { (&mut t.decode, 64) } else { (&mut t.batches, 8) };
             counts.wall += now - s;
-            counts.busy += busy_now.saturating_sub(t.busy_at_step);
             counts.steps += 1;
             counts.rows += t.rows as u64;
             for p in 0..PHASES {
                 counts.time[p] += t.pending[p];
+                counts.busy[p] += t.pending_busy[p];
             }
             if counts.steps.is_multiple_of(every) {
                 eprintln!("{}", counts.report(t.threads));
             }
         }
         t.pending = Default::default();
-        t.busy_at_step = busy_now;
+        t.pending_busy = Default::default();
         t.rows = rows;
         t.started = Some(now);
     }
@@ -125,13 +126,16 @@ impl Counts {
             rows => format!(" of {rows} rows"),
         };
         let threads = threads as f64;
-        let regions: Duration = REGIONS.iter().map(|&p| self.time[p as usize]).sum();
-        let busy = self.busy;
-        let waited = (per(regions) * threads - per(busy)).max(0.0);
+        // Thread-ms of a phase's wall time, and those in no task (waits, serial work).
+        let offered = |p: Phase| phase(p) * threads;
+        let idle = |p: Phase| (offered(p) - per(self.busy[p as usize])).max(0.0);
+        let percent = |part: f64, of: f64| 100.0 * part / of.max(1e-9);
+        let each = REGIONS.iter().map(|&p| format!("{:.0}%", percent(idle(p), offered(p)))).collect::<Vec<_>>();
+        let (waited, regions) = REGIONS.iter().fold((0.0, 0.0), |(w, r), &p| (w + idle(p), r + offered(p)));
         format!(
             "cpu timing: {} steps{kind}, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, the rest (norms, small ops, host) {:.3}; during the products \
-             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%)",
+             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down {})",
             self.steps,
             per(self.wall),
             phase(Phase::Products),
@@ -143,8 +147,9 @@ impl Counts {
             per(other),
             threads,
             waited,
-            per(regions) * threads,
-            100.0 * waited / (per(regions) * threads).max(1e-9),
+            regions,
+            percent(waited, regions),
+            each.join(" / "),
         )
     }
 }

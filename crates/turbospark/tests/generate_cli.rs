@@ -190,7 +190,8 @@ fn bench_runs_each_thread_count_of_a_list() {
 /// `TURBOSPARK_CPU_TIMING=1` (a measurement knob) prints where decode steps' time goes every 64
 /// steps: the phases and the rest add up to the step's wall time, the step's wall time agrees
 /// with the tok/s `bench` reports (the mean of 64 steps against all of them, within 30%), and
-/// the threads' idle share is a fraction.
+/// the threads' idle shares (in all and by phase) are fractions; a prompt's batches are reported
+/// apart, every 8.
 #[test]
 fn cpu_timing_accounts_for_a_decode_step() {
     let _alone = alone();
@@ -203,22 +204,44 @@ fn cpu_timing_accounts_for_a_decode_step() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let line = stderr.lines().rfind(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
-    // Every number of the line, in order: steps, wall, the six phases and the rest, threads, idle,
-    // thread-ms, percent.
+    let wall = check_cpu_timing_line(line, &[]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tps = v["tests"][0]["tokens_per_second"].as_f64().unwrap();
+    let step_ms = 1000.0 / tps;
+    assert!((wall - step_ms).abs() < 0.3 * step_ms, "a step of {wall} ms against {step_ms} ms from bench: {line}");
+    // A prompt's batches are counted apart (a report every 8).
+    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+        .args(["bench", "-m", model.to_str().unwrap(), "-t", "2", "-p", "32", "-n", "0", "-r", "8"])
+        .env("TURBOSPARK_CPU_TIMING", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
+    assert!(line.starts_with("cpu timing: 8 steps of 32 rows,"), "{line}");
+    check_cpu_timing_line(line, &[32.0]);
+}
+
+/// Checks a `TURBOSPARK_CPU_TIMING` line of a 2-thread run (`rows`: the batch's row count
+/// where the line names one) and returns its wall time a step: the phases add up to it, and
+/// the idle shares are shares.
+fn check_cpu_timing_line(line: &str, rows: &[f64]) -> f64 {
+    // Every number of the line, in order: steps, [rows], wall, the six phases and the rest,
+    // threads, idle, thread-ms, percent, then the percent of each of the five phases with products.
     let numbers: Vec<f64> = line
         .split(|c: char| !(c.is_ascii_digit() || c == '.'))
         .filter(|s| !s.is_empty() && *s != ".")
         .map(|s| s.parse().unwrap())
         .collect();
-    assert_eq!(numbers.len(), 13, "{line}");
+    assert_eq!(numbers.len(), 18 + rows.len(), "{line}");
+    assert_eq!(&numbers[1..1 + rows.len()], rows, "{line}");
+    let numbers = [&numbers[..1], &numbers[1 + rows.len()..]].concat();
     let (wall, phases) = (numbers[1], &numbers[2..9]);
     let sum: f64 = phases.iter().sum();
     assert!((sum - wall).abs() < 0.01 * wall + 0.002, "phases {sum} against a step of {wall}: {line}");
     assert!(phases[0] > 0.0 && phases[1] > 0.0, "no products or head time: {line}");
     assert_eq!(numbers[9], 2.0, "{line}");
     assert!(numbers[10] <= numbers[11] && numbers[12] <= 100.0, "{line}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let tps = v["tests"][0]["tokens_per_second"].as_f64().unwrap();
-    let step_ms = 1000.0 / tps;
-    assert!((wall - step_ms).abs() < 0.3 * step_ms, "a step of {wall} ms against {step_ms} ms from bench: {line}");
+    assert!(numbers[13..].iter().all(|&p| (0.0..=100.0).contains(&p)), "{line}");
+    wall
 }
