@@ -447,10 +447,19 @@ if [[ $what == cpu-sweep ]]; then
     # then the peers `peer-build` built (CUDA builds, the GPU hidden) with the same flags,
     # ik_llama.cpp with its run-time repack, as issue 16 measures it. A setting of
     # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 decode steps and
-    # every 8 prompt batches: CPU_BENCH="-p 128 -n 0 -r 8" for a prompt's).
+    # every 8 prompt batches: CPU_BENCH="-p 128 -n 0 -r 8" for a prompt's). First the host's read
+    # bandwidth at each thread count (tools/membw.c, the best of its four passes), which issue 16
+    # reports beside the engines' rates.
     shift
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
+    if gcc -O2 -fopenmp -march=native tools/membw.c -o /tmp/membw 2> /dev/null; then
+        for t in ${THREADS:-16}; do
+            echo "membw, $t threads: $(OMP_NUM_THREADS=$t /tmp/membw | sort -k2 -n | tail -1)"
+        done
+    else
+        echo "gpu-run.sh: no gcc here, the host's bandwidth left out"
+    fi
     for like in "$@"; do
         f=$(synth "$like")
         like=$(basename "$like" .gguf)
