@@ -343,9 +343,14 @@ impl Backend for Cpu {
     ) -> Result<CpuRoutes, ModelError> {
         timing().time(Phase::Route, || {
             let k = moe.n_expert_used;
+            let rows = logits.chunks_exact(moe.n_expert).take(m);
+            let routes: Vec<crate::moe::Route> = if m >= PARALLEL_EXPERT_ROWS {
+                logits.par_chunks_exact(moe.n_expert).take(m).map(|l| crate::moe::route(moe, l, expert_scale)).collect()
+            } else {
+                rows.map(|l| crate::moe::route(moe, l, expert_scale)).collect()
+            };
             let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
-            for l in logits.chunks_exact(moe.n_expert).take(m) {
-                let r = crate::moe::route(moe, l, expert_scale);
+            for r in routes {
                 ids.extend(r.experts);
                 weights.extend(r.weights);
             }
