@@ -5,7 +5,7 @@ use crate::ModelError;
 use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt, StepStart};
 use crate::config::{GatedActivation, MoeConfig};
 use crate::cpu_timing::{Phase, timing};
-use crate::forward::{Model, Row, Scratch, linear, linear_bytes};
+use crate::forward::{Model, Row, Scratch, linear, linear_bytes, linear_bytes_again};
 use crate::state::{CpuState, KvRows, KvView, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
@@ -509,7 +509,12 @@ pub fn expert_hidden(
     let f = w.gate_exps.n_rows();
     let (mut g, mut u) = (Vec::new(), Vec::new());
     linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
-    linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
+    if w.up_exps.ty == w.gate_exps.ty && !s.exact_activations {
+        // The gate's 8-bit activations serve the up product too.
+        linear_bytes_again(&w.up_exps, bytes.up, bytes.packed[1], f, s, &mut u)?;
+    } else {
+        linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
+    }
     finish_hidden(w, act, ex, &mut g, &mut u);
     Ok(g)
 }

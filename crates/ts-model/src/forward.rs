@@ -94,11 +94,41 @@ pub fn linear_bytes(
         return linear_dequantized(w, bytes, n_out, x, m, scratch, out).map_err(err);
     }
     scratch.xq.quantize(w.ty, &x[..m * k], k).map_err(|e| err(e.to_string()))?;
+    matmul_quantized(w, bytes, packed, n_out, scratch, out)
+}
+
+/// [`linear_bytes`] of the activations `scratch.xq` already holds, quantized for a weight of
+/// `w`'s type (another matrix of that type, of the same input: an expert's up after its gate).
+pub fn linear_bytes_again(
+    w: &Weight,
+    bytes: &[u8],
+    packed: bool,
+    n_out: usize,
+    scratch: &mut Scratch,
+    out: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    if scratch.exact_activations || scratch.xq.k() != w.row_len() {
+        return Err(ModelError::Compute(format!("{}: no 8-bit activations of its rows held", w.name)));
+    }
+    resize_zeroed(out, scratch.xq.m() * n_out);
+    matmul_quantized(w, bytes, packed, n_out, scratch, out)
+}
+
+/// `out` `[m][n_out]` = `scratch.xq` · `bytes`' rows, through the packed or the GGUF layout's kernels.
+fn matmul_quantized(
+    w: &Weight,
+    bytes: &[u8],
+    packed: bool,
+    n_out: usize,
+    scratch: &Scratch,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let k = w.row_len();
     let result = match packed {
         true => ts_cpu::matmul_packed(w.ty, bytes, n_out, k, &scratch.xq, out, n_out),
         false => scratch.cpu_matmul()(w.ty, bytes, n_out, k, &scratch.xq, out),
     };
-    result.map_err(|e| err(e.to_string()))
+    result.map_err(|e| ModelError::Compute(format!("{}: {e}", w.name)))
 }
 
 /// `v` made `n` long, new elements 0: past [`ZERO_OVER_THREADS`] floats the zeros are written
