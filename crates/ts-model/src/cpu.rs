@@ -343,11 +343,12 @@ impl Backend for Cpu {
     ) -> Result<CpuRoutes, ModelError> {
         timing().time(Phase::Route, || {
             let k = moe.n_expert_used;
-            let rows = logits.chunks_exact(moe.n_expert).take(m);
+            // A prompt's rows over the threads.
+            let row = |l: &[f32]| crate::moe::route(moe, l, expert_scale);
             let routes: Vec<crate::moe::Route> = if m >= PARALLEL_EXPERT_ROWS {
-                logits.par_chunks_exact(moe.n_expert).take(m).map(|l| crate::moe::route(moe, l, expert_scale)).collect()
+                logits.par_chunks_exact(moe.n_expert).take(m).map(row).collect()
             } else {
-                rows.map(|l| crate::moe::route(moe, l, expert_scale)).collect()
+                logits.chunks_exact(moe.n_expert).take(m).map(row).collect()
             };
             let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
             for r in routes {
