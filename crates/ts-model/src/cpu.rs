@@ -5,7 +5,7 @@ use crate::ModelError;
 use crate::backend::{AttnShape, Backend, DeltaNetParams, ExpertsAt, StepStart};
 use crate::config::{GatedActivation, MoeConfig};
 use crate::cpu_timing::{Phase, timing};
-use crate::forward::{Model, Row, Scratch, linear, linear_bytes, linear_bytes_again};
+use crate::forward::{Model, Row, Scratch, hold_quantized_rows, linear, linear_bytes, linear_bytes_again};
 use crate::state::{CpuState, KvRows, KvView, LayerState, RecurrentState, SeqState, sequence_runs};
 use crate::tensors::MoeWeights;
 use crate::weights::Weight;
@@ -407,10 +407,27 @@ impl Backend for Cpu {
             }
             let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
             let mut h = vec![0f32; routes.ids.len() * f];
+            // The rows quantized once for every expert where gate and up take the same 8-bit
+            // activations (each expert gathers its rows' blocks), else gathered as floats.
+            let quantized = match shares_activations(w, s) {
+                true => {
+                    let mut xq = ts_cpu::QuantizedRows::new();
+                    xq.quantize(w.gate_exps.ty, &x[..routes.ids.len() / routes.k.max(1) * e], e)
+                        .map_err(|err| ModelError::Compute(format!("{}: {err}", w.gate_exps.name)))?;
+                    Some(xq)
+                }
+                false => None,
+            };
             // One expert's h for its pairs, `[pairs][f]`.
             let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-                let xs = gather_rows(x, e, pairs.iter().map(|&p| p / routes.k));
-                expert_hidden(w, act, ex, &bytes, &xs, pairs.len(), s)
+                let rows = pairs.iter().map(|&p| p / routes.k);
+                match &quantized {
+                    Some(xq) => {
+                        hold_quantized_rows(s, xq, &rows.collect::<Vec<_>>())?;
+                        expert_hidden_held(w, act, ex, &bytes, s)
+                    }
+                    None => expert_hidden(w, act, ex, &bytes, &gather_rows(x, e, rows), pairs.len(), s),
+                }
             };
             let mut done = Vec::new();
             map_experts(w, routes, at, s, gate_up, |pairs, g| done.push((pairs.to_vec(), g)))?;
@@ -508,14 +525,50 @@ pub fn expert_hidden(
     s: &mut Scratch,
 ) -> Result<Vec<f32>, ModelError> {
     let f = w.gate_exps.n_rows();
+    if shares_activations(w, s) {
+        // Quantized once (by the gate's product) for both products.
+        let mut g = Vec::new();
+        linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
+        return hidden_from(w, act, ex, bytes, g, s);
+    }
     let (mut g, mut u) = (Vec::new(), Vec::new());
     linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
-    if w.up_exps.ty == w.gate_exps.ty && !s.exact_activations {
-        // The gate's 8-bit activations serve the up product too.
-        linear_bytes_again(&w.up_exps, bytes.up, bytes.packed[1], f, s, &mut u)?;
-    } else {
-        linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
-    }
+    linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
+    finish_hidden(w, act, ex, &mut g, &mut u);
+    Ok(g)
+}
+
+/// Whether an expert's gate and up products take the same 8-bit activations (the same type,
+/// not exact), so that its rows are quantized once for both.
+fn shares_activations(w: &MoeWeights, s: &Scratch) -> bool {
+    w.up_exps.ty == w.gate_exps.ty && !s.exact_activations
+}
+
+/// [`expert_hidden`] of the rows `s.xq` holds, quantized for the gate's type (where
+/// [`shares_activations`]).
+fn expert_hidden_held(
+    w: &MoeWeights,
+    act: GatedActivation,
+    ex: usize,
+    bytes: &ExpertBytes<'_>,
+    s: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let mut g = Vec::new();
+    linear_bytes_again(&w.gate_exps, bytes.gate, bytes.packed[0], w.gate_exps.n_rows(), s, &mut g)?;
+    hidden_from(w, act, ex, bytes, g, s)
+}
+
+/// The up product of the rows `s.xq` holds, then `act(g, u)` with the gate's `g`.
+fn hidden_from(
+    w: &MoeWeights,
+    act: GatedActivation,
+    ex: usize,
+    bytes: &ExpertBytes<'_>,
+    mut g: Vec<f32>,
+    s: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let mut u = Vec::new();
+    linear_bytes_again(&w.up_exps, bytes.up, bytes.packed[1], w.up_exps.n_rows(), s, &mut u)?;
     finish_hidden(w, act, ex, &mut g, &mut u);
     Ok(g)
 }

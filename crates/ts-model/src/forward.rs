@@ -114,6 +114,16 @@ pub fn linear_bytes_again(
     matmul_quantized(w, bytes, packed, n_out, scratch, out)
 }
 
+/// Makes the activations `scratch` holds for [`linear_bytes_again`] rows `rows` of `xq` (a
+/// batch quantized once, each expert taking its rows' blocks).
+pub(crate) fn hold_quantized_rows(
+    scratch: &mut Scratch,
+    xq: &ts_cpu::QuantizedRows,
+    rows: &[usize],
+) -> Result<(), ModelError> {
+    scratch.xq.gather(xq, rows).map_err(|e| ModelError::Compute(format!("activation rows: {e}")))
+}
+
 /// `out` `[m][n_out]` = `scratch.xq` · `bytes`' rows, through the packed or the GGUF layout's kernels.
 fn matmul_quantized(
     w: &Weight,
