@@ -525,14 +525,12 @@ pub fn expert_hidden(
     s: &mut Scratch,
 ) -> Result<Vec<f32>, ModelError> {
     let f = w.gate_exps.n_rows();
-    if shares_activations(w, s) {
-        // Quantized once (by the gate's product) for both products.
-        let mut g = Vec::new();
-        linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
-        return hidden_from(w, act, ex, bytes, g, s);
-    }
     let (mut g, mut u) = (Vec::new(), Vec::new());
     linear_bytes(&w.gate_exps, bytes.gate, bytes.packed[0], f, xs, n, s, &mut g)?;
+    if shares_activations(w, s) {
+        // The gate's quantized rows serve the up product too.
+        return hidden_from(w, act, ex, bytes, g, s);
+    }
     linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
     finish_hidden(w, act, ex, &mut g, &mut u);
     Ok(g)

@@ -107,7 +107,8 @@ pub fn linear_bytes_again(
     scratch: &mut Scratch,
     out: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
-    if scratch.exact_activations || scratch.xq.k() != w.row_len() {
+    let held_for = ts_cpu::activation_type(w.ty).ok();
+    if scratch.exact_activations || scratch.xq.k() != w.row_len() || held_for != Some(scratch.xq.ty()) {
         return Err(ModelError::Compute(format!("{}: no 8-bit activations of its rows held", w.name)));
     }
     resize_zeroed(out, scratch.xq.m() * n_out);

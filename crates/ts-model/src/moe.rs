@@ -23,10 +23,10 @@ fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     // gives what sorting every index gives (a full sort of 128 experts was most of a
     // prompt's routing time).
     let order = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
-    let mut idx: Vec<usize> = (0..values.len()).collect();
     if k == 0 {
         return Vec::new();
     }
+    let mut idx: Vec<usize> = (0..values.len()).collect();
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);
         idx.truncate(k);

@@ -196,30 +196,30 @@ fn bench_runs_each_thread_count_of_a_list() {
 fn cpu_timing_accounts_for_a_decode_step() {
     let _alone = alone();
     let model = model("smollm2-135m-instruct-q4_1.gguf");
-    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
-        .args(["bench", "-m", model.to_str().unwrap(), "-t", "2", "-p", "0", "-n", "128", "-r", "1", "--json"])
-        .env("TURBOSPARK_CPU_TIMING", "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let line = stderr.lines().rfind(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
-    let wall = check_cpu_timing_line(line, &[]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // `bench` at 2 threads with the knob on: its stdout and its last timing line.
+    let timed = |tests: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+            .args(["bench", "-m", model.to_str().unwrap(), "-t", "2"])
+            .args(tests)
+            .env("TURBOSPARK_CPU_TIMING", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let line =
+            stderr.lines().rfind(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
+        (out.stdout, line.to_string())
+    };
+    let (stdout, line) = timed(&["-p", "0", "-n", "128", "-r", "1", "--json"]);
+    let wall = check_cpu_timing_line(&line, &[]);
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let tps = v["tests"][0]["tokens_per_second"].as_f64().unwrap();
     let step_ms = 1000.0 / tps;
     assert!((wall - step_ms).abs() < 0.3 * step_ms, "a step of {wall} ms against {step_ms} ms from bench: {line}");
     // A prompt's batches are counted apart (a report every 8).
-    let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
-        .args(["bench", "-m", model.to_str().unwrap(), "-t", "2", "-p", "32", "-n", "0", "-r", "8"])
-        .env("TURBOSPARK_CPU_TIMING", "1")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let line = stderr.lines().find(|l| l.starts_with("cpu timing:")).unwrap_or_else(|| panic!("no report: {stderr}"));
+    let (_, line) = timed(&["-p", "32", "-n", "0", "-r", "8"]);
     assert!(line.starts_with("cpu timing: 8 steps of 32 rows,"), "{line}");
-    check_cpu_timing_line(line, &[32.0]);
+    check_cpu_timing_line(&line, &[32.0]);
 }
 
 /// Checks a `TURBOSPARK_CPU_TIMING` line of a 2-thread run (`rows`: the batch's row count
