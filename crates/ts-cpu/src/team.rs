@@ -98,6 +98,24 @@ thread_local! {
     /// Whether this thread is in a scope, leading or following (a scope inside one runs its
     /// body alone: every thread of the pool is taken).
     static IN_SCOPE: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread runs its [`for_each`] regions by itself ([`on_this_thread`]).
+    static ALONE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `body` with every [`for_each`] inside it on this thread, item after item: for work
+/// that is already one of many parallel tasks (an expert of a prompt's MoE layer), whose
+/// products would otherwise be cut into pieces small enough for the stealing to cost more
+/// than it evens out. The items' floats are the same either way.
+pub fn on_this_thread<R>(body: impl FnOnce() -> R) -> R {
+    /// Puts the flag back on the way out, a panic's too.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ALONE.with(|a| a.set(self.0));
+        }
+    }
+    let _restore = Restore(ALONE.with(|a| a.replace(true)));
+    body()
 }
 
 /// Runs `body` with every thread of the current rayon pool spinning for its [`for_each`]
@@ -201,6 +219,10 @@ fn take_items(job: &Job<'_>, shares: &[Share], seat: usize) {
 /// Runs `f(i)` for every `i` in `0..n` over the threads: the scope's spinning threads where
 /// this thread leads one, else a rayon parallel loop.
 pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    if ALONE.with(Cell::get) {
+        (0..n).for_each(f);
+        return;
+    }
     let team = LEADS.with(|l| l.get());
     if team.is_null() || n < 2 {
         if n == 1 {

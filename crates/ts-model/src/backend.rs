@@ -461,6 +461,22 @@ pub trait Backend: Sized + Send + Sync {
         y: &mut Self::Act,
         s: &mut Self::Scratch,
     ) -> Result<(), ModelError>;
+    /// [`Backend::expert_gate_up`] then [`Backend::expert_down`] for the pairs `at`, into `y`
+    /// (a backend may run each expert's two steps together). Default: the two calls.
+    #[allow(clippy::too_many_arguments)]
+    fn expert_ffn(
+        &self,
+        w: &MoeWeights,
+        act: GatedActivation,
+        x: &Self::Act,
+        routes: &Self::Routes,
+        at: &ExpertsAt<'_, Self::ExpertGroup<'_>>,
+        y: &mut Self::Act,
+        s: &mut Self::Scratch,
+    ) -> Result<(), ModelError> {
+        let h = self.expert_gate_up(w, act, x, routes, at, s)?;
+        self.expert_down(w, &h, routes, at, y, s)
+    }
     /// `y[p]` for the pairs of group `at` whose experts the backend left to the host's CPU
     /// (a GPU's cache misses computed where the expert is, not copied in), as
     /// `expert_gate_up` then `expert_down` would write them. Asked after the group's matmuls

@@ -135,57 +135,77 @@ impl Backend for Cpu {
 
     /// Pieces normed 64 at a time over the threads (per-head q/k norms of a prompt's rows).
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
-        const PIECES: usize = 64;
-        if piece == 0 {
-            return Ok(());
-        }
-        let whole = x.len() / piece * piece;
-        ts_cpu::team::for_each_chunk(&mut x[..whole], PIECES * piece, &|_, xs| ops::rms_norm_pieces(xs, piece, w, eps));
-        Ok(())
+        timing().time(Phase::Norm, || {
+            const PIECES: usize = 64;
+            if piece == 0 {
+                return Ok(());
+            }
+            let whole = x.len() / piece * piece;
+            ts_cpu::team::for_each_chunk(&mut x[..whole], PIECES * piece, &|_, xs| {
+                ops::rms_norm_pieces(xs, piece, w, eps)
+            });
+            Ok(())
+        })
     }
 
     fn rms_norm_to(&self, x: &Vec<f32>, w: &[f32], eps: f32) -> Result<Vec<f32>, ModelError> {
-        let e = w.len();
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(e).zip(x.par_chunks(e)).for_each(|(o, r)| ops::rms_norm(r, Some(w), eps, o));
-        Ok(out)
+        timing().time(Phase::Norm, || {
+            let e = w.len();
+            let mut out = zeroed(x.len() / e.max(1) * e);
+            for_each_row_piece(&mut out, &mut [], e, &|r, o, _| ops::rms_norm(&x[r * e..(r + 1) * e], Some(w), eps, o));
+            Ok(out)
+        })
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), ModelError> {
-        ops::add_inplace(x, y);
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            let y = &y[..x.len().min(y.len())];
+            let x = &mut x[..y.len()];
+            ts_cpu::team::for_each_chunk(x, PARALLEL_COPY_FLOATS, &|i, xs| {
+                ops::add_inplace(xs, &y[i * PARALLEL_COPY_FLOATS..]);
+            });
+            Ok(())
+        })
     }
 
     fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), ModelError> {
-        ops::scale_inplace(x, s);
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            ops::scale_inplace(x, s);
+            Ok(())
+        })
     }
 
     fn softcap(&self, x: &mut Vec<f32>, c: f32) -> Result<(), ModelError> {
-        x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+            Ok(())
+        })
     }
 
     fn gated(&self, act: GatedActivation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<(), ModelError> {
-        gated_activation(act, gate, up);
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            gated_activation(act, gate, up);
+            Ok(())
+        })
     }
 
     /// Rows rotated 8 at a time over the threads (one by one on the step's thread, this was a
     /// serial part of a prompt).
     fn rope(&self, _il: usize, rope: &Rope, x: &mut Vec<f32>, head_dim: usize, rows: &[Row]) -> Result<(), ModelError> {
-        const ROWS: usize = 8;
-        let width = x.len() / rows.len().max(1);
-        if width == 0 {
-            return Ok(());
-        }
-        let x = &mut x[..rows.len() * width];
-        ts_cpu::team::for_each_chunk(x, ROWS * width, &|i, xs| {
-            for (r, xr) in rows[i * ROWS..].iter().zip(xs.chunks_exact_mut(width)) {
-                rope.apply(xr, head_dim, r.pos as u32);
+        timing().time(Phase::Rope, || {
+            const ROWS: usize = 8;
+            let width = x.len() / rows.len().max(1);
+            if width == 0 {
+                return Ok(());
             }
-        });
-        Ok(())
+            let x = &mut x[..rows.len() * width];
+            ts_cpu::team::for_each_chunk(x, ROWS * width, &|i, xs| {
+                for (r, xr) in rows[i * ROWS..].iter().zip(xs.chunks_exact_mut(width)) {
+                    rope.apply(xr, head_dim, r.pos as u32);
+                }
+            });
+            Ok(())
+        })
     }
 
     fn store_kv(
@@ -196,12 +216,14 @@ impl Backend for Cpu {
         rows: &[Row],
         seqs: &mut [&mut SeqState<CpuState>],
     ) -> Result<(), ModelError> {
-        let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
-        for (i, r) in rows.iter().enumerate() {
-            let cache = kv_cache_mut(seqs[r.seq], il)?;
-            cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
-        }
-        Ok(())
+        timing().time(Phase::Rope, || {
+            let (kv_dim, v_dim) = (k.len() / rows.len().max(1), v.len() / rows.len().max(1));
+            for (i, r) in rows.iter().enumerate() {
+                let cache = kv_cache_mut(seqs[r.seq], il)?;
+                cache.store(r.pos, &k[i * kv_dim..(i + 1) * kv_dim], &v[i * v_dim..(i + 1) * v_dim]);
+            }
+            Ok(())
+        })
     }
 
     fn attention(
@@ -265,23 +287,27 @@ impl Backend for Cpu {
     }
 
     fn copy(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
-        Ok(x.clone())
+        timing().time(Phase::SmallOps, || Ok(x.clone()))
     }
 
     fn columns(&self, x: &Vec<f32>, rows: usize, width: usize, start: usize, n: usize) -> Result<Vec<f32>, ModelError> {
-        if start + n > width || x.len() < rows * width {
-            return Err(ModelError::Compute(format!(
-                "columns {start}..{} of {rows} rows of {width} from {} floats",
-                start + n,
-                x.len()
-            )));
-        }
-        Ok(x.chunks_exact(width).take(rows).flat_map(|r| &r[start..start + n]).copied().collect())
+        timing().time(Phase::SmallOps, || {
+            if start + n > width || x.len() < rows * width {
+                return Err(ModelError::Compute(format!(
+                    "columns {start}..{} of {rows} rows of {width} from {} floats",
+                    start + n,
+                    x.len()
+                )));
+            }
+            Ok(x.chunks_exact(width).take(rows).flat_map(|r| &r[start..start + n]).copied().collect())
+        })
     }
 
     fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
-        x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
+            Ok(())
+        })
     }
 
     fn conv_silu(
@@ -326,12 +352,14 @@ impl Backend for Cpu {
     }
 
     fn sigmoid_gate(&self, y: &mut Vec<f32>, x: &Vec<f32>, gate: &[f32]) -> Result<(), ModelError> {
-        let e = gate.len();
-        for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
-            let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
-            ops::scale_inplace(yr, ops::sigmoid(dot));
-        }
-        Ok(())
+        timing().time(Phase::SmallOps, || {
+            let e = gate.len();
+            for (yr, xr) in y.chunks_exact_mut(e).zip(x.chunks_exact(e)) {
+                let dot: f32 = gate.iter().zip(xr).map(|(a, b)| a * b).sum();
+                ops::scale_inplace(yr, ops::sigmoid(dot));
+            }
+            Ok(())
+        })
     }
 
     fn route(
@@ -405,34 +433,55 @@ impl Backend for Cpu {
             if let Some(experts) = flat_experts(w, routes, at, s)? {
                 return flat_gate_up(w, act, x, &experts);
             }
-            let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
+            let f = w.gate_exps.n_rows();
             let mut h = vec![0f32; routes.ids.len() * f];
-            // The rows quantized once for every expert where gate and up take the same 8-bit
-            // activations (each expert gathers its rows' blocks), else gathered as floats.
-            let quantized = match shares_activations(w, s) {
-                true => {
-                    let mut xq = ts_cpu::QuantizedRows::new();
-                    xq.quantize(w.gate_exps.ty, &x[..routes.ids.len() / routes.k.max(1) * e], e)
-                        .map_err(|err| ModelError::Compute(format!("{}: {err}", w.gate_exps.name)))?;
-                    Some(xq)
-                }
-                false => None,
-            };
-            // One expert's h for its pairs, `[pairs][f]`.
+            let quantized = prompt_rows_quantized(w, x, routes, s)?;
             let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
-                let rows = pairs.iter().map(|&p| p / routes.k);
-                match &quantized {
-                    Some(xq) => {
-                        hold_quantized_rows(s, xq, &rows.collect::<Vec<_>>())?;
-                        expert_hidden_held(w, act, ex, &bytes, s)
-                    }
-                    None => expert_hidden(w, act, ex, &bytes, &gather_rows(x, e, rows), pairs.len(), s),
-                }
+                hidden_of_pairs(w, act, x, quantized.as_ref(), routes.k, (ex, &bytes), pairs, s)
             };
             let mut done = Vec::new();
             map_experts(w, routes, at, s, gate_up, |pairs, g| done.push((pairs.to_vec(), g)))?;
-            scatter_rows(&mut h, f, &done);
+            timing().time(Phase::Combine, || scatter_rows(&mut h, f, &done));
             Ok(h)
+        })
+    }
+
+    /// A prompt's experts each run gate/up and then down on one task (no `h` for every pair
+    /// written, then read back, and one parallel region a layer instead of two); a one-row
+    /// step's flat products keep the two regions.
+    fn expert_ffn(
+        &self,
+        w: &MoeWeights,
+        act: GatedActivation,
+        x: &Vec<f32>,
+        routes: &CpuRoutes,
+        at: &ExpertsAt<'_, ExpertSet<'_>>,
+        y: &mut Vec<f32>,
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        if !fused_experts() || routes.ids.len() / routes.k.max(1) < PARALLEL_EXPERT_ROWS {
+            let h = self.expert_gate_up(w, act, x, routes, at, s)?;
+            return self.expert_down(w, &h, routes, at, y, s);
+        }
+        timing().time(Phase::ExpertsFused, || {
+            let e = w.down_exps.n_rows();
+            check_rows(y, routes.ids.len() * e, e)?;
+            let quantized = prompt_rows_quantized(w, x, routes, s)?;
+            let rows = PairRows(y.as_mut_ptr(), e);
+            let rows = &rows;
+            // Each expert writes its own pairs' rows of `y`, from its task.
+            let ffn = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
+                let h = hidden_of_pairs(w, act, x, quantized.as_ref(), routes.k, (ex, &bytes), pairs, s)?;
+                let d = expert_output(w, ex, &bytes, &h, pairs.len(), s)?;
+                for (&p, src) in pairs.iter().zip(d.chunks_exact(e)) {
+                    // SAFETY: `y` holds `routes.ids.len()` rows (checked above) and is borrowed
+                    // mutably for this call; the experts' pair lists split the pairs, so no
+                    // other task writes row `p`.
+                    unsafe { rows.row(p) }.copy_from_slice(src);
+                }
+                Ok(())
+            };
+            map_experts(w, routes, at, s, ffn, |_, ()| {})
         })
     }
 
@@ -457,34 +506,66 @@ impl Backend for Cpu {
             };
             let mut done = Vec::new();
             map_experts(w, routes, at, s, down, |pairs, d| done.push((pairs.to_vec(), d)))?;
-            scatter_rows(y, e, &done);
+            timing().time(Phase::Combine, || scatter_rows(y, e, &done));
             Ok(())
         })
     }
 
     fn combine(&self, y: &Vec<f32>, routes: &CpuRoutes, width: usize) -> Result<Vec<f32>, ModelError> {
-        let k = routes.k.max(1);
-        let mut out = vec![0f32; routes.ids.len() / k * width];
-        // Row r's sum of its k pairs' outputs, slot by slot (the same order for any split).
-        let row_sum = |(r, o): (usize, &mut [f32])| {
-            for (p, &wt) in routes.weights.iter().enumerate().skip(r * k).take(k) {
-                o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
-            }
-        };
-        if y.len() >= PARALLEL_COPY_FLOATS {
-            out.par_chunks_mut(width).enumerate().for_each(row_sum);
-        } else {
-            out.chunks_mut(width).enumerate().for_each(row_sum);
-        }
-        Ok(out)
+        timing().time(Phase::Combine, || {
+            let mut out = zeroed(routes.ids.len() / routes.k.max(1) * width);
+            for_each_row_piece(&mut out, &mut [], width, &|r, o, _| combined_row(y, routes, r, o));
+            Ok(out)
+        })
+    }
+
+    /// Each row's residual add and norm in one pass, rows over the threads.
+    fn add_rms_norm_to(&self, x: &mut Vec<f32>, y: &Vec<f32>, w: &[f32], eps: f32) -> Result<Vec<f32>, ModelError> {
+        timing().time(Phase::Norm, || {
+            let e = w.len();
+            check_rows(x, y.len(), e)?;
+            let mut out = zeroed(x.len());
+            for_each_row_piece(x, &mut out, e, &|r, xr, o| {
+                ops::add_inplace(xr, &y[r * e..(r + 1) * e]);
+                ops::rms_norm(xr, Some(w), eps, o);
+            });
+            Ok(out)
+        })
+    }
+
+    /// Each row's weighted sum of its experts' outputs, residual add and norm in one pass
+    /// (the sum first, in [`Backend::combine`]'s order, then added: the same floats).
+    fn add_combined_rms_norm_to(
+        &self,
+        x: &mut Vec<f32>,
+        y: &Vec<f32>,
+        routes: &CpuRoutes,
+        w: &[f32],
+        eps: f32,
+    ) -> Result<Vec<f32>, ModelError> {
+        timing().time(Phase::Norm, || {
+            let e = w.len();
+            check_rows(x, routes.ids.len() / routes.k.max(1) * e, e)?;
+            let mut out = zeroed(x.len());
+            for_each_row_piece(x, &mut out, e, &|r, xr, o| {
+                combined_row(y, routes, r, o);
+                ops::add_inplace(xr, o);
+                ops::rms_norm(xr, Some(w), eps, o);
+            });
+            Ok(out)
+        })
+    }
+
+    fn uninit(&self, n: usize) -> Result<Vec<f32>, ModelError> {
+        timing().time(Phase::SmallOps, || Ok(zeroed(n)))
     }
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>, ModelError> {
-        Ok(vec![0.0; n])
+        timing().time(Phase::SmallOps, || Ok(zeroed(n)))
     }
 
     fn select_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize]) -> Result<Vec<f32>, ModelError> {
-        Ok(gather_rows(x, width, rows.iter().copied()))
+        timing().time(Phase::SmallOps, || Ok(gather_rows(x, width, rows.iter().copied())))
     }
 
     fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
@@ -511,6 +592,55 @@ fn read_kv(state: &CpuState, il: usize) -> Option<&crate::state::LayerCache> {
         LayerState::Kv(c) => Some(c),
         _ => None,
     }
+}
+
+/// A prompt's rows `x` `[m][n_embd]` quantized once for every expert where gate and up take
+/// the same 8-bit activations (each expert then gathers its rows' blocks); None where each
+/// expert gathers its rows as floats.
+fn prompt_rows_quantized(
+    w: &MoeWeights,
+    x: &[f32],
+    routes: &CpuRoutes,
+    s: &Scratch,
+) -> Result<Option<ts_cpu::QuantizedRows>, ModelError> {
+    if !shares_activations(w, s) {
+        return Ok(None);
+    }
+    let e = w.gate_exps.row_len();
+    let mut xq = ts_cpu::QuantizedRows::new();
+    xq.quantize(w.gate_exps.ty, &x[..routes.ids.len() / routes.k.max(1) * e], e)
+        .map_err(|err| ModelError::Compute(format!("{}: {err}", w.gate_exps.name)))?;
+    Ok(Some(xq))
+}
+
+/// Expert `ex`'s h for `pairs` (pair p is row p / k of `x`), `[pairs][n_ff_exp]`: from the
+/// rows' blocks in `quantized` where there are, else from their floats.
+#[allow(clippy::too_many_arguments)]
+fn hidden_of_pairs(
+    w: &MoeWeights,
+    act: GatedActivation,
+    x: &[f32],
+    quantized: Option<&ts_cpu::QuantizedRows>,
+    k: usize,
+    (ex, bytes): (usize, &ExpertBytes<'_>),
+    pairs: &[usize],
+    s: &mut Scratch,
+) -> Result<Vec<f32>, ModelError> {
+    let rows = pairs.iter().map(|&p| p / k);
+    match quantized {
+        Some(xq) => {
+            hold_quantized_rows(s, xq, &rows.collect::<Vec<_>>())?;
+            expert_hidden_held(w, act, ex, bytes, s)
+        }
+        None => expert_hidden(w, act, ex, bytes, &gather_rows(x, w.gate_exps.row_len(), rows), pairs.len(), s),
+    }
+}
+
+/// Whether a prompt's experts run gate/up and down on one task each (`TURBOSPARK_FUSED_EXPERTS=0`,
+/// a measurement knob, keeps the two regions).
+fn fused_experts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TURBOSPARK_FUSED_EXPERTS").as_deref() != Ok("0"))
 }
 
 /// Expert `ex`'s `act(gate · x + bias) * (up · x + bias)` for the `n` rows `xs`
@@ -647,6 +777,86 @@ fn scatter_rows(dst: &mut [f32], width: usize, results: &[(Vec<usize>, Vec<f32>)
     } else {
         dst.chunks_mut(width).zip(&from).for_each(copy);
     }
+}
+
+/// The rows `[pairs][width]` of a MoE layer's expert outputs, handed to the experts' tasks:
+/// each writes only its own pairs' rows.
+struct PairRows(*mut f32, usize);
+// SAFETY: tasks write disjoint rows (see `Cpu::expert_ffn`).
+unsafe impl Sync for PairRows {}
+
+impl PairRows {
+    /// Row `p`.
+    ///
+    /// # Safety
+    /// Row `p` lies within the rows this was made from, which outlive the returned slice,
+    /// and no other thread reads or writes it meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, p: usize) -> &mut [f32] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(p * self.1), self.1) }
+    }
+}
+
+/// `n` zeros, written over the threads where `n` is [`PARALLEL_COPY_FLOATS`] or more (one
+/// thread zeroing a prompt's 8 MiB of expert outputs was serial time a layer).
+fn zeroed(n: usize) -> Vec<f32> {
+    if n < PARALLEL_COPY_FLOATS {
+        return vec![0.0; n];
+    }
+    let mut v = Vec::with_capacity(n);
+    ts_cpu::team::for_each_chunk(&mut v.spare_capacity_mut()[..n], PARALLEL_COPY_FLOATS, &|_, c| {
+        c.fill(std::mem::MaybeUninit::new(0.0))
+    });
+    // SAFETY: the loop above wrote each of the first `n` elements.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// Row `r`'s sum of its k pairs' outputs `y` `[m * k][width]` into `o` (zeros), slot by slot:
+/// the same order for any split.
+fn combined_row(y: &[f32], routes: &CpuRoutes, r: usize, o: &mut [f32]) {
+    let (k, width) = (routes.k.max(1), o.len());
+    for (p, &wt) in routes.weights.iter().enumerate().skip(r * k).take(k) {
+        o.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &v)| *o += wt * v);
+    }
+}
+
+/// An error unless `x` holds whole rows of `width` and `other` floats as many.
+fn check_rows(x: &[f32], other: usize, width: usize) -> Result<(), ModelError> {
+    if width == 0 || !x.len().is_multiple_of(width) || other != x.len() {
+        return Err(ModelError::Compute(format!("rows of {width} over {} and {other} floats", x.len())));
+    }
+    Ok(())
+}
+
+/// What [`for_each_row_piece`] calls for each row: its index, then its rows of the two outputs.
+type RowFn<'a> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'a;
+
+/// Rows handed out a few at a time over the threads: `f(r, row r of a, row r of b)` for each
+/// row of `a` `[m][width]`, with `b` the same shape or empty (then `f` gets an empty row).
+fn for_each_row_piece(a: &mut [f32], b: &mut [f32], width: usize, f: &RowFn<'_>) {
+    /// Rows an item takes: a few KiB of each.
+    const ROWS: usize = 4;
+    let rows = a.len() / width.max(1);
+    let run = |first: usize, a: &mut [f32], b: &mut [f32]| {
+        for (i, ar) in a.chunks_exact_mut(width).enumerate() {
+            let br = if b.is_empty() { &mut [][..] } else { &mut b[i * width..(i + 1) * width] };
+            f(first + i, ar, br);
+        }
+    };
+    if rows * width < PARALLEL_COPY_FLOATS {
+        return run(0, a, b);
+    }
+    let pieces: Vec<std::sync::Mutex<(&mut [f32], &mut [f32])>> = match b.is_empty() {
+        true => a.chunks_mut(ROWS * width).map(|a| std::sync::Mutex::new((a, &mut [][..]))).collect(),
+        false => a.chunks_mut(ROWS * width).zip(b.chunks_mut(ROWS * width)).map(std::sync::Mutex::new).collect(),
+    };
+    ts_cpu::team::for_each(pieces.len(), &|i| {
+        let mut piece = pieces[i].lock().expect("a piece of rows");
+        let (a, b) = &mut *piece;
+        run(i * ROWS, a, b);
+    });
 }
 
 thread_local! {
@@ -911,6 +1121,23 @@ fn decode_products() -> DecodeProducts {
     })
 }
 
+/// Whether a prompt's `experts` (those with pairs) run one whole expert a thread, each
+/// expert's products on its thread alone, rather than as rayon tasks whose products split
+/// further over idle threads (`TURBOSPARK_WHOLE_EXPERTS`: `1` always, `0` never, else where
+/// there are at least [`WHOLE_EXPERTS_PER_THREAD`] experts a thread to balance the load).
+fn whole_experts(experts: usize) -> bool {
+    static KNOB: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let knob = *KNOB.get_or_init(|| match std::env::var("TURBOSPARK_WHOLE_EXPERTS").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    });
+    knob.unwrap_or(experts >= WHOLE_EXPERTS_PER_THREAD * rayon::current_num_threads())
+}
+
+/// See [`whole_experts`].
+const WHOLE_EXPERTS_PER_THREAD: usize = 4;
+
 /// Rows `rows` of `x` (rows of `k`), one after another: whole-row copies (an iterator over
 /// their elements cost 2% of qwen3's prefill on two cores).
 fn gather_rows(x: &[f32], k: usize, rows: impl ExactSizeIterator<Item = usize>) -> Vec<f32> {
@@ -1119,7 +1346,29 @@ fn map_experts<T: Send>(
     };
     let tasks =
         routes.ids.len() / routes.k.max(1) >= PARALLEL_EXPERT_ROWS || decode_products() == DecodeProducts::Tasks;
-    if tasks && ready.len() > 1 {
+    if tasks && ready.len() > 1 && whole_experts(ready.len()) {
+        // Each thread takes one whole expert at a time, the experts with the most pairs first,
+        // and runs its products by itself.
+        let mut order: Vec<usize> = (0..ready.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(pairs_of[ready[i].0].len()));
+        let slots: Vec<std::sync::Mutex<Option<Result<T, ModelError>>>> =
+            ready.iter().map(|_| std::sync::Mutex::new(None)).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let base: &Scratch = s;
+        ts_cpu::team::for_each(rayon::current_num_threads().min(ready.len()), &|_| {
+            let mut sc = base.same_mode();
+            ts_cpu::team::on_this_thread(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                    let (ex, bytes) = ready[i];
+                    let r = f(ex, bytes, &pairs_of[ex], &mut sc);
+                    *slots[i].lock().expect("an expert's slot") = Some(r);
+                }
+            })
+        });
+        for (&(ex, _), slot) in ready.iter().zip(slots) {
+            sink(&pairs_of[ex], slot.into_inner().expect("an expert's slot").expect("every expert ran")?);
+        }
+    } else if tasks && ready.len() > 1 {
         use rayon::prelude::*;
         let results: Vec<Result<T, ModelError>> =
             ready.par_iter().map_init(|| s.same_mode(), |sc, &(ex, bytes)| f(ex, bytes, &pairs_of[ex], sc)).collect();

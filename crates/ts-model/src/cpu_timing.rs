@@ -1,6 +1,7 @@
 //! `TURBOSPARK_CPU_TIMING=1`, a measurement knob: where a CPU step's wall time goes, by kind of
-//! op (the weight products, the output head, attention, routing, the experts' products; the
-//! rest is norms, rotations, cache stores, small ops and the host's work), and how long threads were idle during the phases that run
+//! op (the weight products, the output head, attention, routing, the experts' products, norms,
+//! rotations with cache stores, the experts' combine, small ops; the rest is the host's work
+//! between them), and how long threads were idle during the phases that run
 //! products (their wall time times the thread count, less the threads' time in the products'
 //! tasks, `ts_cpu::work_time`: waits at a region's start and end, and the phase's serial work
 //! such as quantizing the input or choosing experts). Each step from its start to the next
@@ -23,11 +24,22 @@ pub(crate) enum Phase {
     Route,
     ExpertGateUp,
     ExpertDown,
+    /// A prompt's experts, gate/up and down on one task each.
+    ExpertsFused,
+    /// RMS norms (with a following residual add or copy where a backend fuses them).
+    Norm,
+    /// Rotary embeddings (with per-head norms) and the stores into the KV cache.
+    Rope,
+    /// The sum of each row's expert outputs, weighted.
+    Combine,
+    /// Residual adds, scales, activations, copies and selections of rows or columns.
+    SmallOps,
 }
 
-const PHASES: usize = 6;
+const PHASES: usize = 11;
 /// The phases that run products in parallel regions.
-const REGIONS: [Phase; 5] = [Phase::Products, Phase::Head, Phase::Route, Phase::ExpertGateUp, Phase::ExpertDown];
+const REGIONS: [Phase; 6] =
+    [Phase::Products, Phase::Head, Phase::Route, Phase::ExpertGateUp, Phase::ExpertDown, Phase::ExpertsFused];
 
 /// The counted steps of one kind (decode or batches).
 #[derive(Default)]
@@ -60,6 +72,11 @@ struct Totals {
 /// The knob's counters (None when it is off: every call is then one branch).
 pub(crate) struct CpuTiming(Option<Mutex<Totals>>);
 
+thread_local! {
+    /// Wall time of the phases timed inside the one in progress on this thread.
+    static INNER: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
 /// The process's counters: the CPU backend is a unit type.
 pub(crate) fn timing() -> &'static CpuTiming {
     static TIMING: std::sync::OnceLock<CpuTiming> = std::sync::OnceLock::new();
@@ -74,12 +91,17 @@ pub(crate) fn timing() -> &'static CpuTiming {
 
 impl CpuTiming {
     /// Runs `f`, its wall time and the threads' time in tasks meanwhile counted under `phase`.
+    /// A phase timed inside another (the experts' scatter inside their products) is taken out
+    /// of the outer one's time.
     pub(crate) fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
         let Some(totals) = &self.0 else { return f() };
         let (start, busy) = (Instant::now(), ts_cpu::work_time::busy());
+        let inner = INNER.with(|i| i.replace(Duration::ZERO));
         let out = f();
+        let took = start.elapsed();
+        let nested = INNER.with(|i| i.replace(inner + took));
         let mut t = totals.lock().expect("cpu timing lock");
-        t.pending[phase as usize] += start.elapsed();
+        t.pending[phase as usize] += took.saturating_sub(nested);
         t.pending_busy[phase as usize] += ts_cpu::work_time::busy().saturating_sub(busy);
         out
     }
@@ -134,8 +156,9 @@ impl Counts {
         let (waited, regions) = REGIONS.iter().fold((0.0, 0.0), |(w, r), &p| (w + idle(p), r + offered(p)));
         format!(
             "cpu timing: {} steps{kind}, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
-             experts gate/up {:.3} and down {:.3}, the rest (norms, small ops, host) {:.3}; during the products \
-             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down {})",
+             experts gate/up {:.3} and down {:.3}, experts fused {:.3}, norms {:.3}, rope and cache stores {:.3}, combine {:.3}, \
+             small ops {:.3}, the rest (host) {:.3}; during the products \
+             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {})",
             self.steps,
             per(self.wall),
             phase(Phase::Products),
@@ -144,6 +167,11 @@ impl Counts {
             phase(Phase::Route),
             phase(Phase::ExpertGateUp),
             phase(Phase::ExpertDown),
+            phase(Phase::ExpertsFused),
+            phase(Phase::Norm),
+            phase(Phase::Rope),
+            phase(Phase::Combine),
+            phase(Phase::SmallOps),
             per(other),
             threads,
             waited,

@@ -106,8 +106,7 @@ impl<B: Backend> Model<B> {
             // Every pair is written at once.
             let mut y = be.uninit(pairs * e)?;
             let at = ExpertsAt::Stacked;
-            let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
-            be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
+            be.expert_ffn(w, act, x, &routes, &at, &mut y, scratch)?;
             return Ok((y, routes));
         }
         // The next MoE layer's router applied to this layer's input guesses its experts.
@@ -147,8 +146,7 @@ impl<B: Backend> Model<B> {
                 prefetch(&set)?;
             }
             let at = ExpertsAt::Group { ids: group, group: &set, routes: &ids };
-            let h = be.expert_gate_up(w, act, x, &routes, &at, scratch)?;
-            be.expert_down(w, &h, &routes, &at, &mut y, scratch)?;
+            be.expert_ffn(w, act, x, &routes, &at, &mut y, scratch)?;
             if queued {
                 prefetch(&set)?;
             }

@@ -161,3 +161,42 @@ fn decode_product_modes_give_the_same_logits() {
         }
     }
 }
+
+/// A prompt's experts give the same logits, bit for bit, however the MoE layer runs them: gate/up
+/// and down as one task an expert or as two regions (`TURBOSPARK_FUSED_EXPERTS`), whole experts a
+/// thread or rayon tasks that split further (`TURBOSPARK_WHOLE_EXPERTS`), in a team of threads or
+/// not, resident or streamed.
+#[test]
+fn prompt_expert_modes_give_the_same_logits() {
+    // 20 rows: past the 16 from which a step's experts run as parallel tasks.
+    let tokens = (0..20).map(|i| (11 + 37 * i) % 200).map(|t: u32| t.to_string()).collect::<Vec<_>>().join(",");
+    for family in ["mixtral", "qwen3_moe", "gpt_oss"] {
+        let model = ts_testkit::fixtures_dir().join(format!("{family}/model-q8_0.gguf"));
+        let run = |knobs: &[(&str, &str)], extra: &[&str]| {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_turbospark"));
+            cmd.args(["logits", "-m", model.to_str().unwrap(), "--all", "--tokens", &tokens, "-t", "2"]).args(extra);
+            cmd.envs(knobs.iter().copied());
+            let out = cmd.output().unwrap();
+            assert!(out.status.success(), "{family}: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(!out.stdout.is_empty(), "{family}: no logits");
+            out.stdout
+        };
+        let plain = run(&[("TURBOSPARK_FUSED_EXPERTS", "0"), ("TURBOSPARK_WHOLE_EXPERTS", "0")], &[]);
+        for (fused, whole, team) in [("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1"), ("1", "1", "0")] {
+            let knobs = [
+                ("TURBOSPARK_FUSED_EXPERTS", fused),
+                ("TURBOSPARK_WHOLE_EXPERTS", whole),
+                ("TURBOSPARK_CPU_TEAM", team),
+            ];
+            assert!(
+                plain == run(&knobs, &[]),
+                "{family}: logits differ with fused {fused}, whole {whole}, team {team}"
+            );
+        }
+        let stream = ["--experts", "stream"];
+        assert!(
+            plain == run(&[("TURBOSPARK_FUSED_EXPERTS", "1")], &stream),
+            "{family}: logits differ with streamed experts, fused"
+        );
+    }
+}
