@@ -370,18 +370,32 @@ impl Backend for Cpu {
         expert_scale: Option<&[f32]>,
     ) -> Result<CpuRoutes, ModelError> {
         timing().time(Phase::Route, || {
-            let k = moe.n_expert_used;
-            // A prompt's rows over the threads.
-            let row = |l: &[f32]| crate::moe::route(moe, l, expert_scale);
-            let routes: Vec<crate::moe::Route> = if m >= PARALLEL_EXPERT_ROWS {
-                logits.par_chunks_exact(moe.n_expert).take(m).map(row).collect()
-            } else {
-                logits.chunks_exact(moe.n_expert).take(m).map(row).collect()
+            let (k, n) = (moe.n_expert_used, moe.n_expert);
+            if logits.len() < m * n {
+                return Err(ModelError::Compute(format!("{} router logits for {m} rows of {n}", logits.len())));
+            }
+            let (mut ids, mut weights) = (vec![0usize; m * k], vec![0f32; m * k]);
+            // Rows `first..` of the routes into `ids` and `weights` (their k entries each).
+            let route_rows = |first: usize, ids: &mut [usize], weights: &mut [f32]| {
+                for (i, (ids, weights)) in ids.chunks_exact_mut(k).zip(weights.chunks_exact_mut(k)).enumerate() {
+                    let r = first + i;
+                    let route = crate::moe::route(moe, &logits[r * n..(r + 1) * n], expert_scale);
+                    ids.copy_from_slice(&route.experts);
+                    weights.copy_from_slice(&route.weights);
+                }
             };
-            let (mut ids, mut weights) = (Vec::with_capacity(m * k), Vec::with_capacity(m * k));
-            for r in routes {
-                ids.extend(r.experts);
-                weights.extend(r.weights);
+            if m < PARALLEL_EXPERT_ROWS || k == 0 {
+                route_rows(0, &mut ids, &mut weights);
+            } else {
+                // A prompt's rows over the threads, a few at a time.
+                const ROWS: usize = 4;
+                let pieces: Vec<std::sync::Mutex<(&mut [usize], &mut [f32])>> =
+                    ids.chunks_mut(ROWS * k).zip(weights.chunks_mut(ROWS * k)).map(std::sync::Mutex::new).collect();
+                ts_cpu::team::for_each(pieces.len(), &|i| {
+                    let mut piece = pieces[i].lock().expect("a piece of routes");
+                    let (ids, weights) = &mut *piece;
+                    route_rows(i * ROWS, ids, weights);
+                });
             }
             Ok(CpuRoutes { ids, weights, k })
         })
