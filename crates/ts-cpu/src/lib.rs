@@ -107,21 +107,23 @@ pub fn matmul_strided(
 }
 
 /// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (whole multiples of 16
-/// rows: MXFP4, Q4_K, Q6_K, Q5_0 and Q8_0 on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
+/// rows: MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
 pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }
 
 /// Whether a matrix's one-row products are faster repacked: worth repacking streamed experts
-/// as they are read, and dense matrices at load. MXFP4, Q5_0 and Q8_0 on AVX-512 VNNI
-/// (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache Q5_0
-/// 118 -> 44, Q8_0 85 -> 52; a 151936x896 head from memory Q5_0 24 -> 33-36 GB/s, Q8_0 28-31
+/// as they are read, and dense matrices at load. MXFP4, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512
+/// VNNI (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache
+/// Q4_0 82 -> 31, Q4_1 100 -> 35, Q5_0 118 -> 44, Q8_0 85 -> 52; a 49152x576 Q4_1 matrix from
+/// memory 783 -> 446 us; a 151936x896 head from memory Q5_0 24 -> 33-36 GB/s, Q8_0 28-31
 /// -> 35-36, at or above a plain read). Q4_K's and Q6_K's one-row kernels are as fast on their
 /// blocks (memory-bound), so repacking them pays only for batches; on AVX2 the readers'
 /// repacking cost more than MXFP4's faster decode gained (gpt-oss 6 layers streamed under 2
 /// GiB, 2 cores: 8.0 / 9.8 tok/s repacked, 10.6 / 10.3 not).
 pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
-    matches!(weight_ty, GgmlType::MXFP4 | GgmlType::Q5_0 | GgmlType::Q8_0) && Isa::detect() == Isa::Avx512
+    matches!(weight_ty, GgmlType::MXFP4 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
+        && Isa::detect() == Isa::Avx512
 }
 
 /// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the
@@ -134,8 +136,8 @@ pub fn pack_rows(weight_ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> R
 
 /// Row `r` of `n_out` rows of `k` elements of `weight_ty` repacked by [`pack_rows`], back in
 /// its GGUF blocks, into `out` (resized): for reading single rows of a packed matrix (an
-/// embedding table that is also the packed output head). Q5_0, Q8_0 and MXFP4, the types
-/// whose dense matrices are packed.
+/// embedding table that is also the packed output head). Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4,
+/// the types whose dense matrices are packed.
 pub fn packed_row(
     weight_ty: GgmlType,
     w: &[u8],

@@ -62,6 +62,8 @@ pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
     use GgmlType as T;
     Some(match ty {
         T::MXFP4 => (pack_mxfp4 as PackFn, mxfp4_packed_tile as TileFn),
+        T::Q4_0 => (pack_q4_0, q4_0_packed_tile),
+        T::Q4_1 => (pack_q4_1, q4_1_packed_tile),
         T::Q5_0 => (pack_q5_0, q5_0_packed_tile),
         T::Q8_0 => (pack_q8_0, q8_0_packed_tile),
         T::Q4_K => (pack_q4k, q4k_packed_tile),
@@ -662,6 +664,62 @@ pub(crate) unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
     });
 }
 
+/// Bytes of one 32-element block of a packed Q4_0 panel (16 rows, the same as their GGUF
+/// blocks): the rows' 16 code bytes transposed by dwords ([`transpose_dwords`], four 64-byte
+/// vectors; vector `t`'s low nibbles are elements `4 t..4 t + 4` of each row, its high nibbles
+/// elements `16 + 4 t..`), then the rows' f16 scales.
+pub(crate) const Q4_0_PACKED_BLOCK: usize = 16 * 18;
+/// Where a packed Q4_0 or Q4_1 block keeps its scales (and Q4_1 its mins after them).
+const Q4_SCALES: usize = 256;
+const Q4_1_MINS: usize = 288;
+/// Bytes of one 32-element block of a packed Q4_1 panel: Q4_0's, then the rows' f16 mins.
+pub(crate) const Q4_1_PACKED_BLOCK: usize = 16 * 20;
+
+/// Repacks 4-bit legacy rows (blocks of `block_bytes`, their f16 scale first, then for Q4_1 an
+/// f16 min, then 16 code bytes from `codes`) in place, panel by panel, into the layout of
+/// [`pack_q4_0`] and [`pack_q4_1`].
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of `block_bytes`).
+#[inline(always)]
+unsafe fn pack_q4(w: &mut [u8], row_bytes: usize, block_bytes: usize, codes: usize) {
+    repack_panels(w, row_bytes, ROWS * block_bytes, |panel, b, out| {
+        let row = |r: usize| r * row_bytes + b * block_bytes;
+        // SAFETY: the caller's AVX-512; each row holds block `b`'s bytes.
+        let d = unsafe { transpose_dwords(ROWS, |r| panel.as_ptr().add(row(r) + codes)) };
+        for (t, d) in d.iter().enumerate() {
+            unsafe { _mm512_storeu_si512(out[64 * t..].as_mut_ptr().cast(), *d) };
+        }
+        for r in 0..ROWS {
+            out[Q4_SCALES + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
+            if codes == 4 {
+                out[Q4_1_MINS + 2 * r..][..2].copy_from_slice(&panel[row(r) + 2..][..2]);
+            }
+        }
+    });
+}
+
+/// Repacks Q4_0 rows in place, panel by panel, into the layout [`q4_0_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 18).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q4_0(w: &mut [u8], row_bytes: usize) {
+    unsafe { pack_q4(w, row_bytes, 18, 2) }
+}
+
+/// Repacks Q4_1 rows in place, panel by panel, into the layout [`q4_1_packed_tile`] reads.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
+/// of 20).
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+pub(crate) unsafe fn pack_q4_1(w: &mut [u8], row_bytes: usize) {
+    unsafe { pack_q4(w, row_bytes, 20, 4) }
+}
+
 /// Bytes of one 32-element block of a packed Q5_0 panel (16 rows, the same as their GGUF
 /// blocks): the rows' 16 code bytes transposed by dwords ([`transpose_dwords`], four 64-byte
 /// vectors; vector `t`'s low nibbles are elements `4 t..4 t + 4` of each row, its high nibbles
@@ -731,12 +789,24 @@ pub(crate) unsafe fn pack_q8_0(w: &mut [u8], row_bytes: usize) {
     });
 }
 
-/// Row `r` (< 16) of a packed panel's block `packed` (Q5_0, Q8_0 or MXFP4, as
-/// [`pack_q5_0`], [`pack_q8_0`] and [`pack_mxfp4`] lay it out) back as its GGUF block, into
+/// Row `r` (< 16) of a packed panel's block `packed` (Q4_0, Q4_1, Q5_0, Q8_0 or MXFP4, as
+/// the `pack_*` functions lay it out) back as its GGUF block, into
 /// `out`; false for another type. For reading single rows (an embedding table that is also the
 /// packed output head).
 pub(crate) fn gguf_block_of_packed(ty: GgmlType, packed: &[u8], r: usize, out: &mut [u8]) -> bool {
     match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            out[..2].copy_from_slice(&packed[Q4_SCALES + 2 * r..][..2]);
+            let codes = if ty == GgmlType::Q4_1 {
+                out[2..4].copy_from_slice(&packed[Q4_1_MINS + 2 * r..][..2]);
+                4
+            } else {
+                2
+            };
+            for t in 0..4 {
+                out[codes + 4 * t..][..4].copy_from_slice(&packed[64 * t + 4 * r..][..4]);
+            }
+        }
         GgmlType::Q5_0 => {
             out[..2].copy_from_slice(&packed[Q5_0_SCALES + 2 * r..][..2]);
             let mut qh = 0u32;
@@ -872,12 +942,26 @@ macro_rules! packed_legacy_tile {
     };
 }
 
-/// The smallest batch for which a packed Q5_0 or Q8_0 tile unpacks its panels once rather than
+/// The smallest batch for which a packed Q4_0, Q4_1, Q5_0 or Q8_0 tile unpacks its panels once rather than
 /// reading the packed blocks on every pass.
 const PACKED_UNPACK_MIN: usize = 32;
 
 /// The same for Q6_K, whose codes cost more to unpack on every pass.
 const Q6K_UNPACK_MIN: usize = 2;
+
+packed_legacy_tile!(
+    /// Q4_0 packed by [`pack_q4_0`].
+    q4_0_packed_tile,
+    q4_0_packed_direct,
+    Q4_0
+);
+
+packed_legacy_tile!(
+    /// Q4_1 packed by [`pack_q4_1`].
+    q4_1_packed_tile,
+    q4_1_packed_direct,
+    Q4_1
+);
 
 packed_legacy_tile!(
     /// Q5_0 packed by [`pack_q5_0`].
@@ -906,15 +990,48 @@ packed_legacy_tile!(
     Q8_0
 );
 
-/// A legacy format's packed block ([`pack_q5_0`], [`pack_q8_0`]): its size, where its f16
-/// scales are, and its eight steps as unsigned values (plus the format's offset), step `s`
+/// A legacy format's packed block ([`pack_q4_0`], [`pack_q4_1`], [`pack_q5_0`], [`pack_q8_0`]):
+/// its size, where its f16 scales (and mins) are, and its eight steps as unsigned values (plus the format's offset), step `s`
 /// holding elements `4 s..4 s + 4` of each row, as [`legacy_tile`]'s panel does.
 trait PackedLegacy: Format {
     const PACKED_BLOCK: usize;
     const PACKED_SCALES: usize;
+    /// Where the rows' f16 mins are, for formats with a min (Q4_1).
+    const PACKED_MINS: Option<usize> = None;
     /// # Safety
     /// Needs AVX-512 F and BW; `block` points at a whole packed block.
     unsafe fn steps(block: *const u8) -> [__m512i; 8];
+}
+
+/// Vector `t`'s low nibbles are step `t`, its high ones step `4 + t`.
+///
+/// # Safety
+/// Needs AVX-512 F and BW; `block` points at a whole packed Q4_0 or Q4_1 block.
+#[inline(always)]
+unsafe fn q4_steps(block: *const u8) -> [__m512i; 8] {
+    unsafe {
+        let v: [__m512i; 4] = std::array::from_fn(|t| _mm512_loadu_si512(block.add(64 * t).cast()));
+        std::array::from_fn(|s| nibbles512(v[s % 4], s >= 4))
+    }
+}
+
+impl PackedLegacy for Q4_0 {
+    const PACKED_BLOCK: usize = Q4_0_PACKED_BLOCK;
+    const PACKED_SCALES: usize = Q4_SCALES;
+    #[inline(always)]
+    unsafe fn steps(block: *const u8) -> [__m512i; 8] {
+        unsafe { q4_steps(block) }
+    }
+}
+
+impl PackedLegacy for Q4_1 {
+    const PACKED_BLOCK: usize = Q4_1_PACKED_BLOCK;
+    const PACKED_SCALES: usize = Q4_SCALES;
+    const PACKED_MINS: Option<usize> = Some(Q4_1_MINS);
+    #[inline(always)]
+    unsafe fn steps(block: *const u8) -> [__m512i; 8] {
+        unsafe { q4_steps(block) }
+    }
 }
 
 impl PackedLegacy for Q5_0 {
@@ -961,7 +1078,7 @@ unsafe fn packed_scales<F: PackedLegacy>(block: *const u8) -> __m512 {
     unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(block.add(F::PACKED_SCALES).cast())) }
 }
 
-/// A packed Q5_0 or Q8_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel.
+/// A packed Q4_0, Q4_1, Q5_0 or Q8_0 panel of `nb` blocks unpacked into [`legacy_tile`]'s panel.
 ///
 /// # Safety
 /// Needs AVX-512 F and BW; `packed` holds `nb` packed blocks, `panel` room for `nb` legacy
@@ -975,6 +1092,9 @@ unsafe fn unpack_legacy<F: PackedLegacy>(packed: *const u8, nb: usize, panel: *m
                 _mm512_store_si512(out.add(64 * s).cast(), *step);
             }
             _mm512_store_ps(out.add(32 * ROWS).cast(), packed_scales::<F>(block));
+            if let Some(mins) = F::PACKED_MINS {
+                _mm512_store_ps(out.add(36 * ROWS).cast(), _mm512_cvtph_ps(_mm256_loadu_si256(block.add(mins).cast())));
+            }
         }
     }
 }
@@ -1028,28 +1148,34 @@ unsafe fn unpack_q6k(packed: *const u8, nb: usize, panel: *mut u8) {
     }
 }
 
-/// One pass of `C` activation rows over a packed Q5_0 or Q8_0 panel of `nb` blocks: per lane
-/// (weight row), the dot product as [`legacy_pass`] computes it from a built panel, bit for bit.
+/// One pass of `C` activation rows over a packed Q4_0, Q4_1, Q5_0 or Q8_0 panel of `nb` blocks:
+/// per lane (weight row), the dot product as [`legacy_pass`] computes it from a built panel, bit
+/// for bit.
 ///
 /// # Safety
-/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 blocks.
+/// Needs AVX-512 VNNI; `panel` holds `nb` packed blocks and the rows of `a` as many Q8_0 (Q8_1
+/// for Q4_1) blocks.
 #[inline(always)]
 unsafe fn packed_legacy_pass<F: PackedLegacy, const C: usize>(
     panel: *const u8,
     nb: usize,
     a: &[ARow; C],
 ) -> [__m512; C] {
-    let log2 = F::OFFSET_LOG2.expect("packed legacy formats are signed, with an offset");
+    // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
+    let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
     unsafe {
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * F::PACKED_BLOCK);
             crate::simd::prefetch_ahead(block, F::PACKED_BLOCK);
-            // The unsigned values' offset is taken back through the block sums.
-            let mut sums: [__m512i; C] = std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << log2));
+            // A signed format's offset is taken back through the block sums.
+            let mut sums: [__m512i; C] = match F::OFFSET_LOG2 {
+                Some(log2) => std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << log2)),
+                None => [_mm512_setzero_si512(); C],
+            };
             for (s, step) in F::steps(block).iter().enumerate() {
                 for c in 0..C {
-                    let q = a[c].q.add(b * 34 + 2 + 4 * s);
+                    let q = a[c].q.add(b * a_bytes + a_qs + 4 * s);
                     sums[c] = _mm512_dpbusd_epi32(sums[c], *step, _mm512_set1_epi32(read_u32(q) as i32));
                 }
             }
@@ -1057,6 +1183,12 @@ unsafe fn packed_legacy_pass<F: PackedLegacy, const C: usize>(
             for c in 0..C {
                 let d = _mm512_mul_ps(scales, _mm512_set1_ps(*a[c].d.add(b)));
                 acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+            if let Some(at) = F::PACKED_MINS {
+                let mins = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(at).cast()));
+                for c in 0..C {
+                    acc[c] = _mm512_fmadd_ps(mins, _mm512_set1_ps(*a[c].s.add(b)), acc[c]);
+                }
             }
         }
         acc

@@ -361,7 +361,7 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// Rows repacked in place (MXFP4, Q4_K, Q6_K, Q5_0 and Q8_0 on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
+/// Rows repacked in place (MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
 /// products as the GGUF rows, against both references (`check`) and bit for bit against the
 /// batch (panel) kernel; every row as a one-row call computes it; shapes the packing does not
 /// take are refused by name.
@@ -391,6 +391,13 @@ fn packed_rows_match_the_gguf_rows() {
         (GgmlType::Q8_0, 16, 32),
         (GgmlType::Q8_0, 48, 896),
         (GgmlType::Q8_0, 32, 4864),
+        (GgmlType::Q4_0, 16, 32),
+        (GgmlType::Q4_0, 48, 896),
+        (GgmlType::Q4_0, 32, 4864),
+        (GgmlType::Q4_1, 16, 32),
+        (GgmlType::Q4_1, 64, 128),
+        (GgmlType::Q4_1, 48, 576),
+        (GgmlType::Q4_1, 32, 4864),
     ];
     for (ty, n_out, k) in shapes.into_iter().filter(|&(ty, n_out, _)| ts_cpu::packs(ty, n_out)) {
         let w = weights(&mut rng, ty, n_out, k, true);
@@ -447,7 +454,14 @@ fn packed_rows_match_the_gguf_rows() {
 fn packed_rows_read_back_as_gguf_blocks() {
     assert!(Isa::detect() == Isa::Avx512, "the 16-row packed layouts need AVX-512 VNNI, which this machine lacks");
     let mut rng = Rng::new(501);
-    for (ty, n_out, k) in [(GgmlType::Q5_0, 48, 896), (GgmlType::Q8_0, 32, 4864), (GgmlType::MXFP4, 48, 320)] {
+    let shapes = [
+        (GgmlType::Q4_0, 32, 896),
+        (GgmlType::Q4_1, 48, 576),
+        (GgmlType::Q5_0, 48, 896),
+        (GgmlType::Q8_0, 32, 4864),
+        (GgmlType::MXFP4, 48, 320),
+    ];
+    for (ty, n_out, k) in shapes {
         let w = weights(&mut rng, ty, n_out, k, true);
         let mut packed = w.clone();
         assert!(ts_cpu::pack_rows(ty, &mut packed, n_out, k).unwrap());
