@@ -127,6 +127,9 @@ impl Backend for Cpu {
         m: usize,
         s: &mut Scratch,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if m > 1 && !s.exact_activations {
+            return timing().time(Phase::Products, || batch_linears(ws, x, m, s));
+        }
         if m != 1 || s.exact_activations || ws.len() < 2 || decode_products() != DecodeProducts::Flat {
             return ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect();
         }
@@ -159,31 +162,28 @@ impl Backend for Cpu {
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<(), ModelError> {
         timing().time(Phase::SmallOps, || {
-            let y = &y[..x.len().min(y.len())];
-            let x = &mut x[..y.len()];
-            ts_cpu::team::for_each_chunk(x, PARALLEL_COPY_FLOATS, &|i, xs| {
-                ops::add_inplace(xs, &y[i * PARALLEL_COPY_FLOATS..]);
-            });
+            in_pieces_with(x, y, &|x, y| ops::add_inplace(x, y));
             Ok(())
         })
     }
 
     fn scale(&self, x: &mut Vec<f32>, s: f32) -> Result<(), ModelError> {
         timing().time(Phase::SmallOps, || {
-            ops::scale_inplace(x, s);
+            in_pieces(x, &|x| ops::scale_inplace(x, s));
             Ok(())
         })
     }
 
     fn softcap(&self, x: &mut Vec<f32>, c: f32) -> Result<(), ModelError> {
         timing().time(Phase::SmallOps, || {
-            x.iter_mut().for_each(|l| *l = c * (*l / c).tanh());
+            in_pieces(x, &|x| x.iter_mut().for_each(|l| *l = c * (*l / c).tanh()));
             Ok(())
         })
     }
 
     fn gated(&self, act: GatedActivation, gate: &mut Vec<f32>, up: &Vec<f32>) -> Result<(), ModelError> {
         timing().time(Phase::SmallOps, || {
+            // Over the threads already (ts-cpu's pieces of 4,096).
             gated_activation(act, gate, up);
             Ok(())
         })
@@ -305,7 +305,7 @@ impl Backend for Cpu {
 
     fn mul_sigmoid(&self, x: &mut Vec<f32>, gate: &Vec<f32>) -> Result<(), ModelError> {
         timing().time(Phase::SmallOps, || {
-            x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g));
+            in_pieces_with(x, gate, &|x, gate| x.iter_mut().zip(gate).for_each(|(x, &g)| *x *= ops::sigmoid(g)));
             Ok(())
         })
     }
@@ -812,19 +812,56 @@ impl PairRows {
     }
 }
 
-/// `n` zeros, written over the threads where `n` is [`PARALLEL_COPY_FLOATS`] or more (one
-/// thread zeroing a prompt's 8 MiB of expert outputs was serial time a layer).
-fn zeroed(n: usize) -> Vec<f32> {
-    if n < PARALLEL_COPY_FLOATS {
-        return vec![0.0; n];
+/// Projections of the `m` rows `x` (a prompt's q, k and v), its rows quantized once for all
+/// the weights that take the same 8-bit activations (each other weight quantizes them again).
+fn batch_linears(
+    ws: &[(&Weight, Option<&[f32]>)],
+    x: &[f32],
+    m: usize,
+    s: &mut Scratch,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let mut outs = Vec::with_capacity(ws.len());
+    let mut held: Option<(ts_gguf::GgmlType, usize)> = None;
+    for &(w, bias) in ws {
+        let mut out = Vec::new();
+        let wants = (ts_cpu::activation_type(w.ty).ok(), w.row_len());
+        match held {
+            Some((ty, k)) if wants == (Some(ty), k) => {
+                linear_bytes_again(w, w.bytes(), w.is_packed(), w.n_rows(), s, &mut out)?
+            }
+            _ => {
+                linear(w, x, m, s, &mut out)?;
+                held = wants.0.map(|ty| (ty, wants.1));
+            }
+        }
+        if let Some(b) = bias {
+            ops::add_bias_rows(&mut out, b);
+        }
+        outs.push(out);
     }
-    let mut v = Vec::with_capacity(n);
-    ts_cpu::team::for_each_chunk(&mut v.spare_capacity_mut()[..n], PARALLEL_COPY_FLOATS, &|_, c| {
-        c.fill(std::mem::MaybeUninit::new(0.0))
-    });
-    // SAFETY: the loop above wrote each of the first `n` elements.
-    unsafe { v.set_len(n) };
+    Ok(outs)
+}
+
+/// `n` zeros, written over the threads where there are many (one thread zeroing a prompt's
+/// 8 MiB of expert outputs was serial time a layer).
+fn zeroed(n: usize) -> Vec<f32> {
+    let mut v = Vec::new();
+    crate::forward::resize_zeroed(&mut v, n);
     v
+}
+
+/// `f` on pieces of `x` over the threads where it holds [`PARALLEL_COPY_FLOATS`] floats or more
+/// (an element-wise op, so the pieces give the floats one call would).
+fn in_pieces(x: &mut [f32], f: &(dyn Fn(&mut [f32]) + Sync)) {
+    ts_cpu::team::for_each_chunk(x, PARALLEL_COPY_FLOATS, &|_, xs| f(xs));
+}
+
+/// `f` on pieces of `x` and the same elements of `y` (cut to the shorter), as [`in_pieces`].
+fn in_pieces_with(x: &mut [f32], y: &[f32], f: &(dyn Fn(&mut [f32], &[f32]) + Sync)) {
+    let n = x.len().min(y.len());
+    ts_cpu::team::for_each_chunk(&mut x[..n], PARALLEL_COPY_FLOATS, &|i, xs| {
+        f(xs, &y[i * PARALLEL_COPY_FLOATS..][..xs.len()])
+    });
 }
 
 /// Row `r`'s sum of its k pairs' outputs `y` `[m * k][width]` into `o` (zeros), slot by slot:

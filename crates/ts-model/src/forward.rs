@@ -145,7 +145,7 @@ fn matmul_quantized(
 /// `v` made `n` long, new elements 0: past [`ZERO_OVER_THREADS`] floats the zeros are written
 /// over the threads (a prompt's fresh product outputs, zeroed on the step's thread, held the
 /// others waiting).
-fn resize_zeroed(v: &mut Vec<f32>, n: usize) {
+pub(crate) fn resize_zeroed(v: &mut Vec<f32>, n: usize) {
     /// Floats from which zeroing is spread over the threads (256 KiB), and an item's share.
     const ZERO_OVER_THREADS: usize = 64 << 10;
     if n <= v.len() || n - v.len() < ZERO_OVER_THREADS {
