@@ -224,6 +224,19 @@ pub trait Backend: Sized + Send + Sync {
     ) -> Result<Vec<Self::Act>, ModelError> {
         ws.iter().map(|&(w, bias)| self.linear(w, bias, x, m, s)).collect()
     }
+    /// A dense FFN's gate and up projections of `x` `[m][k]`: [`Backend::linear`] twice, which
+    /// a backend may run as [`Backend::linears`] (the CPU: one region in decode, the rows
+    /// quantized once in prompts).
+    fn gate_up(
+        &self,
+        gate: &Weight,
+        up: &Weight,
+        x: &Self::Act,
+        m: usize,
+        s: &mut Self::Scratch,
+    ) -> Result<(Self::Act, Self::Act), ModelError> {
+        Ok((self.linear(gate, None, x, m, s)?, self.linear(up, None, x, m, s)?))
+    }
     /// RMS norm of every `piece`-wide piece of `x`, times `w` `[piece]` where given.
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
     /// [`Backend::rms_norm`] into a new matrix, `x` untouched.

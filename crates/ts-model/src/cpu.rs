@@ -136,6 +136,21 @@ impl Backend for Cpu {
         timing().time(Phase::Products, || flat_linears(ws, x))
     }
 
+    fn gate_up(
+        &self,
+        gate: &Weight,
+        up: &Weight,
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let mut both = self.linears(&[(gate, None), (up, None)], x, m, s)?.into_iter();
+        match (both.next(), both.next()) {
+            (Some(g), Some(u)) => Ok((g, u)),
+            _ => Err(ModelError::Compute(format!("{} and {}: two products expected", gate.name, up.name))),
+        }
+    }
+
     /// Pieces normed 64 at a time over the threads (per-head q/k norms of a prompt's rows).
     fn rms_norm(&self, x: &mut Vec<f32>, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError> {
         timing().time(Phase::Norm, || {

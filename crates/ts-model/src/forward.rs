@@ -824,8 +824,7 @@ impl<B: Backend> Model<B> {
         scratch: &mut B::Scratch,
     ) -> Result<B::Act, ModelError> {
         let be = &self.backend;
-        let mut g = be.linear(gate, None, x, m, scratch)?;
-        let u = be.linear(up, None, x, m, scratch)?;
+        let (mut g, u) = be.gate_up(gate, up, x, m, scratch)?;
         be.gated(self.cfg.ffn_act, &mut g, &u)?;
         be.linear(down, None, &g, m, scratch)
     }
