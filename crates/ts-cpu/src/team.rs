@@ -353,6 +353,30 @@ mod tests {
         assert_eq!(by_leader.load(SeqCst), 1, "the leader's other 19 items went to the two others");
     }
 
+    /// Inside `on_this_thread` a region's items run on the calling thread, in order, in a scope
+    /// (here on a follower, as a whole-expert task does) and out; the flag is back after it.
+    #[test]
+    fn on_this_thread_runs_a_region_on_the_caller_in_order() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let alone = |n: usize| {
+            let me = std::thread::current().id();
+            let seen = Mutex::new(Vec::new());
+            on_this_thread(|| {
+                for_each(n, &|i| {
+                    assert_eq!(std::thread::current().id(), me, "item {i} ran on another thread");
+                    seen.lock().unwrap().push(i);
+                })
+            });
+            assert!(!ALONE.with(Cell::get), "the flag outlived its body");
+            seen.into_inner().unwrap()
+        };
+        let want: Vec<usize> = (0..40).collect();
+        assert_eq!(pool.install(|| alone(40)), want);
+        let from_items = Mutex::new(Vec::new());
+        pool.install(|| lead(|| for_each(6, &|_| from_items.lock().unwrap().push(alone(40)))));
+        assert_eq!(from_items.into_inner().unwrap(), vec![want.clone(); 6]);
+    }
+
     /// Each item gets its own chunk, the last one shorter, in a scope and out.
     #[test]
     fn chunks_cover_the_output_once() {

@@ -1549,6 +1549,57 @@ mod tests {
     use super::*;
     use crate::state::{KvType, LayerCache};
 
+    /// The row ops over pieces of rows (the weighted sum of each row's experts, the residual
+    /// add and the norm in one pass; the add and norm alone; plain norms and adds) give the
+    /// floats of the plain serial loops, bit for bit, on a prompt's sizes in a team of threads
+    /// and out of one.
+    #[test]
+    fn row_ops_in_pieces_match_the_serial_ops() {
+        let (m, k, width) = (96, 4, 1024);
+        let v = |i: usize, f: f32| ((i as f32) * f).sin();
+        let x0: Vec<f32> = (0..m * width).map(|i| v(i, 0.37)).collect();
+        let y: Vec<f32> = (0..m * k * width).map(|i| v(i, 0.11)).collect();
+        let w: Vec<f32> = (0..width).map(|i| 1.0 + v(i, 0.7) / 4.0).collect();
+        let routes = CpuRoutes {
+            ids: (0..m * k).map(|p| p % 7).collect(),
+            weights: (0..m * k).map(|p| 0.1 + v(p, 0.3).abs()).collect(),
+            k,
+        };
+        // The serial reference: each row's sum slot by slot, then x + sum, then the norm.
+        let mut want_x = x0.clone();
+        let mut want = vec![0f32; m * width];
+        for r in 0..m {
+            let mut sum = vec![0f32; width];
+            for j in 0..k {
+                let (p, wt) = (r * k + j, routes.weights[r * k + j]);
+                sum.iter_mut().zip(&y[p * width..(p + 1) * width]).for_each(|(o, &y)| *o += wt * y);
+            }
+            let row = &mut want_x[r * width..(r + 1) * width];
+            ops::add_inplace(row, &sum);
+            ops::rms_norm(row, Some(&w), 1e-6, &mut want[r * width..(r + 1) * width]);
+        }
+        // Two threads: a team wherever the machine has two cores (CI's and ours).
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for team in [false, true] {
+            let run = || {
+                let mut x = x0.clone();
+                let normed = Cpu.add_combined_rms_norm_to(&mut x, &y, &routes, &w, 1e-6).unwrap();
+                let mut x2 = x0.clone();
+                let sum = Cpu.combine(&y, &routes, width).unwrap();
+                let normed2 = Cpu.add_rms_norm_to(&mut x2, &sum, &w, 1e-6).unwrap();
+                let plain = Cpu.rms_norm_to(&x2, &w, 1e-6).unwrap();
+                (x, normed, x2, normed2, plain)
+            };
+            let (x, normed, x2, normed2, plain) = pool.install(|| if team { ts_cpu::team::scope(run) } else { run() });
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same(&x, &want_x) && same(&x2, &want_x), "residual rows, team {team}");
+            assert!(same(&normed, &want) && same(&normed2, &want) && same(&plain, &want), "normed rows, team {team}");
+        }
+        // Mismatched lengths are refused by name.
+        let err = Cpu.add_rms_norm_to(&mut x0.clone(), &y, &w, 1e-6).unwrap_err();
+        assert!(err.to_string().contains("rows of"), "{err}");
+    }
+
     /// A prompt's attention as two matmuls a KV head ([`run_attention`]) gives each row and
     /// head what an item of one head ([`ops::attend_group`]) gives it over the positions it
     /// sees, within f32 summation order: f32 and f16 caches, a sliding window's ring, sinks and a soft cap.
