@@ -335,10 +335,10 @@ impl Model {
     }
 
     /// Repacks the routed experts the store holds in memory into the CPU's packed layout where
-    /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K, Q5_0, Q8_0), so that no
+    /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0), so that no
     /// batch builds their panels again and decode reads them through the packed kernel:
     /// resident ones now, streamed ones as their slots fill where one row gains
-    /// ([`ts_cpu::packed_row_is_faster`]: MXFP4, Q5_0, Q8_0). Returns how many matrices are
+    /// ([`ts_cpu::packed_row_is_faster`]: MXFP4, Q4_0, Q4_1, Q5_0, Q8_0). Returns how many matrices are
     /// (or will be) repacked. The model then stays on the CPU (`into_backend` refuses it) and
     /// needs 8-bit activations (not `--exact-activations`).
     pub fn pack_experts(&mut self) -> usize {
@@ -356,7 +356,7 @@ impl Model {
     }
 
     /// Repacks the dense matrices whose one-row products the CPU's packed kernels run faster
-    /// ([`Weight::packed_for_cpu`]: Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI) into memory the
+    /// ([`Weight::packed_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI) into memory the
     /// process owns: the mixers' projections, dense and shared-expert FFNs, the output head
     /// (where it is the embedding table too, the lookups then read it back from the packed
     /// copy), and the MTP head's.

@@ -93,9 +93,9 @@ pub struct ModelArgs {
     /// Keep weights in their GGUF layout on the CPU, rather than repacked into the layout the
     /// CPU's kernels read directly (as llama.cpp's and ik_llama.cpp's repacking, which
     /// llama.cpp's `--no-repack` turns off): experts held in memory (at load, or streamed MXFP4,
-    /// Q5_0 and Q8_0 ones as they are read; MXFP4, Q4_K, Q6_K, Q5_0, Q8_0 on AVX-512 VNNI, MXFP4
-    /// and Q4_K on AVX2), and dense Q5_0, Q8_0 and MXFP4 matrices on AVX-512 VNNI (copied into
-    /// memory the process owns).
+    /// Q4_0, Q4_1, Q5_0 and Q8_0 ones as they are read; MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0
+    /// on AVX-512 VNNI, MXFP4 and Q4_K on AVX2), and dense Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4
+    /// matrices on AVX-512 VNNI (copied into memory the process owns).
     #[arg(long)]
     no_repack: bool,
 }
