@@ -1019,10 +1019,10 @@ mod tests {
 
     /// A group's heads each get what [`attend`] gives that head alone, bit for bit (so a row's
     /// attention does not depend on whether its step groups heads), on the vector path (64)
-    /// and the plain one (40).
+    /// and the plain one (40), over f32 and f16 caches.
     #[test]
     fn attend_group_gives_each_head_its_own_attention() {
-        for (hd, n) in [(64, 11), (64, 4), (40, 5)] {
+        for (hd, n) in [(64, 11), (64, 4), (40, 5), (128, 37)] {
             let x = |i: usize, f: f32| (i as f32 * f).sin() * 2.0;
             let g_n = 3;
             let q: Vec<f32> = (0..g_n * hd).map(|i| x(i, 0.29)).collect();
@@ -1035,15 +1035,25 @@ mod tests {
                     sink: (g != 1).then_some(g as f32 * 0.3),
                 })
                 .collect();
-            let mut together = vec![0f32; g_n * hd];
-            let (keys, values) = (ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]));
-            attend_group(&q, keys, values, &heads, &mut Vec::new(), &mut together);
-            for (g, p) in heads.iter().enumerate() {
-                let mut alone = vec![0f32; hd];
+            fn check<T: KvElement>(q: &[f32], ks: &[Vec<T>], vs: &[Vec<T>], heads: &[AttentionParams], what: &str) {
+                let hd = q.len() / heads.len();
+                let mut together = vec![0f32; q.len()];
                 let (keys, values) = (ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]));
-                attend(&q[g * hd..(g + 1) * hd], keys, values, p, &mut Vec::new(), &mut alone);
-                assert_eq!(&together[g * hd..(g + 1) * hd], &alone[..], "hd {hd}, {n} positions, head {g}");
+                attend_group(q, keys, values, heads, &mut Vec::new(), &mut together);
+                for (g, p) in heads.iter().enumerate() {
+                    let mut alone = vec![0f32; hd];
+                    let (keys, values) = (ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]));
+                    attend(&q[g * hd..(g + 1) * hd], keys, values, p, &mut Vec::new(), &mut alone);
+                    assert_eq!(&together[g * hd..(g + 1) * hd], &alone[..], "{what}, head {g}");
+                }
             }
+            let what = format!("hd {hd}, {n} positions");
+            check(&q, &ks, &vs, &heads, &format!("{what}, f32 cache"));
+            // An f16 cache too (its rows converted as they are read).
+            let half = |rows: &[Vec<f32>]| -> Vec<Vec<half::f16>> {
+                rows.iter().map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect()).collect()
+            };
+            check(&q, &half(&ks), &half(&vs), &heads, &format!("{what}, f16 cache"));
         }
     }
 
