@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Moves the real models to the GPU machine in pieces: it reaches no network and
-# one call carries at most 64 MiB together with the working tree (34 MB, of
-# which the test fixtures are 30 MB). The machine keeps its files only while it
+# one call carries at most 64 MiB together with the working tree (49 MB, of
+# which the test fixtures are 43 MB). The machine keeps its files only while it
 # stays warm (30 s after a call), so the pieces go in back-to-back calls.
 #
 #   tools/gpu-stage.sh [MODEL.gguf ...]   # here: one tar of the models, cut into .devstage/NNN/
@@ -9,7 +9,7 @@
 # The plan it prints: the first call carries .devbin and piece 000 with the
 # whole tree (it can run the GPU tests too); before the middle calls the
 # fixtures are moved out of the tree here (`--hide`), so each carries one
-# 61 MB piece; the last carries .devbin and the last piece and runs
+# 54 MB piece; the last carries .devbin and the last piece and runs
 #   tools/gpu-stage.sh --assemble /root/stage && TURBOSPARK_MODELS=/root/stage tools/gpu-run.sh real
 # and `--unhide` puts the fixtures back here. Each call's command starts with
 #   mkdir -p /root/stage && cp .devstage/NNN/* /root/stage/
@@ -38,7 +38,8 @@ if [[ ${#models[@]} -eq 0 ]]; then
     models=(models/*.gguf)
 fi
 first=${TURBOSPARK_STAGE_FIRST:-16000000}
-piece=${TURBOSPARK_STAGE_PIECE:-61000000}
+# 54 MB: with pieces of 61 MB a call went over its 64 MiB beside the tree (2026-12-07).
+piece=${TURBOSPARK_STAGE_PIECE:-54000000}
 grep -qx '/.devstage/' .git/info/exclude || echo '/.devstage/' >> .git/info/exclude
 rm -rf .devstage
 mkdir -p .devstage/tmp
