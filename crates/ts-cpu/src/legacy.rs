@@ -28,6 +28,9 @@ mod x86 {
         const OFFSET_LOG2: Option<i32>;
         /// The largest value [`Format::unsigned_values`] returns.
         const MAX_UNSIGNED: u8;
+        /// Bytes of one block of the activations this format multiplies, and where its quants
+        /// start: Q8_1 (d, s, qs) for formats with a min, Q8_0 (d, qs) for the others.
+        const ACT_BLOCK: (usize, usize) = if Self::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
         /// For 4-bit formats: where a block keeps its 16 bytes of codes (element `i` in byte
         /// `i`'s low nibble, element `i + 16` in its high nibble), and each code's unsigned
         /// value when that is not the code itself.
@@ -266,8 +269,7 @@ mod x86 {
         scales: &[[[f32; 8]; C]; R],
         acc: &mut [[__m256; C]; R],
     ) {
-        // Q8_1 blocks (for formats with a min) are d, s, qs; Q8_0 blocks d, qs.
-        let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+        let (a_bytes, a_qs) = F::ACT_BLOCK;
         let signed = !unsigned_fits::<F, I>();
         unsafe {
             let zero = _mm256_setzero_si256();

@@ -382,8 +382,7 @@ unsafe fn build_legacy<F: Format>(w: *const u8, row_bytes: usize, n: usize, nb: 
 /// Needs AVX-512 VNNI; `panel` was built for `nb` blocks and the rows of `a` hold as many.
 #[inline(always)]
 unsafe fn legacy_pass<F: Format, const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m512; C] {
-    // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
-    let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+    let (a_bytes, a_qs) = F::ACT_BLOCK;
     unsafe {
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
@@ -675,15 +674,16 @@ const Q4_1_MINS: usize = 288;
 /// Bytes of one 32-element block of a packed Q4_1 panel: Q4_0's, then the rows' f16 mins.
 pub(crate) const Q4_1_PACKED_BLOCK: usize = 16 * 20;
 
-/// Repacks 4-bit legacy rows (blocks of `block_bytes`, their f16 scale first, then for Q4_1 an
-/// f16 min, then 16 code bytes from `codes`) in place, panel by panel, into the layout of
-/// [`pack_q4_0`] and [`pack_q4_1`].
+/// Repacks 4-bit legacy rows in place, panel by panel, into the layout of [`pack_q4_0`]
+/// (`with_min` false: blocks of an f16 scale and 16 code bytes) and [`pack_q4_1`] (true: an f16
+/// min after the scale).
 ///
 /// # Safety
 /// Needs AVX-512 F and BW; `w` holds whole panels of `row_bytes` rows (`row_bytes` a multiple
-/// of `block_bytes`).
+/// of the format's block).
 #[inline(always)]
-unsafe fn pack_q4(w: &mut [u8], row_bytes: usize, block_bytes: usize, codes: usize) {
+unsafe fn pack_q4(w: &mut [u8], row_bytes: usize, with_min: bool) {
+    let (block_bytes, codes) = if with_min { (20, 4) } else { (18, 2) };
     repack_panels(w, row_bytes, ROWS * block_bytes, |panel, b, out| {
         let row = |r: usize| r * row_bytes + b * block_bytes;
         // SAFETY: the caller's AVX-512; each row holds block `b`'s bytes.
@@ -693,7 +693,7 @@ unsafe fn pack_q4(w: &mut [u8], row_bytes: usize, block_bytes: usize, codes: usi
         }
         for r in 0..ROWS {
             out[Q4_SCALES + 2 * r..][..2].copy_from_slice(&panel[row(r)..][..2]);
-            if codes == 4 {
+            if with_min {
                 out[Q4_1_MINS + 2 * r..][..2].copy_from_slice(&panel[row(r) + 2..][..2]);
             }
         }
@@ -707,7 +707,7 @@ unsafe fn pack_q4(w: &mut [u8], row_bytes: usize, block_bytes: usize, codes: usi
 /// of 18).
 #[target_feature(enable = "avx2,avx512f,avx512bw")]
 pub(crate) unsafe fn pack_q4_0(w: &mut [u8], row_bytes: usize) {
-    unsafe { pack_q4(w, row_bytes, 18, 2) }
+    unsafe { pack_q4(w, row_bytes, false) }
 }
 
 /// Repacks Q4_1 rows in place, panel by panel, into the layout [`q4_1_packed_tile`] reads.
@@ -717,7 +717,7 @@ pub(crate) unsafe fn pack_q4_0(w: &mut [u8], row_bytes: usize) {
 /// of 20).
 #[target_feature(enable = "avx2,avx512f,avx512bw")]
 pub(crate) unsafe fn pack_q4_1(w: &mut [u8], row_bytes: usize) {
-    unsafe { pack_q4(w, row_bytes, 20, 4) }
+    unsafe { pack_q4(w, row_bytes, true) }
 }
 
 /// Bytes of one 32-element block of a packed Q5_0 panel (16 rows, the same as their GGUF
@@ -1161,8 +1161,7 @@ unsafe fn packed_legacy_pass<F: PackedLegacy, const C: usize>(
     nb: usize,
     a: &[ARow; C],
 ) -> [__m512; C] {
-    // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
-    let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+    let (a_bytes, a_qs) = F::ACT_BLOCK;
     unsafe {
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {

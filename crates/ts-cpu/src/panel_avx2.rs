@@ -193,8 +193,7 @@ impl<F: Format> PanelPass for Legacy<F> {
     const COLS: usize = 3;
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        // Q8_1 blocks (formats with a min) are d, s, qs; Q8_0 blocks d, qs.
-        let (a_bytes, a_qs) = if F::OFFSET_LOG2.is_none() { (36, 4) } else { (34, 2) };
+        let (a_bytes, a_qs) = F::ACT_BLOCK;
         let signed = signed::<F>();
         let widen = if signed { 1 } else { steps_per_widening(F::MAX_UNSIGNED as usize) };
         unsafe {

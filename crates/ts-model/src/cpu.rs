@@ -470,7 +470,7 @@ impl Backend for Cpu {
                 return flat_gate_up(w, act, x, &experts);
             }
             let f = w.gate_exps.n_rows();
-            let mut h = vec![0f32; routes.ids.len() * f];
+            let mut h = zeroed(routes.ids.len() * f);
             let quantized = prompt_rows_quantized(w, x, routes, s)?;
             let gate_up = |ex: usize, bytes: ExpertBytes<'_>, pairs: &[usize], s: &mut Scratch| {
                 hidden_of_pairs(w, act, x, quantized.as_ref(), routes.k, (ex, &bytes), pairs, s)
