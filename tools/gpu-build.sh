@@ -14,7 +14,8 @@ fi
 mkdir -p .devbin
 cargo build --release -p turbospark
 cargo build --release -p ts-cuda --examples
-cp "$target"/release/turbospark "$target"/release/examples/bandwidth .devbin/
+cargo build --release -p ts-cpu --example team_regions
+cp "$target"/release/turbospark "$target"/release/examples/bandwidth "$target"/release/examples/team_regions .devbin/
 # The executable of ts-cuda's integration test $1.
 test_bin() {
     cargo test --release -p ts-cuda --test "$1" --no-run --message-format=json 2>/dev/null \
@@ -26,8 +27,9 @@ for l in sys.stdin:
 cp "$(test_bin gpu)" .devbin/gpu-tests
 # dequant_host: its NVRTC check is the one CI cannot run.
 cp "$(test_bin dequant_host)" .devbin/cuda-host-tests
-strip .devbin/turbospark .devbin/bandwidth .devbin/gpu-tests .devbin/cuda-host-tests
+strip .devbin/turbospark .devbin/bandwidth .devbin/team_regions .devbin/gpu-tests .devbin/cuda-host-tests
 # Compressed, so that they and the tree fit a call's 64 MiB (gpu-run.sh unpacks them).
-# An earlier commit's binary for before/after runs goes in as turbospark-before.
-xz -f -T0 .devbin/turbospark .devbin/bandwidth .devbin/gpu-tests .devbin/cuda-host-tests
+# An earlier commit's binary for before/after runs goes in as turbospark-before (and its
+# team_regions as team_regions-before, which `cpu-sweep` runs beside this one).
+xz -f -T0 .devbin/turbospark .devbin/bandwidth .devbin/team_regions .devbin/gpu-tests .devbin/cuda-host-tests
 ls -la .devbin

@@ -180,9 +180,11 @@ wait_peer_builds() {
     done
 }
 peer_waited=0
-# Whether peer `lc` or `ik` was built (its llama-bench there to run).
+# Whether peer `lc` or `ik` was built (its llama-bench there to run) with CUDA; `peer_ready lc
+# cpu` also takes a build without it (`PEER_CPU=1 peer-build`).
 peer_ready() {
-    grep -q "^built 0" /tmp/$1build.log 2>/dev/null
+    grep -q "^built 0" /tmp/$1build.log 2>/dev/null || return 1
+    [[ ${2:-} == cpu ]] || ! grep -q "^cpu only" /tmp/$1build.log
 }
 # The LIKEs given, or the two MoE shapes.
 likes_or_default() {
@@ -214,8 +216,11 @@ if [[ $what == peer-build ]]; then
     # Built in the background from the sources tools/peer-pack*.sh packed, llama.cpp first, then
     # ik_llama.cpp (about 6 minutes each with 16 cores; together about 12). A prebuilt binary
     # cannot travel: xz'd it is over 16 MiB, and the tree's fixtures already take 49 of a call's 64.
-    flags="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    # PEER_CPU=1: without CUDA (a minute or a few instead of 6-13), for `cpu-sweep` alone.
+    flags="-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CCACHE=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release"
+    cuda="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"
+    [[ ${PEER_CPU:-0} == 1 ]] && cuda=""
     chain=""
     for peer in llama ik; do
         dir=/tmp/${peer/llama/lc}build
@@ -228,11 +233,12 @@ if [[ $what == peer-build ]]; then
         grep -qs "^built 0" $dir.log && echo "$peer: already built ($dir)" && continue
         rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
         : > $dir.log
+        [[ -z $cuda ]] && echo "cpu only" > $dir.log
         # llama.cpp also builds llama-batched-bench, the peer of `batched`, and llama-speculative,
         # the peer of `spec` with a draft model.
         targets="llama-bench"
         [[ $peer == llama ]] && targets="llama-bench llama-batched-bench llama-speculative"
-        chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $extra && cmake --build $dir -j16 --target $targets) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
+        chain+="(cmake -S /tmp/src-$peer/$sub -B $dir $flags $cuda $extra && cmake --build $dir -j16 --target $targets) >> $dir.log 2>&1; echo built \$? >> $dir.log; "
         echo "$peer: build queued (log $dir.log)"
     done
     # Niced: our runs beside them keep their host thread.
@@ -449,7 +455,8 @@ if [[ $what == cpu-sweep ]]; then
     # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 decode steps and
     # every 8 prompt batches: CPU_BENCH="-p 128 -n 0 -r 8" for a prompt's). First the host's read
     # bandwidth at each thread count (tools/membw.c, the best of its four passes), which issue 16
-    # reports beside the engines' rates.
+    # reports beside the engines' rates; and the cost of one of the team's parallel regions.
+    # CPU_PEERS="" leaves the peers out (default "lc ik").
     shift
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
@@ -460,18 +467,32 @@ if [[ $what == cpu-sweep ]]; then
     else
         echo "gpu-run.sh: no gcc here, the host's bandwidth left out"
     fi
+    # What a parallel region of the step's team costs (4 small items a thread), this build's
+    # and, where carried, an earlier one's.
+    for tr in "$B"/team_regions "$B"/team_regions-before; do
+        [[ -x $tr ]] && echo "== $(basename "$tr")" && "$tr" "$counts" 4 200 | tail -n +3
+    done
     for like in "$@"; do
         f=$(synth "$like")
         like=$(basename "$like" .gguf)
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
         for setting in "${settings[@]}"; do
-            echo "== $like, -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
-            env CUDA_VISIBLE_DEVICES= $setting "$B"/turbospark bench -m "$f" -t "$counts" --experts resident \
-                ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" \
-                | grep -E "^\|.*(pp|tg)[0-9]|error|cpu timing"
+            # An earlier build carried as turbospark-before runs after this one, same flags
+            # (before it in a setting that names BEFORE_FIRST=1; CPU_BEFORE=0 leaves it out).
+            order="turbospark turbospark-before"
+            [[ $setting == *BEFORE_FIRST=1* ]] && order="turbospark-before turbospark"
+            [[ ${CPU_BEFORE:-1} == 0 ]] && order=turbospark
+            for ts in $order; do
+                ts=$B/$ts
+                [[ -x $ts ]] || continue
+                echo "== $like, $(basename "$ts"), -t $counts, ${CPU_BENCH:--p 128 -n 32 -r 2} with $setting"
+                env CUDA_VISIBLE_DEVICES= $setting "$ts" bench -m "$f" -t "$counts" --experts resident \
+                    ${CPU_BENCH:--p 128 -n 32 -r 2} 2>&1 | tee -a "$OUT/cpu-sweep-$like.log" \
+                    | grep -E "^\|.*(pp|tg)[0-9]|error|cpu timing"
+            done
         done
-        for peer in lc ik; do
-            peer_ready $peer || continue
+        for peer in ${CPU_PEERS-lc ik}; do
+            peer_ready $peer cpu || continue
             extra=""
             [[ $peer == ik ]] && extra="-rtr 1"
             echo "== $like, -t $counts, ${peer/lc/llama.cpp} llama-bench $extra"

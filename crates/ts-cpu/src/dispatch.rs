@@ -287,9 +287,9 @@ struct OutPtr(*mut f32);
 unsafe impl Sync for OutPtr {}
 
 /// Several one-row products in one parallel region instead of one region each: each product's
-/// tasks (runs of weight rows, as [`matmul`] splits them) in one contiguous run per thread, the
-/// runs taken product by product by whichever thread is free. Each output row equals what
-/// [`matmul`] gives for that product.
+/// tasks (runs of weight rows, as [`matmul`] splits them) in one contiguous run per thread,
+/// each thread's runs of all the products in its share of the region. Each output row equals
+/// what [`matmul`] gives for that product.
 pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
     let mut plans = Vec::with_capacity(products.len());
     let mut outs = Vec::with_capacity(products.len());
@@ -304,22 +304,24 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
             outs.push(OutPtr(p.out.as_mut_ptr()));
         }
     }
-    // Each product's tasks in one contiguous run per thread, the runs product by product: the
-    // threads take one product's runs at a time, each streaming its own part of the matrix as
-    // one region per product would have it do.
+    // Each product's tasks in one contiguous run per thread; the runs ordered by thread, so that
+    // the team's contiguous shares give each thread its run of every product (its own part
+    // of each matrix, as one region per product would), and a thread done early takes others'
+    // runs from the backs of their shares. No counter that every thread takes runs from.
     let threads = rayon::current_num_threads();
-    let runs: Vec<(usize, std::ops::Range<usize>)> = plans
-        .iter()
-        .enumerate()
-        .flat_map(|(i, plan)| {
+    let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+    for r in 0..threads {
+        for (i, plan) in plans.iter().enumerate() {
             let (tasks, n) = (plan.tasks(), threads.min(plan.tasks()));
-            (0..n).map(move |r| (i, r * tasks / n..(r + 1) * tasks / n))
-        })
-        .collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let work = || {
-        while let Some((i, tasks)) = runs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-            let plan = &plans[*i];
+            if r < n {
+                runs.push((i, r * tasks / n..(r + 1) * tasks / n));
+            }
+        }
+    }
+    crate::team::for_each(runs.len(), &|run| {
+        let (i, tasks) = &runs[run];
+        let plan = &plans[*i];
+        crate::work_time::task(|| {
             for task in tasks.clone() {
                 let start = task * plan.rows_per_task;
                 let rows = plan.rows_per_task.min(plan.n_out - start);
@@ -328,9 +330,8 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
                 let out = unsafe { std::slice::from_raw_parts_mut(outs[*i].0.add(start), rows) };
                 plan.run(task, &mut [out]);
             }
-        }
-    };
-    crate::team::for_each(threads.min(runs.len()), &|_| crate::work_time::task(work));
+        })
+    });
     Ok(())
 }
 

@@ -11,7 +11,8 @@ use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
 use std::sync::Mutex;
 use std::sync::atomic::{
-    AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::SeqCst,
+    AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
+    Ordering::SeqCst,
 };
 
 /// Pools of this many threads and more run steps as a team unless told otherwise. On
@@ -34,11 +35,11 @@ pub fn enabled(threads: usize) -> bool {
     knob.unwrap_or(threads >= DEFAULT_MIN_THREADS && threads <= cores)
 }
 
-/// One region's work: items `0..n`, each seat's share in the team's [`Share`]s.
+/// One region's work: items `0..n`, each seat's share in the team's [`Share`]s. It lives on
+/// its leader's stack for the length of [`for_each`], which returns only once every item has
+/// run: a thread that took an item may read it until it has counted that item as run.
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
-    /// Items run, counted once by each thread when it finds none left.
-    done: Padded<AtomicUsize>,
     /// An item's panic, raised again on the leader once the region is over.
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
@@ -59,7 +60,8 @@ fn pack(front: usize, back: usize) -> u64 {
 }
 
 /// One item of `share`: its first (its own thread) or its last (another thread, its own
-/// share done), or none where it is empty.
+/// share done), or none where it is empty. Acquire: reading a share the leader filled (a
+/// release, or a take after it) makes its region's [`Team::job`] visible.
 fn take(share: &Share, from_back: bool) -> Option<usize> {
     let mut v = share.0.load(Relaxed);
     loop {
@@ -75,21 +77,46 @@ fn take(share: &Share, from_back: bool) -> Option<usize> {
     }
 }
 
-/// What the scope's threads share.
-struct Team {
-    /// The region in progress (null between regions); it lives on its caller's stack.
-    job: AtomicPtr<Job<'static>>,
+/// The leader's signals, written by it alone once a region and read by every follower: one
+/// cache line to fetch when a region begins.
+struct Signals {
     /// Bumped for every region, so that a spinning thread notices a new one.
     generation: AtomicU64,
-    /// Threads between reading `job` and finishing their items: the caller waits for none
-    /// before its `Job` goes out of scope.
-    active: AtomicUsize,
+    /// The region in progress. Set before the shares are filled, so a thread that took an
+    /// item reads its region here: the region cannot end, and no other be set, while one of
+    /// its items has not been counted in `ran`.
+    job: AtomicPtr<Job<'static>>,
     stop: AtomicBool,
+}
+
+/// What the scope's threads share. A region costs the leader one store to each seat's
+/// share and one to the signals, and each thread one store to its own `ran`: no counter
+/// that every thread writes (with 16 threads such a line bounced between the cores three
+/// times a region, and the leader's sequentially consistent stores each waited for one).
+struct Team {
+    signals: Padded<Signals>,
+    /// Set up once for the scope (read by every thread, written by none after).
+    seats: Padded<Seats>,
+    /// Items handed out in this scope (the leader's alone).
+    issued: Padded<AtomicUsize>,
+}
+
+/// The scope's fixed facts, apart from the lines written a region.
+struct Seats {
     /// Each seat's share of the region in progress, set by the leader before it publishes
     /// the region (seats are the threads' indices in the scope's broadcast).
     shares: Vec<Share>,
+    /// Items each seat has run in this scope, written by that seat alone (release: the
+    /// items' writes come with it); the leader sums them to know when a region is done.
+    ran: Vec<Padded<AtomicUsize>>,
     /// The leader's seat.
     leader: AtomicUsize,
+}
+
+impl Team {
+    fn ran_in_all(&self) -> usize {
+        self.seats.0.ran.iter().map(|r| r.0.load(Acquire)).sum()
+    }
 }
 
 thread_local! {
@@ -131,13 +158,19 @@ pub fn scope<R: Send>(body: impl FnOnce() -> R + Send) -> R {
 /// [`scope`]'s work: the first thread of the broadcast to arrive runs `body`, the others
 /// follow its regions until it is done.
 fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
+    let threads = rayon::current_num_threads();
     let team = Team {
-        job: AtomicPtr::new(std::ptr::null_mut()),
-        generation: AtomicU64::new(0),
-        active: AtomicUsize::new(0),
-        stop: AtomicBool::new(false),
-        shares: (0..rayon::current_num_threads()).map(|_| Padded(AtomicU64::new(0))).collect(),
-        leader: AtomicUsize::new(0),
+        signals: Padded(Signals {
+            generation: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            stop: AtomicBool::new(false),
+        }),
+        seats: Padded(Seats {
+            shares: (0..threads).map(|_| Padded(AtomicU64::new(0))).collect(),
+            ran: (0..threads).map(|_| Padded(AtomicUsize::new(0))).collect(),
+            leader: AtomicUsize::new(0),
+        }),
+        issued: Padded(AtomicUsize::new(0)),
     };
     let body = Mutex::new(Some(body));
     let out = Mutex::new(None);
@@ -146,11 +179,11 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
         IN_SCOPE.with(|s| s.set(true));
         if !leader_taken.swap(true, SeqCst) {
             let body = body.lock().expect("team body").take().expect("one leader");
-            team.leader.store(ctx.index(), SeqCst);
+            team.seats.0.leader.store(ctx.index(), SeqCst);
             LEADS.with(|l| l.set(&team));
             let result = std::panic::catch_unwind(AssertUnwindSafe(body));
             LEADS.with(|l| l.set(std::ptr::null()));
-            team.stop.store(true, SeqCst);
+            team.signals.0.stop.store(true, Release);
             *out.lock().expect("team result") = Some(result);
         } else {
             follow(&team, ctx.index());
@@ -163,10 +196,11 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
 
 /// A thread that is not the leader (at `seat`): runs each region's items until the scope ends.
 fn follow(team: &Team, seat: usize) {
+    let signals = &team.signals.0;
     let mut seen = 0u64;
     let mut idle = 0u32;
-    while !team.stop.load(SeqCst) {
-        let g = team.generation.load(SeqCst);
+    while !signals.stop.load(Acquire) {
+        let g = signals.generation.load(Acquire);
         if g == seen {
             // The leader's plain rayon work (a `join` inside the step) is taken here too, looked
             // for every few turns: a look reads the other threads' deques.
@@ -184,36 +218,51 @@ fn follow(team: &Team, seat: usize) {
         }
         seen = g;
         idle = 0;
-        team.active.fetch_add(1, SeqCst);
-        let job = team.job.load(SeqCst);
-        if !job.is_null() {
-            // SAFETY: the leader keeps the job alive until `active` is back to zero after
-            // clearing `job`; this thread counted itself in before reading the pointer.
-            take_items(unsafe { &*job }, &team.shares, seat);
-        }
-        team.active.fetch_sub(1, SeqCst);
+        take_items(team, seat, g);
     }
 }
 
-/// Runs items of `job` from `seat`'s share, then from the others' (from their backs), until
-/// none is left; counts them in `job.done` once.
-fn take_items(job: &Job<'_>, shares: &[Share], seat: usize) {
-    let mut ran = 0;
-    let mut run = |i: usize| {
+/// Followers look for items left in this many seats' shares after their own (the leader
+/// in all): the 16-thread regions of a small model's decode lost a microsecond each to every
+/// thread reading every share (on the H100 host's Xeon, `team_regions`).
+const NEIGHBOURS: usize = 3;
+
+/// Runs items of region `generation` from `seat`'s share, then from the next seats' (from
+/// their backs: [`NEIGHBOURS`] of them, all where `seat` leads) until none is left or the next
+/// region has begun (whose own share comes first), counting them in `seat`'s `ran` as they
+/// finish (its own share's at once, so the leader need not wait for this thread's look
+/// through the others'). The leader looking through every share is what makes sure that
+/// every item runs, whichever threads are held up.
+fn take_items(team: &Team, seat: usize, generation: u64) {
+    let seats = &team.seats.0;
+    let mine = &seats.ran[seat].0;
+    let run = |i: usize| {
+        // SAFETY: the item taken keeps its region, whose job this is, from ending until it is
+        // counted below (see `Signals::job`).
+        let job = unsafe { &*team.signals.0.job.load(Acquire) };
         if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))) {
             job.panic.lock().expect("team panic").get_or_insert(panic);
         }
-        ran += 1;
     };
-    while let Some(i) = take(&shares[seat], false) {
+    let mut ran = 0;
+    while let Some(i) = take(&seats.shares[seat], false) {
         run(i);
+        ran += 1;
     }
-    for other in (1..shares.len()).map(|d| (seat + d) % shares.len()) {
-        while let Some(i) = take(&shares[other], true) {
+    if ran > 0 {
+        mine.store(mine.load(Relaxed) + ran, Release);
+    }
+    let n = seats.shares.len();
+    let looks = if seat == seats.leader.load(Relaxed) { n - 1 } else { NEIGHBOURS.min(n - 1) };
+    for other in (1..=looks).map(|d| (seat + d) % n) {
+        if team.signals.0.generation.load(Relaxed) != generation {
+            return;
+        }
+        while let Some(i) = take(&seats.shares[other], true) {
             run(i);
+            mine.store(mine.load(Relaxed) + 1, Release);
         }
     }
-    job.done.0.fetch_add(ran, SeqCst);
 }
 
 /// Runs `f(i)` for every `i` in `0..n` over the threads: the scope's spinning threads where
@@ -222,6 +271,9 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     if ALONE.with(Cell::get) {
         (0..n).for_each(f);
         return;
+    }
+    if n >= 2 {
+        crate::work_time::region();
     }
     let team = LEADS.with(|l| l.get());
     if team.is_null() || n < 2 {
@@ -234,25 +286,28 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     // SAFETY: the scope that set `LEADS` is still running its body on this thread.
     let team = unsafe { &*team };
-    let job = Job { f, done: Padded(AtomicUsize::new(0)), panic: Mutex::new(None) };
-    let seats = team.shares.len();
+    let job = Job { f, panic: Mutex::new(None) };
+    let seats = &team.seats.0;
+    let count = seats.shares.len();
     assert!(n < u32::MAX as usize, "a region of {n} items");
-    for (seat, share) in team.shares.iter().enumerate() {
-        share.0.store(pack(seat * n / seats, (seat + 1) * n / seats), SeqCst);
-    }
-    // SAFETY: only the lifetime is erased; `job` outlives every use (see `follow`).
+    let issued = team.issued.0.load(Relaxed) + n;
+    team.issued.0.store(issued, Relaxed);
+    // SAFETY: only the lifetime is erased; `job` outlives every use (see `Signals::job`).
     let ptr = unsafe { std::mem::transmute::<*const Job<'_>, *mut Job<'static>>(&job) };
-    team.job.store(ptr, SeqCst);
-    team.generation.fetch_add(1, SeqCst);
+    team.signals.0.job.store(ptr, Relaxed);
+    for (seat, share) in seats.shares.iter().enumerate() {
+        share.0.store(pack(seat * n / count, (seat + 1) * n / count), Release);
+    }
+    // A store, not an addition: the leader alone writes it, and a locked addition would wait
+    // for every share's store to reach its line first.
+    let generation = team.signals.0.generation.load(Relaxed) + 1;
+    team.signals.0.generation.store(generation, Release);
+    let leader = seats.leader.load(Relaxed);
     // Nested regions inside an item run on the item's thread.
     LEADS.with(|l| l.set(std::ptr::null()));
-    take_items(&job, &team.shares, team.leader.load(Relaxed));
+    take_items(team, leader, generation);
     LEADS.with(|l| l.set(team));
-    while job.done.0.load(SeqCst) < n {
-        std::hint::spin_loop();
-    }
-    team.job.store(std::ptr::null_mut(), SeqCst);
-    while team.active.load(SeqCst) != 0 {
+    while team.ran_in_all() < issued {
         std::hint::spin_loop();
     }
     if let Some(panic) = job.panic.into_inner().expect("team panic") {
@@ -351,6 +406,42 @@ mod tests {
         });
         assert!(counts.iter().all(|c| c.load(SeqCst) == 1), "every item once");
         assert_eq!(by_leader.load(SeqCst), 1, "the leader's other 19 items went to the two others");
+    }
+
+    /// With more threads than a follower looks through, a follower held up in its first item
+    /// has the rest of its share run by the others (the leader looks through every share).
+    #[test]
+    fn a_held_up_followers_share_is_run_by_the_others() {
+        let threads = NEIGHBOURS + 4;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let n = 10 * threads;
+        let counts: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        let held = Mutex::new(None);
+        let ran_by = Mutex::new(std::collections::HashMap::new());
+        pool.install(|| {
+            lead(|| {
+                let leader = std::thread::current().id();
+                for_each(n, &|i| {
+                    counts[i].fetch_add(1, SeqCst);
+                    let me = std::thread::current().id();
+                    *ran_by.lock().unwrap().entry(me).or_insert(0) += 1;
+                    if me == leader {
+                        // Until a follower has started (this machine may have fewer cores).
+                        while held.lock().unwrap().is_none() {
+                            std::thread::yield_now();
+                        }
+                        return;
+                    }
+                    let first_follower = *held.lock().unwrap().get_or_insert(me) == me;
+                    if first_follower && ran_by.lock().unwrap()[&me] == 1 {
+                        std::thread::sleep(std::time::Duration::from_millis(200));
+                    }
+                })
+            })
+        });
+        assert!(counts.iter().all(|c| c.load(SeqCst) == 1), "every item once");
+        let held = held.into_inner().unwrap().expect("a follower ran an item");
+        assert_eq!(ran_by.into_inner().unwrap()[&held], 1, "the held-up follower's other 9 items went to the others");
     }
 
     /// Inside `on_this_thread` a region's items run on the calling thread, in order, in a scope

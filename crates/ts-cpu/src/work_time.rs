@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 static ON: AtomicBool = AtomicBool::new(false);
 static BUSY_NS: AtomicU64 = AtomicU64::new(0);
+static REGIONS: AtomicU64 = AtomicU64::new(0);
 
 /// Starts counting (for the rest of the process).
 pub fn enable() {
@@ -16,6 +17,19 @@ pub fn enable() {
 /// Thread time in tasks so far, summed over threads.
 pub fn busy() -> Duration {
     Duration::from_nanos(BUSY_NS.load(Ordering::Relaxed))
+}
+
+/// Parallel regions begun so far (`team::for_each` calls of two items or more).
+pub fn regions() -> u64 {
+    REGIONS.load(Ordering::Relaxed)
+}
+
+/// Counts a parallel region begun, when counting is on.
+#[inline]
+pub(crate) fn region() {
+    if ON.load(Ordering::Relaxed) {
+        REGIONS.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Runs one task of a parallel region, its time counted when counting is on.

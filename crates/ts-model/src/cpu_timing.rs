@@ -51,6 +51,8 @@ struct Counts {
     wall: Duration,
     /// Threads' time in products' tasks during each phase of the steps.
     busy: [Duration; PHASES],
+    /// Parallel regions of all the steps (`ts_cpu::work_time::regions`).
+    regions: u64,
 }
 
 #[derive(Default)]
@@ -65,6 +67,8 @@ struct Totals {
     /// Rows of the step in progress.
     rows: usize,
     started: Option<Instant>,
+    /// The region count when the step in progress began.
+    regions_at_start: u64,
     /// The pool's threads the counts are for (`bench -t 4,8,16` changes pools: counts restart).
     threads: usize,
 }
@@ -117,9 +121,11 @@ impl CpuTiming {
         if t.threads != threads {
             *t = Totals { threads, ..Totals::default() };
         }
+        let regions = ts_cpu::work_time::regions();
         if let Some(s) = t.started.filter(|_| t.rows > 0) {
             let (counts, every) = if t.rows == 1 { (&mut t.decode, 64) } else { (&mut t.batches, 8) };
             counts.wall += now - s;
+            counts.regions += regions - t.regions_at_start;
             counts.steps += 1;
             counts.rows += t.rows as u64;
             for p in 0..PHASES {
@@ -134,6 +140,7 @@ impl CpuTiming {
         t.pending_busy = Default::default();
         t.rows = rows;
         t.started = Some(now);
+        t.regions_at_start = regions;
     }
 }
 
@@ -155,12 +162,13 @@ impl Counts {
         let each = REGIONS.iter().map(|&p| format!("{:.0}%", percent(idle(p), offered(p)))).collect::<Vec<_>>();
         let (waited, regions) = REGIONS.iter().fold((0.0, 0.0), |(w, r), &p| (w + idle(p), r + offered(p)));
         format!(
-            "cpu timing: {} steps{kind}, per step {:.3} ms: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
+            "cpu timing: {} steps{kind}, per step {:.3} ms in {:.0} parallel regions: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, experts fused {:.3}, norms {:.3}, rope and cache stores {:.3}, combine {:.3}, \
              small ops {:.3}, the rest (host) {:.3}; during the products \
              {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {})",
             self.steps,
             per(self.wall),
+            self.regions as f64 / n,
             phase(Phase::Products),
             phase(Phase::Head),
             phase(Phase::Attention),

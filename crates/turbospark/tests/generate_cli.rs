@@ -226,22 +226,25 @@ fn cpu_timing_accounts_for_a_decode_step() {
 /// where the line names one) and returns its wall time a step: the phases add up to it, and
 /// the idle shares are shares.
 fn check_cpu_timing_line(line: &str, rows: &[f64]) -> f64 {
-    // Every number of the line, in order: steps, [rows], wall, the eleven phases and the rest,
-    // threads, idle, thread-ms, percent, then the percent of each of the six phases with products.
+    // Every number of the line, in order: steps, [rows], wall, regions, the eleven phases and the
+    // rest, threads, idle, thread-ms, percent, then the percent of each of the six phases with
+    // products.
     let numbers: Vec<f64> = line
         .split(|c: char| !(c.is_ascii_digit() || c == '.'))
         .filter(|s| !s.is_empty() && *s != ".")
         .map(|s| s.parse().unwrap())
         .collect();
-    assert_eq!(numbers.len(), 24 + rows.len(), "{line}");
+    assert_eq!(numbers.len(), 25 + rows.len(), "{line}");
     assert_eq!(&numbers[1..1 + rows.len()], rows, "{line}");
     let numbers = [&numbers[..1], &numbers[1 + rows.len()..]].concat();
-    let (wall, phases) = (numbers[1], &numbers[2..14]);
+    let (wall, regions, phases) = (numbers[1], numbers[2], &numbers[3..15]);
+    // SmolLM2's 30 layers run each of their products in a region of its own.
+    assert!(regions >= 30.0, "{regions} regions a step: {line}");
     let sum: f64 = phases.iter().sum();
     assert!((sum - wall).abs() < 0.01 * wall + 0.002, "phases {sum} against a step of {wall}: {line}");
     assert!(phases[0] > 0.0 && phases[1] > 0.0, "no products or head time: {line}");
-    assert_eq!(numbers[14], 2.0, "{line}");
-    assert!(numbers[15] <= numbers[16] && numbers[17] <= 100.0, "{line}");
-    assert!(numbers[18..].iter().all(|&p| (0.0..=100.0).contains(&p)), "{line}");
+    assert_eq!(numbers[15], 2.0, "{line}");
+    assert!(numbers[16] <= numbers[17] && numbers[18] <= 100.0, "{line}");
+    assert!(numbers[19..].iter().all(|&p| (0.0..=100.0).contains(&p)), "{line}");
     wall
 }
