@@ -1166,7 +1166,8 @@ unsafe fn packed_legacy_pass<F: PackedLegacy, const C: usize>(
         let mut acc = [_mm512_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * F::PACKED_BLOCK);
-            crate::simd::prefetch_ahead(block, F::PACKED_BLOCK);
+            // Into L1, where the other formats' passes prefetch into L2 (`prefetch_ahead_l1`).
+            crate::simd::prefetch_ahead_l1(block, F::PACKED_BLOCK);
             // A signed format's offset is taken back through the block sums.
             let mut sums: [__m512i; C] = match F::OFFSET_LOG2 {
                 Some(log2) => std::array::from_fn(|c| _mm512_set1_epi32(*a[c].neg_sums.add(b) << log2)),
