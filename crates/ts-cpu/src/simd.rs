@@ -21,10 +21,7 @@ pub(crate) const PREFETCH_AHEAD: usize = 16384;
 /// Needs SSE; `p` points into the weights being read.
 #[inline(always)]
 pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
-    let ahead = p.wrapping_add(PREFETCH_AHEAD);
-    for line in (0..len).step_by(64) {
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(line).cast()) };
-    }
+    unsafe { prefetch_ahead_into::<_MM_HINT_T1>(p, len) }
 }
 
 /// [`prefetch_ahead`] into L1, for the packed Q4_0, Q4_1, Q5_0 and Q8_0 passes: on the 2-core
@@ -37,9 +34,18 @@ pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 /// Needs SSE; `p` points into the weights being read.
 #[inline(always)]
 pub(crate) unsafe fn prefetch_ahead_l1(p: *const u8, len: usize) {
+    unsafe { prefetch_ahead_into::<_MM_HINT_T0>(p, len) }
+}
+
+/// Each line of the `len` bytes [`PREFETCH_AHEAD`] past `p`, with `_mm_prefetch`'s `HINT`.
+///
+/// # Safety
+/// Needs SSE.
+#[inline(always)]
+unsafe fn prefetch_ahead_into<const HINT: i32>(p: *const u8, len: usize) {
     let ahead = p.wrapping_add(PREFETCH_AHEAD);
     for line in (0..len).step_by(64) {
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+        unsafe { _mm_prefetch::<HINT>(ahead.wrapping_add(line).cast()) };
     }
 }
 

@@ -61,7 +61,7 @@ fn pack(front: usize, back: usize) -> u64 {
 
 /// One item of `share`: its first (its own thread) or its last (another thread, its own
 /// share done), or none where it is empty. Acquire: reading a share the leader filled (a
-/// release, or a take after it) makes its region's [`Team::job`] visible.
+/// release, or a take after it) makes its region's [`Signals::job`] visible.
 fn take(share: &Share, from_back: bool) -> Option<usize> {
     let mut v = share.0.load(Relaxed);
     loop {
