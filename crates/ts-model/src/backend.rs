@@ -522,12 +522,17 @@ pub trait Backend: Sized + Send + Sync {
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;
     /// The rows `rows` of `row_len` of `x` (those it holds) on the host, one Vec per row.
     fn rows_to_host(&self, x: &Self::Act, row_len: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
-        let held = self.to_host(x)?;
-        Ok(held.chunks_exact(row_len).skip(rows.start).take(rows.len()).map(<[f32]>::to_vec).collect())
+        Ok(host_rows(&self.to_host(x)?, row_len, rows))
     }
 
     /// Counters of an expert cache the backend keeps itself (a GPU's VRAM cache).
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {
         None
     }
+}
+
+/// Rows `rows` of `row_len` floats of `held` (those it holds), one Vec per row: what
+/// [`Backend::rows_to_host`] hands back once the floats are on the host.
+pub(crate) fn host_rows(held: &[f32], row_len: usize, rows: Range<usize>) -> Vec<Vec<f32>> {
+    held.chunks_exact(row_len).skip(rows.start).take(rows.len()).map(<[f32]>::to_vec).collect()
 }

@@ -588,6 +588,16 @@ impl Backend for Cpu {
     fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>, ModelError> {
         Ok(x.clone())
     }
+
+    /// Straight from `x`: a decode step's logits copied once, not cloned first.
+    fn rows_to_host(
+        &self,
+        x: &Vec<f32>,
+        row_len: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        Ok(crate::backend::host_rows(x, row_len, rows))
+    }
 }
 
 /// Layer `il`'s keys and values in `seq`, or an error for a layer of another kind.
