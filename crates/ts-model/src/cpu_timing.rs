@@ -37,6 +37,7 @@ pub(crate) enum Phase {
 }
 
 const PHASES: usize = 11;
+const _: () = assert!(PHASES < ts_cpu::work_time::NO_PHASE, "ts_cpu::work_time counts each phase apart");
 /// The phases that run products in parallel regions.
 const REGIONS: [Phase; 6] =
     [Phase::Products, Phase::Head, Phase::Route, Phase::ExpertGateUp, Phase::ExpertDown, Phase::ExpertsFused];
@@ -60,10 +61,11 @@ struct Totals {
     /// One-row steps, and steps of several rows.
     decode: Counts,
     batches: Counts,
-    /// The step in progress's phases and the threads' time in tasks during them, added to
-    /// its kind's counts when it ends.
+    /// The step in progress's phases, added to its kind's counts when it ends.
     pending: [Duration; PHASES],
-    pending_busy: [Duration; PHASES],
+    /// The threads' time in tasks by phase when the step in progress began
+    /// (`ts_cpu::work_time::busy_by_phase`).
+    busy_at_start: [Duration; ts_cpu::work_time::PHASES],
     /// Rows of the step in progress.
     rows: usize,
     started: Option<Instant>,
@@ -96,17 +98,17 @@ pub(crate) fn timing() -> &'static CpuTiming {
 impl CpuTiming {
     /// Runs `f`, its wall time and the threads' time in tasks meanwhile counted under `phase`.
     /// A phase timed inside another (the experts' scatter inside their products) is taken out
-    /// of the outer one's time.
+    /// of the outer one's time, and its tasks counted under it alone.
     pub(crate) fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
         let Some(totals) = &self.0 else { return f() };
-        let (start, busy) = (Instant::now(), ts_cpu::work_time::busy());
+        let outer_phase = ts_cpu::work_time::set_phase(phase as usize);
+        let start = Instant::now();
         let inner = INNER.with(|i| i.replace(Duration::ZERO));
         let out = f();
         let took = start.elapsed();
+        ts_cpu::work_time::set_phase(outer_phase);
         let nested = INNER.with(|i| i.replace(inner + took));
-        let mut t = totals.lock().expect("cpu timing lock");
-        t.pending[phase as usize] += took.saturating_sub(nested);
-        t.pending_busy[phase as usize] += ts_cpu::work_time::busy().saturating_sub(busy);
+        totals.lock().expect("cpu timing lock").pending[phase as usize] += took.saturating_sub(nested);
         out
     }
 
@@ -122,22 +124,23 @@ impl CpuTiming {
             *t = Totals { threads, ..Totals::default() };
         }
         let regions = ts_cpu::work_time::regions();
+        let busy = ts_cpu::work_time::busy_by_phase();
         if let Some(s) = t.started.filter(|_| t.rows > 0) {
             let (counts, every) = if t.rows == 1 { (&mut t.decode, 64) } else { (&mut t.batches, 8) };
             counts.wall += now - s;
             counts.regions += regions - t.regions_at_start;
             counts.steps += 1;
             counts.rows += t.rows as u64;
-            for p in 0..PHASES {
-                counts.time[p] += t.pending[p];
-                counts.busy[p] += t.pending_busy[p];
+            for (p, (time, pending)) in counts.time.iter_mut().zip(t.pending).enumerate() {
+                *time += pending;
+                counts.busy[p] += busy[p].saturating_sub(t.busy_at_start[p]);
             }
             if counts.steps.is_multiple_of(every) {
                 eprintln!("{}", counts.report(t.threads));
             }
         }
         t.pending = Default::default();
-        t.pending_busy = Default::default();
+        t.busy_at_start = busy;
         t.rows = rows;
         t.started = Some(now);
         t.regions_at_start = regions;
