@@ -3,10 +3,10 @@
 //! how long threads waited at a region's start and end (issue 16's "waiting at barriers").
 //!
 //! Each thread adds its tasks' time to a line of its own, under the phase its caller set
-//! ([`set_phase`]); the sums are read once a step ([`busy_by_phase`]). One counter that every
-//! thread added to cost a 16-thread decode step 0.2-0.7 ms more than it measured (2026-12-07,
-//! a Xeon host: steps of 1.87 / 1.73 / 2.35 ms at 16 / 8 / 4 threads without the knob, 2.09 /
-//! 2.44 / 2.71 with it).
+//! ([`set_phase`]); the sums are read once a step ([`busy_by_phase`]). With one counter that
+//! every thread added to, and read around every timed op, the knob lengthened a Xeon host's
+//! decode steps (2026-12-07: 1.87 / 1.73 / 2.35 ms at 16 / 8 / 4 threads without it, 2.09 /
+//! 2.44 / 2.71 with it); how much of that this layout takes away is not yet measured there.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
