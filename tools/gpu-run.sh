@@ -455,14 +455,18 @@ if [[ $what == cpu-sweep ]]; then
     # TURBOSPARK_CPU_TIMING=1 adds where each step's time goes (printed every 64 decode steps and
     # every 8 prompt batches: CPU_BENCH="-p 128 -n 0 -r 8" for a prompt's). First the host's read
     # bandwidth at each thread count (tools/membw.c, the best of its four passes), which issue 16
-    # reports beside the engines' rates; and the cost of one of the team's parallel regions.
+    # reports beside the engines' rates (MEMBW_MIB: the sizes of the set read); and the cost of
+    # one of the team's parallel regions.
     # CPU_PEERS="" leaves the peers out (default "lc ik").
     shift
     wait_peer_builds
     counts=$(echo ${THREADS:-16} | tr ' ' ',')
     if gcc -O2 -fopenmp -march=native tools/membw.c -o /tmp/membw 2> /dev/null; then
-        for t in ${THREADS:-16}; do
-            echo "membw, $t threads: $(OMP_NUM_THREADS=$t /tmp/membw | sort -k2 -n | tail -1)"
+        # MEMBW_MIB="1024 96": each set's size too (a model's bytes a token: what the caches give).
+        for mib in ${MEMBW_MIB:-1024}; do
+            for t in ${THREADS:-16}; do
+                echo "membw, $mib MiB, $t threads: $(OMP_NUM_THREADS=$t /tmp/membw $mib | sort -k2 -n | tail -1)"
+            done
         done
     else
         echo "gpu-run.sh: no gcc here, the host's bandwidth left out"

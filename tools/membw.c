@@ -1,7 +1,8 @@
-// Read bandwidth of this machine's memory: sums a 1 GiB array with AVX-512 loads (AVX2 where the
-// build has no AVX-512) on OMP_NUM_THREADS threads, four times (docs/BENCHMARKS.md quotes it
-// beside decode speeds).
-// Build and run: gcc -O2 -fopenmp -march=native tools/membw.c -o /tmp/membw && OMP_NUM_THREADS=2 /tmp/membw
+// Read bandwidth of this machine's memory: sums an array (1 GiB, or the MiB given as the first
+// argument: a model's bytes a token, to see what the caches give a set of that size) with
+// AVX-512 loads (AVX2 where the build has no AVX-512) on OMP_NUM_THREADS threads, four times
+// after one untimed pass (docs/BENCHMARKS.md quotes it beside decode speeds).
+// Build and run: gcc -O2 -fopenmp -march=native tools/membw.c -o /tmp/membw && OMP_NUM_THREADS=2 /tmp/membw [MIB]
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
@@ -28,11 +29,14 @@ static float vsum(vec v) {
 }
 #endif
 
-int main(void) {
-    size_t n = (size_t)1 << 28;
+int main(int argc, char** argv) {
+    size_t mib = argc > 1 ? (size_t)atol(argv[1]) : 1024;
+    if (mib == 0) mib = 1024;
+    // Whole passes of four vectors a turn.
+    size_t n = mib << 18;
     float* a = aligned_alloc(64, n * 4);
     memset(a, 1, n * 4);
-    for (int rep = 0; rep < 4; rep++) {
+    for (int rep = -1; rep < 4; rep++) {
         double t = omp_get_wtime();
         float total = 0;
 #pragma omp parallel reduction(+ : total)
@@ -48,7 +52,7 @@ int main(void) {
             total += vsum(vadd(vadd(s0, s1), vadd(s2, s3)));
         }
         t = omp_get_wtime() - t;
-        printf("read %.1f GB/s (checksum %g)\n", n * 4 / t / 1e9, total);
+        if (rep >= 0) printf("read %.1f GB/s (checksum %g)\n", n * 4 / t / 1e9, total);
     }
     free(a);
     return 0;

@@ -1,19 +1,20 @@
 //! A step's threads kept spinning between parallel regions (pools of [`DEFAULT_MIN_THREADS`]
-//! threads and more; `TURBOSPARK_CPU_TEAM=1` or `0` forces it on or off): [`scope`] enlists
-//! every thread of the current rayon pool for the length of a step; inside it,
-//! [`for_each`] hands items to threads that are already awake, as ggml's threadpool does
-//! between ops, where a rayon region may find its threads asleep. Outside a scope (or off)
-//! [`for_each`] is a rayon parallel loop. Which thread runs which item never changes an item's
-//! floats.
+//! threads and more; `TURBOSPARK_CPU_TEAM=1` or `0` forces it on or off): [`scope`] runs a
+//! step with every thread of the current rayon pool in its team; inside it, [`for_each`] hands
+//! items to threads that are already awake, as ggml's threadpool does between ops, where a
+//! rayon region may find its threads asleep. The team outlives its scope: its followers
+//! linger, spinning, for [`linger`] after a step (ggml's threads poll between graphs too), so
+//! the next step finds them awake instead of waking each (tens of µs a step). Outside a scope
+//! (or off) [`for_each`] is a rayon parallel loop. Which thread runs which item never changes
+//! an item's floats.
 
 use rayon::prelude::*;
 use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
-use std::sync::Mutex;
 use std::sync::atomic::{
-    AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
-    Ordering::SeqCst,
+    AtomicBool, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed, Ordering::Release,
 };
+use std::sync::{Arc, Mutex};
 
 /// Pools of this many threads and more run steps as a team unless told otherwise. On
 /// a 2-vCPU AMD EPYC (2026-12-06, docs/BENCHMARKS.md) a team with contiguous shares decoded
@@ -86,45 +87,91 @@ struct Signals {
     /// item reads its region here: the region cannot end, and no other be set, while one of
     /// its items has not been counted in `ran`.
     job: AtomicPtr<Job<'static>>,
-    stop: AtomicBool,
+    /// [`IDLE`], [`BUSY`] or [`CLOSED`].
+    state: AtomicU8,
 }
 
-/// What the scope's threads share. A region costs the leader one store to each seat's
+/// A team's states: between scopes (its followers lingering), running one (its leader's), or
+/// ended (its followers leave; the next scope forms a new team).
+const IDLE: u8 = 0;
+const BUSY: u8 = 1;
+const CLOSED: u8 = 2;
+
+/// How long a team's followers stay awake after a scope for the next (`TURBOSPARK_TEAM_LINGER_US`,
+/// a measurement knob; 2 ms by default: a server's or a decode loop's host work between two
+/// steps is tens of µs, and after a longer pause the threads sleep as rayon's do).
+pub fn linger() -> std::time::Duration {
+    static LINGER: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *LINGER.get_or_init(|| {
+        let us = std::env::var("TURBOSPARK_TEAM_LINGER_US").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+        std::time::Duration::from_micros(us)
+    })
+}
+
+/// What a team's threads share. A region costs the leader one store to each seat's
 /// share and one to the signals, and each thread one store to its own `ran`: no counter
 /// that every thread writes (with 16 threads such a line bounced between the cores three
 /// times a region, and the leader's sequentially consistent stores each waited for one).
 struct Team {
     signals: Padded<Signals>,
-    /// Set up once for the scope (read by every thread, written by none after).
+    /// Set up once for the team (read by every thread; the leader's seat set by each scope).
     seats: Padded<Seats>,
-    /// Items handed out in this scope (the leader's alone).
+    /// Items handed out by the team's leaders (one at a time).
     issued: Padded<AtomicUsize>,
 }
 
-/// The scope's fixed facts, apart from the lines written a region.
+/// The team's fixed facts, apart from the lines written a region.
 struct Seats {
     /// Each seat's share of the region in progress, set by the leader before it publishes
-    /// the region (seats are the threads' indices in the scope's broadcast).
+    /// the region (seats are the threads' indices in their pool).
     shares: Vec<Share>,
-    /// Items each seat has run in this scope, written by that seat alone (release: the
+    /// Items each seat has run in this team, written by that seat alone (release: the
     /// items' writes come with it); the leader sums them to know when a region is done.
     ran: Vec<Padded<AtomicUsize>>,
-    /// The leader's seat.
+    /// The seat of the scope in progress's leader (of the last scope, between scopes).
     leader: AtomicUsize,
+    /// Whether each seat's thread is following the team (in [`follow`]; its leader may be too,
+    /// having taken its scope's step from there).
+    present: Vec<Padded<AtomicBool>>,
+    /// Calls to follow ([`call_the_absent`]) not yet taken by their threads.
+    calls_on_the_way: AtomicUsize,
 }
 
 impl Team {
+    /// A team of `threads` seats, running its first scope.
+    fn new(threads: usize) -> Team {
+        Team {
+            signals: Padded(Signals {
+                generation: AtomicU64::new(0),
+                job: AtomicPtr::new(std::ptr::null_mut()),
+                state: AtomicU8::new(BUSY),
+            }),
+            seats: Padded(Seats {
+                shares: (0..threads).map(|_| Padded(AtomicU64::new(0))).collect(),
+                ran: (0..threads).map(|_| Padded(AtomicUsize::new(0))).collect(),
+                leader: AtomicUsize::new(0),
+                present: (0..threads).map(|_| Padded(AtomicBool::new(false))).collect(),
+                calls_on_the_way: AtomicUsize::new(0),
+            }),
+            issued: Padded(AtomicUsize::new(0)),
+        }
+    }
+
     fn ran_in_all(&self) -> usize {
         self.seats.0.ran.iter().map(|r| r.0.load(Acquire)).sum()
+    }
+
+    /// Takes the team for a scope, if it is between scopes.
+    fn begin(&self) -> bool {
+        self.signals.0.state.compare_exchange(IDLE, BUSY, Acquire, Relaxed).is_ok()
     }
 }
 
 thread_local! {
     /// The scope this thread leads (only the thread running a scope's body hands out regions).
     static LEADS: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
-    /// Whether this thread is in a scope, leading or following (a scope inside one runs its
-    /// body alone: every thread of the pool is taken).
-    static IN_SCOPE: Cell<bool> = const { Cell::new(false) };
+    /// The team this pool thread last joined or formed.
+    static TEAM: std::cell::RefCell<Option<Arc<Team>>> = const { std::cell::RefCell::new(None) };
     /// Whether this thread runs its [`for_each`] regions by itself ([`on_this_thread`]).
     static ALONE: Cell<bool> = const { Cell::new(false) };
 }
@@ -149,77 +196,131 @@ pub fn on_this_thread<R>(body: impl FnOnce() -> R) -> R {
 /// regions; `body` itself runs on one of them. Off ([`enabled`]), `body` alone.
 pub fn scope<R: Send>(body: impl FnOnce() -> R + Send) -> R {
     let threads = rayon::current_num_threads();
-    if threads < 2 || !enabled(threads) || IN_SCOPE.with(Cell::get) {
+    if threads < 2 || !enabled(threads) {
         return body();
     }
     lead(body)
 }
 
-/// [`scope`]'s work: the first thread of the broadcast to arrive runs `body`, the others
-/// follow its regions until it is done.
+/// [`scope`]'s work, on a thread of the pool: the team this thread last joined leads again if it
+/// is between scopes; else a new team forms (every thread of the pool called to it; `body`
+/// starts at once, the followers joining as they come). A scope inside a scope, or beside
+/// another scope of the same team, runs `body` with rayon's regions.
 fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
-    let threads = rayon::current_num_threads();
-    let team = Team {
-        signals: Padded(Signals {
-            generation: AtomicU64::new(0),
-            job: AtomicPtr::new(std::ptr::null_mut()),
-            stop: AtomicBool::new(false),
-        }),
-        seats: Padded(Seats {
-            shares: (0..threads).map(|_| Padded(AtomicU64::new(0))).collect(),
-            ran: (0..threads).map(|_| Padded(AtomicUsize::new(0))).collect(),
-            leader: AtomicUsize::new(0),
-        }),
-        issued: Padded(AtomicUsize::new(0)),
+    let Some(me) = rayon::current_thread_index() else {
+        // Onto a thread of the pool: the leader is one of the team.
+        return rayon::scope(|_| lead(body));
     };
-    let body = Mutex::new(Some(body));
-    let out = Mutex::new(None);
-    let leader_taken = AtomicBool::new(false);
-    rayon::broadcast(|ctx| {
-        IN_SCOPE.with(|s| s.set(true));
-        if !leader_taken.swap(true, SeqCst) {
-            let body = body.lock().expect("team body").take().expect("one leader");
-            team.seats.0.leader.store(ctx.index(), SeqCst);
-            LEADS.with(|l| l.set(&team));
-            let result = std::panic::catch_unwind(AssertUnwindSafe(body));
-            LEADS.with(|l| l.set(std::ptr::null()));
-            team.signals.0.stop.store(true, Release);
-            *out.lock().expect("team result") = Some(result);
-        } else {
-            follow(&team, ctx.index());
+    if !LEADS.with(Cell::get).is_null() {
+        return body();
+    }
+    let threads = rayon::current_num_threads();
+    let last = TEAM.with(|t| t.borrow().clone()).filter(|t| t.seats.0.shares.len() == threads);
+    let team = match last {
+        Some(team) if team.begin() => team,
+        Some(team) if team.signals.0.state.load(Acquire) == BUSY => return body(),
+        _ => {
+            crate::work_time::team_forms();
+            let team = Arc::new(Team::new(threads));
+            TEAM.with(|t| *t.borrow_mut() = Some(team.clone()));
+            team
         }
-        IN_SCOPE.with(|s| s.set(false));
-    });
-    let result = out.into_inner().expect("team result").expect("the leader ran");
+    };
+    team.seats.0.leader.store(me, Relaxed);
+    call_the_absent(&team, me);
+    LEADS.with(|l| l.set(&*team));
+    let result = std::panic::catch_unwind(AssertUnwindSafe(body));
+    LEADS.with(|l| l.set(std::ptr::null()));
+    team.signals.0.state.store(IDLE, Release);
     result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
-/// A thread that is not the leader (at `seat`): runs each region's items until the scope ends.
-fn follow(team: &Team, seat: usize) {
+/// Calls every thread of the pool to follow `team` where a seat but the leader's (`me`) is
+/// empty and no call is on its way: a thread already in the team, or leading (a leader's own
+/// call runs once its scope is over, or inside it while it waits for rayon work, where it is
+/// dropped), takes the call and goes on.
+fn call_the_absent(team: &Arc<Team>, me: usize) {
+    let seats = &team.seats.0;
+    let absent = seats.present.iter().enumerate().any(|(seat, p)| seat != me && !p.0.load(Relaxed));
+    if !absent || seats.calls_on_the_way.load(Relaxed) > 0 {
+        return;
+    }
+    seats.calls_on_the_way.fetch_add(seats.shares.len(), Relaxed);
+    let called = team.clone();
+    rayon::spawn_broadcast(move |ctx| {
+        called.seats.0.calls_on_the_way.fetch_sub(1, Relaxed);
+        let seat = ctx.index();
+        if LEADS.with(Cell::get).is_null() && !called.seats.0.present[seat].0.load(Relaxed) {
+            follow(&called, seat);
+        }
+    });
+}
+
+/// A thread of the pool in `team` (at `seat`): runs each region's items, and between them the
+/// pool's other work (a step handed to the pool is led from here), until the team has been
+/// between scopes for [`linger`].
+fn follow(team: &Arc<Team>, seat: usize) {
+    /// The seat is taken for the length of the loop (a panic's unwinding too).
+    struct Present<'a>(&'a AtomicBool);
+    impl Drop for Present<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, Relaxed);
+        }
+    }
+    team.seats.0.present[seat].0.store(true, Relaxed);
+    let _present = Present(&team.seats.0.present[seat].0);
+    crate::work_time::follower_joins(team.seats.0.leader.load(Relaxed) == seat);
+    TEAM.with(|t| *t.borrow_mut() = Some(team.clone()));
     let signals = &team.signals.0;
     let mut seen = 0u64;
     let mut idle = 0u32;
-    while !signals.stop.load(Acquire) {
+    let mut idle_since: Option<std::time::Instant> = None;
+    loop {
         let g = signals.generation.load(Acquire);
-        if g == seen {
-            // The leader's plain rayon work (a `join` inside the step) is taken here too, looked
-            // for every few turns: a look reads the other threads' deques.
-            if idle.is_multiple_of(16) && rayon::yield_now() == Some(rayon::Yield::Executed) {
-                idle = 0;
-                continue;
-            }
-            idle = idle.saturating_add(1);
-            if idle < 1 << 16 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+        if g != seen {
+            seen = g;
+            (idle, idle_since) = (0, None);
+            crate::work_time::follower_sees_region(team.seats.0.leader.load(Relaxed) == seat);
+            take_items(team, seat, g);
             continue;
         }
-        seen = g;
-        idle = 0;
-        take_items(team, seat, g);
+        let state = signals.state.load(Acquire);
+        if state == CLOSED {
+            return;
+        }
+        // The pool's other work (a step to lead, a `join` inside one) is taken here too, looked
+        // for every few turns: a look reads the other threads' deques.
+        let every = look_every();
+        if every > 0 && idle.is_multiple_of(every) && rayon::yield_now() == Some(rayon::Yield::Executed) {
+            (idle, idle_since) = (0, None);
+            continue;
+        }
+        idle = idle.saturating_add(1);
+        if state == IDLE && idle.is_multiple_of(256) {
+            let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() >= linger() && signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok() {
+                return;
+            }
+        } else if state == BUSY {
+            idle_since = None;
+        }
+        // Between scopes the step's caller may be waiting for a core (it wakes when a step ends,
+        // outside the pool, while every thread of the pool lingers here): yield it each turn.
+        if idle < 1 << 16 && state == BUSY {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
     }
+}
+
+/// How many spins a waiting follower makes between its looks for the pool's other work
+/// (`TURBOSPARK_TEAM_LOOK_EVERY`, a measurement knob: a look reads every thread's deque; 0
+/// never looks, so a `join` inside a step runs on its own thread and a step handed to the
+/// pool waits for a team's end).
+fn look_every() -> u32 {
+    static EVERY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *EVERY.get_or_init(|| std::env::var("TURBOSPARK_TEAM_LOOK_EVERY").ok().and_then(|v| v.parse().ok()).unwrap_or(16))
 }
 
 /// Followers look for items left in this many seats' shares after their own (the leader
@@ -290,6 +391,7 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     let seats = &team.seats.0;
     let count = seats.shares.len();
     assert!(n < u32::MAX as usize, "a region of {n} items");
+    let mut clock = crate::work_time::region_begins();
     let issued = team.issued.0.load(Relaxed) + n;
     team.issued.0.store(issued, Relaxed);
     // SAFETY: only the lifetime is erased; `job` outlives every use (see `Signals::job`).
@@ -307,9 +409,11 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     LEADS.with(|l| l.set(std::ptr::null()));
     take_items(team, leader, generation);
     LEADS.with(|l| l.set(team));
+    crate::work_time::leader_waits(&mut clock);
     while team.ran_in_all() < issued {
         std::hint::spin_loop();
     }
+    crate::work_time::region_ends(clock);
     if let Some(panic) = job.panic.into_inner().expect("team panic") {
         std::panic::resume_unwind(panic);
     }
@@ -337,6 +441,7 @@ pub fn for_each_chunk<T: Send>(out: &mut [T], chunk: usize, f: &(dyn Fn(usize, &
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering::SeqCst;
 
     /// Every item runs once, inside a scope and out, in regions back to back; a region's
     /// nested `for_each` runs too; the scope hands back its body's value.
@@ -466,6 +571,46 @@ mod tests {
         let from_items = Mutex::new(Vec::new());
         pool.install(|| lead(|| for_each(6, &|_| from_items.lock().unwrap().push(alone(40)))));
         assert_eq!(from_items.into_inner().unwrap(), vec![want.clone(); 6]);
+    }
+
+    /// Scopes handed to the pool back to back from outside it (as an engine's steps are) find
+    /// the team of the scope before them: its followers linger between scopes.
+    #[test]
+    fn back_to_back_scopes_reuse_their_team() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let step = || {
+            pool.install(|| {
+                lead(|| {
+                    let sum = AtomicUsize::new(0);
+                    for_each(30, &|i| _ = sum.fetch_add(i, SeqCst));
+                    assert_eq!(sum.into_inner(), 435);
+                    TEAM.with(|t| t.borrow().clone()).expect("the leader's team")
+                })
+            })
+        };
+        let teams: Vec<Arc<Team>> = (0..50).map(|_| step()).collect();
+        let reused = teams.windows(2).filter(|w| Arc::ptr_eq(&w[0], &w[1])).count();
+        // Not every one: a loaded machine may hold the caller up past the linger.
+        assert!(reused > 0, "no scope found its team from the scope before");
+    }
+
+    /// Rayon loops inside a scope's body, while its team forms, neither hang nor lose work: the
+    /// leader's own call to follow, run while the body waits for rayon work, is dropped.
+    #[test]
+    fn rayon_work_inside_a_forming_team_ends() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for round in 0..20 {
+            let got = pool.install(|| {
+                lead(|| {
+                    let a: usize = (0..1000usize).into_par_iter().map(|i| i % 7).sum();
+                    let n = AtomicUsize::new(0);
+                    for_each(12, &|_| _ = n.fetch_add(1, SeqCst));
+                    let b: usize = (0..1000usize).into_par_iter().map(|i| i % 5).sum();
+                    (a, n.into_inner(), b)
+                })
+            });
+            assert_eq!(got, (2997, 12, 2000), "round {round}");
+        }
     }
 
     /// Each item gets its own chunk, the last one shorter, in a scope and out.

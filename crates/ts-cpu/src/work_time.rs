@@ -3,7 +3,9 @@
 //! how long threads waited at a region's start and end (issue 16's "waiting at barriers").
 //!
 //! Each thread adds its tasks' time to a line of its own, under the phase its caller set
-//! ([`set_phase`]); the sums are read once a step ([`busy_by_phase`]). With one counter that
+//! ([`set_phase`]); the sums are read once a step ([`busy_by_phase`]). A team's regions are
+//! also timed from their leader ([`Regions`]: each region's wall time and the leader's wait at
+//! its end) and from their followers (how long after its start each saw a region begin). With one counter that
 //! every thread added to, and read around every timed op, the knob lengthened a Xeon host's
 //! decode steps (2026-12-07: 1.87 / 1.73 / 2.35 ms at 16 / 8 / 4 threads without it, 2.09 /
 //! 2.44 / 2.71 with it); how much of that this layout takes away is not yet measured there.
@@ -26,6 +28,13 @@ static ON: AtomicBool = AtomicBool::new(false);
 static PHASE: AtomicUsize = AtomicUsize::new(NO_PHASE);
 static BUSY_NS: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
 static REGIONS: AtomicU64 = AtomicU64::new(0);
+/// A team's regions by phase, from their leader: wall time and the wait at their ends (ns).
+static REGION_WALL_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
+static LEADER_WAIT_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
+/// When the region in progress began ([`now_ns`]), for its followers' lag.
+static PUBLISHED_NS: AtomicU64 = AtomicU64::new(0);
+/// Per thread: the sum of its lags behind the regions' starts (counter 0, ns) and their count (1).
+static LAG: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
 
 /// Starts counting (for the rest of the process).
 pub fn enable() {
@@ -54,6 +63,124 @@ pub fn regions() -> u64 {
 pub(crate) fn region() {
     if ON.load(Ordering::Relaxed) {
         REGIONS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Nanoseconds since the process's first call: one clock for every thread.
+fn now_ns() -> u64 {
+    static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    BASE.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A team region's timing on its leader, from [`region_begins`] (None when counting is off).
+pub(crate) struct RegionClock {
+    phase: usize,
+    start: u64,
+    own_done: u64,
+}
+
+/// The leader of a team's region marks its start, before it publishes the region.
+#[inline]
+pub(crate) fn region_begins() -> Option<RegionClock> {
+    if !ON.load(Ordering::Relaxed) {
+        return None;
+    }
+    let start = now_ns();
+    PUBLISHED_NS.store(start, Ordering::Relaxed);
+    Some(RegionClock { phase: PHASE.load(Ordering::Relaxed), start, own_done: start })
+}
+
+/// The leader has run the items it could find and starts waiting for the others' to end.
+#[inline]
+pub(crate) fn leader_waits(clock: &mut Option<RegionClock>) {
+    if let Some(c) = clock {
+        c.own_done = now_ns();
+    }
+}
+
+/// Every item of the region has run.
+#[inline]
+pub(crate) fn region_ends(clock: Option<RegionClock>) {
+    if let Some(c) = clock {
+        let end = now_ns();
+        REGION_WALL_NS[c.phase].fetch_add(end - c.start, Ordering::Relaxed);
+        LEADER_WAIT_NS[c.phase].fetch_add(end - c.own_done, Ordering::Relaxed);
+    }
+}
+
+/// A follower has seen a region begin (its lag behind the leader's start counted, unless it
+/// is back from leading it: `led`).
+#[inline]
+pub(crate) fn follower_sees_region(led: bool) {
+    if ON.load(Ordering::Relaxed) && !led {
+        let lag = now_ns().saturating_sub(PUBLISHED_NS.load(Ordering::Relaxed));
+        let slot = &LAG[rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS].0;
+        slot[0].fetch_add(lag, Ordering::Relaxed);
+        slot[1].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// When the newest team formed ([`now_ns`]), for its followers' arrival.
+static FORMED_NS: AtomicU64 = AtomicU64::new(0);
+/// Teams formed, the latest follower's arrival in the newest, and the sum of those of the
+/// teams before it (ns).
+static TEAMS: AtomicU64 = AtomicU64::new(0);
+static LATEST_JOIN_NS: AtomicU64 = AtomicU64::new(0);
+static LATEST_JOINS_NS: AtomicU64 = AtomicU64::new(0);
+
+/// A team forms: every thread of its pool is called to it.
+#[inline]
+pub(crate) fn team_forms() {
+    if ON.load(Ordering::Relaxed) {
+        FORMED_NS.store(now_ns(), Ordering::Relaxed);
+        TEAMS.fetch_add(1, Ordering::Relaxed);
+        LATEST_JOINS_NS.fetch_add(LATEST_JOIN_NS.swap(0, Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// A follower has joined the newest team (its delay behind the team's forming counted, unless
+/// it formed it: `formed`, a leader joining as a follower once its scope is over).
+#[inline]
+pub(crate) fn follower_joins(formed: bool) {
+    if ON.load(Ordering::Relaxed) && !formed {
+        let late = now_ns().saturating_sub(FORMED_NS.load(Ordering::Relaxed));
+        let slot = &LAG[rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS].0;
+        slot[2].fetch_add(late, Ordering::Relaxed);
+        slot[3].fetch_add(1, Ordering::Relaxed);
+        LATEST_JOIN_NS.fetch_max(late, Ordering::Relaxed);
+    }
+}
+
+/// A team's regions so far, as their leaders and followers timed them.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Regions {
+    /// Wall time of the regions begun under each phase.
+    pub wall: [Duration; PHASES],
+    /// Of that, the leader's wait for the other threads' items to end.
+    pub leader_wait: [Duration; PHASES],
+    /// Followers' lag behind the regions' starts, summed, and how many they saw.
+    pub lag: Duration,
+    pub seen: u64,
+    /// Teams formed; followers' delays joining them, summed, and how many joined.
+    pub teams: u64,
+    pub joins: Duration,
+    pub joined: u64,
+    /// The sum over teams (but the newest) of their latest follower's delay.
+    pub latest_joins: Duration,
+}
+
+/// [`Regions`] so far.
+pub fn team_regions() -> Regions {
+    let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+    Regions {
+        wall: std::array::from_fn(|p| ns(&REGION_WALL_NS[p])),
+        leader_wait: std::array::from_fn(|p| ns(&LEADER_WAIT_NS[p])),
+        lag: LAG.iter().map(|s| ns(&s.0[0])).sum(),
+        seen: LAG.iter().map(|s| s.0[1].load(Ordering::Relaxed)).sum(),
+        teams: TEAMS.load(Ordering::Relaxed),
+        joins: LAG.iter().map(|s| ns(&s.0[2])).sum(),
+        joined: LAG.iter().map(|s| s.0[3].load(Ordering::Relaxed)).sum(),
+        latest_joins: ns(&LATEST_JOINS_NS),
     }
 }
 

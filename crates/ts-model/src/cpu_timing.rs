@@ -4,7 +4,8 @@
 //! between them), and how long threads were idle during the phases that run
 //! products (their wall time times the thread count, less the threads' time in the products'
 //! tasks, `ts_cpu::work_time`: waits at a region's start and end, and the phase's serial work
-//! such as quantizing the input or choosing experts). Each step from its start to the next
+//! such as quantizing the input or choosing experts), and the team's regions as their leader
+//! and followers saw them (`ts_cpu::work_time::team_regions`). Each step from its start to the next
 //! step's; one-row steps (decode) and batches (prompts) counted apart, printed as means per
 //! step every 64 decode steps and every 8 batches (issue 16's profiles).
 
@@ -54,6 +55,8 @@ struct Counts {
     busy: [Duration; PHASES],
     /// Parallel regions of all the steps (`ts_cpu::work_time::regions`).
     regions: u64,
+    /// The team's regions of all the steps, from their leaders and followers.
+    team: ts_cpu::work_time::Regions,
 }
 
 #[derive(Default)]
@@ -71,6 +74,8 @@ struct Totals {
     started: Option<Instant>,
     /// The region count when the step in progress began.
     regions_at_start: u64,
+    /// The team's regions when the step in progress began.
+    team_at_start: ts_cpu::work_time::Regions,
     /// The pool's threads the counts are for (`bench -t 4,8,16` changes pools: counts restart).
     threads: usize,
 }
@@ -125,6 +130,7 @@ impl CpuTiming {
         }
         let regions = ts_cpu::work_time::regions();
         let busy = ts_cpu::work_time::busy_by_phase();
+        let team = ts_cpu::work_time::team_regions();
         if let Some(s) = t.started.filter(|_| t.rows > 0) {
             let (counts, every) = if t.rows == 1 { (&mut t.decode, 64) } else { (&mut t.batches, 8) };
             counts.wall += now - s;
@@ -135,6 +141,17 @@ impl CpuTiming {
                 *time += pending;
                 counts.busy[p] += busy[p].saturating_sub(t.busy_at_start[p]);
             }
+            let (c, was) = (&mut counts.team, &t.team_at_start);
+            for p in 0..ts_cpu::work_time::PHASES {
+                c.wall[p] += team.wall[p].saturating_sub(was.wall[p]);
+                c.leader_wait[p] += team.leader_wait[p].saturating_sub(was.leader_wait[p]);
+            }
+            c.lag += team.lag.saturating_sub(was.lag);
+            c.seen += team.seen - was.seen;
+            c.teams += team.teams - was.teams;
+            c.joins += team.joins.saturating_sub(was.joins);
+            c.joined += team.joined - was.joined;
+            c.latest_joins += team.latest_joins.saturating_sub(was.latest_joins);
             if counts.steps.is_multiple_of(every) {
                 eprintln!("{}", counts.report(t.threads));
             }
@@ -144,6 +161,7 @@ impl CpuTiming {
         t.rows = rows;
         t.started = Some(now);
         t.regions_at_start = regions;
+        t.team_at_start = team;
     }
 }
 
@@ -164,11 +182,28 @@ impl Counts {
         let percent = |part: f64, of: f64| 100.0 * part / of.max(1e-9);
         let each = REGIONS.iter().map(|&p| format!("{:.0}%", percent(idle(p), offered(p)))).collect::<Vec<_>>();
         let (waited, regions) = REGIONS.iter().fold((0.0, 0.0), |(w, r), &p| (w + idle(p), r + offered(p)));
+        let team = &self.team;
+        let team_wall = per(team.wall.iter().sum());
+        let team_line = format!(
+            "; the team's regions {:.3} ms a step (products' {:.3}, head's {:.3}, attention's {:.3}), their leader waiting at \
+             their ends {:.3}; a follower began a region {:.2} µs after its start (mean of {:.0} a step); {:.2} teams \
+             formed a step, a follower joining one {:.1} µs after it formed (the last {:.1})",
+            team_wall,
+            per(team.wall[Phase::Products as usize]),
+            per(team.wall[Phase::Head as usize]),
+            per(team.wall[Phase::Attention as usize]),
+            per(team.leader_wait.iter().sum()),
+            team.lag.as_secs_f64() * 1e6 / team.seen.max(1) as f64,
+            team.seen as f64 / n,
+            team.teams as f64 / n,
+            team.joins.as_secs_f64() * 1e6 / team.joined.max(1) as f64,
+            team.latest_joins.as_secs_f64() * 1e6 / team.teams.max(1) as f64,
+        );
         format!(
             "cpu timing: {} steps{kind}, per step {:.3} ms in {:.0} parallel regions: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, experts fused {:.3}, norms {:.3}, rope and cache stores {:.3}, combine {:.3}, \
              small ops {:.3}, the rest (host) {:.3}; during the products \
-             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {})",
+             {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {}){}",
             self.steps,
             per(self.wall),
             self.regions as f64 / n,
@@ -189,6 +224,7 @@ impl Counts {
             regions,
             percent(waited, regions),
             each.join(" / "),
+            if team.seen > 0 || team_wall > 0.0 { team_line } else { String::new() },
         )
     }
 }
