@@ -278,7 +278,33 @@ pub struct Matvec<'a> {
     /// One row, quantized for `weight_ty`.
     pub x: &'a QuantizedRows,
     /// `[n_out]`.
-    pub out: &'a mut [f32],
+    pub out: MatvecOut<'a>,
+}
+
+/// Where a [`Matvec`] writes its floats.
+pub enum MatvecOut<'a> {
+    /// Floats already there, overwritten.
+    Rows(&'a mut [f32]),
+    /// Fresh memory, each run zeroed and then written by the thread that computes it (not
+    /// zeroed first by the caller's thread, which with 16 threads took each line back from the
+    /// core that wrote it last); every element is written once [`crate::matvecs`] returns `Ok`.
+    Fresh(&'a mut [std::mem::MaybeUninit<f32>]),
+}
+
+impl MatvecOut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            MatvecOut::Rows(r) => r.len(),
+            MatvecOut::Fresh(f) => f.len(),
+        }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut f32 {
+        match self {
+            MatvecOut::Rows(r) => r.as_mut_ptr(),
+            MatvecOut::Fresh(f) => f.as_mut_ptr().cast(),
+        }
+    }
 }
 
 /// A product's output, handed across threads: its tasks write disjoint runs of it.
@@ -326,8 +352,13 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
                 let start = task * plan.rows_per_task;
                 let rows = plan.rows_per_task.min(plan.n_out - start);
                 // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for
-                // this call; task `task` alone writes `start..start + rows` of them.
-                let out = unsafe { std::slice::from_raw_parts_mut(outs[*i].0.add(start), rows) };
+                // this call; task `task` alone writes `start..start + rows` of them, zeroed first
+                // (fresh memory becomes floats before a slice of it is made).
+                let out = unsafe {
+                    let at = outs[*i].0.add(start);
+                    at.write_bytes(0, rows);
+                    std::slice::from_raw_parts_mut(at, rows)
+                };
                 plan.run(task, &mut [out]);
             }
         })

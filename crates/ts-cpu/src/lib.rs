@@ -47,7 +47,7 @@ pub mod work_time;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
 use dispatch::Layout;
-pub use dispatch::{Isa, Matvec};
+pub use dispatch::{Isa, Matvec, MatvecOut};
 pub use ts_gguf::GgmlType;
 
 /// Why a quantization or multiplication was refused.

@@ -516,7 +516,13 @@ fn matvecs_match_one_matmul_per_product() {
     }
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        let mut outs: Vec<Vec<f32>> = cases.iter().map(|c| vec![f32::NAN; c.1]).collect();
+        // Every other product writes fresh memory (its runs zeroed by their threads), the rest
+        // floats already there.
+        let mut outs: Vec<Vec<f32>> = cases
+            .iter()
+            .enumerate()
+            .map(|(i, c)| if i % 2 == 0 { vec![f32::NAN; c.1] } else { Vec::with_capacity(c.1) })
+            .collect();
         let mut products: Vec<ts_cpu::Matvec<'_>> = cases
             .iter()
             .zip(outs.iter_mut())
@@ -527,10 +533,20 @@ fn matvecs_match_one_matmul_per_product() {
                 k: *k,
                 packed: *packed,
                 x,
-                out,
+                out: match out.is_empty() {
+                    true => ts_cpu::MatvecOut::Fresh(&mut out.spare_capacity_mut()[..*n_out]),
+                    false => ts_cpu::MatvecOut::Rows(out),
+                },
             })
             .collect();
         pool.install(|| ts_cpu::matvecs(&mut products)).unwrap();
+        drop(products);
+        for (out, c) in outs.iter_mut().zip(&cases) {
+            if out.is_empty() {
+                // SAFETY: `matvecs` returned Ok, so every element of the fresh memory was written.
+                unsafe { out.set_len(c.1) };
+            }
+        }
         for ((ty, n_out, k, packed, w, _, xf, x, alone), got) in cases.iter().zip(&outs) {
             let what = format!("{ty} n_out={n_out} k={k} packed={packed} threads={threads}");
             assert!(got.iter().zip(alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from matmul");
@@ -542,7 +558,15 @@ fn matvecs_match_one_matmul_per_product() {
     let mut x = QuantizedRows::new();
     x.quantize(ty, &common::rows(&mut rng, 2 * k), k).unwrap();
     let mut out = vec![0.0; 2 * n_out];
-    let mut products = [ts_cpu::Matvec { weight_ty: ty, w: &w, n_out, k, packed: false, x: &x, out: &mut out }];
+    let mut products = [ts_cpu::Matvec {
+        weight_ty: ty,
+        w: &w,
+        n_out,
+        k,
+        packed: false,
+        x: &x,
+        out: ts_cpu::MatvecOut::Rows(&mut out),
+    }];
     let err = ts_cpu::matvecs(&mut products).unwrap_err();
     assert!(matches!(err, CpuError::WrongLength { .. }), "{err}");
 }

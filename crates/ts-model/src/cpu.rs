@@ -118,6 +118,10 @@ impl Backend for Cpu {
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
         timing().time(phase_of(w), || {
+            if m == 1 && !s.exact_activations && decode_products() == DecodeProducts::Flat && fresh_outputs() {
+                let mut outs = flat_linears(&[(w, bias)], x)?;
+                return Ok(outs.pop().expect("one product"));
+            }
             let mut out = Vec::new();
             linear(w, x, m, s, &mut out)?;
             if let Some(b) = bias {
@@ -993,6 +997,14 @@ fn decode_products() -> DecodeProducts {
     })
 }
 
+/// Whether a one-row step's products write fresh memory, each thread zeroing its own runs, and a
+/// lone product goes through [`flat_linears`] too (`TURBOSPARK_DECODE_FRESH=0`, a measurement knob,
+/// zeroes every output on the step's thread first, as before 2026-12-07; to measure at 16 threads).
+fn fresh_outputs() -> bool {
+    static FRESH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FRESH.get_or_init(|| std::env::var("TURBOSPARK_DECODE_FRESH").map_or(true, |v| v.trim() != "0"))
+}
+
 /// One activation row `x` quantized for weights of `ty`.
 fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRows, ts_cpu::CpuError> {
     let mut q = ts_cpu::QuantizedRows::new();
@@ -1000,8 +1012,9 @@ fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRo
     Ok(q)
 }
 
-/// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]): the
-/// floats of one [`linear`] each, the row quantized once per weight type.
+/// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]; a lone
+/// [`Backend::linear`] of one row too): the floats of one [`linear`] each, the row quantized
+/// once per weight type.
 fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
     let k = x.len();
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", ws[0].0.name));
@@ -1014,7 +1027,11 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             quantized.push((w.ty, quantized_row(w.ty, x).map_err(cerr)?));
         }
     }
-    let mut outs: Vec<Vec<f32>> = ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect();
+    // Fresh memory, each thread zeroing and writing its own runs (zeroed here, every line would
+    // first come back from the core that wrote it last).
+    let fresh = fresh_outputs();
+    let mut outs: Vec<Vec<f32>> =
+        ws.iter().map(|(w, _)| if fresh { Vec::with_capacity(w.n_rows()) } else { vec![0f32; w.n_rows()] }).collect();
     let mut products: Vec<ts_cpu::Matvec<'_>> = ws
         .iter()
         .zip(outs.iter_mut())
@@ -1025,10 +1042,20 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             k,
             packed: w.is_packed(),
             x: &quantized.iter().find(|(ty, _)| *ty == w.ty).expect("quantized for every type").1,
-            out,
+            out: match fresh {
+                true => ts_cpu::MatvecOut::Fresh(&mut out.spare_capacity_mut()[..w.n_rows()]),
+                false => ts_cpu::MatvecOut::Rows(out),
+            },
         })
         .collect();
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
+    drop(products);
+    if fresh {
+        for ((w, _), out) in ws.iter().zip(outs.iter_mut()) {
+            // SAFETY: `matvecs` returned Ok: every one of the `n_rows` floats was written.
+            unsafe { out.set_len(w.n_rows()) };
+        }
+    }
     for ((_, bias), out) in ws.iter().zip(outs.iter_mut()) {
         if let Some(b) = bias {
             ops::add_bias_rows(out, b);

@@ -276,7 +276,15 @@ pub(super) fn flat_gate_up(
         let xu = xu.as_ref().unwrap_or(&xg);
         let gate = (w.gate_exps.ty, bytes.gate, bytes.packed[0], &xg, gp);
         for (weight_ty, w, packed, x, out) in [gate, (w.up_exps.ty, bytes.up, bytes.packed[1], xu, up)] {
-            products.push(ts_cpu::Matvec { weight_ty, w, n_out: f, k: e, packed, x, out });
+            products.push(ts_cpu::Matvec {
+                weight_ty,
+                w,
+                n_out: f,
+                k: e,
+                packed,
+                x,
+                out: ts_cpu::MatvecOut::Rows(out),
+            });
         }
     }
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
@@ -313,7 +321,7 @@ pub(super) fn flat_down(
             k: f,
             packed: bytes.packed[2],
             x,
-            out,
+            out: ts_cpu::MatvecOut::Rows(out),
         })
         .collect();
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
