@@ -3,8 +3,9 @@
 //! step with every thread of the current rayon pool in its team; inside it, [`for_each`] hands
 //! items to threads that are already awake, as ggml's threadpool does between ops, where a
 //! rayon region may find its threads asleep. The team outlives its scope: its followers
-//! linger, spinning, for [`linger`] after a step (ggml's threads poll between graphs too), so
-//! the next step finds them awake instead of waking each (tens of µs a step). Outside a scope
+//! linger for [`linger`] after a step, yielding their cores each turn (ggml's threads poll
+//! between graphs too), so the next step finds them awake instead of waking each (tens of µs a
+//! step). Outside a scope
 //! (or off) [`for_each`] is a rayon parallel loop. Which thread runs which item never changes
 //! an item's floats.
 
@@ -295,7 +296,8 @@ fn follow(team: &Arc<Team>, seat: usize) {
             (idle, idle_since) = (0, None);
             continue;
         }
-        idle = idle.saturating_add(1);
+        // Wrapping: a count stuck at its top would never look or leave again.
+        idle = idle.wrapping_add(1);
         if state == IDLE && idle.is_multiple_of(256) {
             let since = *idle_since.get_or_insert_with(std::time::Instant::now);
             if since.elapsed() >= linger() && signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok() {

@@ -5,10 +5,10 @@
 //! Each thread adds its tasks' time to a line of its own, under the phase its caller set
 //! ([`set_phase`]); the sums are read once a step ([`busy_by_phase`]). A team's regions are
 //! also timed from their leader ([`Regions`]: each region's wall time and the leader's wait at
-//! its end) and from their followers (how long after its start each saw a region begin). With one counter that
-//! every thread added to, and read around every timed op, the knob lengthened a Xeon host's
-//! decode steps (2026-12-07: 1.87 / 1.73 / 2.35 ms at 16 / 8 / 4 threads without it, 2.09 /
-//! 2.44 / 2.71 with it); how much of that this layout takes away is not yet measured there.
+//! its end) and from their followers (how long after its start each saw a region begin). With one
+//! counter that every thread added to, and read around every timed op, the knob lengthened a Xeon
+//! host's 16-thread decode steps by about 0.2 ms; with these lines, by about 0.05 (2026-12-07,
+//! docs/BENCHMARKS.md).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -33,8 +33,23 @@ static REGION_WALL_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASE
 static LEADER_WAIT_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 /// When the region in progress began ([`now_ns`]), for its followers' lag.
 static PUBLISHED_NS: AtomicU64 = AtomicU64::new(0);
-/// Per thread: the sum of its lags behind the regions' starts (counter 0, ns) and their count (1).
-static LAG: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
+/// Per thread: its lags behind the regions' starts and its delays joining teams, each a sum in
+/// ns and a count (at [`LAGS`] and [`JOINS`]).
+static FOLLOWER: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
+const LAGS: usize = 0;
+const JOINS: usize = 2;
+
+/// This thread's line of `lines`.
+fn my_line(lines: &[Slot; SLOTS]) -> &[AtomicU64; PHASES] {
+    &lines[rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS].0
+}
+
+/// Adds `ns` to this thread's sum at `at` of [`FOLLOWER`], and one to the count after it.
+fn follower_counts(at: usize, ns: u64) {
+    let line = my_line(&FOLLOWER);
+    line[at].fetch_add(ns, Ordering::Relaxed);
+    line[at + 1].fetch_add(1, Ordering::Relaxed);
+}
 
 /// Starts counting (for the rest of the process).
 pub fn enable() {
@@ -113,10 +128,7 @@ pub(crate) fn region_ends(clock: Option<RegionClock>) {
 #[inline]
 pub(crate) fn follower_sees_region(led: bool) {
     if ON.load(Ordering::Relaxed) && !led {
-        let lag = now_ns().saturating_sub(PUBLISHED_NS.load(Ordering::Relaxed));
-        let slot = &LAG[rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS].0;
-        slot[0].fetch_add(lag, Ordering::Relaxed);
-        slot[1].fetch_add(1, Ordering::Relaxed);
+        follower_counts(LAGS, now_ns().saturating_sub(PUBLISHED_NS.load(Ordering::Relaxed)));
     }
 }
 
@@ -144,9 +156,7 @@ pub(crate) fn team_forms() {
 pub(crate) fn follower_joins(formed: bool) {
     if ON.load(Ordering::Relaxed) && !formed {
         let late = now_ns().saturating_sub(FORMED_NS.load(Ordering::Relaxed));
-        let slot = &LAG[rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS].0;
-        slot[2].fetch_add(late, Ordering::Relaxed);
-        slot[3].fetch_add(1, Ordering::Relaxed);
+        follower_counts(JOINS, late);
         LATEST_JOIN_NS.fetch_max(late, Ordering::Relaxed);
     }
 }
@@ -169,17 +179,34 @@ pub struct Regions {
     pub latest_joins: Duration,
 }
 
+impl Regions {
+    /// What was counted between `earlier` and these counts, added to `into`.
+    pub fn add_since(&self, earlier: &Regions, into: &mut Regions) {
+        for p in 0..PHASES {
+            into.wall[p] += self.wall[p].saturating_sub(earlier.wall[p]);
+            into.leader_wait[p] += self.leader_wait[p].saturating_sub(earlier.leader_wait[p]);
+        }
+        into.lag += self.lag.saturating_sub(earlier.lag);
+        into.seen += self.seen - earlier.seen;
+        into.teams += self.teams - earlier.teams;
+        into.joins += self.joins.saturating_sub(earlier.joins);
+        into.joined += self.joined - earlier.joined;
+        into.latest_joins += self.latest_joins.saturating_sub(earlier.latest_joins);
+    }
+}
+
 /// [`Regions`] so far.
 pub fn team_regions() -> Regions {
     let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+    let sum = |at: usize| FOLLOWER.iter().map(|s| s.0[at].load(Ordering::Relaxed)).sum::<u64>();
     Regions {
         wall: std::array::from_fn(|p| ns(&REGION_WALL_NS[p])),
         leader_wait: std::array::from_fn(|p| ns(&LEADER_WAIT_NS[p])),
-        lag: LAG.iter().map(|s| ns(&s.0[0])).sum(),
-        seen: LAG.iter().map(|s| s.0[1].load(Ordering::Relaxed)).sum(),
+        lag: Duration::from_nanos(sum(LAGS)),
+        seen: sum(LAGS + 1),
         teams: TEAMS.load(Ordering::Relaxed),
-        joins: LAG.iter().map(|s| ns(&s.0[2])).sum(),
-        joined: LAG.iter().map(|s| s.0[3].load(Ordering::Relaxed)).sum(),
+        joins: Duration::from_nanos(sum(JOINS)),
+        joined: sum(JOINS + 1),
         latest_joins: ns(&LATEST_JOINS_NS),
     }
 }
@@ -193,7 +220,6 @@ pub fn task<T>(f: impl FnOnce() -> T) -> T {
     let phase = PHASE.load(Ordering::Relaxed);
     let start = Instant::now();
     let out = f();
-    let slot = rayon::current_thread_index().map_or(0, |i| i + 1) % SLOTS;
-    BUSY_NS[slot].0[phase].fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    my_line(&BUSY_NS)[phase].fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     out
 }

@@ -141,17 +141,7 @@ impl CpuTiming {
                 *time += pending;
                 counts.busy[p] += busy[p].saturating_sub(t.busy_at_start[p]);
             }
-            let (c, was) = (&mut counts.team, &t.team_at_start);
-            for p in 0..ts_cpu::work_time::PHASES {
-                c.wall[p] += team.wall[p].saturating_sub(was.wall[p]);
-                c.leader_wait[p] += team.leader_wait[p].saturating_sub(was.leader_wait[p]);
-            }
-            c.lag += team.lag.saturating_sub(was.lag);
-            c.seen += team.seen - was.seen;
-            c.teams += team.teams - was.teams;
-            c.joins += team.joins.saturating_sub(was.joins);
-            c.joined += team.joined - was.joined;
-            c.latest_joins += team.latest_joins.saturating_sub(was.latest_joins);
+            team.add_since(&t.team_at_start, &mut counts.team);
             if counts.steps.is_multiple_of(every) {
                 eprintln!("{}", counts.report(t.threads));
             }
