@@ -114,6 +114,38 @@ impl QuantizedRows {
             .try_for_each(|((((out, x), d), s), neg_sums)| quantize_row(isa, ty, x, Side { out, d, s, neg_sums }))
     }
 
+    /// Makes `self` one row of `k` activations for weights of `weight_ty`, to be quantized a
+    /// run of whole blocks at a time by several threads at once ([`RowRuns::quantize`]); None
+    /// where the activations' blocks are not 32 elements (Q8_K's 256, or floats).
+    pub(crate) fn row_runs(
+        &mut self,
+        isa: Isa,
+        weight_ty: GgmlType,
+        k: usize,
+    ) -> Result<Option<RowRuns<'_>>, CpuError> {
+        let ty = activation_type(weight_ty)?;
+        let block = ty.block_size() as usize;
+        if block != RowRuns::BLOCK {
+            return Ok(None);
+        }
+        if k == 0 || !k.is_multiple_of(block) || !k.is_multiple_of(weight_ty.block_size() as usize) {
+            let block_size = block.max(weight_ty.block_size() as usize);
+            return Err(CpuError::PartialBlock { ty: weight_ty, k, block_size });
+        }
+        self.resize(ty, k, 1);
+        let side = self.side_len();
+        Ok(Some(RowRuns {
+            isa,
+            ty,
+            k,
+            out: bytemuck::cast_slice_mut::<Line, u8>(&mut self.data).as_mut_ptr(),
+            d: self.d[..side].as_mut_ptr(),
+            s: self.s[..side].as_mut_ptr(),
+            neg_sums: self.neg_sums[..side].as_mut_ptr(),
+            _rows: std::marker::PhantomData,
+        }))
+    }
+
     /// Makes `self` hold `m` rows of `k` elements of `ty`, growing the buffers if needed.
     fn resize(&mut self, ty: GgmlType, k: usize, m: usize) {
         self.ty = ty;
@@ -235,6 +267,55 @@ impl ActView<'_> {
             s: self.s[side..].as_ptr(),
             neg_sums: self.neg_sums[side..].as_ptr(),
         }
+    }
+}
+
+/// One row of [`QuantizedRows`] (from [`QuantizedRows::row_runs`]) that threads quantize a run
+/// of 32-element blocks each: the same bytes as quantizing the whole row at once.
+pub(crate) struct RowRuns<'a> {
+    isa: Isa,
+    ty: GgmlType,
+    k: usize,
+    out: *mut u8,
+    d: *mut f32,
+    s: *mut f32,
+    neg_sums: *mut i32,
+    _rows: std::marker::PhantomData<&'a mut QuantizedRows>,
+}
+
+// SAFETY: the row's buffers are borrowed mutably for 'a, and each caller of `quantize` writes
+// only its own run's blocks (its contract).
+unsafe impl Sync for RowRuns<'_> {}
+
+impl RowRuns<'_> {
+    /// Elements a block.
+    pub(crate) const BLOCK: usize = 32;
+
+    /// Quantizes `x`, the row's elements `start..start + x.len()`.
+    ///
+    /// # Safety
+    /// No other call at the same time takes any of the same blocks.
+    pub(crate) unsafe fn quantize(&self, start: usize, x: &[f32]) -> Result<(), CpuError> {
+        let (b0, nb) = (start / Self::BLOCK, x.len() / Self::BLOCK);
+        if !start.is_multiple_of(Self::BLOCK) || !x.len().is_multiple_of(Self::BLOCK) || start + x.len() > self.k {
+            return Err(CpuError::WrongLength {
+                what: "a run of activations (elements)",
+                expected: nb * Self::BLOCK,
+                actual: x.len(),
+            });
+        }
+        let block_bytes = self.ty.type_size() as usize;
+        // SAFETY: blocks b0..b0 + nb lie within the row (checked above), and no other call
+        // takes them (the caller's promise).
+        let side = unsafe {
+            Side {
+                out: std::slice::from_raw_parts_mut(self.out.add(b0 * block_bytes), nb * block_bytes),
+                d: std::slice::from_raw_parts_mut(self.d.add(b0), nb),
+                s: std::slice::from_raw_parts_mut(self.s.add(b0), nb),
+                neg_sums: std::slice::from_raw_parts_mut(self.neg_sums.add(b0), nb),
+            }
+        };
+        quantize_row(self.isa, self.ty, x, side)
     }
 }
 

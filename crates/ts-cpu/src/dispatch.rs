@@ -278,33 +278,7 @@ pub struct Matvec<'a> {
     /// One row, quantized for `weight_ty`.
     pub x: &'a QuantizedRows,
     /// `[n_out]`.
-    pub out: MatvecOut<'a>,
-}
-
-/// Where a [`Matvec`] writes its floats.
-pub enum MatvecOut<'a> {
-    /// Floats already there, overwritten.
-    Rows(&'a mut [f32]),
-    /// Fresh memory, each run zeroed and then written by the thread that computes it (not
-    /// zeroed first by the caller's thread, which with 16 threads took each line back from the
-    /// core that wrote it last); every element is written once [`crate::matvecs`] returns `Ok`.
-    Fresh(&'a mut [std::mem::MaybeUninit<f32>]),
-}
-
-impl MatvecOut<'_> {
-    fn len(&self) -> usize {
-        match self {
-            MatvecOut::Rows(r) => r.len(),
-            MatvecOut::Fresh(f) => f.len(),
-        }
-    }
-
-    fn as_mut_ptr(&mut self) -> *mut f32 {
-        match self {
-            MatvecOut::Rows(r) => r.as_mut_ptr(),
-            MatvecOut::Fresh(f) => f.as_mut_ptr().cast(),
-        }
-    }
+    pub out: &'a mut [f32],
 }
 
 /// A product's output, handed across threads: its tasks write disjoint runs of it.
@@ -352,17 +326,152 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
                 let start = task * plan.rows_per_task;
                 let rows = plan.rows_per_task.min(plan.n_out - start);
                 // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for
-                // this call; task `task` alone writes `start..start + rows` of them, zeroed first
-                // (fresh memory becomes floats before a slice of it is made).
-                let out = unsafe {
-                    let at = outs[*i].0.add(start);
-                    at.write_bytes(0, rows);
-                    std::slice::from_raw_parts_mut(at, rows)
-                };
+                // this call; task `task` alone writes `start..start + rows` of them.
+                let out = unsafe { std::slice::from_raw_parts_mut(outs[*i].0.add(start), rows) };
                 plan.run(task, &mut [out]);
             }
         })
     });
+    Ok(())
+}
+
+/// The gate and up products of one row for one gated FFN (a dense one, or one routed expert)
+/// in [`gated_matvecs`].
+pub struct GatedMatvec<'a> {
+    /// `gate.out` receives the hidden `[n_ff]`.
+    pub gate: Matvec<'a>,
+    /// `up.out` `[n_ff]` holds up's rows after the call.
+    pub up: Matvec<'a>,
+    /// Down's weight type and its activations: the hidden quantized for it.
+    pub down: Option<(GgmlType, &'a mut QuantizedRows)>,
+}
+
+/// What a [`gated_matvecs`] task does with its rows of one pair's gate and up products:
+/// `finish(pair, start, gate_rows, up_rows)` leaves the hidden of rows `start..` in `gate_rows`.
+pub type FinishHidden<'f> = dyn Fn(usize, usize, &mut [f32], &mut [f32]) + Sync + 'f;
+
+/// Gate and up products of one row for several gated FFNs in one parallel region, each task
+/// taking the same rows of a pair's gate and up, finishing them into the hidden (`finish`) and,
+/// where down's activations come in blocks of 32, quantizing them for down on the same
+/// thread: no pass of the caller's thread over the outputs that the region's threads wrote
+/// (at 16 threads each of their lines comes back from the core that wrote it). Down's
+/// activations in blocks of 256 (Q8_K) are quantized after the region (tasks of 256 rows would
+/// leave threads idle). Each float as [`matvecs`] and the activation one after the other give it.
+pub(crate) fn gated_matvecs(
+    isa: Isa,
+    pairs: &mut [GatedMatvec<'_>],
+    finish: &FinishHidden<'_>,
+) -> Result<(), CpuError> {
+    struct Pair<'a> {
+        gate: Plan<'a>,
+        up: Plan<'a>,
+        g: OutPtr,
+        u: OutPtr,
+        down: Option<crate::activations::RowRuns<'a>>,
+    }
+    let mut planned = Vec::with_capacity(pairs.len());
+    let mut after = Vec::new();
+    for (i, p) in pairs.iter_mut().enumerate() {
+        let (gate, up) = (&mut p.gate, &mut p.up);
+        if gate.x.m() != 1 || up.x.m() != 1 {
+            return Err(CpuError::WrongLength {
+                what: "activation rows of a matvec",
+                expected: 1,
+                actual: gate.x.m().max(up.x.m()),
+            });
+        }
+        if gate.n_out != up.n_out {
+            return Err(CpuError::WrongLength {
+                what: "up's rows beside gate's",
+                expected: gate.n_out,
+                actual: up.n_out,
+            });
+        }
+        let layout = |packed| if packed { Layout::Packed } else { Layout::Gguf };
+        let g = plan(
+            isa,
+            gate.weight_ty,
+            gate.w,
+            gate.n_out,
+            gate.k,
+            gate.x,
+            gate.out.len(),
+            gate.n_out,
+            false,
+            layout(gate.packed),
+        )?;
+        let u = plan(isa, up.weight_ty, up.w, up.n_out, up.k, up.x, up.out.len(), up.n_out, false, layout(up.packed))?;
+        let (Some(mut g), Some(mut u)) = (g, u) else { continue };
+        let down = match p.down.as_mut() {
+            Some((ty, q)) => {
+                let runs = q.row_runs(isa, *ty, gate.n_out)?;
+                if runs.is_none() {
+                    after.push(i);
+                }
+                runs
+            }
+            None => None,
+        };
+        // One split for both (rows a multiple of each kernel's, and of down's blocks).
+        let granule = |packed: bool| if packed { PANEL_ROWS } else { 4 };
+        let mut rows =
+            g.rows_per_task.max(u.rows_per_task).next_multiple_of(granule(gate.packed).max(granule(up.packed)));
+        if down.is_some() {
+            rows = rows.next_multiple_of(crate::activations::RowRuns::BLOCK);
+        }
+        (g.rows_per_task, u.rows_per_task) = (rows, rows);
+        planned.push(Pair { gate: g, up: u, g: OutPtr(gate.out.as_mut_ptr()), u: OutPtr(up.out.as_mut_ptr()), down });
+    }
+    // As in `matvecs`: each pair's tasks in one contiguous run per thread, ordered by thread.
+    let threads = rayon::current_num_threads();
+    let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+    for r in 0..threads {
+        for (i, pair) in planned.iter().enumerate() {
+            let (tasks, n) = (pair.gate.tasks(), threads.min(pair.gate.tasks()));
+            if r < n {
+                runs.push((i, r * tasks / n..(r + 1) * tasks / n));
+            }
+        }
+    }
+    let failed = std::sync::Mutex::new(None);
+    crate::team::for_each(runs.len(), &|run| {
+        let (i, tasks) = &runs[run];
+        let pair = &planned[*i];
+        crate::work_time::task(|| {
+            for task in tasks.clone() {
+                let start = task * pair.gate.rows_per_task;
+                let rows = pair.gate.rows_per_task.min(pair.gate.n_out - start);
+                // SAFETY: `g` and `u` point at the pair's `n_out` floats each, borrowed mutably
+                // for this call; task `task` alone writes `start..start + rows` of them.
+                let (g, u) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(pair.g.0.add(start), rows),
+                        std::slice::from_raw_parts_mut(pair.u.0.add(start), rows),
+                    )
+                };
+                pair.gate.run(task, &mut [&mut *g]);
+                pair.up.run(task, &mut [&mut *u]);
+                finish(*i, start, g, u);
+                if let Some(down) = &pair.down {
+                    // SAFETY: this task alone takes these rows, whole blocks of them (rows
+                    // per task a multiple of the block; the last task ends the row).
+                    if let Err(e) = unsafe { down.quantize(start, g) } {
+                        failed.lock().expect("gated_matvecs lock").get_or_insert(e);
+                    }
+                }
+            }
+        })
+    });
+    if let Some(e) = failed.into_inner().expect("gated_matvecs lock") {
+        return Err(e);
+    }
+    drop(planned);
+    for i in after {
+        let p = &mut pairs[i];
+        if let Some((ty, q)) = p.down.as_mut() {
+            q.quantize_with_isa(isa, *ty, p.gate.out, p.gate.n_out)?;
+        }
+    }
     Ok(())
 }
 

@@ -47,7 +47,7 @@ pub mod work_time;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
 use dispatch::Layout;
-pub use dispatch::{Isa, Matvec, MatvecOut};
+pub use dispatch::{FinishHidden, GatedMatvec, Isa, Matvec};
 pub use ts_gguf::GgmlType;
 
 /// Why a quantization or multiplication was refused.
@@ -209,6 +209,14 @@ pub fn matmul_rows_alone(
 /// computes it, with one wake-up of the threads for all of them.
 pub fn matvecs(products: &mut [Matvec<'_>]) -> Result<(), CpuError> {
     dispatch::matvecs(Isa::detect(), products)
+}
+
+/// Gate and up products of one row for several gated FFNs (decode's dense FFN or its routed
+/// experts) in one parallel region, each task finishing its rows into the hidden and
+/// quantizing them for down ([`GatedMatvec`]): each float as [`matvecs`], the activation and
+/// [`QuantizedRows::quantize`] one after the other give it.
+pub fn gated_matvecs(pairs: &mut [GatedMatvec<'_>], finish: &FinishHidden<'_>) -> Result<(), CpuError> {
+    dispatch::gated_matvecs(Isa::detect(), pairs, finish)
 }
 
 /// [`matmul_strided`] with kernels for a given instruction set, for tests and benchmarks.

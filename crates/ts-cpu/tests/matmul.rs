@@ -516,13 +516,7 @@ fn matvecs_match_one_matmul_per_product() {
     }
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        // Every other product writes fresh memory (its runs zeroed by their threads), the rest
-        // floats already there.
-        let mut outs: Vec<Vec<f32>> = cases
-            .iter()
-            .enumerate()
-            .map(|(i, c)| if i % 2 == 0 { vec![f32::NAN; c.1] } else { Vec::with_capacity(c.1) })
-            .collect();
+        let mut outs: Vec<Vec<f32>> = cases.iter().map(|c| vec![f32::NAN; c.1]).collect();
         let mut products: Vec<ts_cpu::Matvec<'_>> = cases
             .iter()
             .zip(outs.iter_mut())
@@ -533,20 +527,10 @@ fn matvecs_match_one_matmul_per_product() {
                 k: *k,
                 packed: *packed,
                 x,
-                out: match out.is_empty() {
-                    true => ts_cpu::MatvecOut::Fresh(&mut out.spare_capacity_mut()[..*n_out]),
-                    false => ts_cpu::MatvecOut::Rows(out),
-                },
+                out,
             })
             .collect();
         pool.install(|| ts_cpu::matvecs(&mut products)).unwrap();
-        drop(products);
-        for (out, c) in outs.iter_mut().zip(&cases) {
-            if out.is_empty() {
-                // SAFETY: `matvecs` returned Ok, so every element of the fresh memory was written.
-                unsafe { out.set_len(c.1) };
-            }
-        }
         for ((ty, n_out, k, packed, w, _, xf, x, alone), got) in cases.iter().zip(&outs) {
             let what = format!("{ty} n_out={n_out} k={k} packed={packed} threads={threads}");
             assert!(got.iter().zip(alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from matmul");
@@ -558,15 +542,158 @@ fn matvecs_match_one_matmul_per_product() {
     let mut x = QuantizedRows::new();
     x.quantize(ty, &common::rows(&mut rng, 2 * k), k).unwrap();
     let mut out = vec![0.0; 2 * n_out];
-    let mut products = [ts_cpu::Matvec {
-        weight_ty: ty,
-        w: &w,
-        n_out,
-        k,
-        packed: false,
-        x: &x,
-        out: ts_cpu::MatvecOut::Rows(&mut out),
-    }];
+    let mut products = [ts_cpu::Matvec { weight_ty: ty, w: &w, n_out, k, packed: false, x: &x, out: &mut out }];
     let err = ts_cpu::matvecs(&mut products).unwrap_err();
+    assert!(matches!(err, CpuError::WrongLength { .. }), "{err}");
+}
+
+/// `gated_matvecs` gives each pair's hidden as `matvecs` and then the finishing function over
+/// the whole row give it, bit for bit, and down's activations as quantizing that hidden at
+/// once: 32-element blocks quantized run by run in the region (Q4_1 and MXFP4 downs), Q8_K's
+/// after it (Q6_K); up of another type than gate; mismatched rows refused.
+#[test]
+fn gated_matvecs_match_matvecs_then_the_activation() {
+    let mut rng = Rng::new(601);
+    // (gate type, up type, down type, n_ff, k, packed): a dense FFN's and routed experts' shapes.
+    let shapes = [
+        (GgmlType::Q4_1, GgmlType::Q4_1, GgmlType::Q4_1, 1536, 576, true),
+        (GgmlType::Q4_K, GgmlType::Q4_K, GgmlType::Q6_K, 768, 2048, true),
+        (GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::MXFP4, 2880, 2880, true),
+        (GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q8_0, 37 * 32, 256, false),
+    ];
+    // Any function of a row's position and both outputs (rows finished in runs must not see
+    // their neighbours).
+    let finish = |pair: usize, start: usize, g: &mut [f32], u: &mut [f32]| {
+        for (i, (g, u)) in g.iter_mut().zip(u.iter()).enumerate() {
+            *g = *g * 0.5 - u * ((start + i) % 7) as f32 + pair as f32;
+        }
+    };
+    struct Pair {
+        tys: [GgmlType; 3],
+        n_ff: usize,
+        k: usize,
+        packed: [bool; 2],
+        stored: [Vec<u8>; 2],
+        x: [QuantizedRows; 2],
+        hidden: Vec<f32>,
+        down_x: QuantizedRows,
+    }
+    let mut pairs = Vec::new();
+    for (pair, (gty, uty, dty, n_ff, k, packed)) in shapes.into_iter().enumerate() {
+        let xf = common::rows(&mut rng, k);
+        let (mut stored, mut x, mut outs, mut packs) = (Vec::new(), Vec::new(), Vec::new(), [false; 2]);
+        for (j, ty) in [gty, uty].into_iter().enumerate() {
+            let mut w = weights(&mut rng, ty, n_ff, k, true);
+            packs[j] = packed && ts_cpu::packs(ty, n_ff);
+            if packs[j] {
+                assert!(ts_cpu::pack_rows(ty, &mut w, n_ff, k).unwrap());
+            }
+            let mut q = QuantizedRows::new();
+            q.quantize(ty, &xf, k).unwrap();
+            outs.push(vec![f32::NAN; n_ff]);
+            stored.push(w);
+            x.push(q);
+        }
+        let mut products: Vec<ts_cpu::Matvec<'_>> = (0..2)
+            .zip(outs.iter_mut())
+            .map(|(j, out)| ts_cpu::Matvec {
+                weight_ty: [gty, uty][j],
+                w: &stored[j],
+                n_out: n_ff,
+                k,
+                packed: packs[j],
+                x: &x[j],
+                out,
+            })
+            .collect();
+        ts_cpu::matvecs(&mut products).unwrap();
+        let (mut g, mut u) = (outs.remove(0), outs.remove(0));
+        finish(pair, 0, &mut g, &mut u);
+        let mut down_x = QuantizedRows::new();
+        down_x.quantize(dty, &g, n_ff).unwrap();
+        let [xg, xu]: [QuantizedRows; 2] = x.try_into().ok().unwrap();
+        let [sg, su]: [Vec<u8>; 2] = stored.try_into().unwrap();
+        pairs.push(Pair {
+            tys: [gty, uty, dty],
+            n_ff,
+            k,
+            packed: packs,
+            stored: [sg, su],
+            x: [xg, xu],
+            hidden: g,
+            down_x,
+        });
+    }
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let mut hidden: Vec<Vec<f32>> = pairs.iter().map(|p| vec![f32::NAN; p.n_ff]).collect();
+        let mut ups: Vec<Vec<f32>> = pairs.iter().map(|p| vec![f32::NAN; p.n_ff]).collect();
+        let mut down_x: Vec<QuantizedRows> = pairs.iter().map(|_| QuantizedRows::new()).collect();
+        let mut gated: Vec<ts_cpu::GatedMatvec<'_>> = pairs
+            .iter()
+            .zip(hidden.iter_mut().zip(ups.iter_mut()).zip(down_x.iter_mut()))
+            .map(|(p, ((h, u), q))| ts_cpu::GatedMatvec {
+                gate: ts_cpu::Matvec {
+                    weight_ty: p.tys[0],
+                    w: &p.stored[0],
+                    n_out: p.n_ff,
+                    k: p.k,
+                    packed: p.packed[0],
+                    x: &p.x[0],
+                    out: h,
+                },
+                up: ts_cpu::Matvec {
+                    weight_ty: p.tys[1],
+                    w: &p.stored[1],
+                    n_out: p.n_ff,
+                    k: p.k,
+                    packed: p.packed[1],
+                    x: &p.x[1],
+                    out: u,
+                },
+                down: Some((p.tys[2], q)),
+            })
+            .collect();
+        pool.install(|| ts_cpu::gated_matvecs(&mut gated, &finish)).unwrap();
+        drop(gated);
+        for ((p, h), q) in pairs.iter().zip(&hidden).zip(&down_x) {
+            let what = format!("{:?} threads={threads}", p.tys);
+            assert!(h.iter().zip(&p.hidden).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: hidden differs");
+            assert_eq!((q.ty(), q.k(), q.m()), (p.down_x.ty(), p.down_x.k(), 1), "{what}");
+            assert_eq!(q.row(0), p.down_x.row(0), "{what}: down's activations differ");
+            // Their side data too: down's products from both are the same floats.
+            let (n_out, dty) = (64, p.tys[2]);
+            let w = weights(&mut rng, dty, n_out, p.n_ff, true);
+            let (mut a, mut b) = (vec![0.0; n_out], vec![0.0; n_out]);
+            matmul(dty, &w, n_out, p.n_ff, q, &mut a).unwrap();
+            matmul(dty, &w, n_out, p.n_ff, &p.down_x, &mut b).unwrap();
+            assert!(a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: down's products differ");
+        }
+    }
+    // Up's rows must be gate's.
+    let p = &pairs[0];
+    let (mut h, mut u) = (vec![0.0; p.n_ff], vec![0.0; p.n_ff - 16]);
+    let mut bad = [ts_cpu::GatedMatvec {
+        gate: ts_cpu::Matvec {
+            weight_ty: p.tys[0],
+            w: &p.stored[0],
+            n_out: p.n_ff,
+            k: p.k,
+            packed: p.packed[0],
+            x: &p.x[0],
+            out: &mut h,
+        },
+        up: ts_cpu::Matvec {
+            weight_ty: p.tys[1],
+            w: &p.stored[1][..(p.n_ff - 16) * p.stored[1].len() / p.n_ff],
+            n_out: p.n_ff - 16,
+            k: p.k,
+            packed: false,
+            x: &p.x[1],
+            out: &mut u,
+        },
+        down: None,
+    }];
+    let err = ts_cpu::gated_matvecs(&mut bad, &finish).unwrap_err();
     assert!(matches!(err, CpuError::WrongLength { .. }), "{err}");
 }

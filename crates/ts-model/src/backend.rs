@@ -237,6 +237,24 @@ pub trait Backend: Sized + Send + Sync {
     ) -> Result<(Self::Act, Self::Act), ModelError> {
         Ok((self.linear(gate, None, x, m, s)?, self.linear(up, None, x, m, s)?))
     }
+    /// A dense FFN `down · act(gate · x, up · x)` of `x` `[m][k]`: [`Backend::gate_up`],
+    /// [`Backend::gated`] and [`Backend::linear`], which a backend may fuse (the CPU's one-row
+    /// steps finish each run of the hidden on the thread that computed it).
+    #[allow(clippy::too_many_arguments)]
+    fn dense_ffn(
+        &self,
+        gate: &Weight,
+        up: &Weight,
+        down: &Weight,
+        act: GatedActivation,
+        x: &Self::Act,
+        m: usize,
+        s: &mut Self::Scratch,
+    ) -> Result<Self::Act, ModelError> {
+        let (mut g, u) = self.gate_up(gate, up, x, m, s)?;
+        self.gated(act, &mut g, &u)?;
+        self.linear(down, None, &g, m, s)
+    }
     /// RMS norm of every `piece`-wide piece of `x`, times `w` `[piece]` where given.
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
     /// [`Backend::rms_norm`] into a new matrix, `x` untouched.

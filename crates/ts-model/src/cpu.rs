@@ -16,8 +16,8 @@ use ts_experts::{ExpertBytes, ExpertSet};
 
 mod experts;
 use experts::{
-    PARALLEL_EXPERT_ROWS, experts_with_their_rows, flat_down, flat_experts, flat_gate_up, fused_experts, gather_rows,
-    hidden_of_pairs, map_experts, prompt_rows_quantized, scatter_rows,
+    PARALLEL_EXPERT_ROWS, experts_with_their_rows, flat_down, flat_experts, flat_experts_ffn, flat_gate_up,
+    fused_experts, gather_rows, hidden_of_pairs, map_experts, prompt_rows_quantized, scatter_rows,
 };
 pub use experts::{expert_hidden, expert_output, experts_of_one_row};
 
@@ -118,10 +118,6 @@ impl Backend for Cpu {
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
         timing().time(phase_of(w), || {
-            if m == 1 && !s.exact_activations && decode_products() == DecodeProducts::Flat && fresh_outputs() {
-                let mut outs = flat_linears(&[(w, bias)], x)?;
-                return Ok(outs.pop().expect("one product"));
-            }
             let mut out = Vec::new();
             linear(w, x, m, s, &mut out)?;
             if let Some(b) = bias {
@@ -160,6 +156,26 @@ impl Backend for Cpu {
             (Some(g), Some(u)) => Ok((g, u)),
             _ => Err(ModelError::Compute(format!("{} and {}: two products expected", gate.name, up.name))),
         }
+    }
+
+    /// A one-row step's gate and up in one region, each task finishing its rows of the hidden
+    /// and quantizing them for down ([`flat_dense_ffn`]); batches as the default.
+    fn dense_ffn(
+        &self,
+        gate: &Weight,
+        up: &Weight,
+        down: &Weight,
+        act: GatedActivation,
+        x: &Vec<f32>,
+        m: usize,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        if m != 1 || s.exact_activations || decode_products() != DecodeProducts::Flat || !hidden_in_runs() {
+            let (mut g, u) = self.gate_up(gate, up, x, m, s)?;
+            self.gated(act, &mut g, &u)?;
+            return self.linear(down, None, &g, m, s);
+        }
+        timing().time(Phase::Products, || flat_dense_ffn(gate, up, down, act, x))
     }
 
     /// Pieces normed 64 at a time over the threads (per-head q/k norms of a prompt's rows).
@@ -500,6 +516,9 @@ impl Backend for Cpu {
         s: &mut Scratch,
     ) -> Result<(), ModelError> {
         if !fused_experts() || routes.ids.len() / routes.k.max(1) < PARALLEL_EXPERT_ROWS {
+            if let Some(experts) = flat_experts(w, routes, at, s)?.filter(|_| hidden_in_runs()) {
+                return flat_experts_ffn(w, act, x, &experts, y);
+            }
             let h = self.expert_gate_up(w, act, x, routes, at, s)?;
             return self.expert_down(w, &h, routes, at, y, s);
         }
@@ -997,24 +1016,26 @@ fn decode_products() -> DecodeProducts {
     })
 }
 
-/// Whether a one-row step's products write fresh memory, each thread zeroing its own runs, and a
-/// lone product goes through [`flat_linears`] too (`TURBOSPARK_DECODE_FRESH=0`, a measurement knob,
-/// zeroes every output on the step's thread first, as before 2026-12-07; to measure at 16 threads).
-fn fresh_outputs() -> bool {
-    static FRESH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FRESH.get_or_init(|| std::env::var("TURBOSPARK_DECODE_FRESH").map_or(true, |v| v.trim() != "0"))
+/// Whether a one-row step's gate/up tasks finish their rows of the hidden and quantize them
+/// for down ([`ts_cpu::gated_matvecs`]); `TURBOSPARK_HIDDEN_IN_RUNS=0`, a measurement knob,
+/// finishes and quantizes the hidden on the step's thread after the region, as before
+/// 2026-12-07 (the same floats).
+fn hidden_in_runs() -> bool {
+    static IN_RUNS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IN_RUNS.get_or_init(|| std::env::var("TURBOSPARK_HIDDEN_IN_RUNS").map_or(true, |v| v.trim() != "0"))
 }
 
 /// One activation row `x` quantized for weights of `ty`.
 fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRows, ts_cpu::CpuError> {
-    let mut q = ts_cpu::QuantizedRows::new();
-    q.quantize(ty, x, x.len())?;
-    Ok(q)
+    timing().time(Phase::Quantize, || {
+        let mut q = ts_cpu::QuantizedRows::new();
+        q.quantize(ty, x, x.len())?;
+        Ok(q)
+    })
 }
 
-/// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]; a lone
-/// [`Backend::linear`] of one row too): the floats of one [`linear`] each, the row quantized
-/// once per weight type.
+/// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]): the
+/// floats of one [`linear`] each, the row quantized once per weight type.
 fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
     let k = x.len();
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", ws[0].0.name));
@@ -1027,11 +1048,7 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             quantized.push((w.ty, quantized_row(w.ty, x).map_err(cerr)?));
         }
     }
-    // Fresh memory, each thread zeroing and writing its own runs (zeroed here, every line would
-    // first come back from the core that wrote it last).
-    let fresh = fresh_outputs();
-    let mut outs: Vec<Vec<f32>> =
-        ws.iter().map(|(w, _)| if fresh { Vec::with_capacity(w.n_rows()) } else { vec![0f32; w.n_rows()] }).collect();
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect();
     let mut products: Vec<ts_cpu::Matvec<'_>> = ws
         .iter()
         .zip(outs.iter_mut())
@@ -1042,26 +1059,78 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             k,
             packed: w.is_packed(),
             x: &quantized.iter().find(|(ty, _)| *ty == w.ty).expect("quantized for every type").1,
-            out: match fresh {
-                true => ts_cpu::MatvecOut::Fresh(&mut out.spare_capacity_mut()[..w.n_rows()]),
-                false => ts_cpu::MatvecOut::Rows(out),
-            },
+            out,
         })
         .collect();
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
-    drop(products);
-    if fresh {
-        for ((w, _), out) in ws.iter().zip(outs.iter_mut()) {
-            // SAFETY: `matvecs` returned Ok: every one of the `n_rows` floats was written.
-            unsafe { out.set_len(w.n_rows()) };
-        }
-    }
     for ((_, bias), out) in ws.iter().zip(outs.iter_mut()) {
         if let Some(b) = bias {
             ops::add_bias_rows(out, b);
         }
     }
     Ok(outs)
+}
+
+/// `down · act(gate · x, up · x)` of the one row `x` in two parallel regions: gate and up,
+/// each task finishing its rows of the hidden and quantizing them for down
+/// ([`ts_cpu::gated_matvecs`]), then down. The floats of [`Backend::dense_ffn`]'s default.
+fn flat_dense_ffn(
+    gate: &Weight,
+    up: &Weight,
+    down: &Weight,
+    act: GatedActivation,
+    x: &[f32],
+) -> Result<Vec<f32>, ModelError> {
+    let (k, f) = (x.len(), gate.n_rows());
+    fn cerr(w: &Weight) -> impl Fn(ts_cpu::CpuError) -> ModelError + '_ {
+        move |e| ModelError::Compute(format!("{}: {e}", w.name))
+    }
+    for (w, row) in [(gate, k), (up, k), (down, f)] {
+        if w.row_len() != row {
+            return Err(ModelError::Compute(format!("{}: rows of {} for an input of {row}", w.name, w.row_len())));
+        }
+    }
+    let xg = quantized_row(gate.ty, x).map_err(cerr(gate))?;
+    let xu = match up.ty == gate.ty {
+        true => None,
+        false => Some(quantized_row(up.ty, x).map_err(cerr(up))?),
+    };
+    let (mut h, mut u) = (vec![0f32; f], vec![0f32; up.n_rows()]);
+    let mut hq = ts_cpu::QuantizedRows::new();
+    let mut pair = [ts_cpu::GatedMatvec {
+        gate: ts_cpu::Matvec {
+            weight_ty: gate.ty,
+            w: gate.bytes(),
+            n_out: f,
+            k,
+            packed: gate.is_packed(),
+            x: &xg,
+            out: &mut h,
+        },
+        up: ts_cpu::Matvec {
+            weight_ty: up.ty,
+            w: up.bytes(),
+            n_out: up.n_rows(),
+            k,
+            packed: up.is_packed(),
+            x: xu.as_ref().unwrap_or(&xg),
+            out: &mut u,
+        },
+        down: Some((down.ty, &mut hq)),
+    }];
+    ts_cpu::gated_matvecs(&mut pair, &|_, _, g, u| gated_activation(act, g, u)).map_err(cerr(gate))?;
+    let mut y = vec![0f32; down.n_rows()];
+    let product = ts_cpu::Matvec {
+        weight_ty: down.ty,
+        w: down.bytes(),
+        n_out: down.n_rows(),
+        k: f,
+        packed: down.is_packed(),
+        x: &hq,
+        out: &mut y,
+    };
+    ts_cpu::matvecs(&mut [product]).map_err(cerr(down))?;
+    Ok(y)
 }
 
 /// Layer `il`'s recurrent state in `seq`, or an error for a layer of another kind.

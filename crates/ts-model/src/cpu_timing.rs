@@ -35,9 +35,12 @@ pub(crate) enum Phase {
     Combine,
     /// Residual adds, scales, activations, copies and selections of rows or columns.
     SmallOps,
+    /// A one-row step's activations quantized for its products (inside their phase, on the
+    /// step's thread).
+    Quantize,
 }
 
-const PHASES: usize = 11;
+const PHASES: usize = 12;
 const _: () = assert!(PHASES < ts_cpu::work_time::NO_PHASE, "ts_cpu::work_time counts each phase apart");
 /// The phases that run products in parallel regions.
 const REGIONS: [Phase; 6] =
@@ -192,7 +195,7 @@ impl Counts {
         format!(
             "cpu timing: {} steps{kind}, per step {:.3} ms in {:.0} parallel regions: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, experts fused {:.3}, norms {:.3}, rope and cache stores {:.3}, combine {:.3}, \
-             small ops {:.3}, the rest (host) {:.3}; during the products \
+             small ops {:.3}, quantizing one-row inputs {:.3}, the rest (host) {:.3}; during the products \
              {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {}){}",
             self.steps,
             per(self.wall),
@@ -208,6 +211,7 @@ impl Counts {
             phase(Phase::Rope),
             phase(Phase::Combine),
             phase(Phase::SmallOps),
+            phase(Phase::Quantize),
             per(other),
             threads,
             waited,

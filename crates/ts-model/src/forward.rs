@@ -823,10 +823,7 @@ impl<B: Backend> Model<B> {
         m: usize,
         scratch: &mut B::Scratch,
     ) -> Result<B::Act, ModelError> {
-        let be = &self.backend;
-        let (mut g, u) = be.gate_up(gate, up, x, m, scratch)?;
-        be.gated(self.cfg.ffn_act, &mut g, &u)?;
-        be.linear(down, None, &g, m, scratch)
+        self.backend.dense_ffn(gate, up, down, self.cfg.ffn_act, x, m, scratch)
     }
 
     /// Self-attention of every row, through the output projection; returns `[m][n_embd]`.

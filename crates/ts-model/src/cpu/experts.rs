@@ -73,7 +73,7 @@ pub fn expert_hidden(
         return hidden_from(w, act, ex, bytes, g, s);
     }
     linear_bytes(&w.up_exps, bytes.up, bytes.packed[1], f, xs, n, s, &mut u)?;
-    finish_hidden(w, act, ex, &mut g, &mut u);
+    finish_hidden(w, act, ex, 0..w.gate_exps.n_rows(), &mut g, &mut u);
     Ok(g)
 }
 
@@ -108,19 +108,27 @@ pub(super) fn hidden_from(
 ) -> Result<Vec<f32>, ModelError> {
     let mut u = Vec::new();
     linear_bytes_again(&w.up_exps, bytes.up, bytes.packed[1], w.up_exps.n_rows(), s, &mut u)?;
-    finish_hidden(w, act, ex, &mut g, &mut u);
+    finish_hidden(w, act, ex, 0..w.gate_exps.n_rows(), &mut g, &mut u);
     Ok(g)
 }
 
-/// Expert `ex`'s gate and up products `[n][n_ff_exp]` with their biases, then
-/// `g = act(g, u)`.
-pub(super) fn finish_hidden(w: &MoeWeights, act: GatedActivation, ex: usize, g: &mut [f32], u: &mut [f32]) {
+/// Expert `ex`'s gate and up products with their biases, then `g = act(g, u)`: rows of its
+/// hidden's elements `cols` (`[n][n_ff_exp]` for `0..n_ff_exp`).
+pub(super) fn finish_hidden(
+    w: &MoeWeights,
+    act: GatedActivation,
+    ex: usize,
+    cols: std::ops::Range<usize>,
+    g: &mut [f32],
+    u: &mut [f32],
+) {
     let f = w.gate_exps.n_rows();
+    let run = ex * f + cols.start..ex * f + cols.end;
     if let Some(b) = &w.gate_bias {
-        ops::add_bias_rows(g, &b[ex * f..(ex + 1) * f]);
+        ops::add_bias_rows(g, &b[run.clone()]);
     }
     if let Some(b) = &w.up_bias {
-        ops::add_bias_rows(u, &b[ex * f..(ex + 1) * f]);
+        ops::add_bias_rows(u, &b[run]);
     }
     gated_activation(act, g, u);
 }
@@ -263,6 +271,19 @@ pub(super) fn flat_gate_up(
     x: &[f32],
     experts: &[(usize, ExpertBytes<'_>)],
 ) -> Result<Vec<f32>, ModelError> {
+    flat_hidden(w, act, x, experts, None)
+}
+
+/// Each expert's hidden `[pairs][n_ff_exp]` of the one row `x`, its gate and up products in one
+/// parallel region, each task finishing its rows (biases, activation) and, with `down_inputs`,
+/// quantizing them for down (one row each): the floats of [`expert_hidden`].
+fn flat_hidden(
+    w: &MoeWeights,
+    act: GatedActivation,
+    x: &[f32],
+    experts: &[(usize, ExpertBytes<'_>)],
+    down_inputs: Option<&mut [ts_cpu::QuantizedRows]>,
+) -> Result<Vec<f32>, ModelError> {
     let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.gate_exps.name));
     let xg = quantized_row(w.gate_exps.ty, &x[..e]).map_err(cerr)?;
@@ -270,27 +291,37 @@ pub(super) fn flat_gate_up(
         true => None,
         false => Some(quantized_row(w.up_exps.ty, &x[..e]).map_err(cerr)?),
     };
+    let xu = xu.as_ref().unwrap_or(&xg);
     let (mut g, mut u) = (vec![0f32; experts.len() * f], vec![0f32; experts.len() * f]);
-    let mut products = Vec::with_capacity(2 * experts.len());
+    let mut down_inputs = down_inputs.map(|q| q.iter_mut());
+    let mut pairs = Vec::with_capacity(experts.len());
     for ((_, bytes), (gp, up)) in experts.iter().zip(g.chunks_mut(f).zip(u.chunks_mut(f))) {
-        let xu = xu.as_ref().unwrap_or(&xg);
-        let gate = (w.gate_exps.ty, bytes.gate, bytes.packed[0], &xg, gp);
-        for (weight_ty, w, packed, x, out) in [gate, (w.up_exps.ty, bytes.up, bytes.packed[1], xu, up)] {
-            products.push(ts_cpu::Matvec {
-                weight_ty,
-                w,
+        pairs.push(ts_cpu::GatedMatvec {
+            gate: ts_cpu::Matvec {
+                weight_ty: w.gate_exps.ty,
+                w: bytes.gate,
                 n_out: f,
                 k: e,
-                packed,
-                x,
-                out: ts_cpu::MatvecOut::Rows(out),
-            });
-        }
+                packed: bytes.packed[0],
+                x: &xg,
+                out: gp,
+            },
+            up: ts_cpu::Matvec {
+                weight_ty: w.up_exps.ty,
+                w: bytes.up,
+                n_out: f,
+                k: e,
+                packed: bytes.packed[1],
+                x: xu,
+                out: up,
+            },
+            down: down_inputs.as_mut().and_then(|q| q.next()).map(|q| (w.down_exps.ty, q)),
+        });
     }
-    ts_cpu::matvecs(&mut products).map_err(cerr)?;
-    for (((ex, _), gp), up) in experts.iter().zip(g.chunks_mut(f)).zip(u.chunks_mut(f)) {
-        finish_hidden(w, act, *ex, gp, up);
-    }
+    let finish = |pair: usize, start: usize, g: &mut [f32], u: &mut [f32]| {
+        finish_hidden(w, act, experts[pair].0, start..start + g.len(), g, u)
+    };
+    ts_cpu::gated_matvecs(&mut pairs, &finish).map_err(cerr)?;
     Ok(g)
 }
 
@@ -302,7 +333,7 @@ pub(super) fn flat_down(
     experts: &[(usize, ExpertBytes<'_>)],
     y: &mut [f32],
 ) -> Result<(), ModelError> {
-    let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+    let f = w.down_exps.row_len();
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.down_exps.name));
     let hq = h
         .chunks(f)
@@ -310,9 +341,22 @@ pub(super) fn flat_down(
         .map(|hp| quantized_row(w.down_exps.ty, hp))
         .collect::<Result<Vec<_>, _>>()
         .map_err(cerr)?;
+    flat_down_of(w, &hq, experts, y)
+}
+
+/// The down products of a one-row step's experts in one parallel region, from each pair's
+/// hidden quantized for down (`hq`): each pair's row of `y` `[pairs][n_embd]`.
+fn flat_down_of(
+    w: &MoeWeights,
+    hq: &[ts_cpu::QuantizedRows],
+    experts: &[(usize, ExpertBytes<'_>)],
+    y: &mut [f32],
+) -> Result<(), ModelError> {
+    let (e, f) = (w.down_exps.n_rows(), w.down_exps.row_len());
+    let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.down_exps.name));
     let mut products: Vec<ts_cpu::Matvec<'_>> = experts
         .iter()
-        .zip(&hq)
+        .zip(hq)
         .zip(y.chunks_mut(e))
         .map(|(((_, bytes), x), out)| ts_cpu::Matvec {
             weight_ty: w.down_exps.ty,
@@ -321,7 +365,7 @@ pub(super) fn flat_down(
             k: f,
             packed: bytes.packed[2],
             x,
-            out: ts_cpu::MatvecOut::Rows(out),
+            out,
         })
         .collect();
     ts_cpu::matvecs(&mut products).map_err(cerr)?;
@@ -331,20 +375,33 @@ pub(super) fn flat_down(
     Ok(())
 }
 
+/// A one-row step's routed experts (each with its bytes) applied to `x` `[n_embd]` in two
+/// parallel regions: every gate and up product in one (each task finishing its rows of the
+/// hidden and quantizing them for down), every down product in the other. Each pair's row of
+/// `y` `[pairs][n_embd]`, the floats of [`expert_hidden`] then [`expert_output`].
+pub(super) fn flat_experts_ffn(
+    w: &MoeWeights,
+    act: GatedActivation,
+    x: &[f32],
+    experts: &[(usize, ExpertBytes<'_>)],
+    y: &mut [f32],
+) -> Result<(), ModelError> {
+    let mut hq: Vec<ts_cpu::QuantizedRows> = experts.iter().map(|_| ts_cpu::QuantizedRows::new()).collect();
+    timing().time(Phase::ExpertGateUp, || flat_hidden(w, act, x, experts, Some(&mut hq)))?;
+    timing().time(Phase::ExpertDown, || flat_down_of(w, &hq, experts, y))
+}
+
 /// Experts `experts` (each with its bytes) applied to the one row `x` `[n_embd]` with 8-bit
-/// activations, as a one-row step's flat products run them: every gate and up product in one
-/// parallel region, every down product in another. Returns `[experts][n_embd]`, for each expert
-/// the floats of [`expert_hidden`] then [`expert_output`]. The GPU's misses computed on the
-/// host take this path.
+/// activations, as a one-row step's flat products run them ([`flat_experts_ffn`]). Returns
+/// `[experts][n_embd]`. The GPU's misses computed on the host take this path.
 pub fn experts_of_one_row(
     w: &MoeWeights,
     act: GatedActivation,
     x: &[f32],
     experts: &[(usize, ExpertBytes<'_>)],
 ) -> Result<Vec<f32>, ModelError> {
-    let h = flat_gate_up(w, act, x, experts)?;
     let mut y = vec![0f32; experts.len() * w.down_exps.n_rows()];
-    flat_down(w, &h, experts, &mut y)?;
+    flat_experts_ffn(w, act, x, experts, &mut y)?;
     Ok(y)
 }
 
