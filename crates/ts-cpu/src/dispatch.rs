@@ -422,14 +422,18 @@ pub(crate) fn gated_matvecs(
         (g.rows_per_task, u.rows_per_task) = (rows, rows);
         planned.push(Pair { gate: g, up: u, g: OutPtr(gate.out.as_mut_ptr()), u: OutPtr(up.out.as_mut_ptr()), down });
     }
-    // As in `matvecs`: each pair's tasks in one contiguous run per thread, ordered by thread.
+    // As in `matvecs`, each pair's tasks in one contiguous run per thread, ordered by thread,
+    // each run in two items (a pair's run is the work of two products' runs there: a thread
+    // done early takes half of one).
     let threads = rayon::current_num_threads();
     let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
     for r in 0..threads {
         for (i, pair) in planned.iter().enumerate() {
             let (tasks, n) = (pair.gate.tasks(), threads.min(pair.gate.tasks()));
             if r < n {
-                runs.push((i, r * tasks / n..(r + 1) * tasks / n));
+                let (start, end) = (r * tasks / n, (r + 1) * tasks / n);
+                let mid = start + (end - start).div_ceil(2);
+                runs.extend([(i, start..mid), (i, mid..end)].into_iter().filter(|(_, run)| !run.is_empty()));
             }
         }
     }

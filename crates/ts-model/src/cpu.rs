@@ -175,7 +175,7 @@ impl Backend for Cpu {
             self.gated(act, &mut g, &u)?;
             return self.linear(down, None, &g, m, s);
         }
-        timing().time(Phase::Products, || flat_dense_ffn(gate, up, down, act, x))
+        timing().time(Phase::Products, || flat_dense_ffn(gate, up, down, act, x, s))
     }
 
     /// Pieces normed 64 at a time over the threads (per-head q/k norms of a prompt's rows).
@@ -1072,14 +1072,16 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
 }
 
 /// `down · act(gate · x, up · x)` of the one row `x` in two parallel regions: gate and up,
-/// each task finishing its rows of the hidden and quantizing them for down
-/// ([`ts_cpu::gated_matvecs`]), then down. The floats of [`Backend::dense_ffn`]'s default.
+/// each task finishing its rows of the hidden and quantizing them for down into `s`
+/// ([`ts_cpu::gated_matvecs`]), then down ([`linear_bytes_again`]). The floats of
+/// [`Backend::dense_ffn`]'s default.
 fn flat_dense_ffn(
     gate: &Weight,
     up: &Weight,
     down: &Weight,
     act: GatedActivation,
     x: &[f32],
+    s: &mut Scratch,
 ) -> Result<Vec<f32>, ModelError> {
     let (k, f) = (x.len(), gate.n_rows());
     fn cerr(w: &Weight) -> impl Fn(ts_cpu::CpuError) -> ModelError + '_ {
@@ -1096,7 +1098,6 @@ fn flat_dense_ffn(
         false => Some(quantized_row(up.ty, x).map_err(cerr(up))?),
     };
     let (mut h, mut u) = (vec![0f32; f], vec![0f32; up.n_rows()]);
-    let mut hq = ts_cpu::QuantizedRows::new();
     let mut pair = [ts_cpu::GatedMatvec {
         gate: ts_cpu::Matvec {
             weight_ty: gate.ty,
@@ -1116,20 +1117,11 @@ fn flat_dense_ffn(
             x: xu.as_ref().unwrap_or(&xg),
             out: &mut u,
         },
-        down: Some((down.ty, &mut hq)),
+        down: Some((down.ty, &mut s.xq)),
     }];
     ts_cpu::gated_matvecs(&mut pair, &|_, _, g, u| gated_activation(act, g, u)).map_err(cerr(gate))?;
-    let mut y = vec![0f32; down.n_rows()];
-    let product = ts_cpu::Matvec {
-        weight_ty: down.ty,
-        w: down.bytes(),
-        n_out: down.n_rows(),
-        k: f,
-        packed: down.is_packed(),
-        x: &hq,
-        out: &mut y,
-    };
-    ts_cpu::matvecs(&mut [product]).map_err(cerr(down))?;
+    let mut y = Vec::new();
+    linear_bytes_again(down, down.bytes(), down.is_packed(), down.n_rows(), s, &mut y)?;
     Ok(y)
 }
 

@@ -36,7 +36,8 @@ struct PaddedRows {
 /// Buffers reused across steps, and how matmuls treat activations.
 #[derive(Default)]
 pub struct Scratch {
-    xq: QuantizedRows,
+    /// The last product's activations, quantized (what [`linear_bytes_again`] reads).
+    pub(crate) xq: QuantizedRows,
     /// Keep activations in f32 for every weight type (weights dequantized on
     /// the fly) instead of quantizing them to 8 bits as llama.cpp does: slower,
     /// and equal to a float32 reference run on the dequantized weights.
