@@ -1048,7 +1048,8 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             quantized.push((w.ty, quantized_row(w.ty, x).map_err(cerr)?));
         }
     }
-    let mut outs: Vec<Vec<f32>> = ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect();
+    let mut outs: Vec<Vec<f32>> =
+        timing().time(Phase::Outputs, || ws.iter().map(|(w, _)| vec![0f32; w.n_rows()]).collect());
     let mut products: Vec<ts_cpu::Matvec<'_>> = ws
         .iter()
         .zip(outs.iter_mut())
@@ -1097,7 +1098,7 @@ fn flat_dense_ffn(
         true => None,
         false => Some(quantized_row(up.ty, x).map_err(cerr(up))?),
     };
-    let (mut h, mut u) = (vec![0f32; f], vec![0f32; up.n_rows()]);
+    let (mut h, mut u) = timing().time(Phase::Outputs, || (vec![0f32; f], vec![0f32; up.n_rows()]));
     let mut pair = [ts_cpu::GatedMatvec {
         gate: ts_cpu::Matvec {
             weight_ty: gate.ty,

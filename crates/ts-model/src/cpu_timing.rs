@@ -38,9 +38,12 @@ pub(crate) enum Phase {
     /// A one-row step's activations quantized for its products (inside their phase, on the
     /// step's thread).
     Quantize,
+    /// Products' outputs allocated and zeroed before their regions (inside their phase, on the
+    /// step's thread).
+    Outputs,
 }
 
-const PHASES: usize = 12;
+const PHASES: usize = 13;
 const _: () = assert!(PHASES < ts_cpu::work_time::NO_PHASE, "ts_cpu::work_time counts each phase apart");
 /// The phases that run products in parallel regions.
 const REGIONS: [Phase; 6] =
@@ -195,7 +198,7 @@ impl Counts {
         format!(
             "cpu timing: {} steps{kind}, per step {:.3} ms in {:.0} parallel regions: products {:.3}, head {:.3}, attention {:.3}, routing {:.3}, \
              experts gate/up {:.3} and down {:.3}, experts fused {:.3}, norms {:.3}, rope and cache stores {:.3}, combine {:.3}, \
-             small ops {:.3}, quantizing one-row inputs {:.3}, the rest (host) {:.3}; during the products \
+             small ops {:.3}, quantizing one-row inputs {:.3}, zeroing products' outputs {:.3}, the rest (host) {:.3}; during the products \
              {} threads were idle {:.3} of {:.3} thread-ms ({:.0}%; products / head / routing / gate-up / down / fused {}){}",
             self.steps,
             per(self.wall),
@@ -212,6 +215,7 @@ impl Counts {
             phase(Phase::Combine),
             phase(Phase::SmallOps),
             phase(Phase::Quantize),
+            phase(Phase::Outputs),
             per(other),
             threads,
             waited,

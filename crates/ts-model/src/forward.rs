@@ -86,7 +86,7 @@ pub fn linear_bytes(
     out: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     let k = w.row_len();
-    resize_zeroed(out, m * n_out);
+    outputs_zeroed(out, m, n_out);
     let err = |e: String| ModelError::Compute(format!("{}: {e}", w.name));
     if scratch.exact_activations && w.ty != ts_gguf::GgmlType::F32 {
         if packed {
@@ -112,7 +112,7 @@ pub fn linear_bytes_again(
     if scratch.exact_activations || scratch.xq.k() != w.row_len() || held_for != Some(scratch.xq.ty()) {
         return Err(ModelError::Compute(format!("{}: no 8-bit activations of its rows held", w.name)));
     }
-    resize_zeroed(out, scratch.xq.m() * n_out);
+    outputs_zeroed(out, scratch.xq.m(), n_out);
     matmul_quantized(w, bytes, packed, n_out, scratch, out)
 }
 
@@ -146,6 +146,16 @@ fn matmul_quantized(
 /// `v` made `n` long, new elements 0: past [`ZERO_OVER_THREADS`] floats the zeros are written
 /// over the threads (a prompt's fresh product outputs, zeroed on the step's thread, held the
 /// others waiting).
+/// [`resize_zeroed`] of a product's output `[m][n_out]`; one row's timed as such by the CPU's
+/// timing knob (on the step's thread: a batch's experts run this on the team's).
+fn outputs_zeroed(v: &mut Vec<f32>, m: usize, n_out: usize) {
+    use crate::cpu_timing::{Phase, timing};
+    match m {
+        1 => timing().time(Phase::Outputs, || resize_zeroed(v, n_out)),
+        _ => resize_zeroed(v, m * n_out),
+    }
+}
+
 pub(crate) fn resize_zeroed(v: &mut Vec<f32>, n: usize) {
     /// Floats from which zeroing is spread over the threads (256 KiB), and an item's share.
     const ZERO_OVER_THREADS: usize = 64 << 10;

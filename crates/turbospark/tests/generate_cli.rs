@@ -226,7 +226,7 @@ fn cpu_timing_accounts_for_a_decode_step() {
 /// where the line names one) and returns its wall time a step: the phases add up to it, and
 /// the idle shares are shares.
 fn check_cpu_timing_line(line: &str, rows: &[f64]) -> f64 {
-    // Every number of the line, in order: steps, [rows], wall, regions, the twelve phases and the
+    // Every number of the line, in order: steps, [rows], wall, regions, the thirteen phases and the
     // rest, threads, idle, thread-ms, percent, the percent of each of the six phases with
     // products, then the team's ten (its regions' wall time, that of the products', head's and
     // attention's, the leader's wait at their ends, a follower's lag behind a region's start and
@@ -236,10 +236,10 @@ fn check_cpu_timing_line(line: &str, rows: &[f64]) -> f64 {
         .filter(|s| !s.is_empty() && *s != ".")
         .map(|s| s.parse().unwrap())
         .collect();
-    assert_eq!(numbers.len(), 36 + rows.len(), "{line}");
+    assert_eq!(numbers.len(), 37 + rows.len(), "{line}");
     assert_eq!(&numbers[1..1 + rows.len()], rows, "{line}");
     let numbers = [&numbers[..1], &numbers[1 + rows.len()..]].concat();
-    let (wall, regions, phases) = (numbers[1], numbers[2], &numbers[3..16]);
+    let (wall, regions, phases) = (numbers[1], numbers[2], &numbers[3..17]);
     // SmolLM2's 30 layers run each of their products in a region of its own.
     assert!(regions >= 30.0, "{regions} regions a step: {line}");
     let sum: f64 = phases.iter().sum();
@@ -247,10 +247,10 @@ fn check_cpu_timing_line(line: &str, rows: &[f64]) -> f64 {
     assert!(phases[0] > 0.0 && phases[1] > 0.0, "no products or head time: {line}");
     // One-row steps quantize their products' inputs on the step's thread.
     assert!(!rows.is_empty() || phases[11] > 0.0, "no quantizing in one-row steps: {line}");
-    assert_eq!(numbers[16], 2.0, "{line}");
-    assert!(numbers[17] <= numbers[18] && numbers[19] <= 100.0, "{line}");
-    assert!(numbers[20..26].iter().all(|&p| (0.0..=100.0).contains(&p)), "{line}");
-    let team = &numbers[26..];
+    assert_eq!(numbers[17], 2.0, "{line}");
+    assert!(numbers[18] <= numbers[19] && numbers[20] <= 100.0, "{line}");
+    assert!(numbers[21..27].iter().all(|&p| (0.0..=100.0).contains(&p)), "{line}");
+    let team = &numbers[27..];
     // The team's regions within the step, the products' within their phase, the leader's wait within the regions.
     assert!(team[0] <= wall * 1.01 && team[1] <= phases[0] * 1.01 && team[4] <= team[0], "{line}");
     assert!(team[6] >= 30.0, "a follower saw {} regions a step: {line}", team[6]);

@@ -292,7 +292,8 @@ fn flat_hidden(
         false => Some(quantized_row(w.up_exps.ty, &x[..e]).map_err(cerr)?),
     };
     let xu = xu.as_ref().unwrap_or(&xg);
-    let (mut g, mut u) = (vec![0f32; experts.len() * f], vec![0f32; experts.len() * f]);
+    let (mut g, mut u) =
+        timing().time(Phase::Outputs, || (vec![0f32; experts.len() * f], vec![0f32; experts.len() * f]));
     let mut down_inputs = down_inputs.map(|q| q.iter_mut());
     let mut pairs = Vec::with_capacity(experts.len());
     for ((_, bytes), (gp, up)) in experts.iter().zip(g.chunks_mut(f).zip(u.chunks_mut(f))) {
