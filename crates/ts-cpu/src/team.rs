@@ -42,6 +42,8 @@ pub fn enabled(threads: usize) -> bool {
 /// run: a thread that took an item may read it until it has counted that item as run.
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
+    /// The timing knob's phase its items' tasks count under (`work_time::item_in_phase`).
+    phase: usize,
     /// An item's panic, raised again on the leader once the region is over.
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
@@ -343,7 +345,9 @@ fn take_items(team: &Team, seat: usize, generation: u64) {
         // SAFETY: the item taken keeps its region, whose job this is, from ending until it is
         // counted below (see `Signals::job`).
         let job = unsafe { &*team.signals.0.job.load(Acquire) };
-        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))) {
+        if let Err(panic) =
+            std::panic::catch_unwind(AssertUnwindSafe(|| crate::work_time::item_in_phase(job.phase, || (job.f)(i))))
+        {
             job.panic.lock().expect("team panic").get_or_insert(panic);
         }
     };
@@ -389,7 +393,7 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
     // SAFETY: the scope that set `LEADS` is still running its body on this thread.
     let team = unsafe { &*team };
-    let job = Job { f, panic: Mutex::new(None) };
+    let job = Job { f, phase: crate::work_time::current_phase(), panic: Mutex::new(None) };
     let seats = &team.seats.0;
     let count = seats.shares.len();
     assert!(n < u32::MAX as usize, "a region of {n} items");
@@ -627,5 +631,37 @@ mod tests {
             let want: Vec<f32> = (0..23).map(|j| (j / 5) as f32 + 1.0).collect();
             assert_eq!(out, want, "in a scope: {in_scope}");
         }
+    }
+
+    /// A team region's tasks count under the phase its leader set, on every thread that runs
+    /// one of its items, and a task outside any region under the leader's phase as before.
+    #[test]
+    fn a_regions_tasks_count_under_its_leaders_phase() {
+        use crate::work_time;
+        work_time::enable();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        // Phase 13: no other test sets it (tests of this binary run at once).
+        const MINE: usize = 13;
+        let before = work_time::busy_by_phase()[MINE];
+        let items = AtomicUsize::new(0);
+        pool.install(|| {
+            lead(|| {
+                let outer = work_time::set_phase(MINE);
+                for _ in 0..20 {
+                    for_each(9, &|_| {
+                        work_time::task(|| {
+                            let t = std::time::Instant::now();
+                            while t.elapsed() < std::time::Duration::from_micros(50) {}
+                            items.fetch_add(1, SeqCst);
+                        })
+                    });
+                }
+                work_time::set_phase(outer);
+            })
+        });
+        assert_eq!(items.into_inner(), 180);
+        // 180 tasks of 50 µs each: at least 9 ms counted under the leader's phase.
+        let counted = work_time::busy_by_phase()[MINE] - before;
+        assert!(counted >= std::time::Duration::from_millis(9), "{counted:?}");
     }
 }

@@ -8,7 +8,10 @@
 //! its end) and from their followers (how long after its start each saw a region begin). With one
 //! counter that every thread added to, and read around every timed op, the knob lengthened a Xeon
 //! host's 16-thread decode steps by about 0.2 ms; with these lines, by about 0.05 (2026-12-07,
-//! docs/BENCHMARKS.md).
+//! docs/BENCHMARKS.md); with the finer phases of the twenty-fourth session by 0.2 again, most of
+//! it (a guess, not measured apart) the followers reading the phase from the line the step's
+//! thread wrote six times a product: team regions now carry their leader's phase to their items,
+//! and the values the leader writes sit in lines of their own.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -24,15 +27,29 @@ const SLOTS: usize = 64;
 #[repr(align(128))]
 struct Slot([AtomicU64; PHASES]);
 
-static ON: AtomicBool = AtomicBool::new(false);
-static PHASE: AtomicUsize = AtomicUsize::new(NO_PHASE);
+/// A value alone in its cache lines: every thread reads [`ON`], the leader writes the others
+/// once a region or more, and none of those writes may take the line of a value others read.
+#[repr(align(128))]
+struct Alone<T>(T);
+
+static ON: Alone<AtomicBool> = Alone(AtomicBool::new(false));
+/// The phase the step's thread set; a team's region carries it to its items ([`item_in_phase`]).
+static PHASE: Alone<AtomicUsize> = Alone(AtomicUsize::new(NO_PHASE));
 static BUSY_NS: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
-static REGIONS: AtomicU64 = AtomicU64::new(0);
+static REGIONS: Alone<AtomicU64> = Alone(AtomicU64::new(0));
 /// A team's regions by phase, from their leader: wall time and the wait at their ends (ns).
 static REGION_WALL_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 static LEADER_WAIT_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 /// When the region in progress began ([`now_ns`]), for its followers' lag.
-static PUBLISHED_NS: AtomicU64 = AtomicU64::new(0);
+static PUBLISHED_NS: Alone<AtomicU64> = Alone(AtomicU64::new(0));
+
+/// Not in a team region's item: tasks count under [`PHASE`].
+const NO_ITEM: usize = usize::MAX;
+
+thread_local! {
+    /// The phase of the team region whose item this thread is running ([`NO_ITEM`] outside one).
+    static ITEM_PHASE: std::cell::Cell<usize> = const { std::cell::Cell::new(NO_ITEM) };
+}
 /// Per thread: its lags behind the regions' starts and its delays joining teams, each a sum in
 /// ns and a count (at [`LAGS`] and [`JOINS`]).
 static FOLLOWER: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
@@ -53,14 +70,15 @@ fn follower_counts(at: usize, ns: u64) {
 
 /// Starts counting (for the rest of the process).
 pub fn enable() {
-    ON.store(true, Ordering::Relaxed);
+    ON.0.store(true, Ordering::Relaxed);
 }
 
 /// Counts the tasks begun from now on under `phase` (below [`PHASES`]); returns the phase
 /// before, to be set again when this one ends. Set by the thread that starts the regions,
-/// before it starts them: a task reads the phase after it has seen its region begin.
+/// before it starts them: a team's region carries it to its items, and a task outside one
+/// reads it after it has seen its region begin.
 pub fn set_phase(phase: usize) -> usize {
-    PHASE.swap(phase.min(NO_PHASE), Ordering::Relaxed)
+    PHASE.0.swap(phase.min(NO_PHASE), Ordering::Relaxed)
 }
 
 /// Thread time in tasks so far, by phase, summed over threads.
@@ -70,14 +88,14 @@ pub fn busy_by_phase() -> [Duration; PHASES] {
 
 /// Parallel regions begun so far (`team::for_each` calls of two items or more).
 pub fn regions() -> u64 {
-    REGIONS.load(Ordering::Relaxed)
+    REGIONS.0.load(Ordering::Relaxed)
 }
 
 /// Counts a parallel region begun, when counting is on.
 #[inline]
 pub(crate) fn region() {
-    if ON.load(Ordering::Relaxed) {
-        REGIONS.fetch_add(1, Ordering::Relaxed);
+    if ON.0.load(Ordering::Relaxed) {
+        REGIONS.0.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -97,12 +115,12 @@ pub(crate) struct RegionClock {
 /// The leader of a team's region marks its start, before it publishes the region.
 #[inline]
 pub(crate) fn region_begins() -> Option<RegionClock> {
-    if !ON.load(Ordering::Relaxed) {
+    if !ON.0.load(Ordering::Relaxed) {
         return None;
     }
     let start = now_ns();
-    PUBLISHED_NS.store(start, Ordering::Relaxed);
-    Some(RegionClock { phase: PHASE.load(Ordering::Relaxed), start, own_done: start })
+    PUBLISHED_NS.0.store(start, Ordering::Relaxed);
+    Some(RegionClock { phase: PHASE.0.load(Ordering::Relaxed), start, own_done: start })
 }
 
 /// The leader has run the items it could find and starts waiting for the others' to end.
@@ -127,8 +145,8 @@ pub(crate) fn region_ends(clock: Option<RegionClock>) {
 /// is back from leading it: `led`).
 #[inline]
 pub(crate) fn follower_sees_region(led: bool) {
-    if ON.load(Ordering::Relaxed) && !led {
-        follower_counts(LAGS, now_ns().saturating_sub(PUBLISHED_NS.load(Ordering::Relaxed)));
+    if ON.0.load(Ordering::Relaxed) && !led {
+        follower_counts(LAGS, now_ns().saturating_sub(PUBLISHED_NS.0.load(Ordering::Relaxed)));
     }
 }
 
@@ -143,7 +161,7 @@ static LATEST_JOINS_NS: AtomicU64 = AtomicU64::new(0);
 /// A team forms: every thread of its pool is called to it.
 #[inline]
 pub(crate) fn team_forms() {
-    if ON.load(Ordering::Relaxed) {
+    if ON.0.load(Ordering::Relaxed) {
         FORMED_NS.store(now_ns(), Ordering::Relaxed);
         TEAMS.fetch_add(1, Ordering::Relaxed);
         LATEST_JOINS_NS.fetch_add(LATEST_JOIN_NS.swap(0, Ordering::Relaxed), Ordering::Relaxed);
@@ -154,7 +172,7 @@ pub(crate) fn team_forms() {
 /// it formed it: `formed`, a leader joining as a follower once its scope is over).
 #[inline]
 pub(crate) fn follower_joins(formed: bool) {
-    if ON.load(Ordering::Relaxed) && !formed {
+    if ON.0.load(Ordering::Relaxed) && !formed {
         let late = now_ns().saturating_sub(FORMED_NS.load(Ordering::Relaxed));
         follower_counts(JOINS, late);
         LATEST_JOIN_NS.fetch_max(late, Ordering::Relaxed);
@@ -214,12 +232,37 @@ pub fn team_regions() -> Regions {
 /// Runs one task of a parallel region, its time counted when counting is on.
 #[inline]
 pub fn task<T>(f: impl FnOnce() -> T) -> T {
-    if !ON.load(Ordering::Relaxed) {
+    if !ON.0.load(Ordering::Relaxed) {
         return f();
     }
-    let phase = PHASE.load(Ordering::Relaxed);
+    let phase = match ITEM_PHASE.with(std::cell::Cell::get) {
+        NO_ITEM => PHASE.0.load(Ordering::Relaxed),
+        phase => phase,
+    };
     let start = Instant::now();
     let out = f();
     my_line(&BUSY_NS)[phase].fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     out
+}
+
+/// The phase the step's thread set last, for a team region to carry to its items.
+pub(crate) fn current_phase() -> usize {
+    PHASE.0.load(Ordering::Relaxed)
+}
+
+/// Runs an item of a team region whose leader's phase was `phase`: its tasks count under it,
+/// read from the region rather than from [`PHASE`] (whose line the step's thread writes).
+pub(crate) fn item_in_phase<T>(phase: usize, f: impl FnOnce() -> T) -> T {
+    if !ON.0.load(Ordering::Relaxed) {
+        return f();
+    }
+    /// Puts the thread's phase back on the way out, a panic's too.
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ITEM_PHASE.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(ITEM_PHASE.with(|p| p.replace(phase)));
+    f()
 }
