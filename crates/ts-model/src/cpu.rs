@@ -1025,6 +1025,12 @@ fn hidden_in_runs() -> bool {
     *IN_RUNS.get_or_init(|| std::env::var("TURBOSPARK_HIDDEN_IN_RUNS").map_or(true, |v| v.trim() != "0"))
 }
 
+/// The activations weights of `ty` take (two weight types of one activation type take the same
+/// quantized row); `ty` itself where the CPU has none, whose quantizing then says so.
+fn activations_of(ty: ts_gguf::GgmlType) -> ts_gguf::GgmlType {
+    ts_cpu::activation_type(ty).unwrap_or(ty)
+}
+
 /// One activation row `x` quantized for weights of `ty`.
 fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRows, ts_cpu::CpuError> {
     timing().time(Phase::Quantize, || {
@@ -1035,7 +1041,8 @@ fn quantized_row(ty: ts_gguf::GgmlType, x: &[f32]) -> Result<ts_cpu::QuantizedRo
 }
 
 /// [`Backend::linears`] of one row in one parallel region ([`DecodeProducts::Flat`]): the
-/// floats of one [`linear`] each, the row quantized once per weight type.
+/// floats of one [`linear`] each, the row quantized once per activation type (Q4_K_M's Q4_K q
+/// and k and Q6_K v share their Q8_K row).
 fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f32>>, ModelError> {
     let k = x.len();
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", ws[0].0.name));
@@ -1044,8 +1051,8 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
         if w.row_len() != k {
             return Err(ModelError::Compute(format!("{}: rows of {} for an input of {k}", w.name, w.row_len())));
         }
-        if !quantized.iter().any(|(ty, _)| *ty == w.ty) {
-            quantized.push((w.ty, quantized_row(w.ty, x).map_err(cerr)?));
+        if !quantized.iter().any(|(ty, _)| *ty == activations_of(w.ty)) {
+            quantized.push((activations_of(w.ty), quantized_row(w.ty, x).map_err(cerr)?));
         }
     }
     let mut outs: Vec<Vec<f32>> =
@@ -1059,7 +1066,7 @@ fn flat_linears(ws: &[(&Weight, Option<&[f32]>)], x: &[f32]) -> Result<Vec<Vec<f
             n_out: w.n_rows(),
             k,
             packed: w.is_packed(),
-            x: &quantized.iter().find(|(ty, _)| *ty == w.ty).expect("quantized for every type").1,
+            x: &quantized.iter().find(|(ty, _)| *ty == activations_of(w.ty)).expect("quantized for every type").1,
             out,
         })
         .collect();
@@ -1094,7 +1101,7 @@ fn flat_dense_ffn(
         }
     }
     let xg = quantized_row(gate.ty, x).map_err(cerr(gate))?;
-    let xu = match up.ty == gate.ty {
+    let xu = match activations_of(up.ty) == activations_of(gate.ty) {
         true => None,
         false => Some(quantized_row(up.ty, x).map_err(cerr(up))?),
     };

@@ -77,10 +77,10 @@ pub fn expert_hidden(
     Ok(g)
 }
 
-/// Whether an expert's gate and up products take the same 8-bit activations (the same type,
-/// not exact), so that its rows are quantized once for both.
+/// Whether an expert's gate and up products take the same 8-bit activations (of one type, not
+/// exact), so that its rows are quantized once for both.
 pub(super) fn shares_activations(w: &MoeWeights, s: &Scratch) -> bool {
-    w.up_exps.ty == w.gate_exps.ty && !s.exact_activations
+    activations_of(w.up_exps.ty) == activations_of(w.gate_exps.ty) && !s.exact_activations
 }
 
 /// [`expert_hidden`] of the rows `s.xq` holds, quantized for the gate's type (where
@@ -287,7 +287,7 @@ fn flat_hidden(
     let (e, f) = (w.gate_exps.row_len(), w.gate_exps.n_rows());
     let cerr = |e: ts_cpu::CpuError| ModelError::Compute(format!("{}: {e}", w.gate_exps.name));
     let xg = quantized_row(w.gate_exps.ty, &x[..e]).map_err(cerr)?;
-    let xu = match w.up_exps.ty == w.gate_exps.ty {
+    let xu = match activations_of(w.up_exps.ty) == activations_of(w.gate_exps.ty) {
         true => None,
         false => Some(quantized_row(w.up_exps.ty, &x[..e]).map_err(cerr)?),
     };
