@@ -363,6 +363,8 @@ pub(crate) fn gated_matvecs(
     finish: &FinishHidden<'_>,
 ) -> Result<(), CpuError> {
     struct Pair<'a> {
+        /// Its place in `pairs`, for `finish`.
+        index: usize,
         gate: Plan<'a>,
         up: Plan<'a>,
         g: OutPtr,
@@ -420,7 +422,14 @@ pub(crate) fn gated_matvecs(
             rows = rows.next_multiple_of(crate::activations::RowRuns::BLOCK);
         }
         (g.rows_per_task, u.rows_per_task) = (rows, rows);
-        planned.push(Pair { gate: g, up: u, g: OutPtr(gate.out.as_mut_ptr()), u: OutPtr(up.out.as_mut_ptr()), down });
+        planned.push(Pair {
+            index: i,
+            gate: g,
+            up: u,
+            g: OutPtr(gate.out.as_mut_ptr()),
+            u: OutPtr(up.out.as_mut_ptr()),
+            down,
+        });
     }
     // As in `matvecs`, each pair's tasks in one contiguous run per thread, ordered by thread,
     // each run in two items (a pair's run is the work of two products' runs there: a thread
@@ -455,7 +464,7 @@ pub(crate) fn gated_matvecs(
                 };
                 pair.gate.run(task, &mut [&mut *g]);
                 pair.up.run(task, &mut [&mut *u]);
-                finish(*i, start, g, u);
+                finish(pair.index, start, g, u);
                 if let Some(down) = &pair.down {
                     // SAFETY: this task alone takes these rows, whole blocks of them (rows
                     // per task a multiple of the block; the last task ends the row).

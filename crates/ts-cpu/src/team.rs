@@ -177,6 +177,24 @@ thread_local! {
     static TEAM: std::cell::RefCell<Option<Arc<Team>>> = const { std::cell::RefCell::new(None) };
     /// Whether this thread runs its [`for_each`] regions by itself ([`on_this_thread`]).
     static ALONE: Cell<bool> = const { Cell::new(false) };
+    /// Whether this thread leads a scope or follows a team: a call to follow (a broadcast
+    /// job, which rayon runs on a thread that waits in a `join` too) is dropped there.
+    static SERVING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as serving a team until dropped (a panic's unwinding too).
+struct Serving(bool);
+
+impl Serving {
+    fn begin() -> Serving {
+        Serving(SERVING.with(|s| s.replace(true)))
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        SERVING.with(|s| s.set(self.0));
+    }
 }
 
 /// Runs `body` with every [`for_each`] inside it on this thread, item after item: for work
@@ -232,7 +250,9 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
     team.seats.0.leader.store(me, Relaxed);
     call_the_absent(&team, me);
     LEADS.with(|l| l.set(&*team));
+    let serving = Serving::begin();
     let result = std::panic::catch_unwind(AssertUnwindSafe(body));
+    drop(serving);
     LEADS.with(|l| l.set(std::ptr::null()));
     team.signals.0.state.store(IDLE, Release);
     result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
@@ -241,7 +261,9 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
 /// Calls every thread of the pool to follow `team` where a seat but the leader's (`me`) is
 /// empty and no call is on its way: a thread already in the team, or leading (a leader's own
 /// call runs once its scope is over, or inside it while it waits for rayon work, where it is
-/// dropped), takes the call and goes on.
+/// dropped), takes the call and goes on. So does a thread that runs the call while it waits
+/// in a `join` inside a team's item: following there would hold up the item, and with it the
+/// scope, for good (2026-12-07: a verification step's experts, `par_gated` in an item).
 fn call_the_absent(team: &Arc<Team>, me: usize) {
     let seats = &team.seats.0;
     let absent = seats.present.iter().enumerate().any(|(seat, p)| seat != me && !p.0.load(Relaxed));
@@ -253,7 +275,8 @@ fn call_the_absent(team: &Arc<Team>, me: usize) {
     rayon::spawn_broadcast(move |ctx| {
         called.seats.0.calls_on_the_way.fetch_sub(1, Relaxed);
         let seat = ctx.index();
-        if LEADS.with(Cell::get).is_null() && !called.seats.0.present[seat].0.load(Relaxed) {
+        if !SERVING.with(Cell::get) && LEADS.with(Cell::get).is_null() && !called.seats.0.present[seat].0.load(Relaxed)
+        {
             follow(&called, seat);
         }
     });
@@ -261,8 +284,13 @@ fn call_the_absent(team: &Arc<Team>, me: usize) {
 
 /// A thread of the pool in `team` (at `seat`): runs each region's items, and between them the
 /// pool's other work (a step handed to the pool is led from here), until the team has been
-/// between scopes for [`linger`].
+/// between scopes for [`linger`], or has begun no region for as long inside one (its seat left
+/// empty: the leader's look through every share runs what would have been its items). The
+/// second is what ends a call to follow that a thread took while it waited in a `join` whose
+/// work was not the team's (a stolen half of a parallel loop inside an item): there it holds up
+/// that `join` for a linger, not for good.
 fn follow(team: &Arc<Team>, seat: usize) {
+    let _serving = Serving::begin();
     /// The seat is taken for the length of the loop (a panic's unwinding too).
     struct Present<'a>(&'a AtomicBool);
     impl Drop for Present<'_> {
@@ -300,13 +328,13 @@ fn follow(team: &Arc<Team>, seat: usize) {
         }
         // Wrapping: a count stuck at its top would never look or leave again.
         idle = idle.wrapping_add(1);
-        if state == IDLE && idle.is_multiple_of(256) {
+        if idle.is_multiple_of(256) {
             let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() >= linger() && signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok() {
+            if since.elapsed() >= linger()
+                && (state == BUSY || signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok())
+            {
                 return;
             }
-        } else if state == BUSY {
-            idle_since = None;
         }
         // Between scopes the step's caller may be waiting for a core (it wakes when a step ends,
         // outside the pool, while every thread of the pool lingers here): yield it each turn.
@@ -663,5 +691,35 @@ mod tests {
         // 180 tasks of 50 µs each: at least 9 ms counted under the leader's phase.
         let counted = work_time::busy_by_phase()[MINE] - before;
         assert!(counted >= std::time::Duration::from_millis(9), "{counted:?}");
+    }
+
+    /// Items that run parallel loops of their own (a `join` waiting on the item's thread) while
+    /// the team forms anew, its call to follow reaching threads inside those `join`s: every
+    /// scope ends (a thread that took the call there drops it, or leaves after a linger).
+    #[test]
+    fn items_with_parallel_loops_while_a_team_forms_end() {
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+            for round in 0..400 {
+                let got = pool.install(|| {
+                    lead(|| {
+                        let sums: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+                        for_each(4, &|i| {
+                            let s: usize =
+                                (0..(i + 1) * 100_000usize).into_par_iter().with_max_len(500).map(|j| j % 3).sum();
+                            sums[i].store(s, SeqCst);
+                        });
+                        sums.iter().map(|s| s.load(SeqCst)).sum::<usize>()
+                    })
+                });
+                let want: usize = (1..=4).map(|i| (0..i * 100_000usize).map(|j| j % 3).sum::<usize>()).sum();
+                assert_eq!(got, want, "round {round}");
+                // Past the linger: the next scope's team calls its threads again.
+                std::thread::sleep(linger() + std::time::Duration::from_millis(1));
+            }
+            done.send(()).unwrap();
+        });
+        finished.recv_timeout(std::time::Duration::from_secs(120)).expect("a scope did not end within 120 s");
     }
 }

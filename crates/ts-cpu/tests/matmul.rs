@@ -608,7 +608,8 @@ fn gated_matvecs_match_matvecs_then_the_activation() {
             .collect();
         ts_cpu::matvecs(&mut products).unwrap();
         let (mut g, mut u) = (outs.remove(0), outs.remove(0));
-        finish(pair, 0, &mut g, &mut u);
+        // Pair 0 of the calls below is an empty one.
+        finish(pair + 1, 0, &mut g, &mut u);
         let mut down_x = QuantizedRows::new();
         down_x.quantize(dty, &g, n_ff).unwrap();
         let [xg, xu]: [QuantizedRows; 2] = x.try_into().ok().unwrap();
@@ -629,30 +630,54 @@ fn gated_matvecs_match_matvecs_then_the_activation() {
         let mut hidden: Vec<Vec<f32>> = pairs.iter().map(|p| vec![f32::NAN; p.n_ff]).collect();
         let mut ups: Vec<Vec<f32>> = pairs.iter().map(|p| vec![f32::NAN; p.n_ff]).collect();
         let mut down_x: Vec<QuantizedRows> = pairs.iter().map(|_| QuantizedRows::new()).collect();
-        let mut gated: Vec<ts_cpu::GatedMatvec<'_>> = pairs
-            .iter()
-            .zip(hidden.iter_mut().zip(ups.iter_mut()).zip(down_x.iter_mut()))
-            .map(|(p, ((h, u), q))| ts_cpu::GatedMatvec {
-                gate: ts_cpu::Matvec {
-                    weight_ty: p.tys[0],
-                    w: &p.stored[0],
-                    n_out: p.n_ff,
-                    k: p.k,
-                    packed: p.packed[0],
-                    x: &p.x[0],
-                    out: h,
+        // A pair without rows first: nothing to run, and the others keep their places.
+        let p0 = &pairs[0];
+        let (mut no_h, mut no_u, mut no_q) = (Vec::new(), Vec::new(), QuantizedRows::new());
+        let empty = ts_cpu::GatedMatvec {
+            gate: ts_cpu::Matvec {
+                weight_ty: p0.tys[0],
+                w: &[],
+                n_out: 0,
+                k: p0.k,
+                packed: false,
+                x: &p0.x[0],
+                out: &mut no_h,
+            },
+            up: ts_cpu::Matvec {
+                weight_ty: p0.tys[1],
+                w: &[],
+                n_out: 0,
+                k: p0.k,
+                packed: false,
+                x: &p0.x[1],
+                out: &mut no_u,
+            },
+            down: Some((p0.tys[2], &mut no_q)),
+        };
+        let mut gated: Vec<ts_cpu::GatedMatvec<'_>> = std::iter::once(empty)
+            .chain(pairs.iter().zip(hidden.iter_mut().zip(ups.iter_mut()).zip(down_x.iter_mut())).map(
+                |(p, ((h, u), q))| ts_cpu::GatedMatvec {
+                    gate: ts_cpu::Matvec {
+                        weight_ty: p.tys[0],
+                        w: &p.stored[0],
+                        n_out: p.n_ff,
+                        k: p.k,
+                        packed: p.packed[0],
+                        x: &p.x[0],
+                        out: h,
+                    },
+                    up: ts_cpu::Matvec {
+                        weight_ty: p.tys[1],
+                        w: &p.stored[1],
+                        n_out: p.n_ff,
+                        k: p.k,
+                        packed: p.packed[1],
+                        x: &p.x[1],
+                        out: u,
+                    },
+                    down: Some((p.tys[2], q)),
                 },
-                up: ts_cpu::Matvec {
-                    weight_ty: p.tys[1],
-                    w: &p.stored[1],
-                    n_out: p.n_ff,
-                    k: p.k,
-                    packed: p.packed[1],
-                    x: &p.x[1],
-                    out: u,
-                },
-                down: Some((p.tys[2], q)),
-            })
+            ))
             .collect();
         pool.install(|| ts_cpu::gated_matvecs(&mut gated, &finish)).unwrap();
         drop(gated);
