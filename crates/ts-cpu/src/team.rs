@@ -284,11 +284,11 @@ fn call_the_absent(team: &Arc<Team>, me: usize) {
 
 /// A thread of the pool in `team` (at `seat`): runs each region's items, and between them the
 /// pool's other work (a step handed to the pool is led from here), until the team has been
-/// between scopes for [`linger`], or has begun no region for as long inside one (its seat left
-/// empty: the leader's look through every share runs what would have been its items). The
-/// second is what ends a call to follow that a thread took while it waited in a `join` whose
-/// work was not the team's (a stolen half of a parallel loop inside an item): there it holds up
-/// that `join` for a linger, not for good.
+/// between scopes for [`linger`], or has begun no region for [`LEAVE_A_BUSY_TEAM`] inside one
+/// (its seat left empty: the leader's look through every share runs what would have been its
+/// items). The second is what ends a call to follow that a thread took while it waited in a
+/// `join` whose work was not the team's (a stolen half of a parallel loop inside an item): there
+/// it holds up that `join` for a while, not for good.
 fn follow(team: &Arc<Team>, seat: usize) {
     let _serving = Serving::begin();
     /// The seat is taken for the length of the loop (a panic's unwinding too).
@@ -329,10 +329,9 @@ fn follow(team: &Arc<Team>, seat: usize) {
         // Wrapping: a count stuck at its top would never look or leave again.
         idle = idle.wrapping_add(1);
         if idle.is_multiple_of(256) {
-            let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() >= linger()
-                && (state == BUSY || signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok())
-            {
+            let waited = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
+            let closed = || signals.state.compare_exchange(IDLE, CLOSED, Relaxed, Relaxed).is_ok();
+            if (state == IDLE && waited >= linger() && closed()) || (state == BUSY && waited >= LEAVE_A_BUSY_TEAM) {
                 return;
             }
         }
@@ -345,6 +344,11 @@ fn follow(team: &Arc<Team>, seat: usize) {
         }
     }
 }
+
+/// How long a follower waits for a busy team's next region before it leaves its seat: far
+/// longer than a step's gaps between regions (a GPU step's host experts come every fraction of
+/// a millisecond), short enough that a call to follow taken inside a `join` holds it up little.
+const LEAVE_A_BUSY_TEAM: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How many spins a waiting follower makes between its looks for the pool's other work
 /// (`TURBOSPARK_TEAM_LOOK_EVERY`, a measurement knob: a look reads every thread's deque; 0
