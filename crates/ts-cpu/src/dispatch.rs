@@ -304,20 +304,7 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
             outs.push(OutPtr(p.out.as_mut_ptr()));
         }
     }
-    // Each product's tasks in one contiguous run per thread; the runs ordered by thread, so that
-    // the team's contiguous shares give each thread its run of every product (its own part
-    // of each matrix, as one region per product would), and a thread done early takes others'
-    // runs from the backs of their shares. No counter that every thread takes runs from.
-    let threads = rayon::current_num_threads();
-    let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
-    for r in 0..threads {
-        for (i, plan) in plans.iter().enumerate() {
-            let (tasks, n) = (plan.tasks(), threads.min(plan.tasks()));
-            if r < n {
-                runs.push((i, r * tasks / n..(r + 1) * tasks / n));
-            }
-        }
-    }
+    let runs = runs_by_thread(plans.len(), |i| plans[i].tasks(), 1);
     crate::team::for_each(runs.len(), &|run| {
         let (i, tasks) = &runs[run];
         let plan = &plans[*i];
@@ -431,21 +418,9 @@ pub(crate) fn gated_matvecs(
             down,
         });
     }
-    // As in `matvecs`, each pair's tasks in one contiguous run per thread, ordered by thread,
-    // each run in two items (a pair's run is the work of two products' runs there: a thread
-    // done early takes half of one).
-    let threads = rayon::current_num_threads();
-    let mut runs: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
-    for r in 0..threads {
-        for (i, pair) in planned.iter().enumerate() {
-            let (tasks, n) = (pair.gate.tasks(), threads.min(pair.gate.tasks()));
-            if r < n {
-                let (start, end) = (r * tasks / n, (r + 1) * tasks / n);
-                let mid = start + (end - start).div_ceil(2);
-                runs.extend([(i, start..mid), (i, mid..end)].into_iter().filter(|(_, run)| !run.is_empty()));
-            }
-        }
-    }
+    // Each thread's run of a pair in two items: it is the work of two products' runs in
+    // `matvecs`, and a thread done early takes half of one.
+    let runs = runs_by_thread(planned.len(), |i| planned[i].gate.tasks(), 2);
     let failed = std::sync::Mutex::new(None);
     crate::team::for_each(runs.len(), &|run| {
         let (i, tasks) = &runs[run];
@@ -486,6 +461,34 @@ pub(crate) fn gated_matvecs(
         }
     }
     Ok(())
+}
+
+/// The items of a region over `products` products (`tasks(i)` tasks of product i): each product's
+/// tasks in one contiguous run per thread, cut into `pieces` items, `(product, tasks)`. The
+/// items are ordered by thread, so that the team's contiguous shares give each thread its run of
+/// every product (its own part of each matrix, as one region per product would), and a thread
+/// done early takes others' items from the backs of their shares: no counter that every thread
+/// takes items from.
+fn runs_by_thread(
+    products: usize,
+    tasks: impl Fn(usize) -> usize,
+    pieces: usize,
+) -> Vec<(usize, std::ops::Range<usize>)> {
+    let threads = rayon::current_num_threads();
+    let mut runs = Vec::new();
+    for r in 0..threads {
+        for i in 0..products {
+            let t = tasks(i);
+            let n = threads.min(t);
+            if r >= n {
+                continue;
+            }
+            let (start, end) = (r * t / n, (r + 1) * t / n);
+            let piece = (end - start).div_ceil(pieces).max(1);
+            runs.extend((start..end).step_by(piece).map(|s| (i, s..(s + piece).min(end))));
+        }
+    }
+    runs
 }
 
 /// Rows per task for the direct kernels: about 32 KiB of weights (a multiple of 4 rows), but

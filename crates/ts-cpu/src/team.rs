@@ -51,7 +51,25 @@ struct Job<'a> {
 /// A value alone in its cache lines (two, for the adjacent-line prefetcher), so that a
 /// thread's writes to it do not take lines another thread reads.
 #[repr(align(128))]
-struct Padded<T>(T);
+pub(crate) struct Padded<T>(pub(crate) T);
+
+/// Holds a thread-local `Cell` at a value until dropped (a panic's unwinding too), then puts
+/// back what it held before.
+pub(crate) struct Restore<T: Copy + 'static> {
+    key: &'static std::thread::LocalKey<Cell<T>>,
+    before: T,
+}
+
+/// Sets `key` to `value` on this thread for as long as the returned guard lives.
+pub(crate) fn set_for_now<T: Copy>(key: &'static std::thread::LocalKey<Cell<T>>, value: T) -> Restore<T> {
+    Restore { key, before: key.with(|c| c.replace(value)) }
+}
+
+impl<T: Copy> Drop for Restore<T> {
+    fn drop(&mut self) {
+        self.key.with(|c| c.set(self.before));
+    }
+}
 
 /// A seat's items of the region in progress, `front..back` packed as two u32s: its thread
 /// takes them from the front, one at a time, and threads with none left take them from the
@@ -182,34 +200,12 @@ thread_local! {
     static SERVING: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Marks this thread as serving a team until dropped (a panic's unwinding too).
-struct Serving(bool);
-
-impl Serving {
-    fn begin() -> Serving {
-        Serving(SERVING.with(|s| s.replace(true)))
-    }
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        SERVING.with(|s| s.set(self.0));
-    }
-}
-
 /// Runs `body` with every [`for_each`] inside it on this thread, item after item: for work
 /// that is already one of many parallel tasks (an expert of a prompt's MoE layer), whose
 /// products would otherwise be cut into pieces small enough for the stealing to cost more
 /// than it evens out. The items' floats are the same either way.
 pub fn on_this_thread<R>(body: impl FnOnce() -> R) -> R {
-    /// Puts the flag back on the way out, a panic's too.
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ALONE.with(|a| a.set(self.0));
-        }
-    }
-    let _restore = Restore(ALONE.with(|a| a.replace(true)));
+    let _alone = set_for_now(&ALONE, true);
     body()
 }
 
@@ -250,7 +246,7 @@ fn lead<R: Send>(body: impl FnOnce() -> R + Send) -> R {
     team.seats.0.leader.store(me, Relaxed);
     call_the_absent(&team, me);
     LEADS.with(|l| l.set(&*team));
-    let serving = Serving::begin();
+    let serving = set_for_now(&SERVING, true);
     let result = std::panic::catch_unwind(AssertUnwindSafe(body));
     drop(serving);
     LEADS.with(|l| l.set(std::ptr::null()));
@@ -275,8 +271,8 @@ fn call_the_absent(team: &Arc<Team>, me: usize) {
     rayon::spawn_broadcast(move |ctx| {
         called.seats.0.calls_on_the_way.fetch_sub(1, Relaxed);
         let seat = ctx.index();
-        if !SERVING.with(Cell::get) && LEADS.with(Cell::get).is_null() && !called.seats.0.present[seat].0.load(Relaxed)
-        {
+        // A leader serves its team while it leads (LEADS set): SERVING covers it.
+        if !SERVING.with(Cell::get) && !called.seats.0.present[seat].0.load(Relaxed) {
             follow(&called, seat);
         }
     });
@@ -290,7 +286,7 @@ fn call_the_absent(team: &Arc<Team>, me: usize) {
 /// `join` whose work was not the team's (a stolen half of a parallel loop inside an item): there
 /// it holds up that `join` for a while, not for good.
 fn follow(team: &Arc<Team>, seat: usize) {
-    let _serving = Serving::begin();
+    let _serving = set_for_now(&SERVING, true);
     /// The seat is taken for the length of the loop (a panic's unwinding too).
     struct Present<'a>(&'a AtomicBool);
     impl Drop for Present<'_> {

@@ -16,6 +16,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::team::Padded;
+
 /// Phases a caller may count apart; the last is time outside any phase it set.
 pub const PHASES: usize = 16;
 /// The phase tasks count under while no caller has set one.
@@ -27,21 +29,19 @@ const SLOTS: usize = 64;
 #[repr(align(128))]
 struct Slot([AtomicU64; PHASES]);
 
-/// A value alone in its cache lines: every thread reads [`ON`], the leader writes the others
-/// once a region or more, and none of those writes may take the line of a value others read.
-#[repr(align(128))]
-struct Alone<T>(T);
-
-static ON: Alone<AtomicBool> = Alone(AtomicBool::new(false));
+// Each value alone in its cache lines (`Padded`): every thread reads `ON`, the leader writes
+// the others once a region or more, and none of those writes may take the line of a value
+// others read.
+static ON: Padded<AtomicBool> = Padded(AtomicBool::new(false));
 /// The phase the step's thread set; a team's region carries it to its items ([`item_in_phase`]).
-static PHASE: Alone<AtomicUsize> = Alone(AtomicUsize::new(NO_PHASE));
+static PHASE: Padded<AtomicUsize> = Padded(AtomicUsize::new(NO_PHASE));
 static BUSY_NS: [Slot; SLOTS] = [const { Slot([const { AtomicU64::new(0) }; PHASES]) }; SLOTS];
-static REGIONS: Alone<AtomicU64> = Alone(AtomicU64::new(0));
+static REGIONS: Padded<AtomicU64> = Padded(AtomicU64::new(0));
 /// A team's regions by phase, from their leader: wall time and the wait at their ends (ns).
 static REGION_WALL_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 static LEADER_WAIT_NS: [AtomicU64; PHASES] = [const { AtomicU64::new(0) }; PHASES];
 /// When the region in progress began ([`now_ns`]), for its followers' lag.
-static PUBLISHED_NS: Alone<AtomicU64> = Alone(AtomicU64::new(0));
+static PUBLISHED_NS: Padded<AtomicU64> = Padded(AtomicU64::new(0));
 
 /// Not in a team region's item: tasks count under [`PHASE`].
 const NO_ITEM: usize = usize::MAX;
@@ -256,13 +256,6 @@ pub(crate) fn item_in_phase<T>(phase: usize, f: impl FnOnce() -> T) -> T {
     if !ON.0.load(Ordering::Relaxed) {
         return f();
     }
-    /// Puts the thread's phase back on the way out, a panic's too.
-    struct Restore(usize);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            ITEM_PHASE.with(|p| p.set(self.0));
-        }
-    }
-    let _restore = Restore(ITEM_PHASE.with(|p| p.replace(phase)));
+    let _phase = crate::team::set_for_now(&ITEM_PHASE, phase);
     f()
 }

@@ -578,6 +578,20 @@ fn gated_matvecs_match_matvecs_then_the_activation() {
         hidden: Vec<f32>,
         down_x: QuantizedRows,
     }
+    impl Pair {
+        /// Product `j` (0 gate, 1 up) over the pair's first `rows` rows (packed only whole).
+        fn product<'a>(&'a self, j: usize, rows: usize, out: &'a mut [f32]) -> ts_cpu::Matvec<'a> {
+            ts_cpu::Matvec {
+                weight_ty: self.tys[j],
+                w: &self.stored[j][..rows * self.stored[j].len() / self.n_ff],
+                n_out: rows,
+                k: self.k,
+                packed: self.packed[j] && rows == self.n_ff,
+                x: &self.x[j],
+                out,
+            }
+        }
+    }
     let mut pairs = Vec::new();
     for (pair, (gty, uty, dty, n_ff, k, packed)) in shapes.into_iter().enumerate() {
         let xf = common::rows(&mut rng, k);
@@ -634,47 +648,15 @@ fn gated_matvecs_match_matvecs_then_the_activation() {
         let p0 = &pairs[0];
         let (mut no_h, mut no_u, mut no_q) = (Vec::new(), Vec::new(), QuantizedRows::new());
         let empty = ts_cpu::GatedMatvec {
-            gate: ts_cpu::Matvec {
-                weight_ty: p0.tys[0],
-                w: &[],
-                n_out: 0,
-                k: p0.k,
-                packed: false,
-                x: &p0.x[0],
-                out: &mut no_h,
-            },
-            up: ts_cpu::Matvec {
-                weight_ty: p0.tys[1],
-                w: &[],
-                n_out: 0,
-                k: p0.k,
-                packed: false,
-                x: &p0.x[1],
-                out: &mut no_u,
-            },
+            gate: p0.product(0, 0, &mut no_h),
+            up: p0.product(1, 0, &mut no_u),
             down: Some((p0.tys[2], &mut no_q)),
         };
         let mut gated: Vec<ts_cpu::GatedMatvec<'_>> = std::iter::once(empty)
             .chain(pairs.iter().zip(hidden.iter_mut().zip(ups.iter_mut()).zip(down_x.iter_mut())).map(
                 |(p, ((h, u), q))| ts_cpu::GatedMatvec {
-                    gate: ts_cpu::Matvec {
-                        weight_ty: p.tys[0],
-                        w: &p.stored[0],
-                        n_out: p.n_ff,
-                        k: p.k,
-                        packed: p.packed[0],
-                        x: &p.x[0],
-                        out: h,
-                    },
-                    up: ts_cpu::Matvec {
-                        weight_ty: p.tys[1],
-                        w: &p.stored[1],
-                        n_out: p.n_ff,
-                        k: p.k,
-                        packed: p.packed[1],
-                        x: &p.x[1],
-                        out: u,
-                    },
+                    gate: p.product(0, p.n_ff, h),
+                    up: p.product(1, p.n_ff, u),
                     down: Some((p.tys[2], q)),
                 },
             ))
@@ -698,27 +680,8 @@ fn gated_matvecs_match_matvecs_then_the_activation() {
     // Up's rows must be gate's.
     let p = &pairs[0];
     let (mut h, mut u) = (vec![0.0; p.n_ff], vec![0.0; p.n_ff - 16]);
-    let mut bad = [ts_cpu::GatedMatvec {
-        gate: ts_cpu::Matvec {
-            weight_ty: p.tys[0],
-            w: &p.stored[0],
-            n_out: p.n_ff,
-            k: p.k,
-            packed: p.packed[0],
-            x: &p.x[0],
-            out: &mut h,
-        },
-        up: ts_cpu::Matvec {
-            weight_ty: p.tys[1],
-            w: &p.stored[1][..(p.n_ff - 16) * p.stored[1].len() / p.n_ff],
-            n_out: p.n_ff - 16,
-            k: p.k,
-            packed: false,
-            x: &p.x[1],
-            out: &mut u,
-        },
-        down: None,
-    }];
+    let mut bad =
+        [ts_cpu::GatedMatvec { gate: p.product(0, p.n_ff, &mut h), up: p.product(1, p.n_ff - 16, &mut u), down: None }];
     let err = ts_cpu::gated_matvecs(&mut bad, &finish).unwrap_err();
     assert!(matches!(err, CpuError::WrongLength { .. }), "{err}");
 }

@@ -251,9 +251,7 @@ pub trait Backend: Sized + Send + Sync {
         m: usize,
         s: &mut Self::Scratch,
     ) -> Result<Self::Act, ModelError> {
-        let (mut g, u) = self.gate_up(gate, up, x, m, s)?;
-        self.gated(act, &mut g, &u)?;
-        self.linear(down, None, &g, m, s)
+        dense_ffn_in_steps(self, gate, up, down, act, x, m, s)
     }
     /// RMS norm of every `piece`-wide piece of `x`, times `w` `[piece]` where given.
     fn rms_norm(&self, x: &mut Self::Act, piece: usize, w: Option<&[f32]>, eps: f32) -> Result<(), ModelError>;
@@ -553,4 +551,22 @@ pub trait Backend: Sized + Send + Sync {
 /// [`Backend::rows_to_host`] hands back once the floats are on the host.
 pub(crate) fn host_rows(held: &[f32], row_len: usize, rows: Range<usize>) -> Vec<Vec<f32>> {
     held.chunks_exact(row_len).skip(rows.start).take(rows.len()).map(<[f32]>::to_vec).collect()
+}
+
+/// [`Backend::dense_ffn`] as its three steps: [`Backend::gate_up`], [`Backend::gated`],
+/// [`Backend::linear`] (the default, and a fusing backend's way for what it does not fuse).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dense_ffn_in_steps<B: Backend>(
+    be: &B,
+    gate: &Weight,
+    up: &Weight,
+    down: &Weight,
+    act: GatedActivation,
+    x: &B::Act,
+    m: usize,
+    s: &mut B::Scratch,
+) -> Result<B::Act, ModelError> {
+    let (mut g, u) = be.gate_up(gate, up, x, m, s)?;
+    be.gated(act, &mut g, &u)?;
+    be.linear(down, None, &g, m, s)
 }

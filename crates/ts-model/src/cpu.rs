@@ -171,9 +171,7 @@ impl Backend for Cpu {
         s: &mut Scratch,
     ) -> Result<Vec<f32>, ModelError> {
         if m != 1 || s.exact_activations || decode_products() != DecodeProducts::Flat || !hidden_in_runs() {
-            let (mut g, u) = self.gate_up(gate, up, x, m, s)?;
-            self.gated(act, &mut g, &u)?;
-            return self.linear(down, None, &g, m, s);
+            return crate::backend::dense_ffn_in_steps(self, gate, up, down, act, x, m, s);
         }
         timing().time(Phase::Products, || flat_dense_ffn(gate, up, down, act, x, s))
     }
