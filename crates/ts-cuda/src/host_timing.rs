@@ -2,7 +2,9 @@
 //! their ops one by one (steps with the expert cache, or with graphs off; a replayed graph is
 //! one launch). Per step: the wall time from one step's start to the next, the kernel launch
 //! calls, the waits for routes (each a synchronization with the device), the expert cache's
-//! bookkeeping and queued copies, and the experts the CPU computes; printed every 64 steps.
+//! bookkeeping and queued copies, the experts the CPU computes, a step's inputs (building and
+//! uploading them), and the wait for a download (the step's end, for logits) and reading
+//! what landed; printed every 64 steps.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -19,13 +21,19 @@ pub(crate) enum Phase {
     /// Of [`Phase::HostExperts`], the wait for the layer's input, its download and the wait
     /// for the last uploads.
     HostInput,
+    /// A step's inputs built and queued for upload (tokens, positions, each layer's state).
+    StepInputs,
+    /// The wait for a download to land (a step's logits: the step's end).
+    DownloadWait,
+    /// Reading what landed (the logits copied out).
+    DownloadRead,
 }
 
 #[derive(Default)]
 struct Totals {
     /// Time and count per [`Phase`], in its order.
-    time: [Duration; 6],
-    count: [u64; 6],
+    time: [Duration; 9],
+    count: [u64; 9],
     steps: u64,
     wall: Duration,
     started: Option<Instant>,
@@ -41,13 +49,24 @@ impl HostTiming {
 
     /// Runs `f`, its time counted under `phase`.
     pub(crate) fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
-        let Some(totals) = &self.0 else { return f() };
-        let start = Instant::now();
+        let start = self.mark();
         let out = f();
-        let mut t = totals.lock().expect("host timing lock");
-        t.time[phase as usize] += start.elapsed();
-        t.count[phase as usize] += 1;
+        self.add(phase, start);
         out
+    }
+
+    /// Now, where the knob is on: the start of a span [`HostTiming::add`] counts.
+    pub(crate) fn mark(&self) -> Option<Instant> {
+        self.0.as_ref().map(|_| Instant::now())
+    }
+
+    /// Counts the time since `start` (from [`HostTiming::mark`]) under `phase`.
+    pub(crate) fn add(&self, phase: Phase, start: Option<Instant>) {
+        if let (Some(totals), Some(start)) = (&self.0, start) {
+            let mut t = totals.lock().expect("host timing lock");
+            t.time[phase as usize] += start.elapsed();
+            t.count[phase as usize] += 1;
+        }
     }
 
     /// Marks a step's start (the end of the one before); prints the means every 64 steps.
@@ -62,11 +81,13 @@ impl HostTiming {
                 let n = t.steps as f64;
                 let per = |d: Duration| d.as_secs_f64() * 1e3 / n;
                 // HostInput is inside HostExperts.
-                let other = t.wall.saturating_sub(t.time[..Phase::HostInput as usize].iter().sum());
+                let outside = t.time[..Phase::HostInput as usize].iter().chain(&t.time[Phase::StepInputs as usize..]);
+                let other = t.wall.saturating_sub(outside.sum());
                 eprintln!(
                     "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
                      expert cache {:.3} ms ensuring + {:.3} ms prefetching, {:.1} layers of experts on the CPU \
-                     {:.3} ms (input {:.3} ms), other {:.3} ms",
+                     {:.3} ms (input {:.3} ms), inputs {:.3} ms, download wait {:.3} ms + read {:.3} ms, \
+                     other {:.3} ms",
                     t.steps,
                     per(t.wall),
                     t.count[Phase::Launch as usize] as f64 / n,
@@ -78,6 +99,9 @@ impl HostTiming {
                     t.count[Phase::HostExperts as usize] as f64 / n,
                     per(t.time[Phase::HostExperts as usize]),
                     per(t.time[Phase::HostInput as usize]),
+                    per(t.time[Phase::StepInputs as usize]),
+                    per(t.time[Phase::DownloadWait as usize]),
+                    per(t.time[Phase::DownloadRead as usize]),
                     per(other),
                 );
             }

@@ -326,8 +326,8 @@ impl Cuda {
         let landed = unsafe { std::slice::from_raw_parts_mut(buf.cast::<T>(), n) };
         unsafe { cudarc::driver::result::memcpy_dtoh_async(landed, ptr, self.gpu.stream.cu_stream()) }
             .map_err(|e| err(e.into()))?;
-        self.gpu.sync().map_err(err)?;
-        Ok(read(landed))
+        self.host_timing.time(host_timing::Phase::DownloadWait, || self.gpu.sync()).map_err(err)?;
+        Ok(self.host_timing.time(host_timing::Phase::DownloadRead, || read(landed)))
     }
 
     fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {

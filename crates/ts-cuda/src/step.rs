@@ -336,6 +336,7 @@ impl Cuda {
         replayable: bool,
     ) -> Result<StepStart<Act>, ModelError> {
         self.host_timing.step_begins();
+        let inputs_from = self.host_timing.mark();
         self.wrote();
         // Drops the last step's quantized activations here, not inside a capture (a buffer
         // of a many-row step freed while recording is an invalid graph).
@@ -427,6 +428,7 @@ impl Cuda {
                 })
         }
         .map_err(|e| err(e.into()))?;
+        self.host_timing.add(Phase::StepInputs, inputs_from);
         // Pageable copies return once the bytes are staged; the kernels after them see them in order.
         g.arena_used = 0;
         g.arena_on = m == 1;
@@ -439,10 +441,10 @@ impl Cuda {
         let g = &mut *g;
         match g.recorded.get(&key) {
             Some(Recording::Graph { graph, logits }) => {
-                match &mut g.timing {
-                    Some(t) => t.launch(&graph.0, &self.gpu.stream)?,
-                    None => graph.0.launch().map_err(|e| err(e.into()))?,
-                }
+                self.host_timing.time(Phase::Launch, || match &mut g.timing {
+                    Some(t) => t.launch(&graph.0, &self.gpu.stream),
+                    None => graph.0.launch().map_err(|e| err(e.into())),
+                })?;
                 g.replays += 1;
                 g.arena_on = false;
                 let logits = logits.map(|(ptr, len)| Act { ptr, len, _own: None });
