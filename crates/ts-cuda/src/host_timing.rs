@@ -1,10 +1,10 @@
-//! `TURBOSPARK_HOST_TIMING=1`, a measurement knob: where the host's time goes in steps that run
-//! their ops one by one (steps with the expert cache, or with graphs off; a replayed graph is
-//! one launch). Per step: the wall time from one step's start to the next, the kernel launch
-//! calls, the waits for routes (each a synchronization with the device), the expert cache's
-//! bookkeeping and queued copies, the experts the CPU computes, a step's inputs (building and
-//! uploading them), and the wait for a download (the step's end, for logits) and reading
-//! what landed; printed every 64 steps.
+//! `TURBOSPARK_HOST_TIMING=1`, a measurement knob: where the host's time goes in a step (in
+//! steps that run their ops one by one, as with the expert cache or graphs off, and in replayed
+//! ones, whose ops are one launch). Per step: the wall time from one step's start to the next,
+//! the kernel launch calls, the waits for routes (each a synchronization with the device), the
+//! expert cache's bookkeeping and queued copies, the experts the CPU computes, the step's inputs
+//! (built and uploaded), and the wait for its logits with their copy out of page-locked memory;
+//! printed every 64 steps.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -23,17 +23,22 @@ pub(crate) enum Phase {
     HostInput,
     /// A step's inputs built and queued for upload (tokens, positions, each layer's state).
     StepInputs,
-    /// The wait for a download to land (a step's logits: the step's end).
-    DownloadWait,
-    /// Reading what landed (the logits copied out).
-    DownloadRead,
+    /// A step's logits on the host: the wait for the step's end and their download, and
+    /// their copy out of page-locked memory.
+    Logits,
+    /// Of [`Phase::Logits`], the copy out.
+    LogitsCopy,
 }
+
+/// [`Phase`]s, and those counted inside another (left out of the step's sum).
+const PHASES: usize = Phase::LogitsCopy as usize + 1;
+const NESTED: [Phase; 2] = [Phase::HostInput, Phase::LogitsCopy];
 
 #[derive(Default)]
 struct Totals {
     /// Time and count per [`Phase`], in its order.
-    time: [Duration; 9],
-    count: [u64; 9],
+    time: [Duration; PHASES],
+    count: [u64; PHASES],
     steps: u64,
     wall: Duration,
     started: Option<Instant>,
@@ -80,13 +85,13 @@ impl HostTiming {
             if t.steps.is_multiple_of(64) {
                 let n = t.steps as f64;
                 let per = |d: Duration| d.as_secs_f64() * 1e3 / n;
-                // HostInput is inside HostExperts.
-                let outside = t.time[..Phase::HostInput as usize].iter().chain(&t.time[Phase::StepInputs as usize..]);
-                let other = t.wall.saturating_sub(outside.sum());
+                let nested = |i: usize| NESTED.iter().any(|&p| p as usize == i);
+                let counted = t.time.iter().enumerate().filter(|&(i, _)| !nested(i)).map(|(_, d)| *d).sum();
+                let other = t.wall.saturating_sub(counted);
                 eprintln!(
                     "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
                      expert cache {:.3} ms ensuring + {:.3} ms prefetching, {:.1} layers of experts on the CPU \
-                     {:.3} ms (input {:.3} ms), inputs {:.3} ms, download wait {:.3} ms + read {:.3} ms, \
+                     {:.3} ms (input {:.3} ms), inputs {:.3} ms, logits {:.3} ms (copied out {:.3} ms), \
                      other {:.3} ms",
                     t.steps,
                     per(t.wall),
@@ -100,8 +105,8 @@ impl HostTiming {
                     per(t.time[Phase::HostExperts as usize]),
                     per(t.time[Phase::HostInput as usize]),
                     per(t.time[Phase::StepInputs as usize]),
-                    per(t.time[Phase::DownloadWait as usize]),
-                    per(t.time[Phase::DownloadRead as usize]),
+                    per(t.time[Phase::Logits as usize]),
+                    per(t.time[Phase::LogitsCopy as usize]),
                     per(other),
                 );
             }

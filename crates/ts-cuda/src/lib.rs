@@ -326,8 +326,8 @@ impl Cuda {
         let landed = unsafe { std::slice::from_raw_parts_mut(buf.cast::<T>(), n) };
         unsafe { cudarc::driver::result::memcpy_dtoh_async(landed, ptr, self.gpu.stream.cu_stream()) }
             .map_err(|e| err(e.into()))?;
-        self.host_timing.time(host_timing::Phase::DownloadWait, || self.gpu.sync()).map_err(err)?;
-        Ok(self.host_timing.time(host_timing::Phase::DownloadRead, || read(landed)))
+        self.gpu.sync().map_err(err)?;
+        Ok(read(landed))
     }
 
     fn state_zeros(&self, n: usize) -> Result<CudaSlice<f32>, ModelError> {
@@ -1017,7 +1017,11 @@ impl Backend for Cuda {
         let start = rows.start.saturating_mul(row_len).min(x.len);
         let n = rows.len().saturating_mul(row_len).min(x.len - start);
         let ptr = x.ptr + (start * std::mem::size_of::<f32>()) as u64;
-        self.download_with(ptr, n, |landed: &[f32]| landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
+        let copy_out = |landed: &[f32]| {
+            self.host_timing
+                .time(host_timing::Phase::LogitsCopy, || landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
+        };
+        self.host_timing.time(host_timing::Phase::Logits, || self.download_with(ptr, n, copy_out))
     }
 
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {
