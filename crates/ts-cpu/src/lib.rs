@@ -113,7 +113,7 @@ pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
 }
 
 /// Whether a matrix's one-row products are faster repacked: worth repacking streamed experts
-/// as they are read, and dense matrices at load. MXFP4, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512
+/// as they are read, and an output head at load. MXFP4, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512
 /// VNNI (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache
 /// Q4_0 82 -> 31, Q4_1 100 -> 35, Q5_0 118 -> 44, Q8_0 85 -> 52; a 49152x576 Q4_1 matrix from
 /// memory 783 -> 446 us; a 151936x896 head from memory Q5_0 24 -> 33-36 GB/s, Q8_0 28-31
@@ -124,6 +124,21 @@ pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
 pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
     matches!(weight_ty, GgmlType::MXFP4 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
         && Isa::detect() == Isa::Avx512
+}
+
+/// Whether a layer's dense matrices (projections, dense FFNs) are worth repacking at load:
+/// [`packed_row_is_faster`]'s types, and Q4_K and Q6_K on AVX-512 VNNI, whose packed one-row
+/// pass reads a layer-sized matrix from memory faster than their GGUF blocks' kernel
+/// (`matmul_bench --packed --head 640,1024`, Zen 4, 2 threads: Q4_K 29.9 -> 14.0 us). Decode,
+/// one thread on this Zen 4, alternating runs: the qwen3-30b-a3b cut's Q4_K and Q6_K attention
+/// packed 41.4 / 40.0 / 42.0 -> 44.3 / 43.1 / 44.4 tok/s, Qwen2.5-0.5B's Q6_K down projections
+/// 50.4 / 48.2 / 49.7 / 47.8 / 52.0 -> 52.8 / 50.2 / 55.8 / 48.9 / 52.7; two threads level
+/// within the machine's noise, as were 128-token prompts. A large K-quant matrix read one row at
+/// a time is not faster packed (the same cut with its 151936x2048 Q6_K head packed too: 40.2 /
+/// 38.7 / 39.0), so output heads keep [`packed_row_is_faster`]'s rule.
+pub fn dense_packed_is_faster(weight_ty: GgmlType) -> bool {
+    packed_row_is_faster(weight_ty)
+        || (matches!(weight_ty, GgmlType::Q4_K | GgmlType::Q6_K) && Isa::detect() == Isa::Avx512)
 }
 
 /// Repacks `n_out` rows of `k` elements of `weight_ty` in place, at the same size, into the

@@ -367,10 +367,11 @@ impl Model {
     }
 
     /// Repacks the dense matrices whose one-row products the CPU's packed kernels run faster
-    /// ([`Weight::packed_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI) into memory the
-    /// process owns: the mixers' projections, dense and shared-expert FFNs, the output head
-    /// (where it is the embedding table too, the lookups then read it back from the packed
-    /// copy), and the MTP head's.
+    /// ([`Weight::packed_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI, and the
+    /// layers' Q4_K and Q6_K ones) into memory the process owns: the mixers' projections, dense
+    /// and shared-expert FFNs, the output head (where it is the embedding table too, the
+    /// lookups then read it back from the packed copy; not a Q4_K or Q6_K head,
+    /// [`ts_cpu::dense_packed_is_faster`]), and the MTP head's.
     /// At most `budget` bytes are copied (the memory the process may still take: a dense model
     /// larger than memory keeps paging through its mapping instead); a matrix that would pass it
     /// stays mapped. Returns how many matrices were packed and how many left for the budget.
@@ -395,13 +396,17 @@ impl Model {
         // A tied head is the embedding table: the lookups then read the packed copy too
         // (`ts_cpu::packed_row`), so that the mapped table is not brought back page by page.
         let tied = w.output.file_offset().is_some() && w.output.file_offset() == w.token_embd.file_offset();
-        let mut matrices: Vec<&mut Weight> = vec![&mut w.output];
+        let head_packs = |m: &Weight| ts_cpu::packed_row_is_faster(m.ty);
+        let mut matrices: Vec<&mut Weight> = Vec::new();
+        if head_packs(&w.output) {
+            matrices.push(&mut w.output);
+        }
         for l in &mut w.layers {
             matrices.extend(layer_matrices(l));
         }
         if let Some(mtp) = &mut w.mtp {
             matrices.extend([&mut mtp.eh_proj_embd, &mut mtp.eh_proj_hidden]);
-            matrices.extend(mtp.head.as_mut());
+            matrices.extend(mtp.head.as_mut().filter(|h| head_packs(h)));
             matrices.extend(layer_matrices(&mut mtp.layer));
         }
         let (mut n, mut left, mut copied) = (0, 0, 0u64);

@@ -85,12 +85,12 @@ impl Weight {
     /// Whether [`Weight::packed_for_cpu`] would pack this matrix.
     pub fn packs_for_cpu(&self) -> bool {
         let (ty, n_rows) = (self.ty, self.n_rows());
-        !self.packed && self.dims.len() == 2 && ts_cpu::packed_row_is_faster(ty) && ts_cpu::packs(ty, n_rows)
+        !self.packed && self.dims.len() == 2 && ts_cpu::dense_packed_is_faster(ty) && ts_cpu::packs(ty, n_rows)
     }
 
     /// This matrix repacked in memory the process owns into the layout of the CPU's packed
     /// kernels ([`ts_cpu::pack_rows`]), where that makes its one-row products faster
-    /// ([`ts_cpu::packed_row_is_faster`]: decode reads it at the memory's speed, not the
+    /// ([`ts_cpu::dense_packed_is_faster`]: decode reads it at the memory's speed, not the
     /// kernel's) and its rows fill whole panels; None otherwise. The mapped bytes it was
     /// copied from are released ([`ts_gguf::GgufFile::release`]): the copy replaces them.
     pub fn packed_for_cpu(&self) -> Result<Option<Weight>, String> {

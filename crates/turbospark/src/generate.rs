@@ -95,7 +95,8 @@ pub struct ModelArgs {
     /// llama.cpp's `--no-repack` turns off): experts held in memory (at load, or streamed MXFP4,
     /// Q4_0, Q4_1, Q5_0 and Q8_0 ones as they are read; MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0
     /// on AVX-512 VNNI, MXFP4 and Q4_K on AVX2), and dense Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4
-    /// matrices on AVX-512 VNNI (copied into memory the process owns).
+    /// matrices on AVX-512 VNNI, the layers' Q4_K and Q6_K ones too (copied into memory the
+    /// process owns).
     #[arg(long)]
     no_repack: bool,
 }
