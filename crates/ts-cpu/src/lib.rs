@@ -130,8 +130,8 @@ pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
 /// [`packed_row_is_faster`]'s types, and Q4_K and Q6_K on AVX-512 VNNI, whose packed one-row
 /// pass reads a layer-sized matrix from memory faster than their GGUF blocks' kernel
 /// (`matmul_bench --packed --head 640,1024`, Zen 4, 2 threads: Q4_K 29.9 -> 14.0 us). Decode,
-/// one thread on this Zen 4, alternating runs: the qwen3-30b-a3b cut's Q4_K and Q6_K attention
-/// packed 41.4 / 40.0 / 42.0 -> 44.3 / 43.1 / 44.4 tok/s, Qwen2.5-0.5B's Q6_K down projections
+/// one thread on a 2-vCPU Zen 4, alternating runs: the qwen3-30b-a3b cut's Q4_K and Q6_K attention
+/// packed 41.4 / 40.0 / 42.0 -> 44.3 / 43.1 / 44.4 tok/s, Qwen2.5-0.5B's K-quant matrices
 /// 50.4 / 48.2 / 49.7 / 47.8 / 52.0 -> 52.8 / 50.2 / 55.8 / 48.9 / 52.7; two threads level
 /// within the machine's noise, as were 128-token prompts. A large K-quant matrix read one row at
 /// a time is not faster packed (the same cut with its 151936x2048 Q6_K head packed too: 40.2 /
