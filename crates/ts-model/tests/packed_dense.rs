@@ -1,6 +1,7 @@
 //! Dense matrices repacked for the CPU's one-row kernels (`Model::pack_dense`: Q4_0, Q4_1, Q5_0,
-//! Q8_0 and MXFP4 on AVX-512 VNNI; no fixture has Q4_0 or Q4_1 matrices, SmolLM2's Q4_1 ones go
-//! through the real models' greedy test): the fixtures with such matrices against their transformers goldens,
+//! Q8_0 and MXFP4 on AVX-512 VNNI, and the layers' Q4_K and Q6_K ones, which the `q4_k_m`
+//! fixtures have; no fixture has Q4_0 or Q4_1 matrices, SmolLM2's Q4_1 ones go through the real
+//! models' greedy test): the fixtures with such matrices against their transformers goldens,
 //! within the default mode's bound (`Fixture::default_mode_bound`), and against the same model in the GGUF
 //! layout, prompt and decode. A packed model refuses another backend and exact activations.
 
