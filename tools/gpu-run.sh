@@ -481,10 +481,11 @@ if [[ $what == cpu-sweep ]]; then
         like=$(basename "$like" .gguf)
         IFS=';' read -ra settings <<< "${SWEEP:-X=1}"
         for setting in "${settings[@]}"; do
-            # An earlier build carried as turbospark-before runs after this one, same flags
-            # (before it in a setting that names BEFORE_FIRST=1; CPU_BEFORE=0 leaves it out).
-            order="turbospark turbospark-before"
-            [[ $setting == *BEFORE_FIRST=1* ]] && order="turbospark-before turbospark"
+            # Earlier builds carried as turbospark-before (and turbospark-pre, an earlier one
+            # still) run after this one, same flags (before it in a setting that names
+            # BEFORE_FIRST=1; CPU_BEFORE=0 leaves them out).
+            order="turbospark turbospark-before turbospark-pre"
+            [[ $setting == *BEFORE_FIRST=1* ]] && order="turbospark-pre turbospark-before turbospark"
             [[ ${CPU_BEFORE:-1} == 0 ]] && order=turbospark
             for ts in $order; do
                 ts=$B/$ts
