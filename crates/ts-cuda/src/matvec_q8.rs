@@ -217,17 +217,6 @@ pub(crate) fn lanes_for(k: usize, rows: usize) -> i32 {
     lanes as i32
 }
 
-/// A measurement knob, `TURBOSPARK_Q8_HEAD_UNITS=UNITS`: dense matvecs of at least 32,768
-/// rows (output heads) give each lane about UNITS units of a row (lanes 4 to 32), whatever
-/// [`lanes_for`] says. None when unset.
-fn head_lanes(k: usize, n_out: usize) -> Option<i32> {
-    static UNITS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let units = (*UNITS.get_or_init(|| {
-        std::env::var("TURBOSPARK_Q8_HEAD_UNITS").ok().and_then(|v| v.trim().parse().ok()).filter(|&u| u > 0)
-    }))?;
-    (n_out >= 32 * 1024).then(|| (k / 32).div_ceil(units).next_power_of_two().clamp(4, 32) as i32)
-}
-
 /// Units a lane takes and threads wanted in a launch: [`lanes_for`]'s rule.
 fn lanes_rule() -> (usize, usize) {
     static RULE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
@@ -320,7 +309,7 @@ impl Cuda {
     /// [`Cuda::q8_launch_rows`] a launch).
     fn matvecs_q8(&self, sfx: &str, xq: &Q8Act, mm: &Matmul) -> Result<(), ModelError> {
         let Matmul { w, n_out, k, m, y, bias, .. } = *mm;
-        let lanes = head_lanes(k, n_out).unwrap_or_else(|| lanes_for(k, n_out));
+        let lanes = lanes_for(k, n_out);
         let grid = (n_out.div_ceil(rows_per_block(lanes)) as u32, 1, 1);
         let kernel = if m >= self.q8_wide_rows { format!("matvec_q8_wide_{sfx}") } else { format!("matvec_q8_{sfx}") };
         for r0 in (0..m).step_by(self.q8_launch_rows) {
