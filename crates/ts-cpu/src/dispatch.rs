@@ -145,8 +145,6 @@ struct Plan<'a> {
     row_bytes: usize,
     n_out: usize,
     rows_per_task: usize,
-    /// Rows a run of this kernel may start at a multiple of: whole panels of a packed kernel.
-    granule: usize,
     view: ActView<'a>,
 }
 
@@ -157,13 +155,7 @@ impl Plan<'_> {
 
     /// Task `task`'s rows of every activation row: `outs[c]` holds that task's outputs of row c.
     fn run(&self, task: usize, outs: &mut [&mut [f32]]) {
-        self.run_rows(task * self.rows_per_task, outs)
-    }
-
-    /// The rows from `start` (a multiple of `granule`) of every activation row, as many as
-    /// `outs[c]` holds: `outs[c]` receives them for row c.
-    fn run_rows(&self, start: usize, outs: &mut [&mut [f32]]) {
-        let w = &self.w[start * self.row_bytes..];
+        let w = &self.w[task * self.rows_per_task * self.row_bytes..];
         match self.tile {
             // SAFETY: `plan` only hands out kernels of an instruction set it checked to be
             // available, and callers give one output slice per activation row, all of the
@@ -219,7 +211,6 @@ fn plan<'a>(
     if m == 0 || n_out == 0 {
         return Ok(None);
     }
-    let granule = if layout == Layout::Packed { PANEL_ROWS } else { 4 };
     let (tile, rows_per_task) = match kernels(isa, weight_ty) {
         Some(Kernels { packed: Some((_, packed)), .. }) if layout == Layout::Packed => {
             let rows =
@@ -232,7 +223,7 @@ fn plan<'a>(
         Some(kernels) => (Some(kernels.direct), direct_rows_per_task(n_out, row_bytes, m)),
         None => (None, direct_rows_per_task(n_out, row_bytes, m)),
     };
-    Ok(Some(Plan { tile, weight_ty, w, row_bytes, n_out, rows_per_task, granule, view: x.view() }))
+    Ok(Some(Plan { tile, weight_ty, w, row_bytes, n_out, rows_per_task, view: x.view() }))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -313,19 +304,18 @@ pub(crate) fn matvecs(isa: Isa, products: &mut [Matvec<'_>]) -> Result<(), CpuEr
             outs.push(OutPtr(p.out.as_mut_ptr()));
         }
     }
-    let units: Vec<(usize, u64)> =
-        plans.iter().map(|p| (p.n_out.div_ceil(p.granule), (p.granule * p.row_bytes) as u64)).collect();
-    let items = Items::balanced(&units, 1);
-    crate::team::for_each(items.len(), &|item| {
+    let runs = runs_by_thread(plans.len(), |i| plans[i].tasks(), 1);
+    crate::team::for_each(runs.len(), &|run| {
+        let (i, tasks) = &runs[run];
+        let plan = &plans[*i];
         crate::work_time::task(|| {
-            for (i, units) in items.segments(item) {
-                let plan = &plans[*i];
-                let start = units.start * plan.granule;
-                let rows = (units.end * plan.granule).min(plan.n_out) - start;
+            for task in tasks.clone() {
+                let start = task * plan.rows_per_task;
+                let rows = plan.rows_per_task.min(plan.n_out - start);
                 // SAFETY: `outs[i]` points at product i's `n_out` floats, borrowed mutably for
-                // this call; this item alone writes `start..start + rows` of them.
+                // this call; task `task` alone writes `start..start + rows` of them.
                 let out = unsafe { std::slice::from_raw_parts_mut(outs[*i].0.add(start), rows) };
-                plan.run_rows(start, &mut [out]);
+                plan.run(task, &mut [out]);
             }
         })
     });
@@ -411,12 +401,14 @@ pub(crate) fn gated_matvecs(
             }
             None => None,
         };
-        // Runs of rows that start at a multiple of both kernels' granules and of down's blocks.
-        let mut granule = g.granule.max(u.granule);
+        // One split for both (rows a multiple of each kernel's, and of down's blocks).
+        let granule = |packed: bool| if packed { PANEL_ROWS } else { 4 };
+        let mut rows =
+            g.rows_per_task.max(u.rows_per_task).next_multiple_of(granule(gate.packed).max(granule(up.packed)));
         if down.is_some() {
-            granule = granule.next_multiple_of(crate::activations::RowRuns::BLOCK);
+            rows = rows.next_multiple_of(crate::activations::RowRuns::BLOCK);
         }
-        (g.granule, u.granule) = (granule, granule);
+        (g.rows_per_task, u.rows_per_task) = (rows, rows);
         planned.push(Pair {
             index: i,
             gate: g,
@@ -426,33 +418,31 @@ pub(crate) fn gated_matvecs(
             down,
         });
     }
-    // Each thread's share in two items: a thread done early takes half of another's.
-    let units: Vec<(usize, u64)> = planned
-        .iter()
-        .map(|p| (p.gate.n_out.div_ceil(p.gate.granule), (p.gate.granule * (p.gate.row_bytes + p.up.row_bytes)) as u64))
-        .collect();
-    let items = Items::balanced(&units, 2);
+    // Each thread's run of a pair in two items: it is the work of two products' runs in
+    // `matvecs`, and a thread done early takes half of one.
+    let runs = runs_by_thread(planned.len(), |i| planned[i].gate.tasks(), 2);
     let failed = std::sync::Mutex::new(None);
-    crate::team::for_each(items.len(), &|item| {
+    crate::team::for_each(runs.len(), &|run| {
+        let (i, tasks) = &runs[run];
+        let pair = &planned[*i];
         crate::work_time::task(|| {
-            for (i, units) in items.segments(item) {
-                let pair = &planned[*i];
-                let start = units.start * pair.gate.granule;
-                let rows = (units.end * pair.gate.granule).min(pair.gate.n_out) - start;
+            for task in tasks.clone() {
+                let start = task * pair.gate.rows_per_task;
+                let rows = pair.gate.rows_per_task.min(pair.gate.n_out - start);
                 // SAFETY: `g` and `u` point at the pair's `n_out` floats each, borrowed mutably
-                // for this call; this item alone writes `start..start + rows` of them.
+                // for this call; task `task` alone writes `start..start + rows` of them.
                 let (g, u) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(pair.g.0.add(start), rows),
                         std::slice::from_raw_parts_mut(pair.u.0.add(start), rows),
                     )
                 };
-                pair.gate.run_rows(start, &mut [&mut *g]);
-                pair.up.run_rows(start, &mut [&mut *u]);
+                pair.gate.run(task, &mut [&mut *g]);
+                pair.up.run(task, &mut [&mut *u]);
                 finish(pair.index, start, g, u);
                 if let Some(down) = &pair.down {
-                    // SAFETY: this item alone takes these rows, whole blocks of them (runs start
-                    // at a multiple of the block; the last one ends the row).
+                    // SAFETY: this task alone takes these rows, whole blocks of them (rows
+                    // per task a multiple of the block; the last task ends the row).
                     if let Err(e) = unsafe { down.quantize(start, g) } {
                         failed.lock().expect("gated_matvecs lock").get_or_insert(e);
                     }
@@ -473,61 +463,32 @@ pub(crate) fn gated_matvecs(
     Ok(())
 }
 
-/// The items of a region over several products: the products' rows laid end to end, cut into
-/// `pieces` items a thread of about equal cost, in thread order, so that the team's contiguous
-/// shares (by count) give each thread an equal part, the same rows every step. Where each
-/// thread took its run of every product, products smaller than the team left some threads with
-/// a run of each and others with none (at 16 threads q, k and v of a 576-wide model: 80 rows
-/// against 32), and a product's last, shorter task made runs unequal at 2 threads (320 rows
-/// against 256). An item is a list of segments: (product, range of its units).
-struct Items {
-    segments: Vec<(usize, std::ops::Range<usize>)>,
-    /// Each item's range of `segments`.
-    items: Vec<std::ops::Range<usize>>,
-}
-
-impl Items {
-    /// Items over products of `units[i] = (count, bytes each)` units.
-    fn balanced(units: &[(usize, u64)], pieces: usize) -> Items {
-        let n_items = rayon::current_num_threads() * pieces.max(1);
-        let total: u128 = units.iter().map(|&(n, cost)| n as u128 * cost as u128).sum();
-        let mut segments = Vec::new();
-        let mut items = Vec::with_capacity(n_items);
-        // Where the last item ended: product p, its unit u, and the cost before it.
-        let (mut p, mut u, mut spent) = (0, 0, 0u128);
-        for j in 1..=n_items {
-            let first = segments.len();
-            let target = total * j as u128 / n_items as u128;
-            while p < units.len() {
-                let (count, cost) = (units[p].0, units[p].1.max(1) as u128);
-                let left = count - u;
-                // Units of this product up to the target, the one it falls in taken when its
-                // larger half lies before it.
-                let fit = (target.saturating_sub(spent) + cost / 2) / cost;
-                let take = if j == n_items { left } else { left.min(fit as usize) };
-                if take > 0 {
-                    segments.push((p, u..u + take));
-                    u += take;
-                    spent += take as u128 * cost;
-                }
-                if u < count {
-                    break;
-                }
-                (p, u) = (p + 1, 0);
+/// The items of a region over `products` products (`tasks(i)` tasks of product i): each product's
+/// tasks in one contiguous run per thread, cut into `pieces` items, `(product, tasks)`. The
+/// items are ordered by thread, so that the team's contiguous shares give each thread its run of
+/// every product (its own part of each matrix, as one region per product would), and a thread
+/// done early takes others' items from the backs of their shares: no counter that every thread
+/// takes items from.
+fn runs_by_thread(
+    products: usize,
+    tasks: impl Fn(usize) -> usize,
+    pieces: usize,
+) -> Vec<(usize, std::ops::Range<usize>)> {
+    let threads = rayon::current_num_threads();
+    let mut runs = Vec::new();
+    for r in 0..threads {
+        for i in 0..products {
+            let t = tasks(i);
+            let n = threads.min(t);
+            if r >= n {
+                continue;
             }
-            items.push(first..segments.len());
+            let (start, end) = (r * t / n, (r + 1) * t / n);
+            let piece = (end - start).div_ceil(pieces).max(1);
+            runs.extend((start..end).step_by(piece).map(|s| (i, s..(s + piece).min(end))));
         }
-        Items { segments, items }
     }
-
-    fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    /// Item `item`'s segments.
-    fn segments(&self, item: usize) -> &[(usize, std::ops::Range<usize>)] {
-        &self.segments[self.items[item].clone()]
-    }
+    runs
 }
 
 /// Rows per task for the direct kernels: about 32 KiB of weights (a multiple of 4 rows), but
@@ -773,59 +734,3 @@ mod x86 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::RowsDot;
-
-#[cfg(test)]
-mod tests {
-    use super::Items;
-
-    /// Every unit in exactly one item, in order; `threads * pieces` items whose costs differ
-    /// from an equal share by at most one unit's cost.
-    #[test]
-    fn balanced_items_cover_every_unit_once_in_equal_shares() {
-        // SmolLM2's q, k and v (Q4_1 rows of 360 bytes, panels of 16), then mixed sizes and an
-        // empty product.
-        let cases: [&[(usize, u64)]; 4] = [
-            &[(36, 16 * 360), (12, 16 * 360), (12, 16 * 360)],
-            &[(5, 100), (0, 7), (1, 1000), (17, 30)],
-            &[(3, 64)],
-            &[],
-        ];
-        for threads in [1, 2, 3, 16] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            for units in cases {
-                for pieces in [1, 2] {
-                    let items = pool.install(|| Items::balanced(units, pieces));
-                    assert_eq!(items.len(), threads * pieces);
-                    let mut next = (0, 0);
-                    let mut costs = Vec::new();
-                    for item in 0..items.len() {
-                        let mut cost = 0;
-                        for (p, range) in items.segments(item) {
-                            while next.0 < *p {
-                                assert_eq!(next.1, units[next.0].0, "product {} left unfinished", next.0);
-                                next = (next.0 + 1, 0);
-                            }
-                            assert_eq!(range.start, next.1, "units skipped or repeated in product {p}");
-                            assert!(!range.is_empty() && range.end <= units[*p].0);
-                            next.1 = range.end;
-                            cost += range.len() as u64 * units[*p].1;
-                        }
-                        costs.push(cost);
-                    }
-                    for (p, &(n, _)) in units.iter().enumerate().skip(next.0) {
-                        assert_eq!(if p == next.0 { next.1 } else { 0 }, n, "product {p} not covered");
-                    }
-                    let total: u64 = units.iter().map(|&(n, c)| n as u64 * c).sum();
-                    let largest_unit = units.iter().map(|&(_, c)| c).max().unwrap_or(0);
-                    let share = total as f64 / items.len() as f64;
-                    for c in costs {
-                        assert!(
-                            (c as f64 - share).abs() <= largest_unit as f64,
-                            "{units:?} {threads}x{pieces}: {c} against {share}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
