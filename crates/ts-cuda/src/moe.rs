@@ -683,7 +683,7 @@ impl Cuda {
             k: f,
             slots: pairs,
         };
-        self.indexed_matvec(&mv, h, exact)
+        self.indexed_matvec(&mv, h, exact || down_in_f32())
     }
 
     /// Device address of each (row, slot) pair's row of the experts' outputs `y`, `[m * k]`
@@ -895,4 +895,12 @@ fn checked_expert(e: i32, n_expert: usize) -> Result<usize, ModelError> {
         .ok()
         .filter(|&e| e < n_expert)
         .ok_or_else(|| ModelError::Compute(format!("cuda: router chose expert {e} of {n_expert}")))
+}
+
+/// A measurement knob, `TURBOSPARK_DOWN_F32=1`: a step of few rows multiplies the experts' down
+/// projections with h in f32 (the exact kernels), so no `quantize_q8_1` launch comes between the
+/// gate/up kernel and down's.
+fn down_in_f32() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TURBOSPARK_DOWN_F32").is_some())
 }

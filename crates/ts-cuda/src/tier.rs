@@ -38,8 +38,9 @@ pub enum MissPath {
 }
 
 /// [`MissPath::Auto`] computes misses on the CPU from experts of this size: gpt-oss-20b's
-/// (12.6 MiB) decode 1.4x faster so, qwen3-30b-a3b's (2.9 MiB) 0.6x, where a copy takes less
-/// than the CPU's round trip (download, products, upload) a layer (docs/BENCHMARKS.md).
+/// (12.6 MiB) decode 1.4x faster so, qwen3-30b-a3b's (2.9 MiB) 0.6x (0.86x on 2026-12-07, 96
+/// against 111 tok/s), where a copy takes less than the CPU's round trip (download, products,
+/// upload) a layer (docs/BENCHMARKS.md).
 pub const CPU_MISS_MIN_BYTES: usize = 8 << 20;
 
 /// The share of guesses copied ahead with [`MissPath::Cpu`]: the best of 0.25, 0.5 and 0.75
