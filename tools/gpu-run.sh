@@ -228,7 +228,8 @@ if [[ $what == peer-build ]]; then
         # ik_llama.cpp keeps llama-bench among its examples.
         sub=ik_llama.cpp extra=""
         [[ $peer == llama ]] && sub=llama.cpp extra="-DLLAMA_BUILD_APP=OFF"
-        [[ -f $src ]] || continue
+        # The sources are git-ignored: a call carries them only where `carry` names .peer.
+        [[ -f $src ]] || { echo "$peer: no $src here (carry .peer): not built"; continue; }
         # A peer `peer-unpack` already put in place (prebuilt here, tools/peer-prebuild.md) stays.
         grep -qs "^built 0" $dir.log && echo "$peer: already built ($dir)" && continue
         rm -rf /tmp/src-$peer && mkdir -p /tmp/src-$peer && tar -xJf $src -C /tmp/src-$peer
