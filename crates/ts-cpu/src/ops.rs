@@ -526,8 +526,10 @@ mod x86 {
         scores.clear();
         let mut four: [&[K]; 4] = [&[]; 4];
         let mut held = 0;
+        let mut ahead = Ahead::new();
         for k in keys {
             assert_eq!(k.len(), hd, "a key as long as the query");
+            ahead.next(k);
             four[held] = k;
             held += 1;
             if held == 4 {
@@ -546,9 +548,11 @@ mod x86 {
         let mut four: [&[V]; 4] = [&[]; 4];
         held = 0;
         let mut w4 = [0f32; 4];
+        let mut ahead = Ahead::new();
         for v in values {
             let Some(&w) = weights.next() else { break };
             assert_eq!(v.len(), hdv, "a value as long as the output");
+            ahead.next(v);
             four[held] = v;
             w4[held] = w * inv;
             held += 1;
@@ -611,8 +615,10 @@ mod x86 {
                 }
             }
         };
+        let mut ahead = Ahead::new();
         for k in keys {
             assert_eq!(k.len(), hd, "a key as long as a query head");
+            ahead.next(k);
             four[held] = k;
             held += 1;
             if held == 4 {
@@ -628,8 +634,10 @@ mod x86 {
         let mut four: [&[V]; 4] = [&[]; 4];
         held = 0;
         let mut at = 0;
+        let mut ahead = Ahead::new();
         for v in values.take(n) {
             assert_eq!(v.len(), hdv, "a value as long as an output head");
+            ahead.next(v);
             four[held] = v;
             held += 1;
             if held == 4 {
@@ -646,6 +654,41 @@ mod x86 {
         for (j, v) in four[..held].iter().enumerate() {
             for g in 0..g_n {
                 unsafe { axpy_inline(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + at + j] * inv[g], v) };
+            }
+        }
+    }
+
+    /// Rows of the cache this many positions ahead are asked for while a row is read: the rows
+    /// of one KV head are a cache row apart (all heads of a position together), a stride the
+    /// hardware's prefetchers followed too slowly (SmolLM2 at 2,048 positions, one thread:
+    /// attention read its f16 keys and values at 4.3 GB/s, docs/BENCHMARKS.md).
+    const ROWS_AHEAD: isize = 12;
+
+    /// Where consecutive rows of an iterator of cache rows lie, so that each row read asks
+    /// for the one [`ROWS_AHEAD`] rows on (a hint: a row past the cache's end, or a ring's
+    /// wrap, only asks for a line nobody reads).
+    struct Ahead {
+        last: usize,
+        stride: isize,
+    }
+
+    impl Ahead {
+        fn new() -> Ahead {
+            Ahead { last: 0, stride: 0 }
+        }
+
+        /// Prefetches the row `ROWS_AHEAD` strides past `row` (its lines into L1).
+        #[inline(always)]
+        fn next<T>(&mut self, row: &[T]) {
+            let at = row.as_ptr() as usize;
+            if self.last != 0 {
+                self.stride = at.wrapping_sub(self.last) as isize;
+            }
+            self.last = at;
+            let ahead = (row.as_ptr() as *const u8).wrapping_offset(self.stride.wrapping_mul(ROWS_AHEAD));
+            for line in (0..std::mem::size_of_val(row)).step_by(64) {
+                // SAFETY: a prefetch reads nothing and faults on no address.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
             }
         }
     }
