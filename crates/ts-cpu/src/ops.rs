@@ -521,7 +521,7 @@ mod x86 {
         p: &super::AttentionParams,
         scores: &mut Vec<f32>,
         out: &mut [f32],
-    ) {
+    ) -> f32 {
         let (hd, hdv) = (q.len(), out.len());
         scores.clear();
         let mut four: [&[K]; 4] = [&[]; 4];
@@ -542,7 +542,7 @@ mod x86 {
         for k in &four[..held] {
             scores.push(super::capped(unsafe { dot_inline(q, k) }, p));
         }
-        let inv = super::softmax_weights(scores, p);
+        let (inv, lse) = super::softmax_weights(scores, p);
         out.iter_mut().for_each(|o| *o = 0.0);
         let mut weights = scores.iter();
         let mut four: [&[V]; 4] = [&[]; 4];
@@ -565,6 +565,7 @@ mod x86 {
         for (v, &w) in four[..held].iter().zip(&w4) {
             unsafe { axpy_inline(out, w, v) };
         }
+        lse
     }
 
     /// [`super::attend_group`] for heads of whole vectors of 8: each key and value is read once
@@ -586,7 +587,7 @@ mod x86 {
         heads: &[super::AttentionParams],
         scores: &mut Vec<f32>,
         out: &mut [f32],
-    ) {
+    ) -> [f32; super::MAX_GROUP] {
         let g_n = heads.len();
         let (hd, hdv) = (q.len() / g_n, out.len() / g_n);
         // Scores position by position (all heads of a position together), then turned head by
@@ -628,7 +629,7 @@ mod x86 {
         }
         take(&four[..held], scores);
         let n = scores.len() / g_n;
-        let (first, inv) = super::head_weights(scores, heads);
+        let (first, inv, lse) = super::head_weights(scores, heads);
         let weights = &scores[first..];
         out.iter_mut().for_each(|o| *o = 0.0);
         let mut four: [&[V]; 4] = [&[]; 4];
@@ -656,6 +657,7 @@ mod x86 {
                 unsafe { axpy_inline(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + at + j] * inv[g], v) };
             }
         }
+        lse
     }
 
     /// Rows of the cache this many positions ahead are asked for while a row is read: the rows
@@ -790,7 +792,7 @@ pub fn attend<'a, K: KvElement, V: KvElement>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_group(q, keys, values, std::slice::from_ref(p), scores, out)
+    attend_group(q, keys, values, std::slice::from_ref(p), scores, out);
 }
 
 /// The most query heads [`attend_group`] takes at once.
@@ -799,7 +801,8 @@ pub const MAX_GROUP: usize = 16;
 /// [`attend`] for the query heads that share one KV head (`q`: `heads.len()` heads, `out` as
 /// many outputs, head after head; `heads[g]` head g's scale, cap and sink), every key and value
 /// read once for all of them. Each head's output is [`attend`]'s for that head alone. Keys
-/// and values are rows of a cache of f32 or f16 ([`KvElement`]).
+/// and values are rows of a cache of f32 or f16 ([`KvElement`]). Returns each head's
+/// `ln Σ e^s` over its positions (and sink), which [`merge_runs`] takes.
 pub fn attend_group<'a, K: KvElement, V: KvElement>(
     q: &[f32],
     keys: impl Iterator<Item = &'a [K]>,
@@ -807,7 +810,7 @@ pub fn attend_group<'a, K: KvElement, V: KvElement>(
     heads: &[AttentionParams],
     scores: &mut Vec<f32>,
     out: &mut [f32],
-) {
+) -> [f32; MAX_GROUP] {
     let g_n = heads.len();
     assert!((1..=MAX_GROUP).contains(&g_n), "{g_n} query heads in one group");
     let (hd, hdv) = (q.len() / g_n, out.len() / g_n);
@@ -817,7 +820,11 @@ pub fn attend_group<'a, K: KvElement, V: KvElement>(
         // vectors of 8.
         return unsafe {
             match heads {
-                [one] => x86::attend(q, keys, values, one, scores, out),
+                [one] => {
+                    let mut lse = [0.0; MAX_GROUP];
+                    lse[0] = x86::attend(q, keys, values, one, scores, out);
+                    lse
+                }
                 _ => x86::attend_group(q, keys, values, heads, scores, out),
             }
         };
@@ -827,7 +834,7 @@ pub fn attend_group<'a, K: KvElement, V: KvElement>(
         scores.extend(heads.iter().enumerate().map(|(g, p)| capped(dot_kv(&q[g * hd..(g + 1) * hd], k), p)));
     }
     let n = scores.len() / g_n;
-    let (first, inv) = head_weights(scores, heads);
+    let (first, inv, lse) = head_weights(scores, heads);
     let weights = &scores[first..];
     out.iter_mut().for_each(|o| *o = 0.0);
     for (p, v) in values.take(n).enumerate() {
@@ -835,13 +842,29 @@ pub fn attend_group<'a, K: KvElement, V: KvElement>(
             axpy_kv(&mut out[g * hdv..(g + 1) * hdv], weights[g * n + p] * inv[g], v);
         }
     }
+    lse
+}
+
+/// One head's attention over its positions from [`attend_group`]'s outputs over runs of them
+/// (each run without the sink): `runs[r]` is run r's output `[hdv]` and `ln Σ e^s` over its
+/// positions; `sink` the head's sink logit. Writes into `out` `[hdv]` the output over all the
+/// runs together, as one call over every position gives it up to rounding.
+pub fn merge_runs<'a>(runs: impl Iterator<Item = (&'a [f32], f32)> + Clone, sink: Option<f32>, out: &mut [f32]) {
+    let max = runs.clone().map(|(_, lse)| lse).fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
+    let total: f64 = runs.clone().map(|(_, lse)| ((lse - max) as f64).exp()).sum::<f64>()
+        + sink.map_or(0.0, |s| ((s - max) as f64).exp());
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (o_r, lse) in runs {
+        let w = (((lse - max) as f64).exp() / total) as f32;
+        out.iter_mut().zip(o_r).for_each(|(o, &x)| *o += w * x);
+    }
 }
 
 /// A group's scores, held position by position (`scores[p * heads.len() + g]`), made into
 /// each head's softmax weights, head after head (a lone head's where they are, a group's
-/// after them): returns where the weights start and each head's factor that makes its
-/// weights (with its sink) sum to 1.
-fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f32; MAX_GROUP]) {
+/// after them): returns where the weights start, each head's factor that makes its
+/// weights (with its sink) sum to 1, and the log of each head's sum before it.
+fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f32; MAX_GROUP], [f32; MAX_GROUP]) {
     let g_n = heads.len();
     let n = scores.len() / g_n;
     let first = if g_n == 1 { 0 } else { n * g_n };
@@ -854,11 +877,11 @@ fn head_weights(scores: &mut Vec<f32>, heads: &[AttentionParams]) -> (usize, [f3
             }
         }
     }
-    let mut inv = [0f32; MAX_GROUP];
+    let (mut inv, mut lse) = ([0f32; MAX_GROUP], [0f32; MAX_GROUP]);
     for (g, p) in heads.iter().enumerate() {
-        inv[g] = softmax_weights(&mut scores[first + g * n..first + (g + 1) * n], p);
+        (inv[g], lse[g]) = softmax_weights(&mut scores[first + g * n..first + (g + 1) * n], p);
     }
-    (first, inv)
+    (first, inv, lse)
 }
 
 /// One query's attention weights in place: `scores`, its dot products with the positions it
@@ -870,7 +893,7 @@ pub fn attention_weights(scores: &mut [f32], p: &AttentionParams) {
         None => scale_inplace(scores, p.scale),
         Some(_) => scores.iter_mut().for_each(|s| *s = capped(*s, p)),
     }
-    let inv = softmax_weights(scores, p);
+    let (inv, _) = softmax_weights(scores, p);
     scale_inplace(scores, inv);
 }
 
@@ -882,15 +905,16 @@ fn capped(dot: f32, p: &AttentionParams) -> f32 {
 }
 
 /// Turns `scores` into `e^(s - max)` in place; returns the factor that makes them (with the
-/// sink, where there is one) sum to 1.
-fn softmax_weights(scores: &mut [f32], p: &AttentionParams) -> f32 {
+/// sink, where there is one) sum to 1, and the log of their sum before it (`max + ln(sum)`,
+/// for [`merge_runs`]).
+fn softmax_weights(scores: &mut [f32], p: &AttentionParams) -> (f32, f32) {
     let mut max = max_of(scores);
     if let Some(sink) = p.sink {
         max = max.max(sink);
     }
     let mut denom = p.sink.map_or(0.0, |s| ((s - max) as f64).exp());
     denom += exp_shifted(scores, max);
-    (1.0 / denom) as f32
+    ((1.0 / denom) as f32, (max as f64 + denom.ln()) as f32)
 }
 
 #[cfg(test)]
@@ -1097,6 +1121,44 @@ mod tests {
                 rows.iter().map(|r| r.iter().map(|&v| half::f16::from_f32(v)).collect()).collect()
             };
             check(&q, &half(&ks), &half(&vs), &heads, &format!("{what}, f16 cache"));
+        }
+    }
+
+    /// A group's positions attended in runs (without sinks) and merged give each head what one
+    /// call over every position gives (with its sink and cap), to rounding.
+    #[test]
+    fn runs_merged_match_one_pass() {
+        let (hd, n, g_n) = (64, 37, 3);
+        let x = |i: usize, f: f32| (i as f32 * f).sin() * 2.0;
+        let q: Vec<f32> = (0..g_n * hd).map(|i| x(i, 0.29)).collect();
+        let ks: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 53 * p, 0.13)).collect()).collect();
+        let vs: Vec<Vec<f32>> = (0..n).map(|p| (0..hd).map(|i| x(i + 17 * p, 0.31)).collect()).collect();
+        let heads: Vec<AttentionParams> = (0..g_n)
+            .map(|g| AttentionParams { scale: 0.125, softcap: Some(20.0), sink: (g != 1).then_some(g as f32 * 0.3) })
+            .collect();
+        let mut whole = vec![0f32; g_n * hd];
+        attend_group(&q, ks.iter().map(|k| &k[..]), vs.iter().map(|v| &v[..]), &heads, &mut Vec::new(), &mut whole);
+        for cuts in [vec![0, 18, n], vec![0, 1, 20, n], vec![0, 12, 24, 36, n]] {
+            let unsunk: Vec<AttentionParams> = heads.iter().map(|h| AttentionParams { sink: None, ..*h }).collect();
+            let runs: Vec<(Vec<f32>, [f32; MAX_GROUP])> = cuts
+                .windows(2)
+                .map(|c| {
+                    let mut o = vec![0f32; g_n * hd];
+                    let (keys, values) = (ks[c[0]..c[1]].iter().map(|k| &k[..]), vs[c[0]..c[1]].iter().map(|v| &v[..]));
+                    let lse = attend_group(&q, keys, values, &unsunk, &mut Vec::new(), &mut o);
+                    (o, lse)
+                })
+                .collect();
+            for (g, h) in heads.iter().enumerate() {
+                let mut merged = vec![0f32; hd];
+                merge_runs(runs.iter().map(|(o, lse)| (&o[g * hd..(g + 1) * hd], lse[g])), h.sink, &mut merged);
+                for (i, (a, b)) in merged.iter().zip(&whole[g * hd..(g + 1) * hd]).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "cuts {cuts:?}, head {g}, element {i}: {a} against {b}"
+                    );
+                }
+            }
         }
     }
 

@@ -305,6 +305,11 @@ impl Backend for Cpu {
             // else one a (row, head). Items are `ts_cpu::team` regions (a rayon loop outside a
             // step's team); each writes its own heads' floats of `out`.
             let grouped = group <= ops::MAX_GROUP && rows.len() * shape.n_head_kv >= rayon::current_num_threads();
+            let cache_of = |r: &Row| read_kv(&seqs[r.seq].state, il).expect("checked above");
+            let runs = split_runs(shape, rows, &cache_of);
+            if runs >= 2 {
+                return Ok(attention_in_runs(shape, q, rows, &cache_of, runs, out));
+            }
             let per_item = if grouped { group } else { 1 };
             ts_cpu::team::for_each_chunk(&mut out, per_item * hdv, &|idx, o| {
                 let items_per_row = shape.n_head / per_item;
@@ -322,7 +327,7 @@ impl Backend for Cpu {
                 match cache.rows() {
                     KvRows::F32 { k, v } => item.attend(cache.view(k, v), o),
                     KvRows::F16 { k, v } => item.attend(cache.view(k, v), o),
-                }
+                };
             });
             Ok(out)
         })
@@ -954,6 +959,76 @@ fn attention_block<T: KvWeight>(
     Ok(())
 }
 
+/// Each row's layer cache.
+type CacheOf<'a> = dyn Fn(&Row) -> &'a crate::state::LayerCache + Sync + 'a;
+
+/// The fewest positions a run of [`attention_in_runs`] takes.
+const RUN_MIN_POSITIONS: usize = 256;
+
+/// Runs a decode step's (row, KV head) items split their positions into: where there are fewer
+/// such items than threads (Gemma 3's one KV head), each thread reads its own run of a KV
+/// head's cache once instead of each query head reading all of it; 1 where that does not
+/// apply or the rows see too few positions.
+fn split_runs(shape: &AttnShape, rows: &[Row], cache_of: &CacheOf<'_>) -> usize {
+    let (threads, items) = (rayon::current_num_threads(), rows.len() * shape.n_head_kv);
+    if shape.n_head / shape.n_head_kv > ops::MAX_GROUP || items == 0 || items >= threads {
+        return 1;
+    }
+    let shortest = rows.iter().map(|r| cache_of(r).visible(r.pos).count()).min().unwrap_or(0);
+    (threads / items).min(shortest / RUN_MIN_POSITIONS).max(1)
+}
+
+/// A decode step's attention with each (row, KV head)'s positions in `runs` runs, one item
+/// each, then each head's runs merged ([`ops::merge_runs`], the sink counted once there) into
+/// `out` `[rows][n_head][hdv]` (zeros).
+fn attention_in_runs(
+    shape: &AttnShape,
+    q: &[f32],
+    rows: &[Row],
+    cache_of: &CacheOf<'_>,
+    runs: usize,
+    mut out: Vec<f32>,
+) -> Vec<f32> {
+    let (hd, hdv, n_kv) = (shape.head_dim, shape.head_dim_v, shape.n_head_kv);
+    let group = shape.n_head / n_kv;
+    let q_dim = shape.n_head * hd;
+    // Each run's outputs `[group][hdv]`, then its heads' `ln Σ e^s`.
+    let part = group * (hdv + 1);
+    let mut parts = vec![0f32; rows.len() * n_kv * runs * part];
+    let heads = [AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: None }; ops::MAX_GROUP];
+    ts_cpu::team::for_each_chunk(&mut parts, part, &|idx, chunk| {
+        let (item, run) = (idx / runs, idx % runs);
+        let (i, kvh) = (item / n_kv, item % n_kv);
+        let r = rows[i];
+        let cache = cache_of(&r);
+        let seen = cache.visible(r.pos);
+        let (first, n) = (*seen.start(), seen.count());
+        let (from, to) = (first + run * n / runs, first + (run + 1) * n / runs);
+        let h0 = kvh * group;
+        let qs = &q[i * q_dim + h0 * hd..i * q_dim + (h0 + group) * hd];
+        let item = Item { q: qs, heads: &heads[..group], visible: from..=to - 1, kvh, hd, hdv };
+        let (o, lse) = chunk.split_at_mut(group * hdv);
+        let got = match cache.rows() {
+            KvRows::F32 { k, v } => item.attend(cache.view(k, v), o),
+            KvRows::F16 { k, v } => item.attend(cache.view(k, v), o),
+        };
+        lse.copy_from_slice(&got[..group]);
+    });
+    let parts = &parts;
+    ts_cpu::team::for_each_chunk(&mut out, group * hdv, &|item, o| {
+        let at = item * runs * part;
+        for g in 0..group {
+            let each = (0..runs).map(|r| {
+                let c = &parts[at + r * part..at + (r + 1) * part];
+                (&c[g * hdv..(g + 1) * hdv], c[group * hdv + g])
+            });
+            let sink = shape.sinks.map(|s| s[(item % n_kv) * group + g]);
+            ops::merge_runs(each, sink, &mut o[g * hdv..(g + 1) * hdv]);
+        }
+    });
+    out
+}
+
 /// One attention item of a step: the query heads `q` `[heads][hd]` of one row that share KV
 /// head `kvh`, over the positions `visible`.
 struct Item<'a> {
@@ -966,8 +1041,9 @@ struct Item<'a> {
 }
 
 impl Item<'_> {
-    /// The heads' outputs `[heads][hdv]` into `out`, from a cache of f32 or f16 rows.
-    fn attend<T: ops::KvElement>(&self, kv: KvView<'_, T>, out: &mut [f32]) {
+    /// The heads' outputs `[heads][hdv]` into `out`, from a cache of f32 or f16 rows; returns
+    /// each head's `ln Σ e^s` ([`ops::attend_group`]).
+    fn attend<T: ops::KvElement>(&self, kv: KvView<'_, T>, out: &mut [f32]) -> [f32; ops::MAX_GROUP] {
         let (kvh, hd, hdv) = (self.kvh, self.hd, self.hdv);
         SCORES.with_borrow_mut(|scores| {
             ops::attend_group(
@@ -1278,6 +1354,68 @@ mod tests {
         assert!(err.to_string().contains("rows of"), "{err}");
     }
 
+    /// A decode step's attention in runs of positions merged ([`attention_in_runs`]) gives each
+    /// head what an item of that head alone gives over every position it sees, within f32
+    /// rounding: one and two KV heads, f32 and f16 caches, a sliding window's ring, sinks and a
+    /// soft cap, two rows of one sequence.
+    #[test]
+    fn attention_in_runs_matches_one_item_a_head() {
+        let hd = 64;
+        let x = |i: usize, f: f32| (i as f32 * f).sin();
+        for (n_head, n_head_kv, kv_type, window, softcap, sunk) in [
+            (4, 1, KvType::F32, None, None, false),
+            (4, 1, KvType::F16, None, Some(20.0), true),
+            (6, 2, KvType::F32, Some(600), None, true),
+        ] {
+            let sinks: Vec<f32> = (0..n_head).map(|h| 0.3 * h as f32 - 0.5).collect();
+            let shape = AttnShape {
+                n_head,
+                n_head_kv,
+                head_dim: hd,
+                head_dim_v: hd,
+                scale: 0.125,
+                softcap,
+                sinks: sunk.then_some(&sinks[..]),
+            };
+            let end = 1400;
+            let slots = crate::state::ring_slots(window, 4096, 2);
+            let mut cache = LayerCache::new(kv_type, slots, n_head_kv * hd, n_head_kv * hd, window);
+            for pos in 0..end {
+                let k: Vec<f32> = (0..n_head_kv * hd).map(|i| 2.0 * x(i + 131 * pos, 0.07)).collect();
+                let v: Vec<f32> = (0..n_head_kv * hd).map(|i| x(i + 37 * pos, 0.13)).collect();
+                cache.store(pos, &k, &v);
+            }
+            let rows: Vec<Row> = (end - 2..end).map(|pos| Row { token: 0, pos, seq: 0, logits: true }).collect();
+            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * x(i, 0.011)).collect();
+            for runs in [2, 3] {
+                let out = vec![0f32; rows.len() * n_head * hd];
+                let got = attention_in_runs(&shape, &q, &rows, &|_| &cache, runs, out);
+                let mut worst = 0f32;
+                for (i, r) in rows.iter().enumerate() {
+                    for h in 0..n_head {
+                        let kvh = h / (n_head / n_head_kv);
+                        let p = AttentionParams { scale: 0.125, softcap, sink: shape.sinks.map(|s| s[h]) };
+                        let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
+                        let item = Item { q: qh, heads: &[p], visible: cache.visible(r.pos), kvh, hd, hdv: hd };
+                        let mut want = vec![0f32; hd];
+                        match cache.rows() {
+                            KvRows::F32 { k, v } => item.attend(cache.view(k, v), &mut want),
+                            KvRows::F16 { k, v } => item.attend(cache.view(k, v), &mut want),
+                        };
+                        let at = (i * n_head + h) * hd;
+                        for (g, w) in got[at..at + hd].iter().zip(&want) {
+                            worst = worst.max((g - w).abs());
+                        }
+                    }
+                }
+                assert!(
+                    worst < 1e-5,
+                    "{n_head}/{n_head_kv} heads, {kv_type:?}, window {window:?}, {runs} runs: {worst}"
+                );
+            }
+        }
+    }
+
     /// A prompt's attention as two matmuls a KV head ([`run_attention`]) gives each row and
     /// head what an item of one head ([`ops::attend_group`]) gives it over the positions it
     /// sees, within f32 summation order: f32 and f16 caches, a sliding window's ring, sinks and a soft cap.
@@ -1329,7 +1467,7 @@ mod tests {
                     match cache.rows() {
                         KvRows::F32 { k, v } => item.attend(cache.view(k, v), &mut want),
                         KvRows::F16 { k, v } => item.attend(cache.view(k, v), &mut want),
-                    }
+                    };
                     let at = (i * n_head + h) * hd;
                     for (g, w) in got[at..at + hd].iter().zip(&want) {
                         worst = worst.max((g - w).abs());
