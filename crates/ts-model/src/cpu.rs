@@ -975,7 +975,7 @@ fn split_runs(shape: &AttnShape, rows: &[Row], cache_of: &CacheOf<'_>) -> usize 
         return 1;
     }
     let shortest = rows.iter().map(|r| cache_of(r).visible(r.pos).count()).min().unwrap_or(0);
-    (threads / items).min(shortest / RUN_MIN_POSITIONS).max(1)
+    threads.div_ceil(items).min(shortest / RUN_MIN_POSITIONS).max(1)
 }
 
 /// A decode step's attention with each (row, KV head)'s positions in `runs` runs, one item
