@@ -315,7 +315,7 @@ impl Backend for Cpu {
                 let items_per_row = shape.n_head / per_item;
                 let (i, h0) = (idx / items_per_row, (idx % items_per_row) * per_item);
                 let r = rows[i];
-                let cache = read_kv(&seqs[r.seq].state, il).expect("checked above");
+                let cache = cache_of(&r);
                 let kvh = h0 / group;
                 let mut heads =
                     [AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: None }; ops::MAX_GROUP];
@@ -324,10 +324,7 @@ impl Backend for Cpu {
                 }
                 let qs = &q[i * q_dim + h0 * hd..i * q_dim + (h0 + per_item) * hd];
                 let item = Item { q: qs, heads: &heads[..per_item], visible: cache.visible(r.pos), kvh, hd, hdv };
-                match cache.rows() {
-                    KvRows::F32 { k, v } => item.attend(cache.view(k, v), o),
-                    KvRows::F16 { k, v } => item.attend(cache.view(k, v), o),
-                };
+                item.attend(cache, o);
             });
             Ok(out)
         })
@@ -1008,11 +1005,7 @@ fn attention_in_runs(
         let qs = &q[i * q_dim + h0 * hd..i * q_dim + (h0 + group) * hd];
         let item = Item { q: qs, heads: &heads[..group], visible: from..=to - 1, kvh, hd, hdv };
         let (o, lse) = chunk.split_at_mut(group * hdv);
-        let got = match cache.rows() {
-            KvRows::F32 { k, v } => item.attend(cache.view(k, v), o),
-            KvRows::F16 { k, v } => item.attend(cache.view(k, v), o),
-        };
-        lse.copy_from_slice(&got[..group]);
+        lse.copy_from_slice(&item.attend(cache, o)[..group]);
     });
     let parts = &parts;
     ts_cpu::team::for_each_chunk(&mut out, group * hdv, &|item, o| {
@@ -1041,9 +1034,16 @@ struct Item<'a> {
 }
 
 impl Item<'_> {
-    /// The heads' outputs `[heads][hdv]` into `out`, from a cache of f32 or f16 rows; returns
+    /// The heads' outputs `[heads][hdv]` into `out` from `cache` (rows of f32 or f16); returns
     /// each head's `ln Σ e^s` ([`ops::attend_group`]).
-    fn attend<T: ops::KvElement>(&self, kv: KvView<'_, T>, out: &mut [f32]) -> [f32; ops::MAX_GROUP] {
+    fn attend(&self, cache: &crate::state::LayerCache, out: &mut [f32]) -> [f32; ops::MAX_GROUP] {
+        match cache.rows() {
+            KvRows::F32 { k, v } => self.attend_rows(cache.view(k, v), out),
+            KvRows::F16 { k, v } => self.attend_rows(cache.view(k, v), out),
+        }
+    }
+
+    fn attend_rows<T: ops::KvElement>(&self, kv: KvView<'_, T>, out: &mut [f32]) -> [f32; ops::MAX_GROUP] {
         let (kvh, hd, hdv) = (self.kvh, self.hd, self.hdv);
         SCORES.with_borrow_mut(|scores| {
             ops::attend_group(
@@ -1354,6 +1354,34 @@ mod tests {
         assert!(err.to_string().contains("rows of"), "{err}");
     }
 
+    /// The largest difference between `got` `[rows][n_head][head_dim]` and what an item of one
+    /// head ([`Item::attend`]) gives each row and head over the positions it sees.
+    fn worst_against_one_item_a_head(
+        shape: &AttnShape,
+        q: &[f32],
+        rows: &[Row],
+        cache: &LayerCache,
+        got: &[f32],
+    ) -> f32 {
+        let (n_head, hd) = (shape.n_head, shape.head_dim);
+        let mut worst = 0f32;
+        for (i, r) in rows.iter().enumerate() {
+            for h in 0..n_head {
+                let kvh = h / (n_head / shape.n_head_kv);
+                let p = AttentionParams { scale: shape.scale, softcap: shape.softcap, sink: shape.sinks.map(|s| s[h]) };
+                let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
+                let item = Item { q: qh, heads: &[p], visible: cache.visible(r.pos), kvh, hd, hdv: hd };
+                let mut want = vec![0f32; hd];
+                item.attend(cache, &mut want);
+                let at = (i * n_head + h) * hd;
+                for (g, w) in got[at..at + hd].iter().zip(&want) {
+                    worst = worst.max((g - w).abs());
+                }
+            }
+        }
+        worst
+    }
+
     /// A decode step's attention in runs of positions merged ([`attention_in_runs`]) gives each
     /// head what an item of that head alone gives over every position it sees, within f32
     /// rounding: one and two KV heads, f32 and f16 caches, a sliding window's ring, sinks and a
@@ -1390,24 +1418,7 @@ mod tests {
             for runs in [2, 3] {
                 let out = vec![0f32; rows.len() * n_head * hd];
                 let got = attention_in_runs(&shape, &q, &rows, &|_| &cache, runs, out);
-                let mut worst = 0f32;
-                for (i, r) in rows.iter().enumerate() {
-                    for h in 0..n_head {
-                        let kvh = h / (n_head / n_head_kv);
-                        let p = AttentionParams { scale: 0.125, softcap, sink: shape.sinks.map(|s| s[h]) };
-                        let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
-                        let item = Item { q: qh, heads: &[p], visible: cache.visible(r.pos), kvh, hd, hdv: hd };
-                        let mut want = vec![0f32; hd];
-                        match cache.rows() {
-                            KvRows::F32 { k, v } => item.attend(cache.view(k, v), &mut want),
-                            KvRows::F16 { k, v } => item.attend(cache.view(k, v), &mut want),
-                        };
-                        let at = (i * n_head + h) * hd;
-                        for (g, w) in got[at..at + hd].iter().zip(&want) {
-                            worst = worst.max((g - w).abs());
-                        }
-                    }
-                }
+                let worst = worst_against_one_item_a_head(&shape, &q, &rows, &cache, &got);
                 assert!(
                     worst < 1e-5,
                     "{n_head}/{n_head_kv} heads, {kv_type:?}, window {window:?}, {runs} runs: {worst}"
@@ -1456,24 +1467,7 @@ mod tests {
                 KvRows::F16 { k, v } => run_attention(&shape, &q, &rows, cache.view(k, v), &cache),
             }
             .unwrap();
-            let mut worst = 0f32;
-            for (i, r) in rows.iter().enumerate() {
-                for h in 0..n_head {
-                    let kvh = h / (n_head / n_head_kv);
-                    let p = AttentionParams { scale: 0.125, softcap, sink: shape.sinks.map(|s| s[h]) };
-                    let qh = &q[(i * n_head + h) * hd..(i * n_head + h + 1) * hd];
-                    let item = Item { q: qh, heads: &[p], visible: cache.visible(r.pos), kvh, hd, hdv: hd };
-                    let mut want = vec![0f32; hd];
-                    match cache.rows() {
-                        KvRows::F32 { k, v } => item.attend(cache.view(k, v), &mut want),
-                        KvRows::F16 { k, v } => item.attend(cache.view(k, v), &mut want),
-                    };
-                    let at = (i * n_head + h) * hd;
-                    for (g, w) in got[at..at + hd].iter().zip(&want) {
-                        worst = worst.max((g - w).abs());
-                    }
-                }
-            }
+            let worst = worst_against_one_item_a_head(&shape, &q, &rows, &cache, &got);
             assert!(worst < 2e-5, "{kv_type:?}, window {window:?}: largest difference {worst:e}");
         }
     }
