@@ -24,15 +24,15 @@ pub(crate) enum Phase {
     /// A step's inputs built and queued for upload (tokens, positions, each layer's state).
     StepInputs,
     /// A step's logits on the host: the wait for the step's end and their download, and
-    /// their copy out of page-locked memory.
+    /// the caller's reading them in page-locked memory.
     Logits,
-    /// Of [`Phase::Logits`], the copy out.
-    LogitsCopy,
+    /// Of [`Phase::Logits`], the caller's reading (a copy out, where it wants its own).
+    LogitsRead,
 }
 
 /// [`Phase`]s, and those counted inside another (left out of the step's sum).
-const PHASES: usize = Phase::LogitsCopy as usize + 1;
-const NESTED: [Phase; 2] = [Phase::HostInput, Phase::LogitsCopy];
+const PHASES: usize = Phase::LogitsRead as usize + 1;
+const NESTED: [Phase; 2] = [Phase::HostInput, Phase::LogitsRead];
 
 #[derive(Default)]
 struct Totals {
@@ -91,7 +91,7 @@ impl HostTiming {
                 eprintln!(
                     "host timing: {} steps, per step {:.3} ms: {:.0} launches {:.3} ms, {:.1} route waits {:.3} ms, \
                      expert cache {:.3} ms ensuring + {:.3} ms prefetching, {:.1} layers of experts on the CPU \
-                     {:.3} ms (input {:.3} ms), inputs {:.3} ms, logits {:.3} ms (copied out {:.3} ms), \
+                     {:.3} ms (input {:.3} ms), inputs {:.3} ms, logits {:.3} ms (read {:.3} ms), \
                      other {:.3} ms",
                     t.steps,
                     per(t.wall),
@@ -106,7 +106,7 @@ impl HostTiming {
                     per(t.time[Phase::HostInput as usize]),
                     per(t.time[Phase::StepInputs as usize]),
                     per(t.time[Phase::Logits as usize]),
-                    per(t.time[Phase::LogitsCopy as usize]),
+                    per(t.time[Phase::LogitsRead as usize]),
                     per(other),
                 );
             }

@@ -1012,16 +1012,21 @@ impl Backend for Cuda {
         self.download(x.ptr, x.len)
     }
 
-    /// Only those rows cross PCIe, each copied once from the page-locked landing buffer.
-    fn rows_to_host(&self, x: &Act, row_len: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
+    /// Only those rows cross PCIe, each read where it lands in page-locked memory.
+    fn read_rows(
+        &self,
+        x: &Act,
+        row_len: usize,
+        rows: Range<usize>,
+        read: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
         let start = rows.start.saturating_mul(row_len).min(x.len);
         let n = rows.len().saturating_mul(row_len).min(x.len - start);
         let ptr = x.ptr + (start * std::mem::size_of::<f32>()) as u64;
-        let copy_out = |landed: &[f32]| {
-            self.host_timing
-                .time(host_timing::Phase::LogitsCopy, || landed.chunks_exact(row_len).map(<[f32]>::to_vec).collect())
+        let read_landed = |landed: &[f32]| {
+            self.host_timing.time(host_timing::Phase::LogitsRead, || landed.chunks_exact(row_len).for_each(read))
         };
-        self.host_timing.time(host_timing::Phase::Logits, || self.download_with(ptr, n, copy_out))
+        self.host_timing.time(host_timing::Phase::Logits, || self.download_with(ptr, n, read_landed))
     }
 
     fn expert_stats(&self) -> Option<ts_experts::StatsSnapshot> {

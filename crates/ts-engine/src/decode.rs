@@ -85,6 +85,27 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// [`Engine::step`], handing `read` each logits row (with its piece's index) where the
+    /// backend leaves it on the host, instead of a copy of each ([`Model::forward_read`]): a
+    /// GPU's rows in the page-locked memory they land in, as llama.cpp leaves its logits.
+    pub fn step_read(
+        &self,
+        seqs: &mut [&mut SeqState<B::State>],
+        pieces: &[Piece],
+        scratch: &mut B::Scratch,
+        read: &mut (dyn FnMut(usize, &[f32]) + Send),
+    ) -> Result<(), EngineError> {
+        let rows = rows_of(seqs, pieces)?;
+        let owners: Vec<usize> = rows.iter().filter(|r| r.logits).map(|r| r.seq).collect();
+        let model = &self.model;
+        self.on_pool(|| {
+            let mut owner = owners.iter();
+            let mut read_row = |row: &[f32]| read(owner.next().copied().unwrap_or(0), row);
+            model.backend.run_step(rows.len(), || model.forward_read(&rows, seqs, scratch, &mut read_row))
+        })?;
+        Ok(())
+    }
+
     #[allow(clippy::type_complexity)]
     fn run_step(
         &self,
@@ -93,35 +114,14 @@ impl<B: Backend> Engine<B> {
         scratch: &mut B::Scratch,
         hidden: bool,
     ) -> Result<(Vec<Vec<Vec<f32>>>, Option<Vec<f32>>), EngineError> {
-        if seqs.len() != pieces.len() {
-            return Err(EngineError::Invalid(format!("{} pieces for {} sequences", pieces.len(), seqs.len())));
-        }
-        let mut rows = Vec::with_capacity(pieces.iter().map(|p| p.tokens.len()).sum());
-        for (i, (seq, piece)) in seqs.iter().zip(pieces).enumerate() {
-            if seq.n_past + piece.tokens.len() > seq.n_ctx {
-                return Err(EngineError::PromptTooLong { tokens: seq.n_past + piece.tokens.len(), n_ctx: seq.n_ctx });
-            }
-            let last = piece.tokens.len().saturating_sub(1);
-            rows.extend(piece.tokens.iter().enumerate().map(|(j, &token)| Row {
-                token,
-                pos: seq.n_past + j,
-                seq: i,
-                logits: match piece.logits {
-                    Logits::None => false,
-                    Logits::Last => j == last,
-                    Logits::All => true,
-                },
-            }));
-        }
+        let rows = rows_of(seqs, pieces)?;
         let model = &self.model;
-        let mut forward = || {
+        let (logits, hidden) = self.on_pool(|| {
             model.backend.run_step(rows.len(), || match hidden {
                 false => model.forward(&rows, seqs, scratch).map(|l| (l, None)),
                 true => model.forward_hidden(&rows, seqs, scratch).map(|(l, h)| (l, Some(h))),
             })
-        };
-        let out = if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() };
-        let (logits, hidden) = out?;
+        })?;
         let mut logits = logits.into_iter();
         let logits = pieces
             .iter()
@@ -136,6 +136,36 @@ impl<B: Backend> Engine<B> {
             .collect();
         Ok((logits, hidden))
     }
+
+    /// `forward` on the engine's thread pool where the backend computes on it.
+    fn on_pool<R: Send>(&self, forward: impl FnOnce() -> R + Send) -> R {
+        if self.model.backend.uses_thread_pool() { self.install(forward) } else { forward() }
+    }
+}
+
+/// The rows of a step over `pieces[i]` continuing `seqs[i]`, or why they do not fit.
+fn rows_of<S>(seqs: &[&mut SeqState<S>], pieces: &[Piece]) -> Result<Vec<Row>, EngineError> {
+    if seqs.len() != pieces.len() {
+        return Err(EngineError::Invalid(format!("{} pieces for {} sequences", pieces.len(), seqs.len())));
+    }
+    let mut rows = Vec::with_capacity(pieces.iter().map(|p| p.tokens.len()).sum());
+    for (i, (seq, piece)) in seqs.iter().zip(pieces).enumerate() {
+        if seq.n_past + piece.tokens.len() > seq.n_ctx {
+            return Err(EngineError::PromptTooLong { tokens: seq.n_past + piece.tokens.len(), n_ctx: seq.n_ctx });
+        }
+        let last = piece.tokens.len().saturating_sub(1);
+        rows.extend(piece.tokens.iter().enumerate().map(|(j, &token)| Row {
+            token,
+            pos: seq.n_past + j,
+            seq: i,
+            logits: match piece.logits {
+                Logits::None => false,
+                Logits::Last => j == last,
+                Logits::All => true,
+            },
+        }));
+    }
+    Ok(rows)
 }
 
 /// What one [`Decoding::next`] produced.

@@ -536,9 +536,24 @@ pub trait Backend: Sized + Send + Sync {
     /// Rows `rows` of `x` (each `width` wide), in that order.
     fn select_rows(&self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act, ModelError>;
     fn to_host(&self, x: &Self::Act) -> Result<Vec<f32>, ModelError>;
+    /// Hands `read` each of the rows `rows` of `row_len` of `x` (those it holds), in order,
+    /// where they are on the host: a GPU's rows in the page-locked memory they land in, read
+    /// there and not copied again (as llama.cpp's logits are), valid only during the call.
+    fn read_rows(
+        &self,
+        x: &Self::Act,
+        row_len: usize,
+        rows: Range<usize>,
+        read: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
+        host_rows(&self.to_host(x)?, row_len, rows).for_each(read);
+        Ok(())
+    }
     /// The rows `rows` of `row_len` of `x` (those it holds) on the host, one Vec per row.
     fn rows_to_host(&self, x: &Self::Act, row_len: usize, rows: Range<usize>) -> Result<Vec<Vec<f32>>, ModelError> {
-        Ok(host_rows(&self.to_host(x)?, row_len, rows))
+        let mut out = Vec::new();
+        self.read_rows(x, row_len, rows, &mut |row| out.push(row.to_vec()))?;
+        Ok(out)
     }
 
     /// Counters of an expert cache the backend keeps itself (a GPU's VRAM cache).
@@ -547,10 +562,10 @@ pub trait Backend: Sized + Send + Sync {
     }
 }
 
-/// Rows `rows` of `row_len` floats of `held` (those it holds), one Vec per row: what
-/// [`Backend::rows_to_host`] hands back once the floats are on the host.
-pub(crate) fn host_rows(held: &[f32], row_len: usize, rows: Range<usize>) -> Vec<Vec<f32>> {
-    held.chunks_exact(row_len).skip(rows.start).take(rows.len()).map(<[f32]>::to_vec).collect()
+/// Rows `rows` of `row_len` floats of `held` (those it holds): what [`Backend::read_rows`]
+/// reads once the floats are on the host.
+pub fn host_rows(held: &[f32], row_len: usize, rows: Range<usize>) -> impl Iterator<Item = &[f32]> {
+    held.chunks_exact(row_len).skip(rows.start).take(rows.len())
 }
 
 /// [`Backend::dense_ffn`] as its three steps: [`Backend::gate_up`], [`Backend::gated`],

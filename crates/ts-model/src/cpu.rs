@@ -614,14 +614,16 @@ impl Backend for Cpu {
         Ok(x.clone())
     }
 
-    /// Straight from `x`: a decode step's logits copied once, not cloned first.
-    fn rows_to_host(
+    /// Straight from `x`, not cloned first.
+    fn read_rows(
         &self,
         x: &Vec<f32>,
         row_len: usize,
         rows: std::ops::Range<usize>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        Ok(crate::backend::host_rows(x, row_len, rows))
+        read: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
+        crate::backend::host_rows(x, row_len, rows).for_each(read);
+        Ok(())
     }
 }
 

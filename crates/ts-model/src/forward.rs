@@ -530,7 +530,23 @@ impl<B: Backend> Model<B> {
         seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        Ok(self.run_trunk(rows, seqs, scratch, false)?.0)
+        let (logits, read, _) = self.run_trunk(rows, seqs, scratch, false)?;
+        self.logits_to_host(logits, read)
+    }
+
+    /// [`Model::forward`], handing `read` each logits row where the backend leaves it on the
+    /// host ([`Backend::read_rows`]: a GPU's page-locked landing memory), not copied again.
+    pub fn forward_read(
+        &self,
+        rows: &[Row],
+        seqs: &mut [&mut SeqState<B::State>],
+        scratch: &mut B::Scratch,
+        read: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), ModelError> {
+        match self.run_trunk(rows, seqs, scratch, false)? {
+            (Some(l), rows, _) => self.backend.read_rows(&l, self.cfg.n_vocab, rows, read),
+            (None, ..) => Ok(()),
+        }
     }
 
     /// [`Model::forward`], also handing back every row's final-normed hidden state (after
@@ -542,19 +558,20 @@ impl<B: Backend> Model<B> {
         seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
     ) -> Result<(Vec<Vec<f32>>, Vec<f32>), ModelError> {
-        let (logits, hidden) = self.run_trunk(rows, seqs, scratch, true)?;
-        Ok((logits, hidden.expect("asked for the hidden states")))
+        let (logits, read, hidden) = self.run_trunk(rows, seqs, scratch, true)?;
+        Ok((self.logits_to_host(logits, read)?, hidden.expect("asked for the hidden states")))
     }
 
-    /// The trunk's step: logits of the rows that want them and, with `hidden`, every
-    /// row's final-normed hidden state (nothing computed for it otherwise).
+    /// The trunk's step: the logits of the rows that want them (still the backend's), the
+    /// rows among them the caller asked for and, with `hidden`, every row's final-normed hidden
+    /// state (nothing computed for it otherwise).
     fn run_trunk(
         &self,
         rows: &[Row],
         seqs: &mut [&mut SeqState<B::State>],
         scratch: &mut B::Scratch,
         hidden: bool,
-    ) -> Result<TrunkOutput, ModelError> {
+    ) -> Result<TrunkOutput<B::Act>, ModelError> {
         let cfg = &self.cfg;
         let be = &self.backend;
         self.check_rows(rows, seqs)?;
@@ -568,7 +585,7 @@ impl<B: Backend> Model<B> {
             be.begin_direct_step(rows, seqs, scratch)?;
         } else if let StepStart::Replayed { logits } = be.begin_step(rows, seqs, scratch)? {
             advance(&rows[..wanted], seqs);
-            return Ok((self.logits_to_host(logits, read)?, None));
+            return Ok((logits, read, None));
         }
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut x = be.embed(&self.weights.token_embd, &tokens)?;
@@ -620,7 +637,7 @@ impl<B: Backend> Model<B> {
         // padding rows' positions, which the next step writes again.
         advance(&rows[..wanted], seqs);
         let hidden = hidden.map(|h| be.to_host(&h)).transpose()?;
-        Ok((self.logits_to_host(logits, read)?, hidden))
+        Ok((logits, read, hidden))
     }
 
     /// `rows` as the backend runs them better ([`Backend::padded_rows`]: the GPU replays one
@@ -964,8 +981,9 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// A trunk step's logits rows, and its rows' final-normed hidden states where asked for.
-type TrunkOutput = (Vec<Vec<f32>>, Option<Vec<f32>>);
+/// A trunk step's logits on the backend, which of their rows the caller asked for, and its
+/// rows' final-normed hidden states where asked for.
+type TrunkOutput<A> = (Option<A>, Range<usize>, Option<Vec<f32>>);
 
 /// A block's FFN output, not yet added into the residual stream: rows `[m][n_embd]`, or
 /// the routed experts' outputs per (row, slot) pair `[m * k][n_embd]` with their routes, which

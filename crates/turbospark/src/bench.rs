@@ -167,8 +167,19 @@ fn measure<B: ts_model::Backend>(
                     before = snapshot();
                 }
                 let t = Instant::now();
-                let mut run =
-                    || input.chunks(step).try_for_each(|piece| engine.prefill(&mut seq, piece, false).map(drop));
+                let mut scratch = engine.scratch();
+                let mut run = || match name {
+                    // One token a step, its logits left where the backend puts them on the host (a
+                    // GPU's page-locked memory), as llama-bench leaves llama.cpp's;
+                    // TURBOSPARK_BENCH_COPY_LOGITS, a measurement knob, copies each step's out.
+                    "tg" if std::env::var_os("TURBOSPARK_BENCH_COPY_LOGITS").is_none() => {
+                        input.iter().try_for_each(|token| {
+                            let piece = Piece { tokens: std::slice::from_ref(token), logits: Logits::Last };
+                            engine.step_read(&mut [&mut seq], &[piece], &mut scratch, &mut |_, _| {})
+                        })
+                    }
+                    _ => input.chunks(step).try_for_each(|piece| engine.prefill(&mut seq, piece, false).map(drop)),
+                };
                 // A measurement knob: the timed loop on the engine's pool, each step's own hand-over to it then
                 // running in place.
                 if std::env::var_os("TURBOSPARK_BENCH_ON_POOL").is_some() {
