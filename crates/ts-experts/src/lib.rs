@@ -8,12 +8,14 @@
 //!   reads (O_DIRECT where the filesystem allows), a protect set for experts in
 //!   use, a reader pool, and an eviction policy.
 
+mod huge_pages;
 mod layout;
 mod mapped;
 mod slots;
 mod stats;
 mod stream;
 
+pub use huge_pages::ask_for_huge_pages;
 pub use layout::{ExpertLayout, LayerLayout, ProjLayout};
 pub use mapped::{MappedExperts, ResidentExperts};
 pub use slots::{EvictionPolicy, SlotCache};

@@ -61,6 +61,7 @@ impl ResidentExperts {
             for (words, p) in projs.iter_mut().zip(l.proj) {
                 let len = p.expert_bytes * l.n_expert;
                 *words = vec![0u64; len.div_ceil(8)];
+                crate::ask_for_huge_pages(words);
                 let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
                 // Packed experts in one read; strided ones (halves of a fused tensor) one at a time.
                 let reads: Vec<(usize, u64, usize)> = if p.stride == p.expert_bytes {

@@ -98,13 +98,14 @@ impl Weight {
         if !self.packs_for_cpu() {
             return Ok(None);
         }
-        // One allocation (a Vec turned into an Arc would be a second copy), filled a piece at a
-        // time with each piece's mapped pages released once copied: the bytes are never
-        // resident twice over (a Gemma 3 head is 170 MiB).
+        // One allocation (a Vec turned into an Arc would be a second copy), in 2 MiB pages
+        // where the kernel gives them, filled a piece at a time with each piece's mapped pages
+        // released once copied: the bytes are never resident twice over (a Gemma 3 head is 170 MiB).
         const PIECE: usize = 8 << 20;
         let src = self.bytes();
-        let mut owned: Arc<[u8]> = std::iter::repeat_n(0u8, src.len()).collect();
-        let bytes = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
+        let mut owned = Arc::<[u8]>::new_uninit_slice(src.len());
+        let uninit = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
+        ts_experts::ask_for_huge_pages(uninit);
         let mut at = 0;
         while at < src.len() {
             let end = match &self.data {
@@ -113,12 +114,18 @@ impl Weight {
                 WeightData::Owned(_) => at + PIECE,
             }
             .min(src.len());
-            bytes[at..end].copy_from_slice(&src[at..end]);
+            // SAFETY: `at..end` lies inside both; the pieces cover every byte once.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src[at..end].as_ptr(), uninit[at..end].as_mut_ptr().cast(), end - at)
+            };
             if let WeightData::Mapped { file, start, .. } = &self.data {
                 file.release(start + at..start + end);
             }
             at = end;
         }
+        // SAFETY: every byte was written above.
+        let mut owned = unsafe { owned.assume_init() };
+        let bytes = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
         match ts_cpu::pack_rows(ty, bytes, n_rows, self.row_len()) {
             Ok(true) => {}
             Ok(false) => return Ok(None),
