@@ -1,5 +1,8 @@
 //! Weights the process owns in 2 MiB pages.
 
+/// 2 MiB: the pages [`ask_for_huge_pages`] asks for.
+const HUGE: usize = 2 << 20;
+
 /// Asks the kernel to back `bytes` (memory this process owns, best not yet touched: pages
 /// already there stay small until `khugepaged` merges them) with 2 MiB pages where it can:
 /// `madvise(MADV_HUGEPAGE)` on the whole 2 MiB pages inside it, which matters where
@@ -11,7 +14,6 @@
 pub fn ask_for_huge_pages<T>(bytes: &[T]) {
     #[cfg(target_os = "linux")]
     {
-        const HUGE: usize = 2 << 20;
         if std::env::var_os("TURBOSPARK_NO_HUGE_PAGES").is_some() {
             return;
         }
@@ -24,4 +26,69 @@ pub fn ask_for_huge_pages<T>(bytes: &[T]) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = bytes;
+}
+
+/// `len` zeroed bytes the process owns, starting on a 2 MiB boundary and asked for 2 MiB pages
+/// before anything touches them ([`ask_for_huge_pages`]): many matrices laid end to end in one
+/// such region sit in 2 MiB pages but the last one, where each in an allocation of its own
+/// would keep its unaligned ends (most of a 0.5-3 MB matrix) in 4 KiB pages.
+pub struct HugeBytes {
+    base: *mut u8,
+    /// Bytes mapped from `base`: `len` and the room to align its start.
+    mapped: usize,
+    start: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory, shared as `&[u8]` or written through `&mut`.
+unsafe impl Send for HugeBytes {}
+unsafe impl Sync for HugeBytes {}
+
+impl HugeBytes {
+    /// Fails where the system has no room for `len` bytes.
+    pub fn new(len: usize) -> std::io::Result<HugeBytes> {
+        let mapped = len.max(1) + HUGE;
+        // SAFETY: a new private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let base = base.cast::<u8>();
+        // SAFETY: the aligned start and `len` bytes after it lie inside the mapping.
+        let start = unsafe { base.add((base as usize).next_multiple_of(HUGE) - base as usize) };
+        let bytes = HugeBytes { base, mapped, start, len };
+        ask_for_huge_pages(&bytes[..]);
+        Ok(bytes)
+    }
+}
+
+impl std::ops::Deref for HugeBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` mapped (zero-filled) bytes from `start`.
+        unsafe { std::slice::from_raw_parts(self.start, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for HugeBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, borrowed exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.start, self.len) }
+    }
+}
+
+impl Drop for HugeBytes {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.base.cast(), self.mapped) };
+    }
 }

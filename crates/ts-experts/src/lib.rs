@@ -15,7 +15,7 @@ mod slots;
 mod stats;
 mod stream;
 
-pub use huge_pages::ask_for_huge_pages;
+pub use huge_pages::{HugeBytes, ask_for_huge_pages};
 pub use layout::{ExpertLayout, LayerLayout, ProjLayout};
 pub use mapped::{MappedExperts, ResidentExperts};
 pub use slots::{EvictionPolicy, SlotCache};

@@ -367,7 +367,7 @@ impl Model {
     }
 
     /// Repacks the dense matrices whose one-row products the CPU's packed kernels run faster
-    /// ([`Weight::packed_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI, and the
+    /// ([`crate::weights::pack_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI, and the
     /// layers' Q4_K and Q6_K ones) into memory the process owns: the mixers' projections, dense
     /// and shared-expert FFNs, the output head (where it is the embedding table too, the
     /// lookups then read it back from the packed copy; not a Q4_K or Q6_K head,
@@ -409,19 +409,17 @@ impl Model {
             matrices.extend(mtp.head.as_mut().filter(|h| head_packs(h)));
             matrices.extend(layer_matrices(&mut mtp.layer));
         }
-        let (mut n, mut left, mut copied) = (0, 0, 0u64);
+        let (mut within, mut left, mut copied) = (Vec::new(), 0, 0u64);
         for m in matrices.into_iter().filter(|m| m.packs_for_cpu()) {
             let size = m.bytes().len() as u64;
             if copied + size > budget {
                 left += 1;
                 continue;
             }
-            if let Some(packed) = m.packed_for_cpu().map_err(ModelError::Compute)? {
-                *m = packed;
-                n += 1;
-                copied += size;
-            }
+            copied += size;
+            within.push(m);
         }
+        let n = crate::weights::pack_for_cpu(&mut within).map_err(ModelError::Compute)?;
         if tied && w.output.is_packed() {
             w.token_embd = w.output.clone();
         }

@@ -15,7 +15,7 @@ pub struct Weight {
     /// Bytes from one matrix of a stacked tensor to the next, where they are not
     /// packed (gate and up as halves of one fused expert tensor).
     stride: Option<usize>,
-    /// The bytes are in the CPU's packed layout ([`Weight::packed_for_cpu`]), which only
+    /// The bytes are in the CPU's packed layout ([`pack_for_cpu`]), which only
     /// ts-cpu's packed kernels read.
     packed: bool,
 }
@@ -26,6 +26,9 @@ enum WeightData {
     Mapped { file: Arc<GgufFile>, start: usize, len: usize },
     /// Bytes the process owns (f32 tables built at open, resident copies).
     Owned(Arc<[u8]>),
+    /// Bytes `start..start + len` of a region the process owns, shared with other matrices
+    /// ([`pack_for_cpu`]: packed matrices laid end to end in 2 MiB pages).
+    InRegion { region: Arc<ts_experts::HugeBytes>, start: usize, len: usize },
 }
 
 impl Weight {
@@ -66,7 +69,7 @@ impl Weight {
     pub fn file_offset(&self) -> Option<u64> {
         match &self.data {
             WeightData::Mapped { start, .. } => Some(*start as u64),
-            WeightData::Owned(_) => None,
+            WeightData::Owned(_) | WeightData::InRegion { .. } => None,
         }
     }
 
@@ -74,64 +77,44 @@ impl Weight {
         match &self.data {
             WeightData::Mapped { file, start, len } => &file.mapped()[*start..*start + *len],
             WeightData::Owned(b) => b,
+            WeightData::InRegion { region, start, len } => &region[*start..*start + *len],
         }
     }
 
-    /// Whether the bytes are in the CPU's packed layout ([`Weight::packed_for_cpu`]).
+    /// Whether the bytes are in the CPU's packed layout ([`pack_for_cpu`]).
     pub fn is_packed(&self) -> bool {
         self.packed
     }
 
-    /// Whether [`Weight::packed_for_cpu`] would pack this matrix.
+    /// Whether [`pack_for_cpu`] would pack this matrix.
     pub fn packs_for_cpu(&self) -> bool {
         let (ty, n_rows) = (self.ty, self.n_rows());
         !self.packed && self.dims.len() == 2 && ts_cpu::dense_packed_is_faster(ty) && ts_cpu::packs(ty, n_rows)
     }
 
-    /// This matrix repacked in memory the process owns into the layout of the CPU's packed
-    /// kernels ([`ts_cpu::pack_rows`]), where that makes its one-row products faster
-    /// ([`ts_cpu::dense_packed_is_faster`]: decode reads it at the memory's speed, not the
-    /// kernel's) and its rows fill whole panels; None otherwise. The mapped bytes it was
-    /// copied from are released ([`ts_gguf::GgufFile::release`]): the copy replaces them.
-    pub fn packed_for_cpu(&self) -> Result<Option<Weight>, String> {
-        let (ty, n_rows) = (self.ty, self.n_rows());
-        if !self.packs_for_cpu() {
-            return Ok(None);
-        }
-        // One allocation (a Vec turned into an Arc would be a second copy), in 2 MiB pages
-        // where the kernel gives them, filled a piece at a time with each piece's mapped pages
-        // released once copied: the bytes are never resident twice over (a Gemma 3 head is 170 MiB).
+    /// Copies this matrix into `dst` (its size) and repacks it there into the layout of the
+    /// CPU's packed kernels ([`ts_cpu::pack_rows`]); false where the kernels take it as it is.
+    /// The mapped bytes it was copied from are released a piece at a time as they are copied
+    /// ([`ts_gguf::GgufFile::release`]): the bytes are never resident twice over (a Gemma 3
+    /// head is 170 MiB).
+    fn pack_into(&self, dst: &mut [u8]) -> Result<bool, String> {
         const PIECE: usize = 8 << 20;
         let src = self.bytes();
-        let mut owned = Arc::<[u8]>::new_uninit_slice(src.len());
-        let uninit = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
-        ts_experts::ask_for_huge_pages(uninit);
         let mut at = 0;
         while at < src.len() {
             let end = match &self.data {
                 // Pieces end on the map's PIECE boundaries, so that every page is released.
                 WeightData::Mapped { start, .. } => ((start + at) / PIECE + 1) * PIECE - start,
-                WeightData::Owned(_) => at + PIECE,
+                WeightData::Owned(_) | WeightData::InRegion { .. } => at + PIECE,
             }
             .min(src.len());
-            // SAFETY: `at..end` lies inside both; the pieces cover every byte once.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src[at..end].as_ptr(), uninit[at..end].as_mut_ptr().cast(), end - at)
-            };
+            dst[at..end].copy_from_slice(&src[at..end]);
             if let WeightData::Mapped { file, start, .. } = &self.data {
                 file.release(start + at..start + end);
             }
             at = end;
         }
-        // SAFETY: every byte was written above.
-        let mut owned = unsafe { owned.assume_init() };
-        let bytes = Arc::get_mut(&mut owned).expect("a new Arc has one owner");
-        match ts_cpu::pack_rows(ty, bytes, n_rows, self.row_len()) {
-            Ok(true) => {}
-            Ok(false) => return Ok(None),
-            Err(e) => return Err(format!("{}: {e}", self.name)),
-        }
-        Ok(Some(Weight { data: WeightData::Owned(owned), packed: true, ..self.clone() }))
+        ts_cpu::pack_rows(self.ty, dst, self.n_rows(), self.row_len()).map_err(|e| format!("{}: {e}", self.name))
     }
 
     /// Elements per row (`dims[0]`).
@@ -171,6 +154,9 @@ impl Weight {
                 WeightData::Mapped { file: file.clone(), start: start + first * rb, len: span }
             }
             WeightData::Owned(b) => WeightData::Owned(b[first * rb..first * rb + span].into()),
+            WeightData::InRegion { region, start, .. } => {
+                WeightData::InRegion { region: region.clone(), start: start + first * rb, len: span }
+            }
         };
         Weight {
             name: name.into(),
@@ -235,4 +221,36 @@ impl std::fmt::Debug for Weight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {} {:?}", self.name, self.ty, self.dims)
     }
+}
+
+/// Repacks `matrices` (those [`Weight::packs_for_cpu`] names) into one region the process owns,
+/// laid end to end on 64-byte boundaries in 2 MiB pages ([`ts_experts::HugeBytes`]: the layers'
+/// packed products read 4-8% faster so on Zen 4 than each matrix in its own allocation), in the
+/// layout of the CPU's packed kernels, where that makes their one-row products faster
+/// ([`ts_cpu::dense_packed_is_faster`]: decode reads them at the memory's speed, not the
+/// kernel's); the others are left as they are. Returns how many were packed.
+pub fn pack_for_cpu(matrices: &mut [&mut Weight]) -> Result<usize, String> {
+    let place = |len: usize| len.next_multiple_of(64);
+    let total = matrices.iter().filter(|m| m.packs_for_cpu()).map(|m| place(m.bytes().len())).sum();
+    if total == 0 {
+        return Ok(0);
+    }
+    let mut region =
+        ts_experts::HugeBytes::new(total).map_err(|e| format!("{total} bytes for packed matrices: {e}"))?;
+    let mut placed = Vec::new();
+    let mut at = 0;
+    for (i, m) in matrices.iter().enumerate().filter(|(_, m)| m.packs_for_cpu()) {
+        let len = m.bytes().len();
+        if m.pack_into(&mut region[at..at + len])? {
+            placed.push((i, at, len));
+        }
+        at += place(len);
+    }
+    let region = Arc::new(region);
+    for &(i, start, len) in &placed {
+        let m = &mut matrices[i];
+        m.data = WeightData::InRegion { region: region.clone(), start, len };
+        m.packed = true;
+    }
+    Ok(placed.len())
 }
