@@ -92,3 +92,22 @@ impl Drop for HugeBytes {
         unsafe { libc::munmap(self.base.cast(), self.mapped) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_bytes_start_on_a_huge_page_and_hold_zeros_until_written() {
+        for len in [0, 1, 3 << 20] {
+            let mut b = HugeBytes::new(len).unwrap();
+            assert_eq!(b.len(), len);
+            assert!((b.as_ptr() as usize).is_multiple_of(HUGE));
+            assert!(b.iter().all(|&x| x == 0));
+            if len > 0 {
+                b[len - 1] = 7;
+                assert_eq!(b[len - 1], 7);
+            }
+        }
+    }
+}
