@@ -120,6 +120,13 @@ struct Measured {
     spec_lines: Vec<(String, ts_engine::session::GenerationStats, usize)>,
 }
 
+/// Whether the generation tests copy each step's logits out of where the backend leaves them on
+/// the host (`TURBOSPARK_BENCH_COPY_LOGITS`, a measurement knob); by default they are left there (a
+/// GPU's page-locked memory), as llama-bench and llama-batched-bench leave llama.cpp's.
+fn copy_logits() -> bool {
+    std::env::var_os("TURBOSPARK_BENCH_COPY_LOGITS").is_some()
+}
+
 fn measure<B: ts_model::Backend>(
     engine: &Engine<B>,
     draft: Option<&Engine<B>>,
@@ -169,15 +176,11 @@ fn measure<B: ts_model::Backend>(
                 let t = Instant::now();
                 let mut scratch = engine.scratch();
                 let mut run = || match name {
-                    // One token a step, its logits left where the backend puts them on the host (a
-                    // GPU's page-locked memory), as llama-bench leaves llama.cpp's;
-                    // TURBOSPARK_BENCH_COPY_LOGITS, a measurement knob, copies each step's out.
-                    "tg" if std::env::var_os("TURBOSPARK_BENCH_COPY_LOGITS").is_none() => {
-                        input.iter().try_for_each(|token| {
-                            let piece = Piece { tokens: std::slice::from_ref(token), logits: Logits::Last };
-                            engine.step_read(&mut [&mut seq], &[piece], &mut scratch, &mut |_, _| {})
-                        })
-                    }
+                    // One token a step, its logits left where the backend puts them on the host.
+                    "tg" if !copy_logits() => input.iter().try_for_each(|token| {
+                        let piece = Piece { tokens: std::slice::from_ref(token), logits: Logits::Last };
+                        engine.step_read(&mut [&mut seq], &[piece], &mut scratch, &mut |_, _| {})
+                    }),
                     _ => input.chunks(step).try_for_each(|piece| engine.prefill(&mut seq, piece, false).map(drop)),
                 };
                 // A measurement knob: the timed loop on the engine's pool, each step's own hand-over to it then
@@ -217,7 +220,10 @@ fn measure<B: ts_model::Backend>(
                 let pieces: Vec<Piece> =
                     step.iter().map(|tok| Piece { tokens: std::slice::from_ref(tok), logits: Logits::Last }).collect();
                 let mut refs: Vec<_> = seqs.iter_mut().collect();
-                engine.step(&mut refs, &pieces, &mut scratch)?;
+                match copy_logits() {
+                    true => drop(engine.step(&mut refs, &pieces, &mut scratch)?),
+                    false => engine.step_read(&mut refs, &pieces, &mut scratch, &mut |_, _| {})?,
+                }
             }
             if rep >= warm {
                 tps.push((n_seq * args.n_gen) as f64 / t.elapsed().as_secs_f64());
