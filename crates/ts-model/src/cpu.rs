@@ -1356,6 +1356,33 @@ mod tests {
         assert!(err.to_string().contains("rows of"), "{err}");
     }
 
+    /// Smooth test values in [-1, 1].
+    fn smooth(i: usize, f: f32) -> f32 {
+        (i as f32 * f).sin()
+    }
+
+    /// An attention of `n_head` heads of `hd` over `n_head_kv` KV heads, scale 0.125.
+    fn test_shape(
+        n_head: usize,
+        n_head_kv: usize,
+        hd: usize,
+        softcap: Option<f32>,
+        sinks: Option<&[f32]>,
+    ) -> AttnShape<'_> {
+        AttnShape { n_head, n_head_kv, head_dim: hd, head_dim_v: hd, scale: 0.125, softcap, sinks }
+    }
+
+    /// A cache of `slots` rows of `width` keys and values holding positions `0..end` of smooth values.
+    fn filled_cache(kv_type: KvType, slots: usize, width: usize, window: Option<usize>, end: usize) -> LayerCache {
+        let mut cache = LayerCache::new(kv_type, slots, width, width, window);
+        for pos in 0..end {
+            let k: Vec<f32> = (0..width).map(|i| 2.0 * smooth(i + 131 * pos, 0.07)).collect();
+            let v: Vec<f32> = (0..width).map(|i| smooth(i + 37 * pos, 0.13)).collect();
+            cache.store(pos, &k, &v);
+        }
+        cache
+    }
+
     /// The largest difference between `got` `[rows][n_head][head_dim]` and what an item of one
     /// head ([`Item::attend`]) gives each row and head over the positions it sees.
     fn worst_against_one_item_a_head(
@@ -1391,32 +1418,18 @@ mod tests {
     #[test]
     fn attention_in_runs_matches_one_item_a_head() {
         let hd = 64;
-        let x = |i: usize, f: f32| (i as f32 * f).sin();
         for (n_head, n_head_kv, kv_type, window, softcap, sunk) in [
             (4, 1, KvType::F32, None, None, false),
             (4, 1, KvType::F16, None, Some(20.0), true),
             (6, 2, KvType::F32, Some(600), None, true),
         ] {
             let sinks: Vec<f32> = (0..n_head).map(|h| 0.3 * h as f32 - 0.5).collect();
-            let shape = AttnShape {
-                n_head,
-                n_head_kv,
-                head_dim: hd,
-                head_dim_v: hd,
-                scale: 0.125,
-                softcap,
-                sinks: sunk.then_some(&sinks[..]),
-            };
+            let shape = test_shape(n_head, n_head_kv, hd, softcap, sunk.then_some(&sinks[..]));
             let end = 1400;
             let slots = crate::state::ring_slots(window, 4096, 2);
-            let mut cache = LayerCache::new(kv_type, slots, n_head_kv * hd, n_head_kv * hd, window);
-            for pos in 0..end {
-                let k: Vec<f32> = (0..n_head_kv * hd).map(|i| 2.0 * x(i + 131 * pos, 0.07)).collect();
-                let v: Vec<f32> = (0..n_head_kv * hd).map(|i| x(i + 37 * pos, 0.13)).collect();
-                cache.store(pos, &k, &v);
-            }
+            let cache = filled_cache(kv_type, slots, n_head_kv * hd, window, end);
             let rows: Vec<Row> = (end - 2..end).map(|pos| Row { token: 0, pos, seq: 0, logits: true }).collect();
-            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * x(i, 0.011)).collect();
+            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * smooth(i, 0.011)).collect();
             for runs in [2, 3] {
                 let out = vec![0f32; rows.len() * n_head * hd];
                 let got = attention_in_runs(&shape, &q, &rows, &|_| &cache, runs, out);
@@ -1436,34 +1449,20 @@ mod tests {
     fn prompt_attention_by_matmuls_matches_attend() {
         let (n_head, n_head_kv, hd) = (6, 2, 64);
         let sinks: Vec<f32> = (0..n_head).map(|h| 0.3 * h as f32 - 0.5).collect();
-        let x = |i: usize, f: f32| (i as f32 * f).sin();
         for (kv_type, window, softcap, sunk) in [
             (KvType::F32, None, None, false),
             (KvType::F16, None, Some(20.0), true),
             (KvType::F32, Some(300), None, true),
         ] {
-            let shape = AttnShape {
-                n_head,
-                n_head_kv,
-                head_dim: hd,
-                head_dim_v: hd,
-                scale: 0.125,
-                softcap,
-                sinks: sunk.then_some(&sinks[..]),
-            };
+            let shape = test_shape(n_head, n_head_kv, hd, softcap, sunk.then_some(&sinks[..]));
             // Positions 0..700; the step's rows 140..700 in blocks of [`PROMPT_ATTENTION_BLOCK`],
             // or with the window the last 64 of them, in a ring of 363 slots (wrapped).
             let (first_row, end) = (if window.is_some() { 636 } else { 140 }, 700);
             let slots = crate::state::ring_slots(window, 4096, end - first_row);
             assert!(window.is_none() || slots < end);
-            let mut cache = LayerCache::new(kv_type, slots, n_head_kv * hd, n_head_kv * hd, window);
-            for pos in 0..end {
-                let k: Vec<f32> = (0..n_head_kv * hd).map(|i| 2.0 * x(i + 131 * pos, 0.07)).collect();
-                let v: Vec<f32> = (0..n_head_kv * hd).map(|i| x(i + 37 * pos, 0.13)).collect();
-                cache.store(pos, &k, &v);
-            }
+            let cache = filled_cache(kv_type, slots, n_head_kv * hd, window, end);
             let rows: Vec<Row> = (first_row..end).map(|pos| Row { token: 0, pos, seq: 0, logits: false }).collect();
-            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * x(i, 0.011)).collect();
+            let q: Vec<f32> = (0..rows.len() * n_head * hd).map(|i| 3.0 * smooth(i, 0.011)).collect();
             let got = match cache.rows() {
                 KvRows::F32 { k, v } => run_attention(&shape, &q, &rows, cache.view(k, v), &cache),
                 KvRows::F16 { k, v } => run_attention(&shape, &q, &rows, cache.view(k, v), &cache),
