@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
-use crate::dispatch::{PackFn, TileFn};
+use crate::dispatch::{PackFn, TileFn, decode_asks_ahead};
 use crate::floats::{Bf16, F16, F32, FloatFormat};
 use crate::kquants::{KCodes, KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -851,18 +851,10 @@ fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, block: impl
     }
 }
 
-/// Whether every packed pass asks for the weights ahead in decode too, as before 2026-12-07
-/// (`TURBOSPARK_DECODE_ASK_AHEAD=1`, a measurement knob: the Q4_K, Q6_K and Q8_0 passes'
-/// decode without it has been measured on a Zen 4 only).
-fn decode_asks_ahead() -> bool {
-    static ASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ASK.get_or_init(|| std::env::var_os("TURBOSPARK_DECODE_ASK_AHEAD").is_some())
-}
-
 /// Defines `$name`, the kernel on panels packed as `$pass` reads them, for any number of
 /// activation rows: no panel is built, so decode and small batches read the weights once, at
 /// 4 bits. The pass asks for the weights ahead of its reads in batches, and in decode where
-/// `$decode_ahead` says so or [`decode_asks_ahead`] (see [`q4k_packed_pass`]). (A macro, not a
+/// [`decode_asks_ahead`] says, `$decode_ahead` being the format's own choice (see [`q4k_packed_pass`]). (A macro, not a
 /// generic over the pass: that measured 1.4x slower, its pass not inlined as well.)
 macro_rules! packed_tile {
     ($(#[$doc:meta])* $name:ident, $pass:ident, decode_ahead: $decode_ahead:literal) => {
@@ -878,7 +870,7 @@ macro_rules! packed_tile {
         pub(crate) unsafe fn $name(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
             let rows = out.first().map_or(0, |o| o.len());
             let m = out.len();
-            let ahead = m > 1 || $decode_ahead || decode_asks_ahead();
+            let ahead = m > 1 || decode_asks_ahead($decode_ahead);
             for r0 in (0..rows).step_by(ROWS) {
                 let p = w[r0 * row_bytes..].as_ptr();
                 unsafe {

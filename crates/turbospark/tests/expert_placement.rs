@@ -41,6 +41,12 @@ fn options_a_placement_cannot_honour_are_refused() {
         (&["--experts", "disk"][..], "--experts disk"),
         (&["--expert-misses", "cpu"][..], "--expert-misses applies to a GPU --expert-cache, not --device cpu"),
         (&["--expert-misses", "gpu"][..], "invalid value 'gpu' for '--expert-misses"),
+        (
+            &["--no-repack", "--decode-prefetch", "on"][..],
+            "--decode-prefetch applies to repacked weights, which --no-repack",
+        ),
+        (&["--exact-activations", "--decode-prefetch", "off"][..], "which --exact-activations leaves out"),
+        (&["--decode-prefetch", "sometimes"][..], "invalid value 'sometimes' for '--decode-prefetch"),
     ] {
         let mut args = vec!["run", "-m", model, "-p", "hi", "-n", "1"];
         args.extend_from_slice(flags);
@@ -160,6 +166,33 @@ fn decode_product_modes_give_the_same_logits() {
             }
         }
     }
+}
+
+/// Asking for the weights ahead of a one-token product's reads (`--decode-prefetch`) changes
+/// when they arrive, not the floats: the same logits with it on, off and left to the processor,
+/// one token and four, on the Q8_0 fixtures (dense and MoE, whose Q8_0 matrices are repacked on
+/// AVX-512 VNNI) and a gpt-oss-shaped MXFP4 model.
+#[test]
+fn decode_prefetch_gives_the_same_logits() {
+    let (dir, synthetic) = synthetic_gpt_oss("decode-prefetch");
+    let fixtures = ["qwen2", "qwen3_moe"].map(|f| ts_testkit::fixtures_dir().join(format!("{f}/model-q8_0.gguf")));
+    for model in fixtures.iter().map(|m| m.to_str().unwrap()).chain([synthetic.as_str()]) {
+        for tokens in ["11", "11,204,77,90"] {
+            let run = |when: &str| {
+                let out = Command::new(env!("CARGO_BIN_EXE_turbospark"))
+                    .args(["logits", "-m", model, "--all", "--tokens", tokens, "-t", "2", "--decode-prefetch", when])
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{model}: {}", String::from_utf8_lossy(&out.stderr));
+                out.stdout
+            };
+            let auto = run("auto");
+            assert!(auto.len() > 100, "{model}: no logits");
+            assert!(auto == run("on"), "{model} {tokens}: logits differ with --decode-prefetch on");
+            assert!(auto == run("off"), "{model} {tokens}: logits differ with --decode-prefetch off");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A prompt's experts give the same logits, bit for bit, however the MoE layer runs them: gate/up
