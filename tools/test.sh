@@ -26,7 +26,8 @@ if ! grep -qw avx2 /proc/cpuinfo; then
 fi
 # The 16-row packed layouts of dense matrices (Q5_0, Q8_0) and their rows read back: AVX-512 VNNI.
 if ! grep -qw avx512_vnni /proc/cpuinfo; then
-    for t in packed_dense_matrices_match_transformers_and_the_gguf_layout packed_rows_read_back_as_gguf_blocks; do
+    for t in packed_dense_matrices_match_transformers_and_the_gguf_layout packed_rows_read_back_as_gguf_blocks \
+        unpacking_kernel_indexing_restores_gguf_rows; do
         skip+=(--skip "$t")
         skipped+=("$t (this CPU has no AVX-512 VNNI)")
     done

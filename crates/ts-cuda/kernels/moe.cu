@@ -389,3 +389,28 @@ extern "C" __global__ void __launch_bounds__(256) moe_group_pairs(const MoeGroup
         p.grouped[2 * p.n + i] = place;
     }
 }
+
+// ts_unpack_mxfp4_panels's parameters (tier.rs's UnpackMxfp4 mirrors them).
+struct UnpackMxfp4 {
+    ts_u8* w;  // [n_rows][row_bytes], n_rows a multiple of 16: packed in, GGUF rows out
+    int row_bytes;  // 17 bytes a 32-element block
+};
+
+// An MXFP4 matrix of a VRAM expert slot copied from a host copy in the CPU's packed layout
+// (ts-cpu panel.rs, pack_mxfp4: per 16-row panel and 32-element block, 272 bytes: four
+// groups of the 16 rows' code dwords, dword t of row r at 64 t + 4 r, then the rows' scale
+// bytes at 256 + r) put back into GGUF rows (per row and block, the scale byte, then the 16
+// code bytes) in place: one panel a thread block, through 16 * row_bytes of shared memory.
+extern "C" __global__ void ts_unpack_mxfp4_panels(const UnpackMxfp4 p) {
+    extern __shared__ ts_u8 unpack_panel[];
+    ts_grid_begin();
+    ts_u8* w = p.w + (ts_u64)blockIdx.x * 16 * p.row_bytes;
+    const int n = 16 * p.row_bytes;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) unpack_panel[i] = w[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int r = i / p.row_bytes, c = i - r * p.row_bytes, b = c / 17, j = c - b * 17;
+        const ts_u8* block = unpack_panel + b * 272;
+        w[i] = j == 0 ? block[256 + r] : block[64 * ((j - 1) >> 2) + 4 * r + ((j - 1) & 3)];
+    }
+}

@@ -32,6 +32,17 @@ pub enum CudaError {
     Compile(String),
 }
 
+/// Where and how wide one kernel launch runs.
+struct LaunchShape<'a> {
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    /// Dynamic shared memory, bytes.
+    smem: u32,
+    stream: &'a CudaStream,
+    /// Programmatic dependent launch on the stream's previous kernel (launch.cuh).
+    dependent: bool,
+}
+
 impl From<cudarc::driver::DriverError> for CudaError {
     fn from(e: cudarc::driver::DriverError) -> Self {
         CudaError::Driver(e.to_string())
@@ -175,6 +186,25 @@ impl Gpu {
         self.launch_raw(name, f, grid, block, smem, &mut params)
     }
 
+    /// Launches kernel `name`, whose one parameter is the `#[repr(C)]` struct `params`, on
+    /// `stream` (one of this context's, not a launch stream: the expert tier's copy stream),
+    /// in stream order, without programmatic dependence.
+    pub fn launch_on_stream<P: Copy>(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &P,
+    ) -> Result<(), CudaError> {
+        let f = self.func(name)?;
+        let mut value = *params;
+        let mut args = [&mut value as *mut P as *mut c_void];
+        let launch = LaunchShape { grid, block, smem, stream, dependent: false };
+        self.launch_shaped(name, f, &launch, &mut args)
+    }
+
     /// Launches kernel `name`, whose one parameter is the `#[repr(C)]` struct `params`
     /// (laid out as the kernel's C struct).
     pub fn launch_with<P: Copy>(
@@ -190,9 +220,9 @@ impl Gpu {
         self.launch_raw(name, f, grid, block, 0, &mut args)
     }
 
-    /// Launches `f` with `params` (pointers to each parameter's value); where the device
-    /// allows, the kernel may be scheduled before the previous one on the stream ends
-    /// (every kernel begins with launch.cuh's `ts_grid_begin`, which waits for it).
+    /// Launches `f` with `params` (pointers to each parameter's value) on the launch stream;
+    /// where the device allows, the kernel may be scheduled before the previous one on the
+    /// stream ends (every kernel begins with launch.cuh's `ts_grid_begin`, which waits for it).
     fn launch_raw(
         &self,
         name: &str,
@@ -202,6 +232,18 @@ impl Gpu {
         smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
+        let launch = LaunchShape { grid, block, smem, stream: self.launch_stream(), dependent: self.dependent_launch };
+        self.launch_shaped(name, f, &launch, params)
+    }
+
+    /// Launches `f` with `params` as `launch` says.
+    fn launch_shaped(
+        &self,
+        name: &str,
+        f: &CudaFunction,
+        launch: &LaunchShape<'_>,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
         use cudarc::driver::sys;
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -209,16 +251,16 @@ impl Gpu {
             value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
         };
         let config = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: block.0,
-            blockDimY: block.1,
-            blockDimZ: block.2,
-            sharedMemBytes: smem,
-            hStream: self.launch_stream().cu_stream(),
+            gridDimX: launch.grid.0,
+            gridDimY: launch.grid.1,
+            gridDimZ: launch.grid.2,
+            blockDimX: launch.block.0,
+            blockDimY: launch.block.1,
+            blockDimZ: launch.block.2,
+            sharedMemBytes: launch.smem,
+            hStream: launch.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: self.dependent_launch as u32,
+            numAttrs: launch.dependent as u32,
         };
         // SAFETY: `params` holds one pointer per kernel parameter, alive for the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }

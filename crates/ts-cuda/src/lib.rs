@@ -187,6 +187,11 @@ pub struct CudaOptions {
     pub pinned_host: bool,
     /// Where a decode step's cache misses are computed.
     pub misses: MissPath,
+    /// With misses computed on the CPU, keep the pinned copy's MXFP4 experts in the CPU's
+    /// packed layout (its faster one-row kernels), each copy into a slot put back into GGUF
+    /// rows on the device (`TURBOSPARK_TIER_PACKED_HOST=1`, a measurement setting until a
+    /// lease compares it).
+    pub packed_host: bool,
 }
 
 impl Default for CudaOptions {
@@ -196,6 +201,7 @@ impl Default for CudaOptions {
             policy: ts_experts::EvictionPolicy::DecayedFrequency { half_life: 256.0 },
             pinned_host: true,
             misses: MissPath::Auto,
+            packed_host: false,
         }
     }
 }
@@ -210,7 +216,7 @@ impl Cuda {
     pub fn with_options(ordinal: usize, model: &Model, opts: &CudaOptions) -> Result<Cuda, ModelError> {
         let mut me = Cuda::open(ordinal)?;
         if let Some(bytes) = opts.expert_cache {
-            let tier = ExpertTier::new(&me.gpu, model, bytes, opts.policy, opts.pinned_host, opts.misses)?;
+            let tier = ExpertTier::new(&me.gpu, model, bytes, opts)?;
             me.tier = Some(Mutex::new(tier));
         }
         me.upload_model(model)?;

@@ -12,10 +12,12 @@ use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
-use ts_experts::{EvictionPolicy, ExpertBytes, ExpertStore, LayerStats, SlotCache, StatsSnapshot};
+use ts_experts::{ExpertBytes, ExpertStore, LayerStats, SlotCache, StatsSnapshot};
 use ts_model::tensors::{Ffn, MoeWeights};
 use ts_model::weights::Weight;
 use ts_model::{Model, ModelError};
+
+use crate::CudaOptions;
 
 /// Slot offsets keep each matrix 256-byte aligned (the matvec kernels' loads need 16).
 const ALIGN: usize = 256;
@@ -55,10 +57,12 @@ impl MissPath {
 
 /// Where misses are copied from.
 enum HostTier {
-    /// Every expert in page-locked memory: copies run at full PCIe speed, and the CPU reads
-    /// the experts it computes in their GGUF layout (a mirror repacked for its AVX-512 kernels
-    /// showed no gain: docs/BENCHMARKS.md).
-    Pinned { buf: PinnedHostSlice<u8>, offset: HashMap<(usize, usize), usize> },
+    /// Every expert in page-locked memory: copies run at full PCIe speed. The CPU reads the
+    /// experts it computes in their GGUF layout, or in its packed one where `packed[layer]`
+    /// says (`CudaOptions::packed_host`: each copy into a slot is then put back into GGUF rows
+    /// on the copy stream); a separate mirror repacked for the CPU showed no gain across
+    /// leases (docs/BENCHMARKS.md, 2026-12-03).
+    Pinned { buf: PinnedHostSlice<u8>, offset: HashMap<(usize, usize), usize>, packed: Vec<[bool; 3]> },
     /// The model's expert store (streamed from disk or mapped), asked per miss.
     Store,
 }
@@ -72,6 +76,8 @@ pub struct ExpertTier {
     /// Per layer, bytes of one expert's gate, up and down matrices (types may
     /// differ between layers, as in Q4_K_M files); slots fit the largest.
     proj_bytes: Vec<[usize; 3]>,
+    /// Per layer, bytes of one row of each of those matrices.
+    proj_row_bytes: Vec<[usize; 3]>,
     /// Which expert each slot holds, and the policy's scores (the CPU cache's type).
     cache: SlotCache,
     host: HostTier,
@@ -89,6 +95,55 @@ pub struct ExpertTier {
     /// The fraction of an expert the last guesses' share left over (carried to the next, so
     /// that a share of few experts a guess holds on average).
     share_carry: f32,
+}
+
+/// Rows of a panel of the CPU's packed layouts (ts-cpu's panel.rs).
+const PANEL_ROWS: usize = 16;
+
+/// The largest panel moe.cu's `ts_unpack_mxfp4_panels` holds in shared memory (without
+/// asking the device for more than the default 48 KiB).
+const UNPACK_PANEL_MAX: usize = 48 << 10;
+
+/// moe.cu's `UnpackMxfp4`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UnpackMxfp4 {
+    w: u64,
+    row_bytes: i32,
+}
+
+/// Whether expert matrices `w` may sit in the pinned host copy in the CPU's packed layout:
+/// MXFP4 (the one layout the device unpacks), packed by this CPU's kernels for one-row
+/// products (AVX-512 VNNI: its 16-row panels, not AVX2's 8-row ones), whole panels that fit
+/// the unpacking kernel's shared memory.
+fn unpacks_on_device(w: &Weight) -> bool {
+    let ty = w.ty;
+    ty == ts_gguf::GgmlType::MXFP4
+        && ts_cpu::packed_row_is_faster(ty)
+        && ts_cpu::packs(ty, w.n_rows())
+        && w.n_rows().is_multiple_of(PANEL_ROWS)
+        && PANEL_ROWS * w.row_bytes() <= UNPACK_PANEL_MAX
+}
+
+/// Packs each matrix `(at, bytes, type, rows, row length)` of `dst` in place for the CPU's
+/// kernels, in parallel (the matrices are disjoint and in ascending order).
+fn pack_in_place(
+    dst: &mut [u8],
+    matrices: &[(usize, usize, ts_gguf::GgmlType, usize, usize)],
+) -> Result<(), ModelError> {
+    use rayon::prelude::*;
+    let mut pieces = Vec::with_capacity(matrices.len());
+    let (mut rest, mut consumed) = (dst, 0);
+    for &(at, bytes, ty, rows, k) in matrices {
+        let (piece, tail) = std::mem::take(&mut rest)[at - consumed..].split_at_mut(bytes);
+        pieces.push((piece, ty, rows, k));
+        (rest, consumed) = (tail, at + bytes);
+    }
+    pieces.into_par_iter().try_for_each(|(piece, ty, rows, k)| match ts_cpu::pack_rows(ty, piece, rows, k) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(ModelError::Compute(format!("cuda: expert tier: {ty:?} {rows}x{k} was not packed"))),
+        Err(e) => Err(ModelError::Compute(format!("cuda: expert tier: packing for the CPU: {e}"))),
+    })
 }
 
 fn round_up(n: usize) -> usize {
@@ -110,16 +165,10 @@ fn moe_layers(model: &Model) -> Vec<(usize, &MoeWeights)> {
 }
 
 impl ExpertTier {
-    /// A VRAM cache of `vram_bytes` for `model`'s experts; the host tier is
-    /// pinned when `pinned_ok`, else the model's expert store.
-    pub fn new(
-        gpu: &Gpu,
-        model: &Model,
-        vram_bytes: u64,
-        policy: EvictionPolicy,
-        pinned_ok: bool,
-        misses: MissPath,
-    ) -> Result<ExpertTier, ModelError> {
+    /// A VRAM cache of `vram_bytes` for `model`'s experts, as `opts` asks; the host tier is
+    /// pinned where `opts.pinned_host`, else the model's expert store.
+    pub fn new(gpu: &Gpu, model: &Model, vram_bytes: u64, opts: &CudaOptions) -> Result<ExpertTier, ModelError> {
+        let (policy, pinned_ok, misses) = (opts.policy, opts.pinned_host, opts.misses);
         if misses.on_cpu() && !pinned_ok {
             return Err(ModelError::Compute(
                 "--expert-misses cpu computes experts from a pinned copy in host RAM, and host RAM is short here"
@@ -133,9 +182,11 @@ impl ExpertTier {
         };
         let per = |w: &Weight| w.row_bytes() * w.n_rows();
         let mut proj_bytes = vec![[0usize; 3]; model.weights.layers.len()];
+        let mut proj_row_bytes = vec![[0usize; 3]; model.weights.layers.len()];
         let mut largest = [0usize; 3];
         for (il, m) in &layers {
             proj_bytes[*il] = [per(&m.gate_exps), per(&m.up_exps), per(&m.down_exps)];
+            proj_row_bytes[*il] = [&m.gate_exps, &m.up_exps, &m.down_exps].map(|w| w.row_bytes());
             for p in 0..3 {
                 largest[p] = largest[p].max(proj_bytes[*il][p]);
             }
@@ -166,18 +217,27 @@ impl ExpertTier {
             let mut buf = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(total, flags) }.map_err(|e| err(e.into()))?;
             let dst = buf.as_mut_slice().map_err(|e| err(e.into()))?;
             let mut offset = HashMap::new();
+            let mut packed = vec![[false; 3]; model.weights.layers.len()];
+            // The matrices the CPU's layout will hold: (at, bytes, type, rows, row length).
+            let mut to_pack = Vec::new();
             let mut at = 0;
             for (il, m) in &layers {
+                let projs = [&m.gate_exps, &m.up_exps, &m.down_exps];
+                packed[*il] = projs.map(|w| misses.on_cpu() && opts.packed_host && unpacks_on_device(w));
                 for e in 0..m.gate_exps.dims[2] {
                     offset.insert((*il, e), at);
-                    for (p, w) in [&m.gate_exps, &m.up_exps, &m.down_exps].into_iter().enumerate() {
+                    for (p, w) in projs.into_iter().enumerate() {
                         let src = w.matrix_bytes(e);
                         dst[at + proj_offset[p]..at + proj_offset[p] + src.len()].copy_from_slice(src);
+                        if packed[*il][p] {
+                            to_pack.push((at + proj_offset[p], src.len(), w.ty, w.n_rows(), w.row_len()));
+                        }
                     }
                     at += round_up(span(*il));
                 }
             }
-            HostTier::Pinned { buf, offset }
+            pack_in_place(dst, &to_pack)?;
+            HostTier::Pinned { buf, offset, packed }
         } else {
             HostTier::Store
         };
@@ -187,6 +247,7 @@ impl ExpertTier {
             slot_bytes,
             proj_offset,
             proj_bytes,
+            proj_row_bytes,
             cache: SlotCache::new(policy, n_slots),
             host,
             copy: gpu.ctx.new_stream().map_err(|e| err(e.into()))?,
@@ -221,7 +282,7 @@ impl ExpertTier {
 
     /// Expert `e` of layer `il` in the pinned host copy (GGUF layout), for the CPU to compute.
     pub fn host_expert(&self, il: usize, e: usize) -> Result<ExpertBytes<'_>, ModelError> {
-        let HostTier::Pinned { buf, offset } = &self.host else {
+        let HostTier::Pinned { buf, offset, packed } = &self.host else {
             return Err(ModelError::Compute("cuda: experts computed on the CPU need the pinned host copy".into()));
         };
         let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
@@ -232,7 +293,7 @@ impl ExpertTier {
             gate: &all[at + o[0]..at + o[0] + g],
             up: &all[at + o[1]..at + o[1] + u],
             down: &all[at + o[2]..at + o[2] + d],
-            packed: [false; 3],
+            packed: packed[il],
         })
     }
 
@@ -423,13 +484,26 @@ impl ExpertTier {
         let base = |s: usize, p: usize| gpu.ptr(&self.arena) + (s * self.slot_bytes + self.proj_offset[p]) as u64;
         let mut bytes = 0;
         match &self.host {
-            HostTier::Pinned { buf, offset } => {
+            HostTier::Pinned { buf, offset, packed } => {
                 let all = buf.as_slice().map_err(|e| ModelError::Compute(format!("cuda: {e}")))?;
                 let span = self.proj_offset[2] + self.proj_bytes[il][2];
                 for &(e, s) in misses {
                     let at = offset[&(il, e)];
                     copy(base(s, 0), &all[at..at + span], e)?;
                     bytes += span as u64;
+                    for p in (0..3).filter(|&p| packed[il][p]) {
+                        let rows = self.proj_bytes[il][p] / self.proj_row_bytes[il][p];
+                        let params = UnpackMxfp4 { w: base(s, p), row_bytes: self.proj_row_bytes[il][p] as i32 };
+                        gpu.launch_on_stream(
+                            &self.copy,
+                            "ts_unpack_mxfp4_panels",
+                            ((rows / PANEL_ROWS) as u32, 1, 1),
+                            (256, 1, 1),
+                            (PANEL_ROWS * self.proj_row_bytes[il][p]) as u32,
+                            &params,
+                        )
+                        .map_err(|err| ModelError::Compute(format!("cuda: expert {e} of layer {il}: {err}")))?;
+                    }
                 }
             }
             HostTier::Store => {
@@ -461,12 +535,60 @@ impl ExpertTier {
             layers: self.layers.clone(),
             slots: self.n_slots,
             slot_bytes: self.slot_bytes,
-            source: match self.host {
+            source: match &self.host {
+                HostTier::Pinned { packed, .. } if packed.iter().flatten().any(|&p| p) => {
+                    "copies from pinned RAM (MXFP4 held in the CPU's packed layout)"
+                }
                 HostTier::Pinned { .. } => "copies from pinned RAM",
                 HostTier::Store => "copies through the CPU's expert store",
             },
             measures_wait: false,
             policy: self.cache.policy().name(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PANEL_ROWS, unpacks_on_device};
+    use ts_gguf::GgmlType;
+
+    /// moe.cu's `ts_unpack_mxfp4_panels` on the host, byte for byte as its threads write: GGUF
+    /// byte `i` of a panel of `row_bytes` rows from the packed panel.
+    fn unpack_as_the_kernel(panel: &[u8], row_bytes: usize) -> Vec<u8> {
+        (0..PANEL_ROWS * row_bytes)
+            .map(|i| {
+                let (r, c) = (i / row_bytes, i % row_bytes);
+                let (b, j) = (c / 17, c % 17);
+                let block = &panel[b * 272..];
+                if j == 0 { block[256 + r] } else { block[64 * ((j - 1) >> 2) + 4 * r + ((j - 1) & 3)] }
+            })
+            .collect()
+    }
+
+    /// The kernel's indexing puts matrices packed by ts-cpu's `pack_rows` back into their GGUF
+    /// bytes (gpt-oss-20b's expert shapes and the fixture's), and the tier packs them only where
+    /// that layout is this CPU's (AVX-512 VNNI; `tools/test.sh` skips this test by name elsewhere).
+    #[test]
+    fn unpacking_kernel_indexing_restores_gguf_rows() {
+        for (rows, k) in [(2880, 2880), (256, 64), (64, 256)] {
+            let row_bytes = k / 32 * 17;
+            let mut state = 0x1234_5678_u64 ^ rows as u64;
+            let gguf: Vec<u8> = (0..rows * row_bytes)
+                .map(|_| {
+                    state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (state >> 33) as u8
+                })
+                .collect();
+            let w = ts_model::weights::Weight::from_bytes("experts", GgmlType::MXFP4, vec![k, rows], gguf.clone());
+            assert!(unpacks_on_device(&w), "{rows}x{k}: not held packed");
+            let mut packed = gguf.clone();
+            assert!(ts_cpu::pack_rows(GgmlType::MXFP4, &mut packed, rows, k).unwrap());
+            assert_ne!(packed, gguf, "{rows}x{k}: packing moved nothing");
+            for (p, panel) in packed.chunks_exact(PANEL_ROWS * row_bytes).enumerate() {
+                let want = &gguf[p * PANEL_ROWS * row_bytes..][..PANEL_ROWS * row_bytes];
+                assert!(unpack_as_the_kernel(panel, row_bytes) == want, "{rows}x{k}: panel {p} differs");
+            }
         }
     }
 }

@@ -1295,6 +1295,71 @@ fn cpu_computed_misses_match_transformers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The pinned host copy's MXFP4 experts held in the CPU's packed layout
+/// (`CudaOptions::packed_host`): prompts, whose every expert is copied into a slot and put back
+/// into GGUF rows on the device, give the same logits bit for bit as the GGUF copy's; decode,
+/// whose misses the CPU computes with its packed kernels, stays within the 8-bit bound against
+/// transformers. Where this CPU does not pack MXFP4 (no AVX2) the test fails by name.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run by tools/gpu-run.sh)"]
+fn packed_host_copy_matches_the_gguf_copy() {
+    drop(gpu()); // a clear failure first when there is no device
+    assert!(ts_cpu::packed_row_is_faster(GgmlType::MXFP4), "this CPU does not pack MXFP4 for one-row products");
+    let f = ts_testkit::fixtures().into_iter().find(|f| f.family == "gpt_oss" && f.variant == "mxfp4").unwrap();
+    let cpu_model = Model::open(&f.model, ExpertPlacement::Mapped).unwrap();
+    let moe = cpu_model.cfg.moe.clone().unwrap();
+    let slot_bytes: usize = match &cpu_model.weights.layers[0].ffn {
+        ts_model::tensors::Ffn::Moe(m) => [&m.gate_exps, &m.up_exps, &m.down_exps]
+            .iter()
+            .map(|t| (t.row_bytes() * t.n_rows()).div_ceil(256) * 256)
+            .sum(),
+        _ => unreachable!("gpt-oss layers are MoE"),
+    };
+    drop(cpu_model);
+    let open = |packed_host: bool| {
+        let opts = ts_cuda::CudaOptions {
+            expert_cache: Some(((moe.n_expert_used + 1) * slot_bytes) as u64),
+            misses: ts_cuda::tier::MissPath::Cpu { share: Some(0.5) },
+            packed_host,
+            ..Default::default()
+        };
+        let mut model = Model::open(&f.model, ExpertPlacement::Mapped)
+            .unwrap()
+            .into_backend(|m| Cuda::with_options(0, m, &opts))
+            .unwrap();
+        model.prefetch_experts = true;
+        model
+    };
+    let (gguf, packed) = (open(false), open(true));
+    let source = |m: &Model<Cuda>| m.backend.expert_stats().unwrap().source;
+    assert!(source(&packed).contains("packed layout"), "the host copy was not packed: {}", source(&packed));
+    assert!(!source(&gguf).contains("packed layout"));
+    // A prompt of 64 rows: every expert through the copies, none on the CPU.
+    let prompt = |m: &Model<Cuda>| {
+        let mut seq = m.new_sequence(f.golden.tokens.len(), 64).unwrap();
+        let rows: Vec<Row> =
+            f.golden.tokens.iter().enumerate().map(|(pos, &t)| Row { token: t, pos, seq: 0, logits: true }).collect();
+        m.forward(&rows, &mut [&mut seq], &mut m.backend.scratch(false)).unwrap()
+    };
+    assert!(prompt(&packed) == prompt(&gguf), "prompt logits differ with the host copy packed");
+    // Decode as the engine runs a step (in its pool, through `run_step`): misses on the CPU.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+    let mut seq = packed.new_sequence(f.golden.tokens.len(), 1).unwrap();
+    let mut scratch = packed.backend.scratch(false);
+    let mut decode = Vec::new();
+    for (pos, &t) in f.golden.tokens.iter().enumerate() {
+        let row = Row { token: t, pos, seq: 0, logits: true };
+        let step = || packed.backend.run_step(1, || packed.forward(&[row], &mut [&mut seq], &mut scratch));
+        decode.extend(pool.install(step).unwrap());
+    }
+    let st = packed.backend.expert_stats().unwrap().total();
+    assert!(st.on_host > 0 && st.bytes_read > 0, "no expert computed on the CPU or copied: {st:?}");
+    let cmp = f.golden.compare(&decode);
+    let median = cmp.median_rel_err();
+    println!("gpt_oss/mxfp4, host copy packed: decode {cmp}, median {median:.2e}; on the CPU {}", st.on_host);
+    assert!(median <= eight_bit_bound("gpt_oss", "mxfp4"), "decode: median {median:.2e}");
+}
+
 /// Most likely token and its margin over the second.
 fn top2(logits: &[f32]) -> (u32, f32) {
     let mut order: Vec<usize> = (0..logits.len()).collect();

@@ -468,6 +468,8 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
             ExpertMisses::Copy => ts_cuda::tier::MissPath::Copy,
             ExpertMisses::Auto => ts_cuda::tier::MissPath::Auto,
         };
+        // A measurement knob until a lease compares the two layouts (docs/BENCHMARKS.md).
+        opts.packed_host = std::env::var_os("TURBOSPARK_TIER_PACKED_HOST").is_some();
         eprintln!(
             "experts: {:.1} GiB of VRAM cache over {}",
             bytes as f64 / (1u64 << 30) as f64,
