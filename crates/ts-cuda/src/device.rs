@@ -198,11 +198,7 @@ impl Gpu {
         smem: u32,
         params: &P,
     ) -> Result<(), CudaError> {
-        let f = self.func(name)?;
-        let mut value = *params;
-        let mut args = [&mut value as *mut P as *mut c_void];
-        let launch = LaunchShape { grid, block, smem, stream, dependent: false };
-        self.launch_shaped(name, f, &launch, &mut args)
+        self.launch_struct(name, &LaunchShape { grid, block, smem, stream, dependent: false }, params)
     }
 
     /// Launches kernel `name`, whose one parameter is the `#[repr(C)]` struct `params`
@@ -214,10 +210,17 @@ impl Gpu {
         block: (u32, u32, u32),
         params: &P,
     ) -> Result<(), CudaError> {
+        let launch =
+            LaunchShape { grid, block, smem: 0, stream: self.launch_stream(), dependent: self.dependent_launch };
+        self.launch_struct(name, &launch, params)
+    }
+
+    /// Launches kernel `name` with the one struct parameter `params` as `launch` says.
+    fn launch_struct<P: Copy>(&self, name: &str, launch: &LaunchShape<'_>, params: &P) -> Result<(), CudaError> {
         let f = self.func(name)?;
         let mut value = *params;
         let mut args = [&mut value as *mut P as *mut c_void];
-        self.launch_raw(name, f, grid, block, 0, &mut args)
+        self.launch_shaped(name, f, launch, &mut args)
     }
 
     /// Launches `f` with `params` (pointers to each parameter's value) on the launch stream;
