@@ -80,6 +80,20 @@ pub fn set_decode_prefetch(ask: Option<bool>) {
     );
 }
 
+/// What [`decode_asks_ahead`] does now, in words (for the load's report).
+pub fn decode_prefetch_text() -> &'static str {
+    match DECODE_PREFETCH.load(Ordering::Relaxed) {
+        1 => "every packed format asks for its weights ahead (--decode-prefetch on)",
+        2 => "no packed format asks for its weights ahead (--decode-prefetch off)",
+        _ if intel_processor() => {
+            "every packed format asks for its weights ahead (an Intel processor; --decode-prefetch)"
+        }
+        _ => {
+            "MXFP4 and the 32-element formats ask for their weights ahead, K-quants and Q8_0 do not (not an Intel processor; --decode-prefetch)"
+        }
+    }
+}
+
 /// Whether a one-row product's pass asks for the weights ahead, for a format whose own choice
 /// is `format_asks` (the tile macros' `decode_ahead`), unless `--decode-prefetch` says. Intel
 /// processors ask in every format: on a 16-core Xeon (read 12 GB/s on one thread) qwen3-30b-a3b's

@@ -47,7 +47,7 @@ pub mod work_time;
 
 pub use activations::{QuantizedRows, quantize_q8_runtime};
 use dispatch::Layout;
-pub use dispatch::{FinishHidden, GatedMatvec, Isa, Matvec, set_decode_prefetch};
+pub use dispatch::{FinishHidden, GatedMatvec, Isa, Matvec, decode_prefetch_text, set_decode_prefetch};
 pub use ts_gguf::GgmlType;
 
 /// Why a quantization or multiplication was refused.

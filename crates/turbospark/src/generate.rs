@@ -545,8 +545,18 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs, mtp: MtpHead) -> Result<(E
         MtpHead::Keep => ts_engine::speculative::check_mtp(&engine)?,
         MtpHead::Drop => engine.model.weights.mtp = None,
     }
+    if args.decode_prefetch != Prefetch::Auto && (args.no_repack || args.exact_activations) {
+        let why = if args.no_repack { "--no-repack" } else { "--exact-activations" };
+        bail!("--decode-prefetch applies to repacked weights, which {why} leaves out");
+    }
+    ts_cpu::set_decode_prefetch(match args.decode_prefetch {
+        Prefetch::Auto => None,
+        Prefetch::On => Some(true),
+        Prefetch::Off => Some(false),
+    });
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
         let n = engine.model.pack_experts();
+        let experts_packed = n > 0;
         if n > 0 {
             let when = if engine.model.experts.kind() == "stream" { " as they are read" } else { "" };
             eprintln!("experts: {n} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)");
@@ -560,18 +570,12 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs, mtp: MtpHead) -> Result<(E
         if left > 0 {
             eprintln!("dense: {left} matrices left in the file's layout: not enough memory to copy them");
         }
+        if experts_packed || n > 0 {
+            eprintln!("decode: {}", ts_cpu::decode_prefetch_text());
+        }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
         bail!("--no-repack applies to weights the CPU computes with, not to --device cuda");
     }
-    if args.decode_prefetch != Prefetch::Auto && (args.no_repack || args.exact_activations) {
-        let why = if args.no_repack { "--no-repack" } else { "--exact-activations" };
-        bail!("--decode-prefetch applies to repacked weights, which {why} leaves out");
-    }
-    ts_cpu::set_decode_prefetch(match args.decode_prefetch {
-        Prefetch::Auto => None,
-        Prefetch::On => Some(true),
-        Prefetch::Off => Some(false),
-    });
     // On the GPU the VRAM expert cache prefetches (from pinned RAM, or through the store).
     let gpu_cache = cuda.expert_cache.is_some();
     engine.model.prefetch_experts = match args.expert_prefetch {
