@@ -28,7 +28,10 @@ if [[ $what == queue-worker ]]; then
     i=0
     while [[ -f $QUEUE/$i.cmd ]]; do
         if [[ ! -f $QUEUE/$i.exit ]]; then
-            (cd "$QUEUE/$i.tree" && OUT=$QUEUE/$i.out bash -c "$(cat "$QUEUE/$i.cmd")") > "$QUEUE/$i.log" 2>&1
+            # A queued job is held by no call's time limit: it waits for the peers' builds
+            # longer (ik_llama.cpp's took about 12 minutes on 2026-12-07; `side` gave up at 420 s).
+            (cd "$QUEUE/$i.tree" && OUT=$QUEUE/$i.out PEER_WAIT_S=${PEER_WAIT_S:-1200} bash -c "$(cat "$QUEUE/$i.cmd")") \
+                > "$QUEUE/$i.log" 2>&1
             echo $? > "$QUEUE/$i.exit"
         fi
         i=$((i + 1))
@@ -165,7 +168,7 @@ synth() {
 # ik_llama.cpp's build, 87-89 without). `wait_peer_builds lc` waits for llama.cpp's only (rows
 # all on the GPU). At most PEER_WAIT_S (420) seconds in all, so that a call's 600 s limit does
 # not cut its output (2026-12-03: `side` lost every peer row so); a peer still building is
-# then left out (`peer_ready`), and a later call runs its rows.
+# then left out (`peer_ready`), and a later call runs its rows. Queued jobs wait up to 1200 s.
 wait_peer_builds() {
     local log logs=(/tmp/lcbuild.log /tmp/ikbuild.log)
     (($#)) && logs=("${@/%/build.log}") && logs=("${logs[@]/#//tmp/}")
