@@ -46,42 +46,67 @@ pub struct ResidentExperts {
     packed: Vec<[bool; 3]>,
 }
 
+/// Bytes a positioned read of [`ResidentExperts::new`] takes at most: reads run in parallel, so
+/// that the kernel's zeroing of the pages they first touch (2 MiB pages, where
+/// [`crate::ask_for_huge_pages`] got them) runs on every thread.
+const READ_PIECE: usize = 32 << 20;
+
 impl ResidentExperts {
     /// Reads every expert with positioned reads (not through the map, so the
-    /// copies are the only place the bytes count towards this process's memory).
+    /// copies are the only place the bytes count towards this process's memory), in pieces of
+    /// at most [`READ_PIECE`] bytes on rayon's threads. In a VM a first touch of fresh memory
+    /// is slow: the qwen3-30b-a3b cut's 3 GB of experts took 3.4 s of page zeroing on one
+    /// thread (docs/BENCHMARKS.md).
     pub fn new(file: &GgufFile, layout: ExpertLayout) -> Result<ResidentExperts, ExpertError> {
+        use rayon::prelude::*;
         use std::os::unix::fs::FileExt;
-        let mut data = Vec::with_capacity(layout.layers.len());
-        for (layer, l) in layout.layers.iter().enumerate() {
-            let Some(l) = l else {
-                data.push(None);
-                continue;
-            };
-            let mut projs: [Vec<u64>; 3] = Default::default();
+        // Every buffer first, asked for 2 MiB pages before anything touches it.
+        let mut data: Vec<Option<[Vec<u64>; 3]>> = layout
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref().map(|l| {
+                    l.proj.map(|p| {
+                        let words = vec![0u64; (p.expert_bytes * l.n_expert).div_ceil(8)];
+                        crate::ask_for_huge_pages(&words);
+                        words
+                    })
+                })
+            })
+            .collect();
+        // (layer, the expert the piece begins in, file offset, its bytes)
+        let mut pieces: Vec<(usize, usize, u64, &mut [u8])> = Vec::new();
+        for (layer, (l, projs)) in layout.layers.iter().zip(&mut data).enumerate() {
+            let (Some(l), Some(projs)) = (l, projs) else { continue };
             for (words, p) in projs.iter_mut().zip(l.proj) {
                 let len = p.expert_bytes * l.n_expert;
-                *words = vec![0u64; len.div_ceil(8)];
-                crate::ask_for_huge_pages(words);
-                let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
-                // Packed experts in one read; strided ones (halves of a fused tensor) one at a time.
-                let reads: Vec<(usize, u64, usize)> = if p.stride == p.expert_bytes {
+                let mut rest = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[..len];
+                // Packed experts in one run; strided ones (halves of a fused tensor) one at a time.
+                let runs: Vec<(usize, u64, usize)> = if p.stride == p.expert_bytes {
                     vec![(0, p.file_offset, len)]
                 } else {
                     (0..l.n_expert).map(|e| (e * p.expert_bytes, p.offset(e), p.expert_bytes)).collect()
                 };
-                for (at, offset, n) in reads {
-                    file.file().read_exact_at(&mut buf[at..at + n], offset).map_err(|error| ExpertError::Read {
-                        path: layout.path.clone(),
-                        layer,
-                        expert: at / p.expert_bytes.max(1),
-                        offset,
-                        len: n,
-                        error,
-                    })?;
+                for (at, offset, n) in runs {
+                    for start in (0..n).step_by(READ_PIECE) {
+                        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(READ_PIECE.min(n - start));
+                        pieces.push((layer, (at + start) / p.expert_bytes.max(1), offset + start as u64, piece));
+                        rest = tail;
+                    }
                 }
             }
-            data.push(Some(projs));
         }
+        pieces.into_par_iter().try_for_each(|(layer, expert, offset, piece)| {
+            let len = piece.len();
+            file.file().read_exact_at(piece, offset).map_err(|error| ExpertError::Read {
+                path: layout.path.clone(),
+                layer,
+                expert,
+                offset,
+                len,
+                error,
+            })
+        })?;
         let packed = vec![[false; 3]; data.len()];
         Ok(ResidentExperts { layout, data, packed })
     }
