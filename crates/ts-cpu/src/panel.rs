@@ -1162,8 +1162,8 @@ unsafe fn unpack_q6k(packed: *const u8, nb: usize, panel: *mut u8) {
 
 /// One pass of `C` activation rows over a packed Q4_0, Q4_1, Q5_0 or Q8_0 panel of `nb` blocks:
 /// per lane (weight row), the dot product as [`legacy_pass`] computes it from a built panel, bit
-/// for bit. `ahead` as for [`q4k_packed_pass`]: Q8_0's decode reads faster without the asking
-/// since its scales come first (one Zen 4 thread, alternating: Gemma 3's tied head 6.9-7.6 ms a
+/// for bit. `ahead` as for [`q4k_packed_pass`]: on a Zen 4 Q8_0's decode reads faster without
+/// the asking since its scales come first (one thread, alternating: Gemma 3's tied head 6.9-7.6 ms a
 /// step against 7.6-9.4, the gpt-oss cut's 23.5-24.2 against 24.8-25.6); Q4_0, Q4_1 and Q5_0,
 /// whose scales stay after their codes, ask in decode too (without, a Q5_0 head read faster
 /// alone but Qwen2.5's products slower in the model).
@@ -1315,13 +1315,13 @@ pub(crate) unsafe fn pack_q4k(w: &mut [u8], row_bytes: usize) {
 /// ts-quant's `scale_min_k4` does for one.
 ///
 /// `ahead`: whether to ask for the weights [`crate::simd::PREFETCH_AHEAD`] bytes ahead of the
-/// reads. Each block is read in one ascending run, which the hardware's prefetchers follow:
-/// decode reads faster without the asking, batches with it (one thread, Zen 4, the qwen3 cut,
+/// reads. Each block is read in one ascending run, which a Zen 4's prefetchers follow: there
+/// decode reads faster without the asking, batches with it (one thread, the qwen3 cut,
 /// alternating runs: decode's attention products 3.19-3.33 ms a step without against 3.88-4.08
 /// with, its Q4_K down projections faster too; 128-token prompts 429-439 tok/s with, 370-400
-/// without). With the scales after the codes, as this layout had them before, the hardware's
-/// prefetchers did not follow and decode needed the asking (docs/BENCHMARKS.md, twenty-ninth
-/// session).
+/// without). A 16-core Xeon's decode needs the asking (qwen3-30b-a3b 1.2-1.4x faster with it),
+/// so [`decode_asks_ahead`] decides per processor (docs/BENCHMARKS.md, twenty-ninth and
+/// thirtieth sessions).
 ///
 /// # Safety
 /// Needs AVX-512 VNNI; `panel` holds `nb` packed super-blocks and the rows of `a` as many Q8_K

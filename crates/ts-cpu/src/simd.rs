@@ -24,8 +24,8 @@ pub(crate) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     unsafe { prefetch_ahead_into::<_MM_HINT_T1>(p, len) }
 }
 
-/// [`prefetch_ahead`] into L1, for the packed Q4_0, Q4_1, Q5_0 and Q8_0 passes (Q8_0's in batches
-/// only since its scales moved before its quants, 2026-12-07): on the 2-core
+/// [`prefetch_ahead`] into L1, for the packed Q4_0, Q4_1, Q5_0 and Q8_0 passes (Q8_0's decode
+/// only where `dispatch::decode_asks_ahead` says, since its scales moved before its quants): on the 2-core
 /// AMD EPYC (Zen 4) one thread read a packed Q8_0 head of 201088x2880 from memory at 27-29 GB/s
 /// with L1 prefetches against 23-24 with L2 ones (MXFP4's pass, left on L2, 25-26 against
 /// 26-27), and one thread's decode of the gpt-oss cut went from 20.4 to 22.2-24.8 tokens/s

@@ -555,11 +555,12 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs, mtp: MtpHead) -> Result<(E
         Prefetch::Off => Some(false),
     });
     if global.device()? == crate::Device::Cpu && !args.exact_activations && !args.no_repack {
-        let n = engine.model.pack_experts();
-        let experts_packed = n > 0;
-        if n > 0 {
+        let n_experts = engine.model.pack_experts();
+        if n_experts > 0 {
             let when = if engine.model.experts.kind() == "stream" { " as they are read" } else { "" };
-            eprintln!("experts: {n} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)");
+            eprintln!(
+                "experts: {n_experts} matrices repacked for the CPU's kernels{when} (--no-repack keeps the GGUF layout)"
+            );
         }
         // Within the memory the process may still take: the copies replace mapped pages.
         let budget = available_memory().map_or(u64::MAX, |a| a.saturating_sub(ts_engine::memory::OVERHEAD_BYTES));
@@ -570,7 +571,7 @@ pub fn load(global: &GlobalOptions, args: &ModelArgs, mtp: MtpHead) -> Result<(E
         if left > 0 {
             eprintln!("dense: {left} matrices left in the file's layout: not enough memory to copy them");
         }
-        if experts_packed || n > 0 {
+        if n_experts + n > 0 {
             eprintln!("decode: {}", ts_cpu::decode_prefetch_text());
         }
     } else if args.no_repack && global.device()? != crate::Device::Cpu {
