@@ -16,18 +16,19 @@ if ! tools/server-test/fetch-chromium.sh; then
     skip+=(--skip chat_page_in_a_browser)
     skipped+=("chat_page_in_a_browser (chromium could not be installed)")
 fi
-# The CPU's packed rows: MXFP4 and Q4_K with AVX2, and Q6_K too with AVX-512 VNNI.
+# The CPU's packed rows (MXFP4, Q4_K, Q4_0, Q4_1, Q5_0, Q8_0 with AVX2, and Q6_K too with
+# AVX-512 VNNI), packed dense matrices and their rows read back.
 if ! grep -qw avx2 /proc/cpuinfo; then
     for t in packed_rows_match_the_gguf_rows packed_experts_match_transformers_and_the_gguf_layout \
-        packed_experts_match_the_gguf_layout_across_placements; do
+        packed_experts_match_the_gguf_layout_across_placements packed_dense_matrices_match_transformers_and_the_gguf_layout \
+        packed_rows_read_back_as_gguf_blocks; do
         skip+=(--skip "$t")
         skipped+=("$t (this CPU has no AVX2)")
     done
 fi
-# The 16-row packed layouts of dense matrices (Q5_0, Q8_0) and their rows read back: AVX-512 VNNI.
+# The device's unpacking of the 16-row MXFP4 panels: AVX-512 VNNI.
 if ! grep -qw avx512_vnni /proc/cpuinfo; then
-    for t in packed_dense_matrices_match_transformers_and_the_gguf_layout packed_rows_read_back_as_gguf_blocks \
-        unpacking_kernel_indexing_restores_gguf_rows; do
+    for t in unpacking_kernel_indexing_restores_gguf_rows; do
         skip+=(--skip "$t")
         skipped+=("$t (this CPU has no AVX-512 VNNI)")
     done

@@ -173,6 +173,29 @@ fn packer(isa: Isa, ty: GgmlType, n_out: usize) -> Option<PackFn> {
     (isa.is_available() && n_out.is_multiple_of(PANEL_ROWS)).then_some(packed.0)
 }
 
+/// Reads one row's GGUF block back from a packed block: `(ty, packed block, row, out)`, false
+/// for a type whose packing it does not read back.
+pub(crate) type PackedRowFn = fn(GgmlType, &[u8], usize, &mut [u8]) -> bool;
+
+/// The rows per packed panel of `isa` and the reader of single rows from its packed blocks
+/// (Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4), where `isa` packs.
+pub(crate) fn packed_row_reader(isa: Isa) -> Option<(usize, PackedRowFn)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::{panel, panel_avx2};
+        match isa {
+            Isa::Avx512 => Some((panel::ROWS, panel::gguf_block_of_packed as PackedRowFn)),
+            Isa::Avx2 => Some((panel_avx2::ROWS, panel_avx2::gguf_block_of_packed as PackedRowFn)),
+            Isa::Scalar => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        None
+    }
+}
+
 /// Repacks `w` (`n_out` rows of `ty`, `k` elements each) in place for the `Packed` layout, if
 /// [`packs`] says so; returns whether it did.
 pub(crate) fn pack(isa: Isa, ty: GgmlType, w: &mut [u8], n_out: usize, k: usize) -> Result<bool, CpuError> {

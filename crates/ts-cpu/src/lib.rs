@@ -107,23 +107,32 @@ pub fn matmul_strided(
 }
 
 /// Whether [`pack_rows`] repacks `n_out` rows of `weight_ty` on this CPU (whole multiples of 16
-/// rows: MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512 VNNI, MXFP4 and Q4_K on AVX2).
+/// rows: MXFP4, Q4_K, Q4_0, Q4_1, Q5_0 and Q8_0, and on AVX-512 VNNI Q6_K).
 pub fn packs(weight_ty: GgmlType, n_out: usize) -> bool {
     dispatch::packs(Isa::detect(), weight_ty, n_out)
 }
 
-/// Whether a matrix's one-row products are faster repacked: worth repacking streamed experts
-/// as they are read, and an output head at load. MXFP4, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512
-/// VNNI (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache
+/// Whether a matrix's one-row products are faster repacked: worth repacking an output head
+/// and a layer's dense matrices at load. MXFP4, Q4_0, Q4_1, Q5_0 and Q8_0. On AVX-512 VNNI
+/// (`matmul_bench --packed`, one thread, Zen 4: MXFP4 222 -> 66-87 us; 4864x896 in cache
 /// Q4_0 82 -> 31, Q4_1 100 -> 35, Q5_0 118 -> 44, Q8_0 85 -> 52; a 49152x576 Q4_1 matrix from
 /// memory 783 -> 446 us; a 151936x896 head from memory Q5_0 24 -> 33-36 GB/s, Q8_0 28-31
-/// -> 35-36, at or above a plain read). Q4_K's and Q6_K's one-row kernels are as fast on their
-/// blocks (memory-bound), so repacking them pays only for batches; on AVX2 the readers'
-/// repacking cost more than MXFP4's faster decode gained (gpt-oss 6 layers streamed under 2
-/// GiB, 2 cores: 8.0 / 9.8 tok/s repacked, 10.6 / 10.3 not).
+/// -> 35-36, at or above a plain read). On AVX2 (a 151936x1024 matrix from memory, one thread
+/// on a 2-vCPU AMD EPYC without AVX-512, two runs: Q4_0 9.9 / 13.5 -> 16.9 / 20.3 GB/s, Q4_1
+/// 9.5 / 12.9 -> 17.6 / 16.1, Q5_0 7.8 / 10.9 -> 18.7 / 18.1, Q8_0 13.7 / 12.8 -> 16.0 / 17.2,
+/// MXFP4 9.3 -> 14.5, against a plain read's 17-20). Q4_K's and Q6_K's one-row kernels are as
+/// fast on their blocks (memory-bound), so repacking them pays only for batches.
 pub fn packed_row_is_faster(weight_ty: GgmlType) -> bool {
     matches!(weight_ty, GgmlType::MXFP4 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0)
-        && Isa::detect() == Isa::Avx512
+        && matches!(Isa::detect(), Isa::Avx512 | Isa::Avx2)
+}
+
+/// Whether streamed experts are repacked as each is read ([`packed_row_is_faster`]'s types on
+/// AVX-512 VNNI): they serve mostly decode, and on AVX2 the readers' repacking cost more than
+/// MXFP4's faster decode gained (gpt-oss 6 layers streamed under 2 GiB, 2 cores: 8.0 / 9.8
+/// tok/s repacked, 10.6 / 10.3 not).
+pub fn repacks_as_read(weight_ty: GgmlType) -> bool {
+    packed_row_is_faster(weight_ty) && Isa::detect() == Isa::Avx512
 }
 
 /// Whether a layer's dense matrices (projections, dense FFNs) are worth repacking at load:
@@ -167,27 +176,19 @@ pub fn packed_row(
         return Err(CpuError::RowOutOfRange { row: r, m: n_out });
     }
     let not_packed = CpuError::NotPacked { ty: weight_ty, n_out, isa: Isa::detect() };
-    // The 16-row layouts of AVX-512 VNNI (AVX2's own are not read back).
-    if !packs(weight_ty, n_out) || Isa::detect() != Isa::Avx512 {
+    if !packs(weight_ty, n_out) {
         return Err(not_packed);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (rows, panel_block) = (panel::ROWS, panel::ROWS * block_bytes);
-        let panel = &w[r / rows * rows * row_bytes..][..rows * row_bytes];
-        out.resize(row_bytes, 0);
-        for (b, dst) in out.chunks_exact_mut(block_bytes).enumerate() {
-            if !panel::gguf_block_of_packed(weight_ty, &panel[b * panel_block..][..panel_block], r % rows, dst) {
-                return Err(not_packed);
-            }
+    let Some((rows, read)) = dispatch::packed_row_reader(Isa::detect()) else { return Err(not_packed) };
+    let panel_block = rows * block_bytes;
+    let panel = &w[r / rows * rows * row_bytes..][..rows * row_bytes];
+    out.resize(row_bytes, 0);
+    for (b, dst) in out.chunks_exact_mut(block_bytes).enumerate() {
+        if !read(weight_ty, &panel[b * panel_block..][..panel_block], r % rows, dst) {
+            return Err(not_packed);
         }
-        Ok(())
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = out;
-        Err(not_packed)
-    }
+    Ok(())
 }
 
 /// [`matmul_strided`] for rows repacked by [`pack_rows`]: the same products, for any number

@@ -26,7 +26,7 @@ use crate::panel::transpose8;
 use crate::simd::{Avx2, prefetch_ahead, read_u32};
 
 /// Weight rows per panel: one 32-bit lane of a 256-bit vector each.
-const ROWS: usize = 8;
+pub(crate) const ROWS: usize = 8;
 
 /// Bytes per block in a panel: 8 steps of 32 bytes, then f32 scales and mins per row.
 const BLOCK: usize = 8 * 32 + 2 * 4 * ROWS;
@@ -60,6 +60,10 @@ pub(crate) fn packed(ty: GgmlType) -> Option<(PackFn, TileFn)> {
     match ty {
         GgmlType::MXFP4 => Some((pack_mxfp4 as PackFn, packed_tile::<PackedMxfp4> as TileFn)),
         GgmlType::Q4_K => Some((pack_q4k as PackFn, packed_tile::<PackedQ4K> as TileFn)),
+        GgmlType::Q4_0 => Some((pack_legacy::<Q4_0> as PackFn, packed_tile::<PackedLegacy<Q4_0>> as TileFn)),
+        GgmlType::Q4_1 => Some((pack_legacy::<Q4_1> as PackFn, packed_tile::<PackedLegacy<Q4_1>> as TileFn)),
+        GgmlType::Q5_0 => Some((pack_legacy::<Q5_0> as PackFn, packed_tile::<PackedLegacy<Q5_0>> as TileFn)),
+        GgmlType::Q8_0 => Some((pack_legacy::<Q8_0> as PackFn, packed_tile::<PackedLegacy<Q8_0>> as TileFn)),
         _ => None,
     }
 }
@@ -193,48 +197,109 @@ impl<F: Format> PanelPass for Legacy<F> {
     const COLS: usize = 3;
     #[inline(always)]
     unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        let (a_bytes, a_qs) = F::ACT_BLOCK;
-        let signed = signed::<F>();
-        let widen = if signed { 1 } else { steps_per_widening(F::MAX_UNSIGNED as usize) };
-        unsafe {
-            let ones = _mm256_set1_epi16(1);
-            let mut acc = [_mm256_setzero_ps(); C];
-            for b in 0..nb {
-                let block = panel.add(b * BLOCK);
-                // Each lane is a whole row's sum: the offset times the block's sum comes off once.
-                let mut sums: [__m256i; C] = std::array::from_fn(|c| match F::OFFSET_LOG2 {
-                    Some(log2) if !signed => _mm256_set1_epi32(*a[c].neg_sums.add(b) << log2),
-                    _ => _mm256_setzero_si256(),
-                });
-                for s0 in (0..8).step_by(widen) {
-                    let mut pairs = [_mm256_setzero_si256(); C];
-                    for s in s0..s0 + widen {
-                        let wv = _mm256_load_si256(block.add(32 * s).cast());
-                        let uw = if signed { _mm256_abs_epi8(wv) } else { wv };
-                        for c in 0..C {
-                            let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
-                            let av = if signed { _mm256_sign_epi8(av, wv) } else { av };
-                            pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(uw, av));
-                        }
-                    }
+        unsafe { legacy_pass::<F, Self, C>(panel, nb, a) }
+    }
+}
+
+/// Where a legacy pass finds each block's steps (four elements of each of the 8 rows, as
+/// [`Legacy`]'s panel holds them: unsigned values, or signed ones for Q8_0), scales and mins:
+/// a panel built per batch, or rows packed once at load ([`PackedLegacy`]).
+trait LegacyBlocks<F: Format> {
+    /// Bytes per block.
+    const BLOCK: usize;
+    /// Whether the pass asks for the blocks ahead: packed rows stream from memory, a built
+    /// panel is in the cache.
+    const AHEAD: bool;
+    /// Step `s` (< 8) of the block at `block`.
+    ///
+    /// # Safety
+    /// Needs AVX2; `block` points at a whole block.
+    unsafe fn step(block: *const u8, s: usize) -> __m256i;
+    /// The rows' scales.
+    ///
+    /// # Safety
+    /// Needs AVX2 and F16C; `block` points at a whole block.
+    unsafe fn scales(block: *const u8) -> __m256;
+    /// The rows' mins (formats with a min).
+    ///
+    /// # Safety
+    /// As [`LegacyBlocks::scales`].
+    unsafe fn mins(block: *const u8) -> __m256;
+}
+
+impl<F: Format> LegacyBlocks<F> for Legacy<F> {
+    const BLOCK: usize = BLOCK;
+    const AHEAD: bool = false;
+    #[inline(always)]
+    unsafe fn step(block: *const u8, s: usize) -> __m256i {
+        unsafe { _mm256_load_si256(block.add(32 * s).cast()) }
+    }
+    #[inline(always)]
+    unsafe fn scales(block: *const u8) -> __m256 {
+        unsafe { _mm256_load_ps(block.add(256).cast()) }
+    }
+    #[inline(always)]
+    unsafe fn mins(block: *const u8) -> __m256 {
+        unsafe { _mm256_load_ps(block.add(256 + 4 * ROWS).cast()) }
+    }
+}
+
+/// One pass of `C` activation rows over `nb` blocks of a legacy format `F` laid out as `B`
+/// says: per lane (weight row), its dot product with each activation row. The integer sums
+/// and the float steps are the same for every `B` holding the same rows.
+///
+/// # Safety
+/// Needs AVX2, FMA and F16C; `panel` holds `nb` blocks of `B` and the rows of `a` as many.
+#[inline(always)]
+unsafe fn legacy_pass<F: Format, B: LegacyBlocks<F>, const C: usize>(
+    panel: *const u8,
+    nb: usize,
+    a: &[ARow; C],
+) -> [__m256; C] {
+    let (a_bytes, a_qs) = F::ACT_BLOCK;
+    let signed = signed::<F>();
+    let widen = if signed { 1 } else { steps_per_widening(F::MAX_UNSIGNED as usize) };
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let block = panel.add(b * B::BLOCK);
+            if B::AHEAD {
+                prefetch_ahead(block, B::BLOCK);
+            }
+            // Each lane is a whole row's sum: the offset times the block's sum comes off once.
+            let mut sums: [__m256i; C] = std::array::from_fn(|c| match F::OFFSET_LOG2 {
+                Some(log2) if !signed => _mm256_set1_epi32(*a[c].neg_sums.add(b) << log2),
+                _ => _mm256_setzero_si256(),
+            });
+            for s0 in (0..8).step_by(widen) {
+                let mut pairs = [_mm256_setzero_si256(); C];
+                for s in s0..s0 + widen {
+                    let wv = B::step(block, s);
+                    let uw = if signed { _mm256_abs_epi8(wv) } else { wv };
                     for c in 0..C {
-                        sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], ones));
+                        let av = _mm256_set1_epi32(read_u32(a[c].q.add(b * a_bytes + a_qs + 4 * s)) as i32);
+                        let av = if signed { _mm256_sign_epi8(av, wv) } else { av };
+                        pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(uw, av));
                     }
                 }
-                let scales = _mm256_load_ps(block.add(256).cast());
                 for c in 0..C {
-                    let d = _mm256_mul_ps(scales, _mm256_set1_ps(*a[c].d.add(b)));
-                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
-                }
-                if F::OFFSET_LOG2.is_none() {
-                    let mins = _mm256_load_ps(block.add(256 + 4 * ROWS).cast());
-                    for c in 0..C {
-                        acc[c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*a[c].s.add(b)), acc[c]);
-                    }
+                    sums[c] = _mm256_add_epi32(sums[c], _mm256_madd_epi16(pairs[c], ones));
                 }
             }
-            acc
+            let scales = B::scales(block);
+            for c in 0..C {
+                let d = _mm256_mul_ps(scales, _mm256_set1_ps(*a[c].d.add(b)));
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[c]), d, acc[c]);
+            }
+            if F::OFFSET_LOG2.is_none() {
+                let mins = B::mins(block);
+                for c in 0..C {
+                    acc[c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(*a[c].s.add(b)), acc[c]);
+                }
+            }
         }
+        acc
     }
 }
 
@@ -650,4 +715,268 @@ unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[AR
         }
         acc
     }
+}
+
+/// A 32-element block format packed in place at load, 8 rows (a panel) at a time, at the same
+/// size ([`pack_legacy`]): per block of a panel the rows' codes as the steps of [`Legacy`]'s
+/// panel, transposed by dwords, and their f16 scales (and mins): what [`Legacy`]'s `build`
+/// makes per batch (a gather and a transposition a block), done once.
+trait PackedLegacyFormat: Format {
+    /// Where a packed block keeps its rows' f16 scales.
+    const PACKED_SCALES: usize;
+    /// Where it keeps their f16 mins (formats with a min).
+    const PACKED_MINS: usize = 0;
+    /// The batch from which a tile unpacks each packed panel into [`Legacy`]'s once: where a
+    /// step costs more than a load, passes of 3 activation rows would redo it.
+    const UNPACK_FROM: usize;
+    /// Step `s` (< 8) of a packed block, as [`Legacy`]'s panel holds it.
+    ///
+    /// # Safety
+    /// Needs AVX2; `block` points at a whole packed block.
+    unsafe fn packed_step(block: *const u8, s: usize) -> __m256i;
+    /// The 8 rows' blocks `blocks` packed into `out` (`ROWS * BYTES` bytes).
+    fn pack_block(blocks: &[&[u8]; ROWS], out: &mut [u8]);
+    /// Row `r`'s GGUF block back from the packed block `packed`, into `out`.
+    fn gguf_block(packed: &[u8], r: usize, out: &mut [u8]);
+}
+
+/// Where a packed 4-bit block keeps its codes: vector `i < 4` holds each row's code bytes
+/// `4 i..4 i + 4` (`[i][row][4 bytes]`), so its low nibbles are step `i` and its high ones
+/// step `4 + i` (elements `j` and `16 + j` share byte `j`).
+const NIBBLE_CODES: usize = 0;
+
+/// Step `s` of the 4-bit codes at `codes` ([`NIBBLE_CODES`]).
+///
+/// # Safety
+/// Needs AVX2; `codes` points at 128 readable bytes.
+#[inline(always)]
+unsafe fn nibble_step(codes: *const u8, s: usize) -> __m256i {
+    unsafe {
+        let v = _mm256_loadu_si256(codes.add(32 * (s % 4)).cast());
+        let v = if s < 4 { v } else { _mm256_srli_epi16::<4>(v) };
+        _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
+    }
+}
+
+/// The code bytes of 8 rows' blocks (16 each, at `at` in each block) into [`NIBBLE_CODES`]'s
+/// layout, and back.
+fn pack_nibbles(blocks: &[&[u8]; ROWS], at: usize, out: &mut [u8]) {
+    for (r, blk) in blocks.iter().enumerate() {
+        for i in 0..4 {
+            out[NIBBLE_CODES + 32 * i + 4 * r..][..4].copy_from_slice(&blk[at + 4 * i..][..4]);
+        }
+    }
+}
+
+fn unpack_nibbles(packed: &[u8], r: usize, out: &mut [u8]) {
+    for i in 0..4 {
+        out[4 * i..][..4].copy_from_slice(&packed[NIBBLE_CODES + 32 * i + 4 * r..][..4]);
+    }
+}
+
+/// The 8 rows' f16 values at `at` of each block (scales or mins) side by side at `to`.
+fn pack_halves(blocks: &[&[u8]; ROWS], at: usize, out: &mut [u8], to: usize) {
+    for (r, blk) in blocks.iter().enumerate() {
+        out[to + 2 * r..][..2].copy_from_slice(&blk[at..][..2]);
+    }
+}
+
+/// Q4_0: codes, then the rows' scales.
+impl PackedLegacyFormat for Q4_0 {
+    const PACKED_SCALES: usize = 128;
+    const UNPACK_FROM: usize = 8;
+    #[inline(always)]
+    unsafe fn packed_step(block: *const u8, s: usize) -> __m256i {
+        unsafe { nibble_step(block.add(NIBBLE_CODES), s) }
+    }
+    fn pack_block(blocks: &[&[u8]; ROWS], out: &mut [u8]) {
+        pack_nibbles(blocks, 2, out);
+        pack_halves(blocks, 0, out, Self::PACKED_SCALES);
+    }
+    fn gguf_block(packed: &[u8], r: usize, out: &mut [u8]) {
+        out[..2].copy_from_slice(&packed[Self::PACKED_SCALES + 2 * r..][..2]);
+        unpack_nibbles(packed, r, &mut out[2..]);
+    }
+}
+
+/// Q4_1: codes, then the rows' scales, then their mins.
+impl PackedLegacyFormat for Q4_1 {
+    const PACKED_SCALES: usize = 128;
+    const PACKED_MINS: usize = 144;
+    const UNPACK_FROM: usize = 8;
+    #[inline(always)]
+    unsafe fn packed_step(block: *const u8, s: usize) -> __m256i {
+        unsafe { nibble_step(block.add(NIBBLE_CODES), s) }
+    }
+    fn pack_block(blocks: &[&[u8]; ROWS], out: &mut [u8]) {
+        pack_nibbles(blocks, 4, out);
+        pack_halves(blocks, 0, out, Self::PACKED_SCALES);
+        pack_halves(blocks, 2, out, Self::PACKED_MINS);
+    }
+    fn gguf_block(packed: &[u8], r: usize, out: &mut [u8]) {
+        out[..2].copy_from_slice(&packed[Self::PACKED_SCALES + 2 * r..][..2]);
+        out[2..4].copy_from_slice(&packed[Self::PACKED_MINS + 2 * r..][..2]);
+        unpack_nibbles(packed, r, &mut out[4..]);
+    }
+}
+
+/// Where a packed Q5_0 block keeps its fifth bits: byte `4 r + e` holds in bit `s` row `r`'s
+/// fifth bit of element `e` of step `s` (its `qh` bit `4 s + e`), so one shift and one mask
+/// give a step's bits in place (0x10).
+const Q5_0_FIFTH: usize = 128;
+
+/// Q5_0: codes, the fifth bits, then the rows' scales.
+impl PackedLegacyFormat for Q5_0 {
+    const PACKED_SCALES: usize = 160;
+    const UNPACK_FROM: usize = 6;
+    #[inline(always)]
+    unsafe fn packed_step(block: *const u8, s: usize) -> __m256i {
+        unsafe {
+            let fifth = _mm256_loadu_si256(block.add(Q5_0_FIFTH).cast());
+            // Bit s of each byte to bit 4: bits moved in from the neighbouring byte of a
+            // 16-bit lane land below bit 4 (left shifts of at most 4) or above it (right
+            // shifts of at most 3), and the mask drops them.
+            let at4 = match s {
+                0 => _mm256_slli_epi16::<4>(fifth),
+                1 => _mm256_slli_epi16::<3>(fifth),
+                2 => _mm256_slli_epi16::<2>(fifth),
+                3 => _mm256_slli_epi16::<1>(fifth),
+                4 => fifth,
+                5 => _mm256_srli_epi16::<1>(fifth),
+                6 => _mm256_srli_epi16::<2>(fifth),
+                _ => _mm256_srli_epi16::<3>(fifth),
+            };
+            _mm256_or_si256(nibble_step(block.add(NIBBLE_CODES), s), _mm256_and_si256(at4, _mm256_set1_epi8(0x10)))
+        }
+    }
+    fn pack_block(blocks: &[&[u8]; ROWS], out: &mut [u8]) {
+        pack_nibbles(blocks, 6, out);
+        for (r, blk) in blocks.iter().enumerate() {
+            let qh = u32::from_le_bytes(blk[2..6].try_into().expect("4 bytes"));
+            for e in 0..4 {
+                out[Q5_0_FIFTH + 4 * r + e] =
+                    (0..8).fold(0u8, |byte, s| byte | ((((qh >> (4 * s + e)) & 1) as u8) << s));
+            }
+        }
+        pack_halves(blocks, 0, out, Self::PACKED_SCALES);
+    }
+    fn gguf_block(packed: &[u8], r: usize, out: &mut [u8]) {
+        out[..2].copy_from_slice(&packed[Self::PACKED_SCALES + 2 * r..][..2]);
+        let mut qh = 0u32;
+        for e in 0..4 {
+            let byte = packed[Q5_0_FIFTH + 4 * r + e];
+            for s in 0..8 {
+                qh |= (((byte >> s) & 1) as u32) << (4 * s + e);
+            }
+        }
+        out[2..6].copy_from_slice(&qh.to_le_bytes());
+        unpack_nibbles(packed, r, &mut out[6..]);
+    }
+}
+
+/// Where a packed Q8_0 block keeps its codes: the rows' scales come first, so that a pass
+/// reads the block in one ascending run; vector `s` holds each row's quants `4 s..4 s + 4`.
+const Q8_0_CODES: usize = 16;
+
+/// Q8_0: the rows' scales, then their signed quants by steps.
+impl PackedLegacyFormat for Q8_0 {
+    const PACKED_SCALES: usize = 0;
+    /// Its steps are loads, as a built panel's.
+    const UNPACK_FROM: usize = usize::MAX;
+    #[inline(always)]
+    unsafe fn packed_step(block: *const u8, s: usize) -> __m256i {
+        unsafe { _mm256_loadu_si256(block.add(Q8_0_CODES + 32 * s).cast()) }
+    }
+    fn pack_block(blocks: &[&[u8]; ROWS], out: &mut [u8]) {
+        pack_halves(blocks, 0, out, Self::PACKED_SCALES);
+        for (r, blk) in blocks.iter().enumerate() {
+            for s in 0..8 {
+                out[Q8_0_CODES + 32 * s + 4 * r..][..4].copy_from_slice(&blk[2 + 4 * s..][..4]);
+            }
+        }
+    }
+    fn gguf_block(packed: &[u8], r: usize, out: &mut [u8]) {
+        out[..2].copy_from_slice(&packed[Self::PACKED_SCALES + 2 * r..][..2]);
+        for s in 0..8 {
+            out[2 + 4 * s..][..4].copy_from_slice(&packed[Q8_0_CODES + 32 * s + 4 * r..][..4]);
+        }
+    }
+}
+
+/// Rows of `F` packed by [`pack_legacy`].
+struct PackedLegacy<F>(PhantomData<F>);
+
+impl<F: PackedLegacyFormat> LegacyBlocks<F> for PackedLegacy<F> {
+    const BLOCK: usize = ROWS * F::BYTES;
+    const AHEAD: bool = true;
+    #[inline(always)]
+    unsafe fn step(block: *const u8, s: usize) -> __m256i {
+        unsafe { F::packed_step(block, s) }
+    }
+    #[inline(always)]
+    unsafe fn scales(block: *const u8) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(block.add(F::PACKED_SCALES).cast())) }
+    }
+    #[inline(always)]
+    unsafe fn mins(block: *const u8) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(block.add(F::PACKED_MINS).cast())) }
+    }
+}
+
+impl<F: PackedLegacyFormat> PanelPass for PackedLegacy<F> {
+    const COLS: usize = 3;
+    #[inline(always)]
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+        unsafe { legacy_pass::<F, Self, C>(panel, nb, a) }
+    }
+}
+
+impl<F: PackedLegacyFormat> PackedPass for PackedLegacy<F> {
+    type Panel = Legacy<F>;
+    const UNPACK_FROM: usize = F::UNPACK_FROM;
+    #[inline(always)]
+    unsafe fn unpack(packed: *const u8, nb: usize, panel: *mut u8) {
+        unsafe {
+            for b in 0..nb {
+                let (block, out) = (packed.add(b * ROWS * F::BYTES), panel.add(b * BLOCK));
+                for s in 0..8 {
+                    _mm256_store_si256(out.add(32 * s).cast(), F::packed_step(block, s));
+                }
+                _mm256_store_ps(out.add(256).cast(), <Self as LegacyBlocks<F>>::scales(block));
+                if F::OFFSET_LOG2.is_none() {
+                    _mm256_store_ps(out.add(256 + 4 * ROWS).cast(), <Self as LegacyBlocks<F>>::mins(block));
+                }
+            }
+        }
+    }
+}
+
+/// Repacks rows of `F` in place, 8 rows (a panel) at a time, at the same size, into
+/// [`PackedLegacyFormat`]'s layout.
+///
+/// # Safety
+/// Needs AVX2 (as every [`PackFn`]); `w` holds whole panels of rows of `row_bytes`, a multiple
+/// of `F::BYTES`.
+unsafe fn pack_legacy<F: PackedLegacyFormat>(w: &mut [u8], row_bytes: usize) {
+    repack_panels(w, row_bytes, F::BYTES, F::pack_block);
+}
+
+/// Row `r` (< 8) of a packed panel's block `packed` (Q4_0, Q4_1, Q5_0, Q8_0 or MXFP4, as
+/// this file's packings lay them out) back as its GGUF block, into `out`; false for another
+/// type. For reading single rows (an embedding table that is also the packed output head).
+pub(crate) fn gguf_block_of_packed(ty: GgmlType, packed: &[u8], r: usize, out: &mut [u8]) -> bool {
+    match ty {
+        GgmlType::Q4_0 => Q4_0::gguf_block(packed, r, out),
+        GgmlType::Q4_1 => Q4_1::gguf_block(packed, r, out),
+        GgmlType::Q5_0 => Q5_0::gguf_block(packed, r, out),
+        GgmlType::Q8_0 => Q8_0::gguf_block(packed, r, out),
+        GgmlType::MXFP4 => {
+            out[0] = packed[128 + r];
+            for i in 0..4 {
+                out[1 + 4 * i..][..4].copy_from_slice(&packed[32 * i + 4 * r..][..4]);
+            }
+        }
+        _ => return false,
+    }
+    true
 }

@@ -361,7 +361,7 @@ fn arbitrary_weight_bytes_never_panic() {
     }
 }
 
-/// Rows repacked in place (MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q8_0 on AVX-512 VNNI; MXFP4 and Q4_K on AVX2): the same
+/// Rows repacked in place (MXFP4, Q4_K, Q4_0, Q4_1, Q5_0 and Q8_0, and on AVX-512 VNNI Q6_K): the same
 /// products as the GGUF rows, against both references (`check`) and bit for bit against the
 /// batch (panel) kernel; every row as a one-row call computes it; shapes the packing does not
 /// take are refused by name.
@@ -448,11 +448,15 @@ fn packed_rows_match_the_gguf_rows() {
 }
 
 /// Single rows of a packed matrix read back in their GGUF blocks (`packed_row`: the 16-row
-/// layouts of AVX-512 VNNI; tools/test.sh skips this test by name, and says so, elsewhere);
-/// a row past the matrix and a type it does not read back are refused by name.
+/// layouts of AVX-512 VNNI, the 8-row ones of AVX2; tools/test.sh skips this test by name, and
+/// says so, on a CPU with neither); a row past the matrix and a type it does not read back are
+/// refused by name.
 #[test]
 fn packed_rows_read_back_as_gguf_blocks() {
-    assert!(Isa::detect() == Isa::Avx512, "the 16-row packed layouts need AVX-512 VNNI, which this machine lacks");
+    assert!(
+        ts_cpu::packs(GgmlType::Q8_0, 16),
+        "the packed layouts need AVX2 or AVX-512 VNNI: this machine has neither"
+    );
     let mut rng = Rng::new(501);
     let shapes = [
         (GgmlType::Q4_0, 32, 896),

@@ -301,13 +301,13 @@ struct CpuRepack {
 }
 
 impl ts_experts::Repack for CpuRepack {
-    /// Repacked on every read only where one row gains ([`ts_cpu::packed_row_is_faster`]):
-    /// streamed experts serve mostly decode (Q4_K streamed under a memory limit decoded 6%
-    /// slower repacked: the readers' repacking shares the cores).
+    /// Repacked on every read only where that gains ([`ts_cpu::repacks_as_read`]): streamed
+    /// experts serve mostly decode (Q4_K streamed under a memory limit decoded 6% slower
+    /// repacked: the readers' repacking shares the cores).
     fn packs(&self, layer: usize, proj: usize, on_every_read: bool) -> bool {
         self.shapes.get(layer).copied().flatten().is_some_and(|s| {
             let (ty, n_rows, _) = s[proj];
-            ts_cpu::packs(ty, n_rows) && (!on_every_read || ts_cpu::packed_row_is_faster(ty))
+            ts_cpu::packs(ty, n_rows) && (!on_every_read || ts_cpu::repacks_as_read(ty))
         })
     }
 
@@ -348,8 +348,8 @@ impl Model {
     /// Repacks the routed experts the store holds in memory into the CPU's packed layout where
     /// its kernels have one ([`ts_cpu::pack_rows`]: MXFP4, Q4_K, Q6_K, Q4_0, Q4_1, Q5_0, Q8_0), so that no
     /// batch builds their panels again and decode reads them through the packed kernel:
-    /// resident ones now, streamed ones as their slots fill where one row gains
-    /// ([`ts_cpu::packed_row_is_faster`]: MXFP4, Q4_0, Q4_1, Q5_0, Q8_0). Returns how many matrices are
+    /// resident ones now, streamed ones as their slots fill where that gains
+    /// ([`ts_cpu::repacks_as_read`]: MXFP4, Q4_0, Q4_1, Q5_0, Q8_0 on AVX-512 VNNI). Returns how many matrices are
     /// (or will be) repacked. The model then stays on the CPU (`into_backend` refuses it) and
     /// needs 8-bit activations (not `--exact-activations`).
     pub fn pack_experts(&mut self) -> usize {
@@ -367,8 +367,8 @@ impl Model {
     }
 
     /// Repacks the dense matrices whose one-row products the CPU's packed kernels run faster
-    /// ([`crate::weights::pack_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX-512 VNNI, and the
-    /// layers' Q4_K and Q6_K ones) into memory the process owns: the mixers' projections, dense
+    /// ([`crate::weights::pack_for_cpu`]: Q4_0, Q4_1, Q5_0, Q8_0 and MXFP4 on AVX2 and AVX-512
+    /// VNNI, and there the layers' Q4_K and Q6_K ones too) into memory the process owns: the mixers' projections, dense
     /// and shared-expert FFNs, the output head (where it is the embedding table too, the
     /// lookups then read it back from the packed copy; not a Q4_K or Q6_K head,
     /// [`ts_cpu::dense_packed_is_faster`]), and the MTP head's.

@@ -22,10 +22,10 @@ fn run(model: &Model, tokens: &[u32], chunk: usize, scratch: &mut Scratch) -> Re
 #[test]
 fn packed_dense_matrices_match_transformers_and_the_gguf_layout() {
     use ts_gguf::GgmlType;
-    // tools/test.sh skips this test by name, and says so, on a CPU without AVX-512 VNNI.
+    // tools/test.sh skips this test by name, and says so, on a CPU without AVX2.
     assert!(
         ts_cpu::packed_row_is_faster(GgmlType::Q8_0),
-        "dense matrices are packed on AVX-512 VNNI only, which this machine lacks"
+        "dense matrices are packed on AVX2 and AVX-512 VNNI, which this machine lacks"
     );
     let (mut packed_fixtures, mut tied_packed) = (0, 0);
     for f in ts_testkit::fixtures() {

@@ -82,7 +82,7 @@ fn packed_experts_match_transformers_and_the_gguf_layout() {
         }
         packed_fixtures += 1;
     }
-    if ts_cpu::packed_row_is_faster(GgmlType::MXFP4) {
+    if ts_cpu::repacks_as_read(GgmlType::MXFP4) {
         assert!(streamed_packed >= 4, "the MXFP4 fixture streamed and repacked on fill, chunks 16 and 1");
     }
     assert!(

@@ -124,7 +124,7 @@ fn packed_experts_match_the_gguf_layout_across_placements() {
     }
     // Streamed experts are repacked as they are read only where that pays (AVX-512 VNNI); else
     // they stay in the GGUF layout and give its floats.
-    let on_read = ts_cpu::packed_row_is_faster(ts_gguf::GgmlType::MXFP4);
+    let on_read = ts_cpu::repacks_as_read(ts_gguf::GgmlType::MXFP4);
     let want = if on_read { &packed_bytes } else { &plain_bytes };
     let stream = ["--experts", "stream", "--expert-cache", "52MiB"];
     assert_eq!(*want, logits(&m, &stream, on_read));
