@@ -469,7 +469,7 @@ fn cuda_options(args: &ModelArgs, model: &std::path::Path) -> Result<ts_cuda::Cu
             ExpertMisses::Auto => ts_cuda::tier::MissPath::Auto,
         };
         // A measurement knob until a lease compares the two layouts (docs/BENCHMARKS.md).
-        opts.packed_host = std::env::var_os("TURBOSPARK_TIER_PACKED_HOST").is_some();
+        opts.packed_host = std::env::var("TURBOSPARK_TIER_PACKED_HOST").is_ok_and(|v| v.trim() != "0");
         eprintln!(
             "experts: {:.1} GiB of VRAM cache over {}",
             bytes as f64 / (1u64 << 30) as f64,
