@@ -160,8 +160,8 @@ pub(crate) enum Layout {
     Packed,
 }
 
-/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K and Q6_K on AVX-512 VNNI,
-/// MXFP4 and Q4_K on AVX2, in whole multiples of 16 rows.
+/// Whether [`pack`] repacks `n_out` rows of `ty` for `isa`: MXFP4, Q4_K, Q4_0, Q4_1, Q5_0 and
+/// Q8_0 on AVX2 and AVX-512 VNNI, and Q6_K on AVX-512 VNNI, in whole multiples of 16 rows.
 pub(crate) fn packs(isa: Isa, ty: GgmlType, n_out: usize) -> bool {
     packer(isa, ty, n_out).is_some()
 }

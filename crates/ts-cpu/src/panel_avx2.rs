@@ -1,4 +1,5 @@
-//! Interleaved weight panels for batches on AVX2 without VNNI.
+//! Interleaved weight panels for batches on AVX2 without VNNI, and the packed layouts (weight
+//! rows repacked once at load into such panels' steps, read for any batch, decode included).
 //!
 //! A panel holds `ROWS` = 8 weight rows unpacked to unsigned bytes and interleaved four
 //! elements at a time, `[step][row][4 bytes]` (as panel.rs's, at half the width), with each
