@@ -88,6 +88,9 @@ pub fn decode_prefetch_text() -> &'static str {
         _ if intel_processor() => {
             "every packed format asks for its weights ahead (an Intel processor; --decode-prefetch)"
         }
+        _ if Isa::detect() == Isa::Avx2 => {
+            "every packed format asks for its weights ahead (the AVX2 passes; --decode-prefetch)"
+        }
         _ => {
             "MXFP4 and the 32-element formats ask for their weights ahead, K-quants and Q8_0 do not (not an Intel processor; --decode-prefetch)"
         }
@@ -99,7 +102,8 @@ pub fn decode_prefetch_text() -> &'static str {
 /// processors ask in every format: on a 16-core Xeon (read 12 GB/s on one thread) qwen3-30b-a3b's
 /// K-quant decode ran 1.43x faster at one thread and 1.18x at 16 with it; on an AMD Zen 4 the
 /// K-quant and Q8_0 passes were level or 3-12% faster without, and MXFP4 and the legacy formats
-/// faster with (docs/BENCHMARKS.md, 2026-12-07).
+/// faster with (docs/BENCHMARKS.md, 2026-12-07). The AVX2 passes (no AVX-512) all ask by their
+/// own choice (their Q8_0 without was level in the models, 2026-12-08).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn decode_asks_ahead(format_asks: bool) -> bool {
     match DECODE_PREFETCH.load(Ordering::Relaxed) {

@@ -19,7 +19,7 @@ use std::marker::PhantomData;
 use ts_gguf::GgmlType;
 
 use crate::activations::{ARow, ActView};
-use crate::dispatch::{PackFn, TileFn};
+use crate::dispatch::{PackFn, TileFn, decode_asks_ahead};
 use crate::kquants::{KFormat, Prep, Q2K, Q3K, Q4K, Q5K, Q6K, Q8K_BYTES, scales_mins_k4};
 use crate::legacy::{Format, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use crate::mxfp4::{Mxfp4, UNSIGNED_VALUES, e8m0_half_lanes};
@@ -90,11 +90,13 @@ trait PanelPass {
     /// Activation rows per pass over a panel, at most 4: as many as AVX2's 16 vector registers
     /// hold with their 16- and 32-bit sums (measured: 3 for the legacy blocks, 4 for k-quants).
     const COLS: usize;
-    /// Per lane (weight row), the dot product with each of the `C` activation rows.
+    /// Per lane (weight row), the dot product with each of the `C` activation rows. `ahead`:
+    /// whether a pass over packed rows, read from memory, asks for them ahead of its reads (a
+    /// built panel, in the cache, never does).
     ///
     /// # Safety
     /// Needs AVX2, FMA and F16C; `panel` holds `nb` blocks and the rows of `a` as many.
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C];
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C];
 }
 
 /// A kind of panel: its bytes per block and how it is built from weight rows.
@@ -115,17 +117,25 @@ trait PanelKind: PanelPass {
 /// # Safety
 /// Needs AVX2, FMA and F16C; as [`PanelPass::pass`]; every output holds `r0 + n` lanes.
 #[inline(always)]
-unsafe fn passes<P: PanelPass>(panel: *const u8, nb: usize, a: &[ARow], out: &mut [&mut [f32]], r0: usize, n: usize) {
+unsafe fn passes<P: PanelPass>(
+    panel: *const u8,
+    nb: usize,
+    a: &[ARow],
+    ahead: bool,
+    out: &mut [&mut [f32]],
+    r0: usize,
+    n: usize,
+) {
     let m = a.len();
     let mut c = 0;
     while c < m {
         let cols = (m - c).min(P::COLS);
         unsafe {
             match cols {
-                4 => store_rows(&P::pass::<4>(panel, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]]), out, c, r0, n),
-                3 => store_rows(&P::pass::<3>(panel, nb, &[a[c], a[c + 1], a[c + 2]]), out, c, r0, n),
-                2 => store_rows(&P::pass::<2>(panel, nb, &[a[c], a[c + 1]]), out, c, r0, n),
-                _ => store_rows(&P::pass::<1>(panel, nb, &[a[c]]), out, c, r0, n),
+                4 => store_rows(&P::pass::<4>(panel, nb, &[a[c], a[c + 1], a[c + 2], a[c + 3]], ahead), out, c, r0, n),
+                3 => store_rows(&P::pass::<3>(panel, nb, &[a[c], a[c + 1], a[c + 2]], ahead), out, c, r0, n),
+                2 => store_rows(&P::pass::<2>(panel, nb, &[a[c], a[c + 1]], ahead), out, c, r0, n),
+                _ => store_rows(&P::pass::<1>(panel, nb, &[a[c]], ahead), out, c, r0, n),
             }
         }
         c += cols;
@@ -156,7 +166,7 @@ unsafe fn tile<P: PanelKind>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut 
         let n = ROWS.min(rows - r0);
         unsafe {
             P::build(w.as_ptr().add(r0 * row_bytes), row_bytes, n, nb, p);
-            passes::<P>(p, nb, &a, out, r0, n);
+            passes::<P>(p, nb, &a, false, out, r0, n);
         }
     }
 }
@@ -197,8 +207,8 @@ impl<F: Format> PanelKind for Legacy<F> {
 impl<F: Format> PanelPass for Legacy<F> {
     const COLS: usize = 3;
     #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { legacy_pass::<F, Self, C>(panel, nb, a) }
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
+        unsafe { legacy_pass::<F, Self, C>(panel, nb, a, ahead) }
     }
 }
 
@@ -208,9 +218,6 @@ impl<F: Format> PanelPass for Legacy<F> {
 trait LegacyBlocks<F: Format> {
     /// Bytes per block.
     const BLOCK: usize;
-    /// Whether the pass asks for the blocks ahead: packed rows stream from memory, a built
-    /// panel is in the cache.
-    const AHEAD: bool;
     /// Step `s` (< 8) of the block at `block`.
     ///
     /// # Safety
@@ -230,7 +237,6 @@ trait LegacyBlocks<F: Format> {
 
 impl<F: Format> LegacyBlocks<F> for Legacy<F> {
     const BLOCK: usize = BLOCK;
-    const AHEAD: bool = false;
     #[inline(always)]
     unsafe fn step(block: *const u8, s: usize) -> __m256i {
         unsafe { _mm256_load_si256(block.add(32 * s).cast()) }
@@ -256,6 +262,7 @@ unsafe fn legacy_pass<F: Format, B: LegacyBlocks<F>, const C: usize>(
     panel: *const u8,
     nb: usize,
     a: &[ARow; C],
+    ahead: bool,
 ) -> [__m256; C] {
     let (a_bytes, a_qs) = F::ACT_BLOCK;
     let signed = signed::<F>();
@@ -265,7 +272,7 @@ unsafe fn legacy_pass<F: Format, B: LegacyBlocks<F>, const C: usize>(
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * B::BLOCK);
-            if B::AHEAD {
+            if ahead {
                 prefetch_ahead(block, B::BLOCK);
             }
             // Each lane is a whole row's sum: the offset times the block's sum comes off once.
@@ -363,7 +370,7 @@ impl<F: KFormat> PanelKind for KQuant<F> {
 impl<F: KFormat> PanelPass for KQuant<F> {
     const COLS: usize = 4;
     #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], _ahead: bool) -> [__m256; C] {
         let group_steps = F::GROUP / 4;
         let widen = steps_per_widening(F::MAX_UNSIGNED as usize).min(group_steps);
         unsafe {
@@ -497,7 +504,7 @@ fn repack_panels(w: &mut [u8], row_bytes: usize, block_bytes: usize, mut pack: i
 /// # Safety
 /// Needs AVX2, FMA and F16C; `panel` holds `nb` packed super-blocks and the rows of `a` as many.
 #[inline(always)]
-unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
     unsafe {
         let zero = _mm256_setzero_si256();
         let low4 = _mm256_set1_epi8(0x0f);
@@ -505,7 +512,9 @@ unsafe fn q4k_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * Q4K_PACKED);
-            prefetch_ahead(block, Q4K_PACKED);
+            if ahead {
+                prefetch_ahead(block, Q4K_PACKED);
+            }
             let aq = |c: usize, at: usize| read_u32(a[c].q.add(b * Q8K_BYTES + at)) as i32;
             let mut sums = [zero; C];
             let mut corr = [zero; C];
@@ -576,8 +585,8 @@ struct PackedMxfp4;
 impl PanelPass for PackedQ4K {
     const COLS: usize = 4;
     #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { q4k_packed_pass::<C>(panel, nb, a) }
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
+        unsafe { q4k_packed_pass::<C>(panel, nb, a, ahead) }
     }
 }
 
@@ -588,8 +597,8 @@ impl PackedPass for PackedQ4K {
 impl PanelPass for PackedMxfp4 {
     const COLS: usize = 3;
     #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { mxfp4_packed_pass::<C>(panel, nb, a) }
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
+        unsafe { mxfp4_packed_pass::<C>(panel, nb, a, ahead) }
     }
 }
 
@@ -621,7 +630,9 @@ impl PackedPass for PackedMxfp4 {
     }
 }
 
-/// Packed rows times every activation row, `P::COLS` at a time.
+/// Packed rows times every activation row, `P::COLS` at a time. The passes over packed rows
+/// ask for them ahead of their reads, in decode where `--decode-prefetch` says
+/// ([`decode_asks_ahead`]; on AVX2 every format's own choice is to ask).
 ///
 /// # Safety
 /// As [`TileFn`]; needs AVX2, FMA and F16C; the rows are whole packed panels.
@@ -629,6 +640,7 @@ impl PackedPass for PackedMxfp4 {
 unsafe fn packed_tile<P: PackedPass>(w: &[u8], row_bytes: usize, x: &ActView, out: &mut [&mut [f32]]) {
     let rows = out.first().map_or(0, |o| o.len());
     let m = out.len();
+    let ahead = m > 1 || decode_asks_ahead(true);
     let nb = x.nb;
     let a: Vec<ARow> = (0..m).map(|c| x.arow(c)).collect();
     let unpacked = m >= P::UNPACK_FROM;
@@ -640,9 +652,9 @@ unsafe fn packed_tile<P: PackedPass>(w: &[u8], row_bytes: usize, x: &ActView, ou
             let p = w.as_ptr().add(r0 * row_bytes);
             if unpacked {
                 P::unpack(p, nb, panel);
-                passes::<P::Panel>(panel, nb, &a, out, r0, n);
+                passes::<P::Panel>(panel, nb, &a, false, out, r0, n);
             } else {
-                passes::<P>(p, nb, &a, out, r0, n);
+                passes::<P>(p, nb, &a, ahead, out, r0, n);
             }
         }
     }
@@ -677,7 +689,7 @@ unsafe fn pack_mxfp4(w: &mut [u8], row_bytes: usize) {
 /// # Safety
 /// Needs AVX2, FMA and F16C; `panel` holds `nb` packed blocks and the rows of `a` as many.
 #[inline(always)]
-unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
+unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
     unsafe {
         let low4 = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
@@ -685,7 +697,9 @@ unsafe fn mxfp4_packed_pass<const C: usize>(panel: *const u8, nb: usize, a: &[AR
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let block = panel.add(b * MXFP4_PACKED);
-            prefetch_ahead(block, MXFP4_PACKED);
+            if ahead {
+                prefetch_ahead(block, MXFP4_PACKED);
+            }
             // Q8_0 activation blocks: d, then the quants from byte 2. Values carry +16: the
             // block sum times 16 comes off first.
             let aq = |c: usize, s: usize| read_u32(a[c].q.add(b * 34 + 2 + 4 * s)) as i32;
@@ -909,7 +923,6 @@ struct PackedLegacy<F>(PhantomData<F>);
 
 impl<F: PackedLegacyFormat> LegacyBlocks<F> for PackedLegacy<F> {
     const BLOCK: usize = ROWS * F::BYTES;
-    const AHEAD: bool = true;
     #[inline(always)]
     unsafe fn step(block: *const u8, s: usize) -> __m256i {
         unsafe { F::packed_step(block, s) }
@@ -927,8 +940,8 @@ impl<F: PackedLegacyFormat> LegacyBlocks<F> for PackedLegacy<F> {
 impl<F: PackedLegacyFormat> PanelPass for PackedLegacy<F> {
     const COLS: usize = 3;
     #[inline(always)]
-    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C]) -> [__m256; C] {
-        unsafe { legacy_pass::<F, Self, C>(panel, nb, a) }
+    unsafe fn pass<const C: usize>(panel: *const u8, nb: usize, a: &[ARow; C], ahead: bool) -> [__m256; C] {
+        unsafe { legacy_pass::<F, Self, C>(panel, nb, a, ahead) }
     }
 }
 

@@ -210,9 +210,7 @@ impl Gpu {
         block: (u32, u32, u32),
         params: &P,
     ) -> Result<(), CudaError> {
-        let launch =
-            LaunchShape { grid, block, smem: 0, stream: self.launch_stream(), dependent: self.dependent_launch };
-        self.launch_struct(name, &launch, params)
+        self.launch_struct(name, &self.on_launch_stream(grid, block, 0), params)
     }
 
     /// Launches kernel `name` with the one struct parameter `params` as `launch` says.
@@ -235,8 +233,12 @@ impl Gpu {
         smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
-        let launch = LaunchShape { grid, block, smem, stream: self.launch_stream(), dependent: self.dependent_launch };
-        self.launch_shaped(name, f, &launch, params)
+        self.launch_shaped(name, f, &self.on_launch_stream(grid, block, smem), params)
+    }
+
+    /// A launch on the launch stream, dependent on its previous kernel where the device allows.
+    fn on_launch_stream(&self, grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> LaunchShape<'_> {
+        LaunchShape { grid, block, smem, stream: self.launch_stream(), dependent: self.dependent_launch }
     }
 
     /// Launches `f` with `params` as `launch` says.

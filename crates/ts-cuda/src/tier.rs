@@ -120,7 +120,6 @@ fn unpacks_on_device(w: &Weight) -> bool {
     let ty = w.ty;
     ty == ts_gguf::GgmlType::MXFP4
         && ts_cpu::Isa::detect() == ts_cpu::Isa::Avx512
-        && ts_cpu::packed_row_is_faster(ty)
         && ts_cpu::packs(ty, w.n_rows())
         && w.n_rows().is_multiple_of(PANEL_ROWS)
         && PANEL_ROWS * w.row_bytes() <= UNPACK_PANEL_MAX

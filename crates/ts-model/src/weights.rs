@@ -127,9 +127,12 @@ impl Weight {
             .collect::<Result<_, String>>()?;
         // The pages pieces shared at their ends too.
         release(0..src.len());
-        match (packed.iter().all(|&p| p), packed.iter().any(|&p| p)) {
-            (all, any) if all == any => Ok(all),
-            _ => Err(format!("{}: some of its rows were packed and some not", self.name)),
+        if packed.iter().all(|&p| p) {
+            Ok(true)
+        } else if packed.iter().any(|&p| p) {
+            Err(format!("{}: some of its rows were packed and some not", self.name))
+        } else {
+            Ok(false)
         }
     }
 

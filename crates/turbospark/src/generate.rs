@@ -101,9 +101,10 @@ pub struct ModelArgs {
     #[arg(long)]
     no_repack: bool,
     /// Whether the CPU's one-token products over repacked weights ask for the weights ahead of
-    /// their reads (software prefetch): `on`, `off`, or `auto`: on for Intel processors, and on
-    /// others for MXFP4 and the 32-element block formats only (their K-quant and Q8_0 passes
-    /// measured faster without on an AMD Zen 4, 1.2-1.4x slower without on a Xeon)
+    /// their reads (software prefetch): `on`, `off`, or `auto`: on for Intel processors and
+    /// CPUs without AVX-512, and on others for MXFP4 and the 32-element block formats only
+    /// (their K-quant and Q8_0 passes measured faster without on an AMD Zen 4, 1.2-1.4x slower
+    /// without on a Xeon)
     #[arg(long, value_name = "WHEN", value_enum, default_value = "auto", env = "TURBOSPARK_DECODE_PREFETCH")]
     decode_prefetch: Prefetch,
 }
